@@ -1,0 +1,335 @@
+"""Top-k routing with capacity: the `Routing` pytree and the functions that build it.
+
+Semantics follow ../shared/spec/routing.md (§5–§8): slot-major location order,
+three capacity-factor modes, alignment, gate normalisation for k > 1 *before*
+dropping, negative expert ids as masked tokens, and per-expert counts taken
+before capacity clipping.
+
+Everything here is pure torch (topk, cumsum, comparisons with ``arange``) so it
+composes with ``torch.func`` transforms. The only host synchronisation is the
+dropless capacity (``capacity_factor <= 0``), which needs ``max(counts)`` as a
+Python int because it sets a buffer shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "Routing",
+    "top_k",
+    "assign_slots",
+    "capacity_for",
+    "make_routing",
+    "top_k_routing",
+]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Routing:
+    """Where every (slot, token) pair goes. A pytree: tensors are leaves.
+
+    Attributes:
+        expert_ids: int64 [k, T]. Expert of slot j of token t; slot 0 is the
+            best expert. Negative ids mark masked pairs (skipped everywhere).
+        slots: int64 [k, T]. Location of the pair inside its expert's buffer,
+            counted before capacity clipping; ``slots >= capacity`` means the
+            pair is dropped. -1 where ``expert_ids`` is negative.
+        weights: float [k, T]. Gate values (normalised for k > 1 if asked).
+        counts: int64 [E]. Pairs routed to each expert before dropping
+            (Tutel's ``dispatch_count``).
+        capacity: static int C, rows per expert buffer.
+        num_experts: static int E.
+    """
+
+    expert_ids: Tensor
+    slots: Tensor
+    weights: Tensor
+    counts: Tensor
+    capacity: int
+    num_experts: int
+
+    @property
+    def k(self) -> int:
+        return self.expert_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.expert_ids.shape[1]
+
+    def kept(self) -> Tensor:
+        """bool [k, T]: pairs that land in a buffer (valid and within capacity)."""
+        return (self.expert_ids >= 0) & (self.slots < self.capacity)
+
+    def dropped_mask(self) -> Tensor:
+        """bool [k, T]: valid pairs lost to capacity."""
+        return (self.expert_ids >= 0) & (self.slots >= self.capacity)
+
+    def num_dropped(self) -> Tensor:
+        """int64 []: number of (token, expert) pairs lost to capacity."""
+        return self.dropped_mask().sum()
+
+    def positions(self) -> Tensor:
+        """int64 [k, T]: flat row ``e * C + slot`` in the [E*C, M] buffer, -1 if not kept."""
+        pos = self.expert_ids * self.capacity + self.slots
+        return torch.where(self.kept(), pos, torch.full_like(pos, -1))
+
+    def reversed_ids(self, what: str = "sample_id") -> Tensor:
+        """int64 [E, C]: which token ('sample_id') or slot j ('top_id') fills each
+        buffer row, -1 where empty (Tutel's ``get_reversed_sample_ids``)."""
+        if what not in ("sample_id", "top_id"):
+            raise ValueError(f"reversed_ids: what must be 'sample_id' or 'top_id', got {what!r}")
+        k, T = self.expert_ids.shape
+        rows = self.num_experts * self.capacity
+        pos = self.positions().reshape(-1)
+        if what == "sample_id":
+            src = torch.arange(T, device=pos.device).expand(k, T).reshape(-1)
+        else:
+            src = torch.arange(k, device=pos.device)[:, None].expand(k, T).reshape(-1)
+        out = torch.full((rows + 1,), -1, dtype=torch.int64, device=pos.device)
+        out = out.index_copy(0, torch.where(pos >= 0, pos, rows), src)
+        out[rows] = -1
+        return out[:rows].reshape(self.num_experts, self.capacity)
+
+    def save(self, path) -> None:
+        """Write this routing to ``path`` (torch.save of plain tensors and ints)."""
+        torch.save(_routing_to_dict(self), path)
+
+    @staticmethod
+    def load(path, map_location=None) -> "Routing":
+        """Read a routing written by :meth:`save`."""
+        return _routing_from_dict(torch.load(path, map_location=map_location, weights_only=True))
+
+
+def _routing_to_dict(r: Routing) -> dict:
+    return {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
+
+
+def _routing_from_dict(d: dict) -> Routing:
+    return Routing(**{f.name: d[f.name] for f in dataclasses.fields(Routing)})
+
+
+_LEAVES = ("expert_ids", "slots", "weights", "counts")
+
+
+def _flatten(r: Routing):
+    return [getattr(r, n) for n in _LEAVES], (r.capacity, r.num_experts)
+
+
+def _unflatten(leaves, ctx) -> Routing:
+    return Routing(*leaves, capacity=ctx[0], num_experts=ctx[1])
+
+
+def _flatten_with_keys(r: Routing):
+    return [(pytree.GetAttrKey(n), getattr(r, n)) for n in _LEAVES], (r.capacity, r.num_experts)
+
+
+pytree.register_pytree_node(
+    Routing,
+    _flatten,
+    _unflatten,
+    serialized_type_name="fmoe.routing.Routing",
+    flatten_with_keys_fn=_flatten_with_keys,
+)
+
+
+# --------------------------------------------------------------------------- top-k
+
+def top_k(scores: Tensor, k: int, *, normalize: bool = True) -> tuple[Tensor, Tensor]:
+    """Select the k best experts per token.
+
+    Args:
+        scores: float [T, E], non-negative routing scores (e.g. softmax output).
+        k: experts per token; clipped to E (as Tutel does). Must be >= 1.
+        normalize: for k > 1 divide the k gates by their sum (§8); k = 1 is
+            never normalised.
+
+    Returns:
+        expert_ids int64 [k, T] (slot 0 best) and gates [k, T] in scores' dtype.
+    """
+    _check_scores(scores)
+    k = _check_k(k, scores.shape[1])
+    vals, ids = torch.topk(scores, k, dim=1, sorted=True)
+    if normalize and k > 1:
+        eps = torch.finfo(vals.dtype).eps
+        vals = vals / vals.sum(dim=1, keepdim=True).clamp(min=eps)
+    return ids.t().contiguous(), vals.t().contiguous()
+
+
+def _check_scores(scores: Tensor) -> None:
+    if not isinstance(scores, Tensor):
+        raise TypeError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
+    if scores.dim() != 2:
+        raise ValueError(f"scores must have shape [T, E], got shape {tuple(scores.shape)}")
+    if not scores.is_floating_point():
+        raise TypeError(f"scores must be floating point, got dtype {scores.dtype}")
+    if scores.shape[1] < 1:
+        raise ValueError("scores must have at least one expert column (E >= 1)")
+
+
+def _check_k(k, num_experts: int) -> int:
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"k must be an int >= 1, got {k!r}")
+    if k < 1:
+        raise ValueError(
+            f"k must be >= 1, got k={k} (to shard an expert over ranks use a negative "
+            "num_experts_per_device, not a negative k)")
+    return min(k, num_experts)
+
+
+# --------------------------------------------------------------------------- slots
+
+def assign_slots(expert_ids: Tensor, num_experts: int, *, order: Optional[Tensor] = None
+                 ) -> tuple[Tensor, Tensor]:
+    """Slot-major location assignment (§6).
+
+    Walk (j, t) with j outer and t inner (t in ``order`` if given) and hand out a
+    per-expert counter. Negative ids get no slot (-1) and are not counted.
+
+    Args:
+        expert_ids: int64 [k, T].
+        num_experts: E.
+        order: optional int64 [T] permutation of tokens (batch-prioritized
+            routing visits the most important tokens first in every slot).
+
+    Returns:
+        slots int64 [k, T] and counts int64 [E].
+    """
+    k, T = expert_ids.shape
+    ids = expert_ids if order is None else expert_ids[:, order]
+    experts = torch.arange(num_experts, device=ids.device)
+    # [k*T, E] membership; a cumulative sum down the walk order numbers each
+    # expert's pairs. Comparisons with arange instead of one_hot keep vmap(grad) happy.
+    member = (ids.reshape(k * T, 1) == experts).to(torch.int64)
+    running = member.cumsum(0)
+    counts = member.sum(0)
+    slot = running.gather(1, ids.reshape(k * T, 1).clamp(min=0)).reshape(k, T) - 1
+    slot = torch.where(ids >= 0, slot, torch.full_like(slot, -1))
+    if order is not None:
+        slot = slot[:, torch.argsort(order)]
+    return slot, counts
+
+
+# --------------------------------------------------------------------------- capacity
+
+def capacity_for(capacity_factor: float, *, num_tokens: int, num_experts: int, k: int,
+                 max_load: Optional[int] = None, alignment: int = 1) -> int:
+    """Capacity C from the three capacity-factor modes and alignment (§7).
+
+    Args:
+        capacity_factor: > 0 padded, 0 dropless (C = max_load), < 0 capped dropless.
+        num_tokens: T* (group-agreed token count: the max over ranks).
+        num_experts: E.
+        k: experts per token after clipping.
+        max_load: group-agreed max per-expert count (needed when cf <= 0).
+        alignment: round C up to a multiple of this (s * d for sharded experts
+            and overlap chunks); values above 256 are rounded up to 128s.
+    """
+    if not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"alignment must be an int >= 1, got {alignment!r}")
+    cf = float(capacity_factor)
+    if math.isnan(cf):
+        raise ValueError("capacity_factor is NaN")
+    spe = -(-num_tokens // num_experts)  # ceil(T / E)
+    if cf > 0:
+        per_slot = int(cf * spe)
+        if per_slot == 0:
+            raise ValueError(
+                f"capacity is 0: int(capacity_factor * ceil(T / E)) = int({cf} * ceil({num_tokens} / "
+                f"{num_experts})) = 0 with capacity_factor={cf}, T={num_tokens}, E={num_experts}; "
+                "use a larger capacity_factor, more tokens, or capacity_factor=0 (dropless)")
+        cap = k * per_slot
+    else:
+        if max_load is None:
+            raise ValueError("capacity_factor <= 0 (dropless) needs max_load")
+        cap = int(max_load)
+        if cf < 0:
+            cap = min(cap, k * int(-cf * spe))
+    if alignment > 256:
+        alignment = -(-alignment // 128) * 128
+    cap = -(-cap // alignment) * alignment
+    return cap
+
+
+def _group_max(value: int, comm, device) -> int:
+    if comm is None or comm.size == 1:
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    return int(comm.all_reduce(t, op="max").item())
+
+
+# --------------------------------------------------------------------------- routing
+
+def make_routing(expert_ids: Tensor, weights: Tensor, num_experts: int, capacity_factor: float = 0.0,
+                 *, importance: Optional[Tensor] = None, alignment: int = 1, comm=None,
+                 capacity: Optional[int] = None) -> Routing:
+    """Build a :class:`Routing` from experts already chosen (e.g. by an architecture router).
+
+    Args:
+        expert_ids: int [k, T]; negative ids are masked pairs.
+        weights: float [k, T] gate values used by dispatch/combine.
+        num_experts: E.
+        capacity_factor: capacity mode (§7.1); the default 0 is dropless.
+        importance: optional float [T]; if given, tokens are visited in
+            decreasing importance within each slot (stable: ties by index).
+        alignment: capacity alignment (§7.2).
+        comm: communicator; capacity inputs are agreed across its ranks.
+        capacity: a static capacity that overrides the computed one (no host
+            sync; required under ``torch.compile`` or ``vmap`` in dropless mode).
+    """
+    if expert_ids.dim() != 2 or weights.shape != expert_ids.shape:
+        raise ValueError(
+            f"expert_ids and weights must both be [k, T]; got {tuple(expert_ids.shape)} and "
+            f"{tuple(weights.shape)}")
+    if expert_ids.dtype.is_floating_point or expert_ids.dtype == torch.bool:
+        raise TypeError(f"expert_ids must be an integer tensor, got {expert_ids.dtype}")
+    expert_ids = expert_ids.to(torch.int64)
+    k, T = expert_ids.shape
+    order = None
+    if importance is not None:
+        order = torch.argsort(-importance, stable=True)
+    slots, counts = assign_slots(expert_ids, num_experts, order=order)
+    if capacity is None:
+        cf = float(capacity_factor)
+        t_star = _group_max(T, comm, expert_ids.device) if cf > 0 else T
+        max_load = None
+        if cf <= 0:
+            local = int(counts.max().item()) if num_experts > 0 else 0
+            max_load = _group_max(local, comm, expert_ids.device)
+        capacity = capacity_for(cf, num_tokens=t_star, num_experts=num_experts, k=k,
+                                max_load=max_load, alignment=alignment)
+    elif capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    return Routing(expert_ids, slots, weights, counts, int(capacity), int(num_experts))
+
+
+def top_k_routing(scores: Tensor, k: int, capacity_factor: float = 1.0, *, normalize: bool = True,
+                  batch_prioritized: bool = False, alignment: int = 1, comm=None,
+                  capacity: Optional[int] = None) -> Routing:
+    """Tutel-compatible top-k routing (``extract_critical``).
+
+    Args:
+        scores: float [T, E] routing scores, e.g. ``softmax(logits)``.
+        k: experts per token (>= 1; clipped to E).
+        capacity_factor: > 0 padded capacity ``k * int(cf * ceil(T/E))``; 0 dropless
+            (C = max load over the group); < 0 capped dropless.
+        normalize: normalise the k gates to sum to 1 (k > 1 only), before dropping.
+        batch_prioritized: within each slot, place tokens in decreasing
+            ``max_e scores[t, e]`` (stable sort: ties by token index).
+        alignment: round capacity up to a multiple of this.
+        comm: communicator whose ranks must agree on capacity (None = one process).
+        capacity: optional static capacity overriding the capacity factor.
+
+    Returns:
+        :class:`Routing` with ids/slots/weights [k, T] and counts [E].
+    """
+    _check_scores(scores)
+    ids, gates = top_k(scores, k, normalize=normalize)
+    importance = scores.amax(dim=1) if batch_prioritized else None
+    return make_routing(ids, gates, scores.shape[1], capacity_factor, importance=importance,
+                        alignment=alignment, comm=comm, capacity=capacity)
