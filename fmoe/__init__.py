@@ -1,2 +1,25 @@
-from .routing import Routing, top_k_routing
-from .ops import dispatch, combine, gate_grad
+"""fmoe: functional Mixture-of-Experts for PyTorch.
+
+Stateless primitives over explicit parameter pytrees, composed at the user's edge:
+
+    spec = fmoe.MoESpec(model_dim=512, num_experts=8,
+                        gate=fmoe.GateSpec(k=2), experts=fmoe.ExpertSpec(hidden_size=1024))
+    params = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))
+    y, aux = fmoe.moe(params, x, spec)
+
+Data flows one way: gates -> routing -> ops -> experts -> moe -> nn.
+"""
+from . import comm, experts, gates, losses, ops
+from .experts import ExpertSpec
+from .moe import GateSpec, MoEAux, MoESpec, check_params, init_params, moe, route
+from .ops import combine, dispatch, gate_grad
+from .routing import Routing, assign_slots, capacity_for, make_routing, top_k, top_k_routing
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Routing", "top_k", "assign_slots", "capacity_for", "make_routing", "top_k_routing",
+    "dispatch", "combine", "gate_grad",
+    "ExpertSpec", "GateSpec", "MoESpec", "MoEAux", "init_params", "moe", "route", "check_params",
+    "comm", "experts", "gates", "losses", "ops",
+]
