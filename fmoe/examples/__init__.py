@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m fmoe.examples.helloworld``, ``python -m fmoe.examples.charlm``."""
