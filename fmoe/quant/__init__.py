@@ -13,6 +13,13 @@ from .formats import (
     quantize_mxfp8,
     quantize_nvfp4,
 )
+from .matmul import (
+    calibrate_crossover,
+    crossover,
+    expert_matmul,
+    expert_matmul_reference,
+    set_crossover,
+)
 from .layouts import (
     from_deepseek_fp8,
     from_gpt_oss,

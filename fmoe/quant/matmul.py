@@ -1,0 +1,200 @@
+"""Quantized expert matmul: y[e] = x[e] @ dequant(w[e]).T.
+
+x: float32/bfloat16 [E, C, K]; w: QuantizedTensor of logical shape [E, N, K]; y: [E, C, N] in
+x's dtype, accumulated in FP32. Differentiable with respect to x only (weights are frozen):
+dx = dy @ dequant(w).
+
+Paths:
+  "reference"  dequantize all experts, torch.bmm (the obviously-right baseline)
+  "dequant"    dequantize one expert at a time, matmul (bounded memory, fast for large C)
+  "fused"      numba kernels decoding 4/8-bit weights in registers (fast for small C)
+  "auto"       "fused" when C <= crossover(fmt), else "dequant", on CPU
+On CUDA tensors "auto" uses "reference" (the native kernels are reached via fmoe.quant.native).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import _codecs as C
+from .formats import dequantize
+from .tensor import FP4_FORMATS, QuantizedTensor
+
+# Largest tokens-per-expert C for which the fused kernel beat dequantize-then-matmul, measured
+# by benchmarks/bench_quant.py on the 2-core development VM (2026-11-30). Machines differ:
+# calibrate_crossover() re-measures and updates this table explicitly.
+_CROSSOVER = {"mxfp4": 8, "nvfp4": 8, "mxfp8": 4, "fp8_block": 4, "fp8_row": 4}
+
+PATHS = ("auto", "fused", "dequant", "reference")
+
+
+def crossover(fmt: str) -> int:
+    """Current fused/dequant crossover (tokens per expert) for fmt."""
+    return _CROSSOVER[fmt]
+
+
+def set_crossover(fmt: str, c: int) -> None:
+    """Use the fused kernel for C <= c (c = 0 disables it) for fmt."""
+    if fmt not in _CROSSOVER:
+        raise ValueError(f"unknown format {fmt!r}")
+    _CROSSOVER[fmt] = int(c)
+
+
+def _check(x: torch.Tensor, w: QuantizedTensor) -> None:
+    if not isinstance(w, QuantizedTensor):
+        raise TypeError(f"expert_matmul: w must be a QuantizedTensor, got {type(w).__name__}")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"expert_matmul: x must be float32 or bfloat16, got {x.dtype}")
+    ws = w.logical_shape
+    if x.dim() != 3 or len(ws) != 3 or x.shape[0] != ws[0] or x.shape[2] != ws[2]:
+        raise ValueError(f"expert_matmul: expected x [E, C, K] and w [E, N, K], got x "
+                         f"{tuple(x.shape)} and w {ws}")
+
+
+# --- the three implementations (plain tensors, no autograd) ----------------------------------
+
+def _reference(x, w: QuantizedTensor) -> torch.Tensor:
+    return torch.bmm(x.float(), dequantize(w).transpose(1, 2)).to(x.dtype)
+
+
+def _dequant_per_expert(x, w: QuantizedTensor) -> torch.Tensor:
+    E, Cn, _ = x.shape
+    y = torch.empty(E, Cn, w.logical_shape[1], dtype=torch.float32, device=x.device)
+    xf = x.float()
+    for e in range(E):
+        torch.matmul(xf[e], dequantize(w[e]).T, out=y[e])
+    return y.to(x.dtype)
+
+
+def _fused(x, w: QuantizedTensor) -> torch.Tensor:
+    from . import _cpu_kernels as K
+    from ._numba_setup import sync_threads
+
+    sync_threads()
+    E, Cn, k = x.shape
+    n = w.logical_shape[1]
+    xf = x.float().contiguous()
+    out = torch.empty(E, Cn, n, dtype=torch.float32)
+    if w.fmt in FP4_FORMATS:
+        xe = xf[..., 0::2].contiguous()
+        xo = xf[..., 1::2].contiguous()
+        if w.fmt == "mxfp4":
+            table, gs = C.E8M0_TABLE, torch.ones(E)
+        else:
+            table, gs = C.E4M3_TABLE, w.global_scale.float().reshape(E).contiguous()
+        K.fp4_matmul(xe.numpy(), xo.numpy(), w.data.contiguous().numpy(),
+                     w.scales.contiguous().view(torch.uint8).numpy(), table.numpy(), gs.numpy(),
+                     out.numpy())
+    else:
+        if w.fmt == "mxfp8":
+            scales, bn, bk = C.decode_e8m0(w.scales), 1, 32
+        else:
+            scales, (bn, bk) = w.scales.float(), w.block
+        K.fp8_matmul(xf.numpy(), w.data.contiguous().view(torch.uint8).numpy(),
+                     scales.contiguous().numpy(), bn, bk, C.E4M3_TABLE.numpy(), out.numpy())
+    return out.to(x.dtype)
+
+
+def _run(x, w: QuantizedTensor, path: str) -> torch.Tensor:
+    if path == "auto":
+        if x.device.type != "cpu":
+            path = "reference"
+        else:
+            path = "fused" if x.shape[1] <= _CROSSOVER[w.fmt] else "dequant"
+    if path == "fused":
+        if x.device.type != "cpu":
+            raise ValueError("expert_matmul: the fused numba path runs on CPU tensors only")
+        return _fused(x, w)
+    if path == "dequant":
+        return _dequant_per_expert(x, w)
+    if path == "reference":
+        return _reference(x, w)
+    raise ValueError(f"expert_matmul: path must be one of {PATHS}, got {path!r}")
+
+
+# --- autograd / torch.func front ------------------------------------------------------------
+
+class _ExpertMatmul(torch.autograd.Function):
+    """Weights travel as their leaves (tensors) so vmap can see their batch dims."""
+
+    @staticmethod
+    def forward(x, data, scales, gscale, meta):
+        fmt, shape, block, path = meta
+        return _run(x, QuantizedTensor(data, scales, gscale, fmt, shape, block), path)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, data, scales, gscale, meta = inputs
+        ctx.meta = meta
+        ctx.x_dtype = x.dtype
+        ctx.save_for_backward(data, scales, gscale)
+
+    @staticmethod
+    def backward(ctx, dy):
+        data, scales, gscale = ctx.saved_tensors
+        fmt, shape, block, _ = ctx.meta
+        w = dequantize(QuantizedTensor(data, scales, gscale, fmt, shape, block))
+        dx = torch.bmm(dy.float(), w).to(ctx.x_dtype)
+        return dx, None, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, data, scales, gscale, meta):
+        # One call per batch element: simple and always correct; the kernels already run
+        # parallel over experts and rows.
+        def pick(t, d, b):
+            return t if (t is None or d is None) else t.select(d, b)
+
+        outs = [_ExpertMatmul.apply(*(pick(t, d, b) for t, d in zip((x, data, scales, gscale),
+                                                                     in_dims[:4])), meta)
+                for b in range(info.batch_size)]
+        return torch.stack(outs), 0
+
+
+def expert_matmul(x: torch.Tensor, w: QuantizedTensor, *, path: str = "auto") -> torch.Tensor:
+    """y[e] = x[e] @ dequant(w[e]).T.
+
+    x: float32 or bfloat16 [E, C, K]; w: QuantizedTensor [E, N, K] (any fmoe format).
+    Returns [E, C, N] in x.dtype (FP32 accumulation). Differentiable w.r.t. x.
+    path: "auto" | "fused" | "dequant" | "reference" (see module docstring).
+    """
+    _check(x, w)
+    if path not in PATHS:
+        raise ValueError(f"expert_matmul: path must be one of {PATHS}, got {path!r}")
+    meta = (w.fmt, w.shape, w.block, path)
+    return _ExpertMatmul.apply(x, w.data, w.scales, w.global_scale, meta)
+
+
+def expert_matmul_reference(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
+    """Reference: dequantize all of w to FP32, torch.bmm. Same shapes/dtypes as expert_matmul."""
+    _check(x, w)
+    return torch.bmm(x.float(), dequantize(w).transpose(1, 2)).to(x.dtype)
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def calibrate_crossover(w: QuantizedTensor, *, max_c: int = 64, repeats: int = 5) -> int:
+    """Measure fused vs per-expert dequantize+matmul on w for C = 1, 2, 4, ... max_c, set the
+    crossover for w.fmt to the largest C below which the fused kernel always won, return it."""
+    best = 0
+    c = 1
+    E, _, k = w.logical_shape
+    while c <= max_c:
+        x = torch.randn(E, c, k)
+        tf = _median_time(lambda: _fused(x, w), repeats)
+        td = _median_time(lambda: _dequant_per_expert(x, w), repeats)
+        if tf >= td:
+            break
+        best = c
+        c *= 2
+    set_crossover(w.fmt, best)
+    return best

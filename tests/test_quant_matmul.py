@@ -1,0 +1,100 @@
+"""expert_matmul: fused numba and per-expert paths against the reference; autograd and torch.func."""
+import pytest
+import torch
+
+import fmoe.quant as Q
+
+FMTS = ["mxfp4", "nvfp4", "mxfp8", "fp8_block", "fp8_row"]
+
+
+@pytest.fixture(scope="module")
+def weights():
+    g = torch.Generator().manual_seed(0)
+    # N not a multiple of 128 exercises the ragged FP8 block edge.
+    w = torch.randn(3, 40, 256, generator=g) * 0.05
+    return {f: Q.quantize(w, f) for f in FMTS}
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("c", [1, 5, 16])
+def test_fused_matches_reference_fp32(weights, fmt, c):
+    w = weights[fmt]
+    x = torch.randn(3, c, 256, generator=torch.Generator().manual_seed(c))
+    ref = Q.expert_matmul_reference(x, w)
+    for path in ("fused", "dequant", "auto"):
+        y = Q.expert_matmul(x, w, path=path)
+        assert y.shape == (3, c, 40) and y.dtype == torch.float32
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_input_and_errors(weights):
+    w = weights["mxfp4"]
+    x = torch.randn(3, 2, 256).to(torch.bfloat16)
+    y = Q.expert_matmul(x, w, path="fused")
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, Q.expert_matmul_reference(x, w), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match=r"x \[E, C, K\]"):
+        Q.expert_matmul(torch.randn(3, 2, 128), w)
+    with pytest.raises(ValueError, match="path"):
+        Q.expert_matmul(torch.randn(3, 2, 256), w, path="gpu")
+    with pytest.raises(TypeError):
+        Q.expert_matmul(torch.randn(3, 2, 256), torch.randn(3, 40, 256))
+
+
+def test_fused_propagates_nan_scale():
+    w = Q.quantize_mxfp4(torch.randn(1, 4, 64))
+    scales = w.scales.clone()
+    scales[0, 1, 0] = 0xFF
+    bad = Q.QuantizedTensor(w.data, scales, None, "mxfp4", w.shape, w.block)
+    y = Q.expert_matmul(torch.randn(1, 2, 64), bad, path="fused")
+    assert torch.isnan(y[0, :, 1]).all() and torch.isfinite(y[0, :, [0, 2, 3]]).all()
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_block"])
+def test_grad_wrt_x_matches_reference_autograd(weights, fmt):
+    w = weights[fmt]
+    x = torch.randn(3, 4, 256, requires_grad=True)
+    dy = torch.randn(3, 4, 40)
+    (Q.expert_matmul(x, w, path="fused") * dy).sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    (Q.expert_matmul_reference(xr, w) * dy).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:Input #0 requires gradient")
+def test_gradcheck_finite_differences():
+    w = Q.quantize_mxfp4(torch.randn(2, 3, 32, dtype=torch.float32))
+    x = torch.randn(2, 2, 32, dtype=torch.float32, requires_grad=True)
+    # float32 forward, so loose finite-difference tolerances.
+    assert torch.autograd.gradcheck(lambda x: Q.expert_matmul(x, w, path="fused"), (x,),
+                                    eps=1e-2, atol=1e-2, rtol=1e-2)
+
+
+def test_torch_func_grad_and_vmap(weights):
+    w = weights["nvfp4"]
+    x = torch.randn(3, 2, 256)
+    g = torch.func.grad(lambda x, w: Q.expert_matmul(x, w, path="fused").sum())(x, w)
+    dense = Q.dequantize(w)
+    torch.testing.assert_close(g, dense.sum(1, keepdim=True).expand(3, 2, 256), rtol=1e-5,
+                               atol=1e-5)
+    # vmap over a batch of inputs, and over a stacked batch of quantized weights.
+    xb = torch.randn(2, 3, 2, 256)
+    yb = torch.func.vmap(lambda x: Q.expert_matmul(x, w, path="fused"))(xb)
+    torch.testing.assert_close(yb, torch.stack([Q.expert_matmul_reference(v, w) for v in xb]),
+                               rtol=1e-5, atol=1e-5)
+    wb = Q.stack([w, w])
+    yw = torch.func.vmap(lambda x, w: Q.expert_matmul(x, w, path="fused"))(xb, wb)
+    torch.testing.assert_close(yw, yb, rtol=1e-5, atol=1e-5)
+
+
+def test_crossover_controls_auto(weights):
+    w = weights["mxfp4"]
+    old = Q.crossover("mxfp4")
+    try:
+        Q.set_crossover("mxfp4", 0)
+        x = torch.randn(3, 1, 256)
+        torch.testing.assert_close(Q.expert_matmul(x, w), Q.expert_matmul_reference(x, w))
+        c = Q.calibrate_crossover(w, max_c=2, repeats=1)
+        assert c in (0, 1, 2) and Q.crossover("mxfp4") == c
+    finally:
+        Q.set_crossover("mxfp4", old)
