@@ -3,9 +3,32 @@
 fmoe never reaches for a global process group. Functions that need other ranks
 take a ``comm`` argument implementing :class:`Communicator`; ``None`` or
 :class:`LocalComm` means a single process.
+
+* :class:`LocalComm` (one process), :class:`TorchDistComm` (torch.distributed),
+  ``mpi_backend.MPIComm`` (mpi4py), :class:`Hierarchical2DComm` (2DH wrapper).
+* Differentiable collectives for models: :func:`all_to_all`, :func:`all_gather`,
+  :func:`reduce_scatter`, :func:`all_to_all_v` (torch.func and torch.compile safe).
+* Launch helpers: :func:`from_env`, :func:`abort_on_error`, :func:`install_excepthook`,
+  :func:`get_logger`.
 """
 from __future__ import annotations
 
 from .base import Communicator, LocalComm, resolve
+from .collectives import all_gather, all_to_all, all_to_all_v, reduce_scatter
+from .hierarchical import Hierarchical2DComm
+from .launch import abort, abort_on_error, from_env, get_logger, install_excepthook
+from .registry import forget, handle_of
 
-__all__ = ["Communicator", "LocalComm", "resolve"]
+
+def __getattr__(name):
+    # torch.distributed is imported only when TorchDistComm is asked for.
+    if name == "TorchDistComm":
+        from .torch_dist import TorchDistComm
+        return TorchDistComm
+    raise AttributeError(name)
+
+
+__all__ = ["Communicator", "LocalComm", "TorchDistComm", "Hierarchical2DComm", "resolve",
+           "all_to_all", "all_gather", "reduce_scatter", "all_to_all_v",
+           "from_env", "abort", "abort_on_error", "install_excepthook", "get_logger",
+           "handle_of", "forget"]

@@ -1,0 +1,61 @@
+"""Pure reshapes shared by every communicator: the flexible all-to-all as
+"move the W chunks to the front, exchange rows of a [W, ...] buffer, move the
+source axis to the concatenation axis".
+
+Backends only implement the exchange of a contiguous [W, ...] buffer (row w
+goes to rank w; row u of the result came from rank u); these helpers turn that
+into JAX-style ``all_to_all(x, concat_axis, split_axis)`` (spec §12.2).
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+__all__ = ["norm_axis", "chunks_to_front", "front_to_concat", "gathered_to_axis", "a2a_out_shape"]
+
+
+def norm_axis(axis: int, ndim: int, what: str = "axis") -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{what}={axis} is out of range for a tensor with {ndim} dims")
+    return axis % ndim
+
+
+def chunks_to_front(x: Tensor, split_axis: int, world: int) -> Tensor:
+    """x [..., W*c, ...] (split along ``split_axis``) -> contiguous [W, ..., c, ...].
+
+    A no-copy view when ``split_axis`` is 0 and x is contiguous (the common
+    dispatch case), so MPI can send straight from the caller's buffer.
+    """
+    b = norm_axis(split_axis, x.dim(), "split_axis")
+    size = x.shape[b]
+    if size % world:
+        raise ValueError(f"all_to_all: split axis {b} has size {size}, not divisible by the "
+                         f"{world} ranks of the communicator (shape {tuple(x.shape)})")
+    shape = tuple(x.shape[:b]) + (world, size // world) + tuple(x.shape[b + 1:])
+    return x.reshape(shape).movedim(b, 0).contiguous()
+
+
+def front_to_concat(y: Tensor, concat_axis: int) -> Tensor:
+    """y [W, *chunk] (row u from rank u) -> chunk with axis ``concat_axis`` grown W times,
+    blocks in source-rank order."""
+    chunk = tuple(y.shape[1:])
+    a = norm_axis(concat_axis, len(chunk), "concat_axis")
+    world = y.shape[0]
+    out_shape = chunk[:a] + (world * chunk[a],) + chunk[a + 1:]
+    if a == 0:
+        return y.reshape(out_shape)  # already source-major: free
+    return y.movedim(0, a).reshape(out_shape)
+
+
+gathered_to_axis = front_to_concat  # all_gather: [W, *x] -> x concatenated along axis
+
+
+def a2a_out_shape(shape, concat_axis: int, split_axis: int, world: int) -> list:
+    """Output shape of the flexible all-to-all (for fake/meta kernels)."""
+    out = list(shape)
+    b = norm_axis(split_axis, len(out), "split_axis")
+    a = norm_axis(concat_axis, len(out), "concat_axis")
+    if out[b] % world:
+        raise ValueError(f"all_to_all: split axis {b} has size {out[b]}, not divisible by {world} ranks")
+    out[b] //= world
+    out[a] *= world
+    return out

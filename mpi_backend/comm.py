@@ -1,0 +1,190 @@
+"""`MPIComm`: the fmoe Communicator protocol over an mpi4py communicator.
+
+Buffers are zero-copy: a contiguous CPU tensor is handed to MPI as a numpy
+view of its bytes, so any dtype (bf16 and fp8 included) moves without a
+conversion; only reductions need a typed view (bf16/fp16 are reduced in fp32
+because MPI has no portable half-precision sum).
+
+Collectives block, unless ``timeout`` is given: then each one is started
+non-blocking and polled, and a rank that waits longer than ``timeout`` seconds
+prints what it was waiting for and aborts the whole job (a collective that one
+peer never joins cannot be cancelled in MPI, so abort is the only exit).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fmoe.comm.layout import chunks_to_front, front_to_concat, gathered_to_axis, norm_axis
+
+__all__ = ["MPIComm", "mpi_launched"]
+
+_REDUCE = ("sum", "max", "min")
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ImportError("mpi_backend needs mpi4py and an MPI library: pip install 'fmoe[mpi]'") from e
+    return MPI
+
+
+def mpi_launched() -> bool:
+    """True when this process was started by an MPI launcher with more than one rank.
+
+    Reads only the launchers' own rank-count variables (MPICH/Hydra, Open MPI,
+    Slurm PMI) and does not initialise MPI.
+    """
+    import os
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_SIZE"):
+        if var in os.environ:
+            return True
+    return False
+
+
+def _bytes(t: Tensor) -> np.ndarray:
+    """A uint8 numpy view of a contiguous CPU tensor's storage (no copy)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"MPIComm moves CPU tensors only, got a tensor on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError("internal: MPIComm buffer must be contiguous")
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class MPIComm:
+    """Communicator over ``mpi4py.MPI.Comm`` (default ``COMM_WORLD``).
+
+    Args:
+        comm: an mpi4py intracommunicator; None means ``MPI.COMM_WORLD``.
+        timeout: seconds any single collective may wait before the job is
+            aborted with a message naming the collective; None waits forever.
+
+    Attributes:
+        rank, size: this process's place in ``comm``.
+        mpi_comm: the wrapped mpi4py communicator.
+    """
+
+    def __init__(self, comm=None, *, timeout: Optional[float] = None):
+        MPI = _mpi()
+        self.mpi_comm = MPI.COMM_WORLD if comm is None else comm
+        self.rank = self.mpi_comm.Get_rank()
+        self.size = self.mpi_comm.Get_size()
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        self.timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"MPIComm(rank={self.rank}, size={self.size}, timeout={self.timeout})"
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _run(self, what: str, blocking, nonblocking):
+        if self.timeout is None:
+            return blocking()
+        req = nonblocking()
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while not req.Test():
+            spins += 1
+            if spins > 1000:  # busy-poll first (latency), then back off (CPU for peers)
+                time.sleep(1e-4)
+            if time.monotonic() > deadline:
+                self.abort(f"{what} did not complete within {self.timeout} s (a peer rank never joined it, "
+                           "crashed, or is stuck)")
+
+    def abort(self, message: str = "", code: int = 1) -> None:
+        """Print ``message`` to stderr and abort every rank of the job (never returns)."""
+        if message:
+            sys.stderr.write(f"[fmoe rank {self.rank}/{self.size}] aborting: {message}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        self.mpi_comm.Abort(code)
+
+    def barrier(self) -> None:
+        self._run("barrier", self.mpi_comm.Barrier, self.mpi_comm.Ibarrier)
+
+    # ------------------------------------------------------------------ protocol
+
+    def exchange(self, front: Tensor) -> Tensor:
+        """Row w of contiguous ``front`` [W, ...] goes to rank w; row u of the result came from rank u."""
+        if front.shape[0] != self.size:
+            raise ValueError(f"exchange: leading dim must be {self.size}, got {tuple(front.shape)}")
+        front = front.contiguous()
+        out = torch.empty_like(front)
+        if front.numel():
+            s, r = _bytes(front), _bytes(out)
+            self._run("all_to_all", lambda: self.mpi_comm.Alltoall(s, r),
+                      lambda: self.mpi_comm.Ialltoall(s, r))
+        return out
+
+    def all_to_all(self, x: Tensor, concat_axis: int, split_axis: int) -> Tensor:
+        """JAX-style all-to-all (see :class:`fmoe.comm.Communicator`); one MPI_Alltoall."""
+        if x.dim() == 0:
+            raise ValueError("all_to_all needs at least one dimension")
+        concat_axis = norm_axis(concat_axis, x.dim(), "concat_axis")
+        return front_to_concat(self.exchange(chunks_to_front(x, split_axis, self.size)), concat_axis)
+
+    def all_to_all_v(self, x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> Tensor:
+        """Variable all-to-all of rows (dim 0) with MPI_Alltoallv; rows travel as one derived type."""
+        MPI = _mpi()
+        send, recv = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+        if len(send) != self.size or len(recv) != self.size or sum(send) != x.shape[0]:
+            raise ValueError(f"all_to_all_v: need {self.size} counts each with sum(send_counts) == rows; got "
+                             f"send={send}, recv={recv}, rows={x.shape[0]}")
+        x = x.contiguous()
+        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        row_bytes = x[0:1].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+        if row_bytes == 0:
+            return out
+        row = MPI.BYTE.Create_contiguous(row_bytes).Commit()
+        try:
+            sdis = np.concatenate([[0], np.cumsum(send)[:-1]]).tolist()
+            rdis = np.concatenate([[0], np.cumsum(recv)[:-1]]).tolist()
+            s = [_bytes(x) if x.numel() else np.empty(0, np.uint8), (send, sdis), row]
+            r = [_bytes(out) if out.numel() else np.empty(0, np.uint8), (recv, rdis), row]
+            self._run("all_to_all_v", lambda: self.mpi_comm.Alltoallv(s, r),
+                      lambda: self.mpi_comm.Ialltoallv(s, r))
+        finally:
+            row.Free()
+        return out
+
+    def all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
+        """Elementwise reduction over ranks; half precisions are reduced in fp32."""
+        MPI = _mpi()
+        if op not in _REDUCE:
+            raise ValueError(f"all_reduce op must be one of {_REDUCE}, got {op!r}")
+        mpi_op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+        work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        if work.dtype == torch.bool:
+            work = work.to(torch.uint8)
+        send = work.contiguous()  # MPI reads it and writes `out`: the caller's x is untouched
+        out = torch.empty_like(send)
+        if send.numel():
+            s, r = send.reshape(-1).numpy(), out.reshape(-1).numpy()
+            self._run(f"all_reduce({op})", lambda: self.mpi_comm.Allreduce(s, r, mpi_op),
+                      lambda: self.mpi_comm.Iallreduce(s, r, mpi_op))
+        return out.to(x.dtype)
+
+    def all_gather(self, x: Tensor, axis: int = 0) -> Tensor:
+        """Concatenate every rank's x (same shape everywhere) along ``axis``."""
+        axis = norm_axis(axis, max(x.dim(), 1))
+        x = x.contiguous()
+        out = x.new_empty((self.size,) + tuple(x.shape))
+        if x.numel():
+            s, r = _bytes(x), _bytes(out)
+            self._run("all_gather", lambda: self.mpi_comm.Allgather(s, r),
+                      lambda: self.mpi_comm.Iallgather(s, r))
+        if x.dim() == 0:
+            return out
+        return gathered_to_axis(out, axis)
+
+    def split(self, color: int, key: Optional[int] = None) -> "MPIComm":
+        """MPI_Comm_split: ranks with equal ``color``, ordered by ``key`` (default: rank)."""
+        sub = self.mpi_comm.Split(int(color), self.rank if key is None else int(key))
+        return MPIComm(sub, timeout=self.timeout)
