@@ -14,8 +14,9 @@ from torch import Tensor
 from ..routing import Routing
 from . import reference
 from .primitives import combine_raw, dispatch_raw, gate_grad_raw
+from . import numba_cpu  # registers the numba kernels as the ops' CPU implementation
 
-__all__ = ["dispatch", "combine", "gate_grad", "reference", "dispatch_raw", "combine_raw", "gate_grad_raw"]
+__all__ = ["dispatch", "combine", "gate_grad", "reference", "numba_cpu", "dispatch_raw", "combine_raw", "gate_grad_raw"]
 
 
 def _check_tokens(name: str, x: Tensor, routing: Routing) -> None:

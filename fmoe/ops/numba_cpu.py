@@ -1,0 +1,238 @@
+"""numba CPU backend for ``torch.ops.fmoe.{dispatch,combine,gate_grad}``.
+
+Importing this module registers the kernels as the CPU implementation of the
+three custom ops (``fmoe.ops`` imports it), so every caller — plain calls,
+autograd, ``torch.func`` transforms (the vmap rule folds the batch into rows
+and makes one kernel call), ``torch.compile(fullgraph=True)`` (the op is
+opaque to Dynamo and runs this kernel) — gets it without opting in.
+
+The kernels see zero-copy numpy views of contiguous CPU tensors. float32 and
+float64 run natively; float16/bfloat16 (no numpy dtype) are widened to
+float32, computed, and rounded once by torch (round-to-nearest-even), which
+is the reference's "compute in fp32, round once". Other dtypes use the
+reference.
+
+Extras:
+    dispatch_into(out, x, pos, weights): write a dispatch into a caller-owned
+        buffer (no fresh allocation, so no page faults on the hot path).
+    combine_into(out, y, pos, weights): the same for combine.
+    disabled(): context manager that routes the ops back to the reference.
+    warmup(progress): compile (or load from cache) every kernel signature.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .. import _numba
+from . import _numba_kernels as K
+from . import primitives, reference
+
+__all__ = ["dispatch", "combine", "gate_grad", "dispatch_into", "combine_into", "disabled", "warmup",
+           "threading_layer", "NATIVE_DTYPES"]
+
+NATIVE_DTYPES = (torch.float32, torch.float64)
+_WIDENED = (torch.float16, torch.bfloat16)
+_NP_ZERO = {torch.float32: np.float32(0), torch.float64: np.float64(0)}
+_NO_WEIGHTS = {dt: np.empty((0, 0), dtype=z.dtype) for dt, z in _NP_ZERO.items()}
+
+threading_layer = _numba.threading_layer
+
+
+def _view(t: Tensor) -> np.ndarray:
+    # detach: autograd-tracked tensors refuse .numpy(); the kernel is below autograd anyway.
+    return t.detach().numpy()
+
+
+def _weights(weights: Optional[Tensor], acc: torch.dtype):
+    if weights is None:
+        return _NO_WEIGHTS[acc], None
+    w = weights.detach().to(acc).contiguous()  # keep the tensor alive while numba reads it
+    return _view(w), w
+
+
+def _pos(pos: Tensor) -> Tensor:
+    if pos.dtype != torch.int64:
+        raise TypeError(f"fmoe numba kernels: positions must be int64, got {pos.dtype}")
+    if pos.dim() != 2:
+        raise ValueError(f"fmoe numba kernels: positions must be [k, T], got shape {tuple(pos.shape)}")
+    return pos.detach().contiguous()
+
+
+def _check_rows(pos: np.ndarray, rows: int, what: str) -> None:
+    if pos.size and K.max_position(pos) >= rows:
+        raise IndexError(f"{what}: a position is >= the buffer's {rows} rows")
+
+
+def _supported(*ts: Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype in NATIVE_DTYPES + _WIDENED for t in ts)
+
+
+# --------------------------------------------------------------------------- kernels on tensors
+
+def _dispatch_native(out: Tensor, x: Tensor, pos: Tensor, weights: Optional[Tensor]) -> None:
+    acc = x.dtype
+    p = _view(pos)
+    inv = np.empty(out.shape[0], dtype=np.int64)
+    w, keep = _weights(weights, acc)
+    with _numba.kernel_call():
+        if K.inverse_positions(p, out.shape[0], inv):
+            raise IndexError(f"dispatch: a position is >= num_rows={out.shape[0]}")
+        K.dispatch_rows(_view(x), w, inv, _NP_ZERO[acc], _view(out))
+    del keep
+
+
+def _combine_native(out: Tensor, y: Tensor, pos: Tensor, weights: Optional[Tensor]) -> None:
+    acc = y.dtype
+    p = _view(pos)
+    w, keep = _weights(weights, acc)
+    with _numba.kernel_call():
+        _check_rows(p, y.shape[0], "combine")
+        K.combine_rows(_view(y), p, w, _NP_ZERO[acc], _view(out))
+    del keep
+
+
+def dispatch(x: Tensor, pos: Tensor, weights: Optional[Tensor], num_rows: int) -> Tensor:
+    """CPU kernel of ``fmoe::dispatch``: [T, M] -> [num_rows, M] in x's dtype (see reference.dispatch)."""
+    if not _supported(x):
+        return reference.dispatch(x, pos, weights, num_rows)
+    acc = reference.compute_dtype(x.dtype)
+    xa = x.detach().to(acc).contiguous()
+    # empty, not zeros: the kernel writes every row exactly once (empty rows as 0).
+    out = torch.empty(num_rows, x.shape[1], dtype=acc)
+    _dispatch_native(out, xa, _pos(pos), weights)
+    return out.to(x.dtype)
+
+
+def combine(y: Tensor, pos: Tensor, weights: Optional[Tensor]) -> Tensor:
+    """CPU kernel of ``fmoe::combine``: [R, M] -> [T, M] in y's dtype (see reference.combine)."""
+    if not _supported(y):
+        return reference.combine(y, pos, weights)
+    acc = reference.compute_dtype(y.dtype)
+    ya = y.detach().to(acc).contiguous()
+    p = _pos(pos)
+    out = torch.empty(p.shape[1], y.shape[1], dtype=acc)
+    _combine_native(out, ya, p, weights)
+    return out.to(y.dtype)
+
+
+def gate_grad(a: Tensor, b: Tensor, pos: Tensor) -> Tensor:
+    """CPU kernel of ``fmoe::gate_grad``: ([T, M], [R, M]) -> [k, T] in a's dtype.
+
+    A dot product per kept pair, vectorised (reassociated): equal to the
+    reference within a few ulps of the row's magnitude, not bit for bit.
+    """
+    if not _supported(a, b):
+        return reference.gate_grad(a, b, pos)
+    acc = reference.compute_dtype(a.dtype)
+    aa = a.detach().to(acc).contiguous()
+    ba = b.detach().to(acc).contiguous()
+    p = _pos(pos)
+    out = torch.empty(p.shape, dtype=acc)
+    with _numba.kernel_call():
+        _check_rows(_view(p), ba.shape[0], "gate_grad")
+        K.gate_grad_rows(_view(aa), _view(ba), _view(p), _NP_ZERO[acc], _view(out))
+    return out.to(a.dtype)
+
+
+# --------------------------------------------------------------------------- into caller buffers
+
+def _check_out(name: str, out: Tensor, shape: tuple, dtype: torch.dtype) -> None:
+    if tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError(f"{name}: out must be a contiguous CPU {dtype} tensor of shape {shape}, got "
+                         f"{out.dtype} {tuple(out.shape)} contiguous={out.is_contiguous()} on {out.device}")
+
+
+@torch.library.custom_op("fmoe::dispatch_into", mutates_args=("out",))
+def _dispatch_into_op(out: Tensor, x: Tensor, pos: Tensor, weights: Optional[Tensor]) -> None:
+    if out.dtype in NATIVE_DTYPES and x.dtype == out.dtype and out.device.type == "cpu":
+        _dispatch_native(out, x.contiguous(), _pos(pos), weights)
+    else:
+        out.copy_(reference.dispatch(x, pos, weights, out.shape[0]))
+
+
+@torch.library.custom_op("fmoe::combine_into", mutates_args=("out",))
+def _combine_into_op(out: Tensor, y: Tensor, pos: Tensor, weights: Optional[Tensor]) -> None:
+    if out.dtype in NATIVE_DTYPES and y.dtype == out.dtype and out.device.type == "cpu":
+        _combine_native(out, y.contiguous(), _pos(pos), weights)
+    else:
+        out.copy_(reference.combine(y, pos, weights))
+
+
+def dispatch_into(out: Tensor, x: Tensor, pos: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+    """Dispatch into a reused buffer: ``out[pos[j,t]] = w[j,t] * x[t]``, every other row 0.
+
+    Not differentiable (use :func:`fmoe.dispatch` for training); meant for
+    inference loops that keep one buffer alive. Works under torch.compile
+    (a mutating custom op).
+
+    Args:
+        out: contiguous [R, M] buffer, x's dtype; fully overwritten.
+        x: [T, M]. pos: int64 [k, T] flat rows (``Routing.positions()``).
+        weights: optional [k, T] gates (pre-score mode).
+    Returns:
+        out.
+    """
+    _check_out("dispatch_into", out, (out.shape[0], x.shape[1]), x.dtype)
+    torch.ops.fmoe.dispatch_into(out, x, pos, weights)
+    return out
+
+
+def combine_into(out: Tensor, y: Tensor, pos: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+    """Combine into a reused buffer: ``out[t] = sum_j w[j,t] * y[pos[j,t]]`` ([T, M], y's dtype).
+
+    Not differentiable; see :func:`dispatch_into`.
+    """
+    _check_out("combine_into", out, (pos.shape[1], y.shape[1]), y.dtype)
+    torch.ops.fmoe.combine_into(out, y, pos, weights)
+    return out
+
+
+# --------------------------------------------------------------------------- registration
+
+_OPS = {
+    "fmoe::dispatch": (primitives._dispatch_op, dispatch),
+    "fmoe::combine": (primitives._combine_op, combine),
+    "fmoe::gate_grad": (primitives._gate_grad_op, gate_grad),
+}
+for _name, (_op, _fn) in _OPS.items():
+    torch.library.register_kernel(_name, "cpu", _fn)
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within this block the three ops run the pure-torch reference on CPU.
+
+    Process-wide (not per thread): meant for benchmarks and tests that compare
+    the two backends.
+    """
+    with contextlib.ExitStack() as stack:
+        for op, _ in _OPS.values():
+            stack.enter_context(op.set_kernel_enabled("cpu", False))
+        yield
+
+
+# --------------------------------------------------------------------------- warm-up
+
+def warmup(progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Compile, or load from numba's on-disk cache, every kernel signature.
+
+    Args:
+        progress: called with one line per kernel.
+    Returns:
+        {kernel name: seconds}.
+    """
+    times = {}
+    with _numba.kernel_call():
+        for name, kernel, args in K.signatures():
+            t0 = time.perf_counter()
+            kernel(*args)
+            times[name] = time.perf_counter() - t0
+            if progress is not None:
+                progress(f"{name}: {times[name]:.2f} s")
+    return times
