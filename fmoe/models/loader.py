@@ -1,0 +1,1 @@
+def load_moe_block(*a, **k): raise NotImplementedError

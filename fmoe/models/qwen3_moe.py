@@ -1,0 +1,96 @@
+"""Qwen3-MoE adapter (spec architectures.md §2): softmax router, optional renormalisation,
+dt routing weights, fused SwiGLU experts, no shared expert.
+
+    cfg = Qwen3MoeBlockConfig.from_hf_config(hf_config)
+    y, aux = moe_block(params, x, cfg)
+
+``params``: ``{"router": {"weight": [E, H]}, "experts": {"gate_up_proj": [E, 2I, H], "down_proj": [E, H, I]}}``
+(see :mod:`fmoe.models.experts` for the split / quantized expert forms).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from torch import Tensor
+
+from .common import BlockAux, cfg_get, check_tokens, routed_experts, text_config, to_routing
+from .experts import swiglu_experts
+from .routers import qwen_topk
+
+__all__ = ["Qwen3MoeBlockConfig", "moe_block", "is_moe_layer", "params_from_module"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3MoeBlockConfig:
+    """Static settings of one Qwen3-MoE sparse block.
+
+    Attributes:
+        hidden_size: H. num_experts: E. top_k: k (``num_experts_per_tok``).
+        moe_intermediate_size: I. norm_topk_prob: renormalise the k weights (class default
+            False; released checkpoints set True — always read it from the config).
+        hidden_act: expert activation name (SiLU in every release).
+    """
+
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = False
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        for n in ("hidden_size", "num_experts", "top_k", "moe_intermediate_size"):
+            v = getattr(self, n)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{type(self).__name__}.{n} must be a positive int, got {v!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any) -> "Qwen3MoeBlockConfig":
+        """From a transformers ``Qwen3MoeConfig`` or its config.json dict."""
+        c = text_config(cfg)
+        return cls(hidden_size=int(cfg_get(c, "hidden_size")),
+                   num_experts=int(cfg_get(c, "num_experts", "num_local_experts")),
+                   top_k=int(cfg_get(c, "num_experts_per_tok")),
+                   moe_intermediate_size=int(cfg_get(c, "moe_intermediate_size")),
+                   norm_topk_prob=bool(cfg_get(c, "norm_topk_prob", default=False)),
+                   hidden_act=str(cfg_get(c, "hidden_act", default="silu")))
+
+
+def is_moe_layer(cfg: Any, layer: int) -> bool:
+    """Layer ℓ is sparse iff ℓ ∉ mlp_only_layers, E > 0 and (ℓ + 1) % decoder_sparse_step == 0."""
+    c = text_config(cfg)
+    step = int(cfg_get(c, "decoder_sparse_step", default=1))
+    return (layer not in cfg_get(c, "mlp_only_layers", default=[])
+            and int(cfg_get(c, "num_experts", "num_local_experts", default=0)) > 0
+            and (layer + 1) % step == 0)
+
+
+def moe_block(params: dict, x: Tensor, config: Qwen3MoeBlockConfig, *, comm=None, combine: str = "eager"
+              ) -> tuple[Tensor, BlockAux]:
+    """Qwen3-MoE sparse block forward (no residual; input already normalised).
+
+    Args:
+        params: see the module docstring. x: [..., H] in dt.
+        config: static settings. comm: expert-parallel communicator (None = local).
+        combine: "eager" (bit-exact with transformers' eager loop) or "grouped" (one fp32
+            reduction over k, = grouped_mm/batched_mm to rounding).
+    Returns:
+        y with x's shape and dtype; :class:`BlockAux` (router_logits [T, E] dt, routing).
+    """
+    check_tokens(x, config.hidden_size, "qwen3_moe.moe_block")
+    t = x.reshape(-1, config.hidden_size)
+    logits, w, ids = qwen_topk(t, params["router"]["weight"], config.top_k, norm_topk_prob=config.norm_topk_prob)
+    routing = to_routing(ids, w, config.num_experts, comm=comm)
+    fn = functools.partial(swiglu_experts, act=config.hidden_act)
+    y = routed_experts(params["experts"], t, routing, fn, combine=combine, comm=comm)
+    return y.reshape(x.shape), BlockAux(logits, routing)
+
+
+def params_from_module(block) -> dict:
+    """The fmoe pytree of a transformers ``Qwen3MoeSparseMoeBlock`` (tensors shared, not copied)."""
+    from .common import experts_from_module
+    return {"router": {"weight": block.gate.weight}, "experts": experts_from_module(block.experts)}
