@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .ops.grouped import expert_mm
+
 __all__ = ["ExpertSpec", "ffn", "gated_ffn", "apply_experts", "init_experts", "expert_matmul"]
 
 EXPERT_TYPES = ("ffn", "gated_ffn", "custom")
@@ -79,13 +81,16 @@ def _is_quantized(w) -> bool:
     return not isinstance(w, Tensor)
 
 
-def expert_matmul(x: Tensor, w, *, transposed: bool) -> Tensor:
+def expert_matmul(x: Tensor, w, *, transposed: bool, rows: Optional[Tensor] = None) -> Tensor:
     """Per-expert x[e] @ W[e] for float or quantized weights.
 
     Args:
         x: [E, C, K].
         w: float [E, N, K] if ``transposed`` (out x in) else [E, K, N];
             or a quantized tensor of logical shape [E, N, K].
+        rows: optional int64 [E]: multiply only rows [0, min(rows[e], C)) of
+            expert e (float weights; other output rows are 0). See
+            :mod:`fmoe.ops.grouped`.
     Returns:
         [E, C, N] in x's dtype.
     """
@@ -93,54 +98,64 @@ def expert_matmul(x: Tensor, w, *, transposed: bool) -> Tensor:
         from . import quant  # local: the quantized path is optional
         return quant.expert_matmul(x, w)
     w = w.to(x.dtype)
-    return torch.bmm(x, w.transpose(1, 2) if transposed else w)
+    return expert_mm(x, w, transposed=transposed, rows=rows)
 
 
-def ffn(params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor] = F.relu) -> Tensor:
+def ffn(params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor] = F.relu,
+        rows: Optional[Tensor] = None) -> Tensor:
     """h = act(x W1^T + b1); y = h W2 + b2 for each expert (Tutel 'ffn').
 
     Args:
         params: ``{"fc1_w": [E, H, M], "fc1_b": [E, H] (optional), "fc2_w": [E, H, O],
             "fc2_b": [E, O] (optional)}``.
         x: [E, C, M].
+        rows: optional int64 [E] filled rows per expert (``min(counts, C)``):
+            the GEMMs skip the empty rows; the output on rows [0, rows[e]) is
+            unchanged, later rows are not meaningful (0 + bias).
     Returns:
         [E, C, O].
     """
-    h = expert_matmul(x, params["fc1_w"], transposed=True)
+    h = expert_matmul(x, params["fc1_w"], transposed=True, rows=rows)
     if params.get("fc1_b") is not None:
         h = h + params["fc1_b"].to(h.dtype).unsqueeze(1)
     h = activation(h)
     w2 = params["fc2_w"]
     # Quantized fc2 is stored out x in ([E, O, H]); float fc2 keeps Tutel's hidden x out.
-    y = expert_matmul(h, w2, transposed=_is_quantized(w2))
+    y = expert_matmul(h, w2, transposed=_is_quantized(w2), rows=rows)
     if params.get("fc2_b") is not None:
         y = y + params["fc2_b"].to(y.dtype).unsqueeze(1)
     return y
 
 
-def gated_ffn(params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor] = F.silu) -> Tensor:
+def gated_ffn(params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor] = F.silu,
+              rows: Optional[Tensor] = None) -> Tensor:
     """SwiGLU: y = (act(x A) * (x B)) Cm per expert (Tutel 'llama_ffn').
 
     Args:
         params: ``{"gate_w": [E, M, H], "up_w": [E, M, H], "down_w": [E, H, M]}``
             (quantized weights: [E, H, M], [E, H, M], [E, M, H], out x in).
         x: [E, C, M].
+        rows: optional int64 [E] filled rows per expert; see :func:`ffn`.
     Returns:
         [E, C, M_out].
     """
     def mm(inp, w):
-        return expert_matmul(inp, w, transposed=_is_quantized(w))
+        return expert_matmul(inp, w, transposed=_is_quantized(w), rows=rows)
 
     h = activation(mm(x, params["gate_w"])) * mm(x, params["up_w"])
     return mm(h, params["down_w"])
 
 
-def apply_experts(spec: ExpertSpec, params, x: Tensor) -> Tensor:
-    """Run the experts described by ``spec`` on buffers x [E, C, M] -> [E, C, O]."""
+def apply_experts(spec: ExpertSpec, params, x: Tensor, *, rows: Optional[Tensor] = None) -> Tensor:
+    """Run the experts described by ``spec`` on buffers x [E, C, M] -> [E, C, O].
+
+    ``rows`` (int64 [E], filled rows per expert) lets ffn/gated_ffn skip empty
+    rows; custom experts ignore it.
+    """
     if spec.type == "ffn":
-        return ffn(params, x, activation=spec.act())
+        return ffn(params, x, activation=spec.act(), rows=rows)
     if spec.type == "gated_ffn":
-        return gated_ffn(params, x, activation=spec.act())
+        return gated_ffn(params, x, activation=spec.act(), rows=rows)
     return spec.fn(params, x)
 
 

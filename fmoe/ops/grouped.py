@@ -1,0 +1,165 @@
+"""Grouped (ragged) expert GEMMs: multiply only the filled rows of each expert buffer.
+
+With capacity factor 2 about half of every [E, C, M] buffer is empty, yet a
+batched matmul multiplies those zero rows anyway. Here expert e multiplies only
+rows [0, n_e), n_e = min(rows[e], C); the other output rows are 0. Rows that
+dispatch fills are exactly these (slots are handed out 0, 1, ... per expert),
+so on every row that combine reads the result equals the padded computation.
+
+Two autograd Functions, closed under differentiation (so grad of grad works):
+
+    grouped_mm(x [E,C,K], w, rows)     y[e,:n] = x[e,:n] @ op(w[e])
+        op(w) = w ([E,K,N]) or w^T ([E,N,K], ``transposed=True``)
+    grouped_wgrad(a [E,C,P], b [E,C,Q], rows)    z[e] = a[e,:n]^T @ b[e,:n]   ([E,P,Q])
+
+Each expert's product is one ``torch.mm`` on views (no copies, no transposes
+materialised) written straight into the output. Under ``torch.func.vmap`` and
+``torch.compile`` the row counts cannot drive Python control flow, so
+:func:`expert_mm` falls back to the padded ``torch.bmm`` there (same values on
+the filled rows).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["grouped_mm", "grouped_wgrad", "expert_mm", "filled_rows"]
+
+
+def filled_rows(counts: Tensor, capacity: int) -> Tensor:
+    """int64 [E] rows of each expert buffer that dispatch fills: ``min(counts, C)``."""
+    return counts.clamp(max=capacity).to(torch.int64)
+
+
+def _row_list(rows: Tensor, E: int, C: int) -> list[int]:
+    if rows.dim() != 1 or rows.shape[0] != E:
+        raise ValueError(f"rows must be int64 [E] = [{E}], got shape {tuple(rows.shape)}")
+    if rows.dtype.is_floating_point or rows.dtype == torch.bool:
+        raise TypeError(f"rows must be an integer tensor, got {rows.dtype}")
+    return [min(max(int(n), 0), C) for n in rows.tolist()]
+
+
+def _gemm_rows(n: int, C: int) -> int:
+    """Rows to multiply so that rows [0, n) come out bit-identical to a C-row GEMM.
+
+    MKL (torch 2.13's CPU BLAS) sends GEMMs with fewer than 12 rows that are
+    not a multiple of 4 to a different kernel with a different summation order
+    (measured on several shapes; tests/test_grouped.py checks it). So multiply
+    at least enough rows to stay on the kernel the padded C-row GEMM uses:
+    at most 3 extra rows per expert.
+    """
+    if n == 0 or C < 12:
+        return C if n else 0
+    if n < 12 and n % 4:
+        n += 4 - n % 4
+    return min(n, C)
+
+
+def _mm_rows(x: Tensor, w: Tensor, ns: list[int], transposed: bool) -> Tensor:
+    E, C, _ = x.shape
+    N = w.shape[1] if transposed else w.shape[2]
+    y = torch.empty(E, C, N, dtype=x.dtype, device=x.device)
+    for e, n in enumerate(ns):
+        m = _gemm_rows(n, C)
+        if m:
+            torch.mm(x[e, :m], w[e].t() if transposed else w[e], out=y[e, :m])
+        if n < C:
+            y[e, n:].zero_()
+    return y
+
+
+def _wgrad_rows(a: Tensor, b: Tensor, ns: list[int]) -> Tensor:
+    E = a.shape[0]
+    z = torch.empty(E, a.shape[2], b.shape[2], dtype=a.dtype, device=a.device)
+    for e, n in enumerate(ns):
+        if n:
+            torch.mm(a[e, :n].t(), b[e, :n], out=z[e])
+        else:
+            z[e].zero_()
+    return z
+
+
+class _GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(x, w, rows, transposed):
+        return _mm_rows(x, w, _row_list(rows, x.shape[0], x.shape[1]), transposed)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w, rows, transposed = inputs
+        ctx.save_for_backward(x, w, rows)
+        ctx.transposed = transposed
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w, rows = ctx.saved_tensors
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            # y = x op(w)  =>  gx = gy op(w)^T; op(w)^T is w read the other way round.
+            gx = grouped_mm(gy, w, rows, transposed=not ctx.transposed)
+        if ctx.needs_input_grad[1]:
+            gw = grouped_wgrad(gy, x, rows) if ctx.transposed else grouped_wgrad(x, gy, rows)
+        return gx, gw, None, None
+
+
+class _GroupedWGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(a, b, rows):
+        return _wgrad_rows(a, b, _row_list(rows, a.shape[0], a.shape[1]))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        a, b, rows = inputs
+        ctx.save_for_backward(a, b, rows)
+
+    @staticmethod
+    def backward(ctx, gz):
+        a, b, rows = ctx.saved_tensors
+        # z = a^T b  =>  ga = b gz^T, gb = a gz (rows [0, n) only).
+        ga = grouped_mm(b, gz, rows, transposed=True) if ctx.needs_input_grad[0] else None
+        gb = grouped_mm(a, gz, rows, transposed=False) if ctx.needs_input_grad[1] else None
+        return ga, gb, None
+
+
+def grouped_mm(x: Tensor, w: Tensor, rows: Tensor, *, transposed: bool = False) -> Tensor:
+    """Per-expert ``x[e, :n_e] @ op(w[e])``, rows n_e.. of the output zero.
+
+    Args:
+        x: float [E, C, K].
+        w: float [E, K, N], or [E, N, K] with ``transposed=True``; x's dtype.
+        rows: int64 [E], filled rows per expert (clamped to [0, C]).
+    Returns:
+        [E, C, N] in x's dtype. Differentiable in x and w to any order.
+    """
+    return _GroupedMM.apply(x, w, rows, transposed)
+
+
+def grouped_wgrad(a: Tensor, b: Tensor, rows: Tensor) -> Tensor:
+    """Per-expert ``a[e, :n_e]^T @ b[e, :n_e]``: [E, C, P], [E, C, Q] -> [E, P, Q]."""
+    return _GroupedWGrad.apply(a, b, rows)
+
+
+def _batched_under_vmap(*ts: Tensor) -> bool:
+    # Peel functorch wrappers (grad levels) looking for a vmap BatchedTensor.
+    F = torch._C._functorch
+    for t in ts:
+        while isinstance(t, Tensor):
+            if F.is_batchedtensor(t):
+                return True
+            if not F.is_functorch_wrapped_tensor(t):
+                break
+            t = F.get_unwrapped(t)
+    return False
+
+
+def expert_mm(x: Tensor, w: Tensor, *, transposed: bool, rows: Optional[Tensor] = None) -> Tensor:
+    """``x[e] @ op(w[e])`` for all experts, on filled rows only when ``rows`` is given.
+
+    Falls back to the padded batched matmul when ``rows`` is None, while
+    compiling, and under vmap (row counts cannot steer Python loops there).
+    """
+    if rows is not None and not torch.compiler.is_compiling() and not _batched_under_vmap(x, w, rows):
+        return grouped_mm(x, w, rows, transposed=transposed)
+    return torch.bmm(x, w.transpose(1, 2) if transposed else w)
