@@ -49,6 +49,7 @@ batch axis; each example then routes its own tokens with its own capacity.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any, Callable, Optional, Sequence
@@ -83,6 +84,8 @@ __all__ = [
     "record_routings",
     "save_routings",
     "load_routings",
+    "record_layers",
+    "replay_layers",
 ]
 
 # --------------------------------------------------------------------------- settings
@@ -634,3 +637,77 @@ def load_routings(path, map_location=None) -> dict:
     if not isinstance(blob, dict) or blob.get("fmoe_routings") != 1:
         raise ValueError(f"load_routings: {path!r} was not written by fmoe.ablate.save_routings")
     return {name: Routing(**d) for name, d in blob["layers"].items()}
+
+
+def _moe_layers(model) -> dict:
+    from .nn import MoELayer  # local: nn sits above this module in the data flow
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
+    if not layers:
+        raise ValueError(f"no fmoe.nn.MoELayer inside {type(model).__name__}")
+    return layers
+
+
+@contextlib.contextmanager
+def record_layers(model):
+    """Record the routing of every :class:`fmoe.nn.MoELayer` in ``model``.
+
+    Yields a dict ``{module name: Routing}`` that fills in as the model runs
+    (a layer called twice keeps its last call). The layers behave as usual;
+    their forward is wrapped on the instance for the duration only.
+
+        with fmoe.ablate.record_layers(model) as routings:
+            out = model(x)
+        fmoe.ablate.save_routings("r.pt", routings)
+    """
+    recorded: dict = {}
+    layers = _moe_layers(model)
+
+    def wrap(name, layer, orig):
+        def forward(*args, return_aux=False, **kwargs):
+            y, aux = orig(*args, return_aux=True, **kwargs)
+            recorded[name] = aux.routing
+            if return_aux:
+                return y, aux
+            if layer.result_func is not None:
+                return layer.result_func(y)
+            y.l_aux = aux.l_aux
+            return y
+        return forward
+
+    try:
+        for name, layer in layers.items():
+            layer.forward = wrap(name, layer, layer.forward)
+        yield recorded
+    finally:
+        for layer in layers.values():
+            layer.__dict__.pop("forward", None)
+
+
+@contextlib.contextmanager
+def replay_layers(model, routings: dict):
+    """Run every :class:`fmoe.nn.MoELayer` of ``model`` with a recorded routing.
+
+    ``routings`` is what :func:`record_layers` (or :func:`load_routings`)
+    gave: ``{module name: Routing}``. Same parameters and inputs reproduce the
+    recorded outputs bit for bit; the gates are skipped (l_aux = 0, no gate
+    gradient). Layers missing from ``routings`` raise, so a renamed model
+    cannot silently fall back to live routing.
+    """
+    layers = _moe_layers(model)
+    missing = sorted(set(layers) - set(routings))
+    if missing:
+        raise KeyError(f"replay_layers: no recorded routing for layers {missing}")
+
+    def wrap(r, orig):
+        def forward(*args, **kwargs):
+            kwargs["routing"] = r
+            return orig(*args, **kwargs)
+        return forward
+
+    try:
+        for name, layer in layers.items():
+            layer.forward = wrap(routings[name], layer.forward)
+        yield
+    finally:
+        for layer in layers.values():
+            layer.__dict__.pop("forward", None)
