@@ -1,0 +1,16 @@
+// Library identification and error strings.
+#include <cuda_runtime.h>
+
+#include "fmoe_native.h"
+
+extern "C" const char *fmoe_native_version(void) { return "fmoe_native 0.1.0"; }
+
+extern "C" const char *fmoe_native_error_string(int code) {
+  switch (code) {
+    case 0: return "ok";
+    case FMOE_ERR_BAD_SHAPE: return "fmoe_native: invalid shape";
+    case FMOE_ERR_BAD_DTYPE: return "fmoe_native: unsupported dtype";
+    case FMOE_ERR_BAD_FORMAT: return "fmoe_native: unsupported weight format";
+    default: return cudaGetErrorString(static_cast<cudaError_t>(code));
+  }
+}
