@@ -132,7 +132,8 @@ pytree.register_pytree_node(
 # --------------------------------------------------------------------------- params
 
 def init_params(spec: MoESpec, *, generator: Optional[torch.Generator] = None,
-                dtype: torch.dtype = torch.float32, num_local_experts: Optional[int] = None) -> dict:
+                dtype: torch.dtype = torch.float32, num_local_experts: Optional[int] = None,
+                comm=None) -> dict:
     """A fresh parameter pytree ``{"gate": {...}, "experts": {...}}``.
 
     Experts are drawn first, then the gate (Tutel's order). With ``fp32_gate``
@@ -143,9 +144,18 @@ def init_params(spec: MoESpec, *, generator: Optional[torch.Generator] = None,
         generator: RNG for reproducible initialisation.
         dtype: expert parameter dtype.
         num_local_experts: experts held by this process (default: all E).
+        comm: expert-parallel communicator: all E experts are drawn (identically
+            on every rank given the same generator) and this rank keeps its
+            slice (:func:`fmoe.parallel.shard_experts`: E/W experts, or one
+            shard of an expert shared by W/E ranks).
     """
     n = spec.num_experts if num_local_experts is None else num_local_experts
+    if comm is not None and comm.size > 1 and num_local_experts is not None:
+        raise ValueError("init_params: pass either comm (shards the E experts) or num_local_experts, not both")
     experts = init_experts(spec.experts, n, spec.model_dim, generator=generator, dtype=dtype)
+    if comm is not None and comm.size > 1:
+        from .parallel import shard_experts
+        experts = shard_experts(spec.experts.type, experts, spec.num_experts, comm.rank, comm.size)
     gate_dtype = torch.float32 if spec.gate.fp32_gate else dtype
     if spec.gate.type == "top":
         gate = _gates.init_linear_gate(spec.num_experts, spec.model_dim, generator=generator, dtype=gate_dtype)
@@ -206,8 +216,10 @@ def check_params(params, spec: MoESpec, num_local_experts: Optional[int] = None)
 # --------------------------------------------------------------------------- forward
 
 def route(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator=None, noise: Optional[Tensor] = None,
-          training: bool = False) -> tuple[Routing, Tensor]:
-    """Gate and route tokens x [T, M]; returns the Routing and the unweighted l_aux."""
+          training: bool = False, alignment: Optional[int] = None) -> tuple[Routing, Tensor]:
+    """Gate and route tokens x [T, M]; returns the Routing and the unweighted l_aux.
+
+    ``alignment`` overrides ``spec.alignment`` (expert parallel needs C % (s*d) == 0)."""
     gs = spec.gate
     logits = _gates.gate_logits(gs.type, params["gate"], x, fp32=gs.fp32_gate)
     noisy = logits
@@ -215,7 +227,8 @@ def route(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator=None, 
         noisy = _gates.add_gate_noise(logits, gs.gate_noise, generator=generator, noise=noise)
     scores = _gates.scores_from_logits(noisy, gs.score_fn)
     routing = top_k_routing(scores, gs.k, gs.capacity_factor, normalize=spec.normalize_gate,
-                            batch_prioritized=spec.batch_prioritized, alignment=spec.alignment, comm=comm)
+                            batch_prioritized=spec.batch_prioritized,
+                            alignment=spec.alignment if alignment is None else alignment, comm=comm)
     if spec.is_gshard_loss:
         l_aux = gshard_loss(scores, routing.expert_ids[0])
     else:
@@ -242,8 +255,8 @@ def _expert_dtype(experts, fallback: torch.dtype) -> torch.dtype:
 
 
 def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optional[torch.Generator] = None,
-        noise: Optional[Tensor] = None, training: bool = False, routing: Optional[Routing] = None
-        ) -> tuple[Tensor, MoEAux]:
+        noise: Optional[Tensor] = None, training: bool = False, routing: Optional[Routing] = None,
+        parallel=None) -> tuple[Tensor, MoEAux]:
     """One MoE layer forward.
 
     Args:
@@ -255,17 +268,29 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
         training: enables gate noise.
         routing: a recorded :class:`Routing` to replay instead of gating
             (then ``l_aux`` is 0 and no gradient reaches the gate).
+        parallel: :class:`fmoe.parallel.ParallelSpec` for this call only (mode
+            'data'/'model'/'adaptive:r', overlap degree, 2DH local size);
+            used when ``comm.size > 1``. Capacity is aligned to s*d.
 
     Returns:
         y with x's leading dims, last dim O, x's dtype; and :class:`MoEAux`.
     """
-    _check_input(x, spec)
-    check_params(params, spec)
     comm = resolve(comm)
+    alignment = spec.alignment
+    if comm.size == 1:
+        _check_input(x, spec)
+        check_params(params, spec)
+    else:
+        from . import parallel as _par  # distributed path lives in its own module
+        parallel = parallel or _par.ParallelSpec()
+        # Before any other collective: bad input or ranks that disagree raise everywhere, never hang.
+        _par.check_moe_call(comm, spec, parallel, x, params, routing,
+                            lambda: (_check_input(x, spec), check_params(params, spec)))
+        alignment = _par.capacity_alignment(spec.num_experts, comm.size, parallel, spec.alignment)
     tokens = x.reshape(-1, spec.model_dim)
     if routing is None:
         routing, l_aux = route(params, tokens, spec, comm=comm, generator=generator, noise=noise,
-                               training=training)
+                               training=training, alignment=alignment)
     else:
         if routing.num_tokens != tokens.shape[0] or routing.num_experts != spec.num_experts:
             raise ValueError(f"moe: injected routing is for T={routing.num_tokens}, E={routing.num_experts}; "
@@ -276,8 +301,8 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     if comm.size == 1:
         out_buffers = apply_experts(spec.experts, params["experts"], buffers)
     else:
-        from .parallel import expert_parallel  # distributed path lives in its own module
-        out_buffers = expert_parallel(spec, params["experts"], buffers, comm)
+        out_buffers = _par.expert_parallel(spec, params["experts"], buffers, comm,
+                                           dataclasses.replace(parallel, check=False))
     y = combine(out_buffers, routing, weighted=spec.is_postscore)
     y = y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
     aux = MoEAux(l_aux, routing.counts, routing.num_dropped(), routing, routing.capacity)

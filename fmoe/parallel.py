@@ -1,0 +1,451 @@
+"""Expert parallelism: the expert stage of :func:`fmoe.moe` across ranks (spec §12).
+
+    out = expert_parallel(spec, local_expert_params, buffers [E, C, M], comm, parallel)  # [E, C, O]
+
+Placement (spec §12.1): with E >= W rank w owns experts [w*n, (w+1)*n), n = E/W.
+With E < W, s = W/E ranks share one expert: rank w holds shard j = w % s of
+expert w // s (hidden units [j*H/s, (j+1)*H/s); fc2 bias elements
+[j*ceil(O/s), (j+1)*ceil(O/s)), zero-padded). :func:`shard_experts` cuts that
+layout out of a full parameter pytree.
+
+Parallel degree r (``ParallelSpec.mode``), switchable per call with the same
+parameters (spec §12.3):
+
+* r = 0: no all-to-all; every rank all-gathers every expert and runs them on
+  its own buffers (ZeRO-3 style; gradients return by reduce-scatter).
+* r >= 1 (r divides s): buffers are repeated r times along capacity, exchanged
+  so that each group of g = s/r consecutive owners jointly holds one copy,
+  each group all-gathers its hidden slice H/r, partial outputs come back and
+  are summed over the r copies; the fc2 bias is added as bias/r per copy, i.e.
+  exactly once. With s = 1 this is plain expert parallel on [n, W*C, M].
+
+Overlap degree d chunks the capacity axis (each chunk: all-to-all, experts,
+all-to-all back); ``local_size`` routes every all-to-all through the two-level
+(2DH) exchange. Both give the same bytes as the plain path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import struct
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from .comm.collectives import all_gather, all_to_all, all_to_all_v
+from .comm.hierarchical import Hierarchical2DComm
+from .experts import apply_experts
+
+__all__ = ["ParallelSpec", "sharding", "shard_experts", "capacity_alignment", "expert_parallel",
+           "expert_parallel_dropless", "agree_across_ranks", "InconsistentRanksError", "SHARD_AXES"]
+
+# Axis of each expert parameter (in the [n, ...] local layout) that is cut
+# when s ranks share an expert. fc2_b is cut along O with zero padding.
+SHARD_AXES = {
+    "ffn": {"fc1_w": 1, "fc1_b": 1, "fc2_w": 1, "fc2_b": 1},
+    "gated_ffn": {"gate_w": 2, "up_w": 2, "down_w": 1},
+}
+_PADDED = {"fc2_b"}
+
+
+class InconsistentRanksError(ValueError):
+    """Ranks called a collective MoE function with different static settings or invalid inputs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelSpec:
+    """How the expert stage runs across ranks; pass one per call (nothing sticks).
+
+    Attributes:
+        mode: 'data' (r = 1), 'model' (r = s), 'adaptive:N' (r = N clamped to
+            [0, s]; must be 0 or a divisor of s).
+        overlap_degree: d in [1, 32]: chunks along capacity (spec §12.5).
+        local_size: ranks per node for the 2DH all-to-all (None: flat).
+        check: all-gather a fingerprint of the static settings first and raise
+            :class:`InconsistentRanksError` on every rank if they differ.
+    """
+
+    mode: str = "adaptive:1"
+    overlap_degree: int = 1
+    local_size: Optional[int] = None
+    check: bool = True
+
+    def __post_init__(self):
+        _parse_mode(self.mode)
+        d = self.overlap_degree
+        if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= 32:
+            raise ValueError(f"overlap_degree must be an int in [1, 32], got {d!r}")
+        if self.local_size is not None and (not isinstance(self.local_size, int) or self.local_size < 1):
+            raise ValueError(f"local_size must be a positive int or None, got {self.local_size!r}")
+
+    def degree(self, s: int) -> int:
+        """The parallel degree r for sharding count s (validated)."""
+        kind, n = _parse_mode(self.mode)
+        r = 1 if kind == "data" else s if kind == "model" else min(max(n, 0), s)
+        if r != 0 and s % r:
+            raise ValueError(f"parallel mode {self.mode!r} gives r={r}, which is not 0 or a divisor of the "
+                             f"sharding count s={s}; valid r: {[0] + [q for q in range(1, s + 1) if s % q == 0]}")
+        return r
+
+
+def _parse_mode(mode) -> tuple[str, int]:
+    if mode in ("data", "model"):
+        return mode, 0
+    if isinstance(mode, str) and mode.startswith("adaptive:"):
+        try:
+            return "adaptive", int(mode.split(":", 1)[1])
+        except ValueError:
+            pass
+    raise ValueError(f"parallel mode must be 'data', 'model' or 'adaptive:N' with an integer N, got {mode!r}")
+
+
+def sharding(num_experts: int, world: int) -> tuple[int, int]:
+    """(n local experts, s ranks per expert) for E experts on W ranks."""
+    E, W = num_experts, world
+    if E >= W:
+        if E % W:
+            raise ValueError(f"{E} experts cannot be spread evenly over {W} ranks (need E % W == 0 or W % E == 0)")
+        return E // W, 1
+    if W % E:
+        raise ValueError(f"{E} experts cannot be shared evenly by {W} ranks (need W % E == 0)")
+    return 1, W // E
+
+
+def capacity_alignment(num_experts: int, world: int, parallel: Optional[ParallelSpec] = None,
+                       base: int = 1) -> int:
+    """Capacity multiple that keeps C divisible by s and by d (spec §7.2), combined with ``base``."""
+    parallel = parallel or ParallelSpec()
+    _, s = sharding(num_experts, world)
+    return math.lcm(base, s * parallel.overlap_degree)
+
+
+# --------------------------------------------------------------------------- placement
+
+def _shard_leaf(t: Tensor, axis: int, s: int, j: int, padded: bool) -> Tensor:
+    size = t.shape[axis]
+    if padded:
+        piece = -(-size // s)
+        if piece * s != size:
+            pad = [0, 0] * (t.dim() - 1 - axis) + [0, piece * s - size]
+            t = torch.nn.functional.pad(t, pad)
+    elif size % s:
+        raise ValueError(f"cannot shard a dimension of size {size} over s={s} ranks (needs divisibility)")
+    else:
+        piece = size // s
+    return t.narrow(axis, j * piece, piece)
+
+
+def shard_experts(expert_type: str, params: dict, num_experts: int, rank: int, world: int) -> dict:
+    """This rank's slice of a full expert pytree (every leaf [E, ...]), as laid out in spec §12.1."""
+    n, s = sharding(num_experts, world)
+    if s == 1:
+        return pytree.tree_map(lambda t: t[rank * n:(rank + 1) * n].clone(), params)
+    axes = _axes(expert_type, params)
+    e, j = divmod(rank, s)
+    return {k: None if v is None else _shard_leaf(v[e:e + 1], axes[k], s, j, k in _PADDED).clone()
+            for k, v in params.items()}
+
+
+def _axes(expert_type: str, params: dict) -> dict:
+    axes = SHARD_AXES.get(expert_type)
+    if axes is None:
+        raise ValueError(f"expert type {expert_type!r} cannot be sharded (E < W); only {sorted(SHARD_AXES)} can")
+    unknown = [k for k, v in params.items() if v is not None and k not in axes]
+    bad = [k for k, v in params.items() if v is not None and not isinstance(v, Tensor)]
+    if unknown or bad:
+        raise ValueError(f"cannot shard expert parameters {unknown + bad} (unknown keys or quantized weights)")
+    return axes
+
+
+# --------------------------------------------------------------------------- agreement
+
+def _stable(obj) -> str:
+    """A process-independent description of a static setting (no addresses, no salted hashes)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        inner = ",".join(f"{f.name}={_stable(getattr(obj, f.name))}" for f in dataclasses.fields(obj))
+        return f"{type(obj).__name__}({inner})"
+    if callable(obj):
+        return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
+    return repr(obj)
+
+
+def _h64(text: str) -> int:
+    return struct.unpack("<q", hashlib.blake2b(text.encode(), digest_size=8).digest())[0]
+
+
+def _fingerprint(fields: dict) -> list[int]:
+    out = []
+    for v in fields.values():
+        out.append(v if isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2 ** 62 else _h64(_stable(v)))
+    return out
+
+
+def agree_across_ranks(comm, fields: dict, local_check: Optional[Callable[[], None]] = None) -> None:
+    """Collective guard run before the first exchange of a call.
+
+    Runs ``local_check`` (input validation) on every rank, then all-gathers
+    one fixed-size int64 vector (an error flag plus one entry per field) so the
+    collective always matches, even when a rank's inputs are bad. Raises on
+    every rank if any rank failed its check or any field differs.
+
+    Args:
+        comm: communicator.
+        fields: name -> static value (int, or anything with a stable repr).
+        local_check: callable raising on invalid local input.
+    """
+    err: Optional[BaseException] = None
+    if local_check is not None:
+        try:
+            local_check()
+        except (ValueError, TypeError) as e:
+            err = e
+    names = list(fields)
+    mine = torch.tensor([int(err is not None)] + _fingerprint(fields), dtype=torch.int64)
+    table = comm.all_gather(mine.unsqueeze(0), 0)  # [W, 1 + F]
+    failed = table[:, 0].nonzero().flatten().tolist()
+    if failed:
+        msg = _gather_text(comm, "" if err is None else f"{type(err).__name__}: {err}")
+        if err is not None:
+            raise err
+        raise InconsistentRanksError("invalid input on rank(s) " + "; ".join(f"{r}: {msg[r]}" for r in failed))
+    diff = (table[:, 1:] != table[:1, 1:]).any(0).nonzero().flatten().tolist()
+    if diff:
+        name = names[diff[0]]
+        values = [v for v in _gather_text(comm, _stable(fields[name])[:200])]
+        raise InconsistentRanksError(
+            f"ranks disagree on {', '.join(names[i] for i in diff)}; {name} per rank: "
+            + "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            + ". Every rank must call with the same static settings.")
+
+
+def _gather_text(comm, text: str, width: int = 400) -> list[str]:
+    raw = text.encode()[:width]
+    buf = torch.zeros(width, dtype=torch.uint8)
+    buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    rows = comm.all_gather(buf.unsqueeze(0), 0)
+    return [bytes(r.tolist()).rstrip(b"\0").decode(errors="replace") for r in rows]
+
+
+def _leaf_sig(params) -> str:
+    leaves, spec = pytree.tree_flatten(params)
+    return str(spec) + "|" + ";".join(f"{tuple(getattr(t, 'shape', ()))}:{getattr(t, 'dtype', type(t).__name__)}"
+                                      for t in leaves)
+
+
+def parallel_fields(spec, parallel: ParallelSpec, world: int, dtype, expert_params) -> dict:
+    """The static settings every rank must share for one MoE call."""
+    return {"world_size": world, "num_experts": spec.num_experts, "model_dim": spec.model_dim,
+            "k": spec.gate.k, "capacity_factor": spec.gate.capacity_factor, "output_dim": spec.output_dim,
+            "spec": spec, "parallel": dataclasses.replace(parallel, check=True),
+            "dtype": str(dtype), "expert_params": _leaf_sig(expert_params)}
+
+
+# --------------------------------------------------------------------------- sub-communicators
+
+def _sub(comm, tag: str, color: int):
+    """comm.split(color), memoised on ``comm`` under ``tag``.
+
+    ``tag`` must name the whole partition (e.g. "groups of 2 consecutive
+    ranks"), not this rank's part of it: a split is a collective, so every rank
+    must miss the cache together. The fingerprint check guarantees that all
+    ranks run the same mode, hence reach the same tags in the same order.
+    """
+    cache = comm.__dict__.setdefault("_fmoe_subcomms", {})
+    if tag not in cache:
+        cache[tag] = comm.split(color)
+    return cache[tag]
+
+
+def _a2a_comm(comm, local_size: Optional[int]):
+    if local_size is None or local_size in (1, comm.size):
+        return comm
+    cache = comm.__dict__.setdefault("_fmoe_subcomms", {})
+    if ("2dh", local_size) not in cache:
+        cache[("2dh", local_size)] = Hierarchical2DComm(comm, local_size)
+    return cache[("2dh", local_size)]
+
+
+# --------------------------------------------------------------------------- parameter gathers
+
+def _gather_all(expert_type: str, params: dict, comm, num_experts: int, s: int, out_dim: int) -> dict:
+    """Every expert in full on every rank (r = 0), differentiable (backward: reduce-scatter)."""
+    if s == 1:
+        return pytree.tree_map(lambda t: all_gather(t, comm, 0), params)
+    axes = _axes(expert_type, params)
+    full = {}
+    for k, v in params.items():
+        if v is None:
+            full[k] = None
+            continue
+        g = all_gather(v, comm, 0)                       # [W, *rest] = [E*s, *rest]
+        a = axes[k]
+        g = g.reshape(num_experts, s, *g.shape[1:]).movedim(1, a)
+        g = g.reshape(*g.shape[:a], s * g.shape[a + 1], *g.shape[a + 2:])
+        full[k] = g[..., :out_dim] if k in _PADDED else g
+    return full
+
+
+def _gather_group(expert_type: str, params: dict, comm, s: int, r: int, out_dim: int) -> dict:
+    """Hidden slice H/r for this rank's group of s/r owners; fc2 bias in full, divided by r."""
+    axes = _axes(expert_type, params)
+    g = s // r
+    group = _sub(comm, f"consecutive-{g}", comm.rank // g) if g > 1 else None
+    shard = _sub(comm, f"consecutive-{s}", comm.rank // s)
+    out = {}
+    for k, v in params.items():
+        if v is None:
+            out[k] = None
+        elif k in _PADDED:
+            out[k] = all_gather(v, shard, axes[k])[..., :out_dim] / r
+        else:
+            out[k] = v if group is None else all_gather(v, group, axes[k])
+    return out
+
+
+# --------------------------------------------------------------------------- expert stage
+
+def expert_parallel(spec, expert_params, buffers: Tensor, comm, parallel: Optional[ParallelSpec] = None,
+                    ) -> Tensor:
+    """Run the experts of all ranks on capacity buffers.
+
+    Args:
+        spec: the layer's :class:`~fmoe.MoESpec` (E, experts, output_dim).
+        expert_params: this rank's expert pytree (:func:`shard_experts` layout).
+        buffers: [E, C, M] dispatch buffers of this rank's tokens; C must be
+            divisible by s * d (use :func:`capacity_alignment`) and equal on
+            every rank.
+        comm: communicator of the expert-parallel group (size W).
+        parallel: per-call :class:`ParallelSpec` (default 'adaptive:1', d = 1, flat).
+
+    Returns:
+        [E, C, O] expert outputs for this rank's buffers, in buffers' dtype.
+    """
+    parallel = parallel or ParallelSpec()
+    W = comm.size
+    E, C, M = buffers.shape
+    if E != spec.num_experts:
+        raise ValueError(f"expert_parallel: buffers have {E} experts, spec says {spec.num_experts}")
+    n, s = sharding(E, W)
+    r = parallel.degree(s)
+    d = parallel.overlap_degree
+    if parallel.check:
+        fields = parallel_fields(spec, parallel, W, buffers.dtype, expert_params)
+        fields["capacity"] = C
+        agree_across_ranks(comm, fields)
+    O = spec.output_dim
+    et = spec.experts.type
+    if r == 0:
+        full = _gather_all(et, expert_params, comm, E, s, O)
+        return apply_experts(spec.experts, full, buffers)
+    if C % (s * d):
+        raise ValueError(f"expert_parallel: capacity {C} must be divisible by s*d = {s}*{d}; route with "
+                         f"alignment=capacity_alignment(E, W, parallel)")
+    local = expert_params if s == 1 else _gather_group(et, expert_params, comm, s, r, O)
+    xcomm = _a2a_comm(comm, parallel.local_size)
+    step = C // d
+    outs = []
+    for i in range(d):
+        chunk = buffers if d == 1 else buffers[:, i * step:(i + 1) * step]
+        outs.append(_expert_chunk(spec, local, chunk, xcomm, s, r))
+    return outs[0] if d == 1 else torch.cat(outs, dim=1)
+
+
+def _expert_chunk(spec, local, chunk: Tensor, comm, s: int, r: int) -> Tensor:
+    """One capacity chunk [E, c, M] -> [E, c, O] through all-to-all, experts, all-to-all."""
+    E, c, M = chunk.shape
+    if s == 1:
+        x = all_to_all(chunk, comm, 1, 0)                      # [n, W*c, M]
+        y = apply_experts(spec.experts, local, x)
+        return all_to_all(y, comm, 0, 1)                       # [E, c, O]
+    W = comm.size
+    rep = chunk.repeat(1, r, 1) if r > 1 else chunk            # [E, r*c, M]: r copies of every row
+    x = all_to_all(rep.reshape(W, r * c // s, M), comm, 1, 0)  # [1, W*r*c/s, M]
+    y = apply_experts(spec.experts, local, x)                  # partial sums over this group's hidden slice
+    y = all_to_all(y, comm, 0, 1)                              # [W, r*c/s, O]
+    return y.reshape(E, r, c, y.shape[-1]).sum(1)              # sum the r partial outputs
+
+
+# --------------------------------------------------------------------------- dropless (all-to-all-v)
+
+def expert_parallel_dropless(expert_spec, expert_params, tokens: Tensor, expert_ids: Tensor, weights: Tensor,
+                             comm, *, num_experts: int, postscore: bool = True) -> Tensor:
+    """Dropless expert parallel without capacity padding (variable all-to-all).
+
+    Every valid (slot, token) pair is sent to the rank owning its expert, the
+    experts run on exactly the rows they received, and the outputs come back and
+    are summed per token with the gates. For architecture adapters (DeepSeek,
+    Qwen3, ...) whose routers pick experts themselves.
+
+    Args:
+        expert_spec: :class:`~fmoe.ExpertSpec`.
+        expert_params: this rank's n = E/W experts (E >= W; no sharding).
+        tokens: float [T, M].
+        expert_ids: int [k, T]; negative ids are masked pairs.
+        weights: float [k, T] gates (differentiable).
+        comm: communicator.
+        num_experts: E.
+        postscore: gates scale outputs (True) or inputs (False).
+
+    Returns:
+        [T, O] in tokens' dtype. Synchronises with the host (counts set shapes).
+    """
+    W = comm.size
+    n, s = sharding(num_experts, W)
+    if s != 1:
+        raise ValueError("expert_parallel_dropless needs E >= W (no sharded experts)")
+    k, T = expert_ids.shape
+    ids = expert_ids.reshape(-1).to(torch.int64)
+    tok = torch.arange(T, device=ids.device).repeat(k)
+    w = weights.reshape(-1)
+    valid = ids >= 0
+    ids, tok, w = ids[valid], tok[valid], w[valid]
+    order = torch.argsort(ids, stable=True)                    # pairs grouped by expert, then (slot, token)
+    ids, tok, w = ids[order], tok[order], w[order]
+    counts = torch.bincount(ids, minlength=num_experts)        # [E]
+    recv_matrix = comm.all_to_all(counts, 0, 0).reshape(W, n)  # [source, local expert]
+    send = counts.reshape(W, n).sum(1).tolist()
+    recv = recv_matrix.sum(1).tolist()
+    rows = tokens[tok]
+    if not postscore:
+        rows = rows * w.unsqueeze(1).to(rows.dtype)
+    got = all_to_all_v(rows, comm, send, recv)                 # [sum recv, M], source-major
+    local_id = torch.repeat_interleave(torch.arange(n).repeat(W), recv_matrix.reshape(-1))
+    by_expert = torch.argsort(local_id, stable=True)
+    per_expert = recv_matrix.sum(0).tolist()
+    xs = got[by_expert]
+    outs, start = [], 0
+    for e in range(n):
+        rows_e = xs[start:start + per_expert[e]].unsqueeze(0)
+        p_e = pytree.tree_map(lambda t: t[e:e + 1] if isinstance(t, Tensor) else t, expert_params)
+        outs.append(apply_experts(expert_spec, p_e, rows_e)[0])
+        start += per_expert[e]
+    ys = torch.cat(outs, 0) if outs else got.new_zeros(0, tokens.shape[1])
+    back = torch.empty_like(by_expert)
+    back[by_expert] = torch.arange(by_expert.numel())
+    ret = all_to_all_v(ys[back], comm, recv, send)             # [pairs, O] in sorted pair order
+    if postscore:
+        ret = ret * w.unsqueeze(1).to(ret.dtype)
+    out = ret.new_zeros(T, ret.shape[1])
+    return out.index_add(0, tok, ret).to(tokens.dtype)
+
+
+def check_moe_call(comm, spec, parallel: ParallelSpec, x, params, routing, local_check: Callable[[], None]) -> None:
+    """The agreement step of a distributed :func:`fmoe.moe` call, run before any other collective.
+
+    Local input errors and cross-rank mismatches both raise on every rank.
+    """
+    if not parallel.check:
+        local_check()
+        return
+    experts = params.get("experts") if isinstance(params, dict) else None
+    fields = parallel_fields(spec, parallel, comm.size, getattr(x, "dtype", None), experts)
+    fields["routing_capacity"] = -1 if routing is None else int(routing.capacity)
+
+    def check():
+        local_check()
+        n, s = sharding(spec.num_experts, comm.size)
+        parallel.degree(s)
+    agree_across_ranks(comm, fields, check)
