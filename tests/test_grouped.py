@@ -1,0 +1,65 @@
+"""Grouped expert GEMMs on filled rows (fmoe.ops.grouped, experts rows=)."""
+import pytest
+import torch
+
+from fmoe.experts import ExpertSpec, ffn, gated_ffn, init_experts
+from fmoe.ops.grouped import filled_rows, grouped_mm, grouped_wgrad
+
+ROWS = [64, 10, 0, 33, 1, 5, 12, 4]  # full, small (MKL's odd small-M kernel), empty
+
+
+def _buffers(E=8, C=64, M=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(E, C, M, generator=g)
+    mask = torch.zeros(E, C, 1)
+    for e, n in enumerate(ROWS[:E]):
+        x[e, n:] = 0  # dispatch leaves empty rows zero
+        mask[e, :n] = 1
+    return g, x, mask, torch.tensor(ROWS[:E])
+
+
+@pytest.mark.parametrize("typ,fn", [("ffn", ffn), ("gated_ffn", gated_ffn)])
+def test_filled_rows_equal_padded_forward_and_grad(typ, fn):
+    g, x, mask, rows = _buffers()
+    p = init_experts(ExpertSpec(type=typ, hidden_size=80), 8, 48, generator=g)
+    y_pad, y_grp = fn(p, x), fn(p, x, rows=rows)
+    # Every row that combine reads is bit-identical to the padded computation.
+    assert torch.equal(y_pad * mask, y_grp * mask)
+
+    def loss(p, x, rows=None):  # only combined rows reach the loss, as in moe()
+        return (fn(p, x, rows=rows) * mask).square().sum()
+
+    gp_pad, gx_pad = torch.func.grad(loss, argnums=(0, 1))(p, x)
+    gp_grp, gx_grp = torch.func.grad(loss, argnums=(0, 1))(p, x, rows)
+    assert torch.equal(gx_pad * mask, gx_grp * mask)
+    # Weight gradients sum fewer zero rows: equal up to the GEMM's summation order.
+    torch.testing.assert_close(gp_grp, gp_pad, rtol=1e-5, atol=1e-6)
+
+
+def test_vmap_falls_back_to_padded():
+    g, x, mask, rows = _buffers()
+    p = init_experts(ExpertSpec(type="ffn", hidden_size=16), 8, 48, generator=g)
+    xs = torch.stack([x, 2 * x])
+    ys = torch.func.vmap(lambda xx: ffn(p, xx, rows=rows))(xs)
+    assert torch.equal(ys[1], ffn(p, 2 * x))
+
+
+def test_double_backward_and_transposed():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 6, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    rows = torch.tensor([6, 2, 0])
+    for transposed, shape in ((False, (3, 4, 5)), (True, (3, 5, 4))):
+        w = torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
+        f = lambda x, w: grouped_mm(x, w, rows, transposed=transposed)  # noqa: E731
+        assert torch.autograd.gradcheck(f, (x, w))
+        assert torch.autograd.gradgradcheck(f, (x, w))
+    b = torch.randn(3, 6, 2, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: grouped_wgrad(a, b, rows), (x, b))
+    y = grouped_mm(x, torch.randn(3, 4, 5, dtype=torch.float64), rows)
+    assert torch.all(y[1, 2:] == 0) and torch.all(y[2] == 0)
+
+
+def test_filled_rows_and_bad_rows():
+    assert filled_rows(torch.tensor([0, 3, 9]), 4).tolist() == [0, 3, 4]
+    with pytest.raises(ValueError):
+        grouped_mm(torch.randn(2, 3, 4), torch.randn(2, 4, 5), torch.tensor([1, 2, 3]))

@@ -1,0 +1,150 @@
+"""numba CPU kernels of the fmoe ops against fmoe.ops.reference.
+
+dispatch and combine must be bit-for-bit equal (float32/float64, and bf16/fp16
+which compute in fp32 and round once); gate_grad is a reassociated dot product,
+so it is checked to a tight tolerance. Also: under torch.func.vmap / grad and
+inside torch.compile(fullgraph=True) the ops really run the numba kernels.
+"""
+import pytest
+import torch
+
+import fmoe
+from fmoe.ops import numba_cpu, reference
+from fmoe.ops import _numba_kernels as K
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def _case(T=37, M=19, E=5, k=3, cf=1.0, seed=0, mask=True):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(T, E, generator=g).softmax(1)
+    r = fmoe.top_k_routing(scores, k, cf)
+    pos = r.positions().clone()
+    if mask:  # masked pairs (negative expert ids) are skipped
+        pos[0, ::7] = -1
+    return g, r, pos, E * r.capacity
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_dispatch_combine_bit_exact(dtype, weighted):
+    g, r, pos, R = _case()
+    T, M = pos.shape[1], 19
+    x = torch.randn(T, M, generator=g).to(dtype)
+    x[3, :4] = -0.0  # index_add_ into zeros turns -0.0 into +0.0; so must the kernel
+    y = torch.randn(R, M, generator=g).to(dtype)
+    w = r.weights if weighted else None
+    got = numba_cpu.dispatch(x, pos, w, R)
+    want = reference.dispatch(x, pos, w, R)
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    got = numba_cpu.combine(y, pos, w)
+    want = reference.combine(y, pos, w)
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gate_grad_close(dtype):
+    g, r, pos, R = _case(M=300)
+    a = torch.randn(pos.shape[1], 300, generator=g).to(dtype)
+    b = torch.randn(R, 300, generator=g).to(dtype)
+    got, want = numba_cpu.gate_grad(a, b, pos), reference.gate_grad(a, b, pos)
+    assert got.dtype == dtype
+    assert torch.equal(got == 0, want == 0)  # skipped pairs are exactly 0
+    # |error| <= M * eps * sum|a*b| bounds any summation order; in practice far smaller.
+    scale = (a.double().abs() @ b.double().abs().t()).max().item()
+    tol = {torch.float32: 1e-6, torch.float64: 1e-14, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    assert (got.double() - want.double()).abs().max().item() <= tol * scale
+
+
+def test_ops_use_numba_and_disabled_restores_reference(monkeypatch):
+    calls = []
+    real = K.combine_rows
+
+    def spy(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(K, "combine_rows", spy)
+    g, r, pos, R = _case()
+    y = torch.randn(R, 8, generator=g)
+    torch.ops.fmoe.combine(y, pos, r.weights)
+    assert len(calls) == 1
+    with numba_cpu.disabled():
+        torch.ops.fmoe.combine(y, pos, r.weights)
+    assert len(calls) == 1
+    torch.ops.fmoe.combine(y, pos, r.weights)
+    assert len(calls) == 2
+
+
+def test_bad_positions_raise():
+    x = torch.randn(4, 3)
+    pos = torch.tensor([[0, 1, 2, 9]])
+    with pytest.raises(IndexError):
+        numba_cpu.dispatch(x, pos, None, 4)
+    with pytest.raises(IndexError):
+        numba_cpu.combine(torch.randn(4, 3), pos, None)
+
+
+def _moe_like(x, r, E, C, weighted_in):
+    D = fmoe.dispatch(x, r, weighted=weighted_in)
+    return fmoe.combine(torch.tanh(D), r, weighted=not weighted_in)
+
+
+@pytest.mark.parametrize("weighted_in", [False, True])
+def test_grad_matches_reference(weighted_in):
+    g, r, pos, R = _case(T=24, E=4, k=2)
+    x = torch.randn(24, 16, generator=g, dtype=torch.float64)
+    E, C = r.num_experts, r.capacity
+
+    def loss(x, w):
+        rr = fmoe.Routing(r.expert_ids, r.slots, w, r.counts, C, E)
+        return _moe_like(x, rr, E, C, weighted_in).square().sum()
+
+    w = r.weights.double()
+    got = torch.func.grad(loss, argnums=(0, 1))(x, w)
+    with numba_cpu.disabled():
+        want = torch.func.grad(loss, argnums=(0, 1))(x, w)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_vmap_matches_loop(monkeypatch):
+    calls = []
+    real = K.dispatch_rows
+    monkeypatch.setattr(K, "dispatch_rows", lambda *a: (calls.append(1), real(*a))[1])
+    g, r, pos, R = _case(T=20, E=4, k=2, mask=False)
+    xs = torch.randn(3, 20, 8, generator=g)
+    out = torch.func.vmap(lambda x: fmoe.combine(fmoe.dispatch(x, r) * 2, r))(xs)
+    assert len(calls) == 1  # the vmap rule folds the batch into rows: one kernel call
+    for i in range(3):
+        assert torch.equal(out[i], reference.combine(reference.dispatch(xs[i], pos, None, R) * 2, pos, r.weights))
+
+
+def test_compile_fullgraph_runs_numba(monkeypatch):
+    calls = []
+    real = K.dispatch_rows
+    monkeypatch.setattr(K, "dispatch_rows", lambda *a: (calls.append(1), real(*a))[1])
+    g, r, pos, R = _case(T=20, E=4, k=2, mask=False)
+    x = torch.randn(20, 8, generator=g)
+
+    def f(x, pos, w):
+        return torch.ops.fmoe.combine(torch.ops.fmoe.dispatch(x, pos, None, R).sin(), pos, w)
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="eager")(x, pos, r.weights)
+    assert calls, "the compiled graph did not call the numba kernel"
+    want = reference.combine(reference.dispatch(x, pos, None, R).sin(), pos, r.weights)
+    assert torch.equal(got, want)
+
+
+def test_dispatch_into_reuses_buffer():
+    g, r, pos, R = _case()
+    x = torch.randn(pos.shape[1], 11, generator=g)
+    out = torch.full((R, 11), 7.0)  # stale content must be overwritten, empty rows zeroed
+    ptr = out.data_ptr()
+    got = numba_cpu.dispatch_into(out, x, pos, r.weights)
+    assert got.data_ptr() == ptr and torch.equal(got, reference.dispatch(x, pos, r.weights, R))
+    y = torch.randn(R, 11, generator=g)
+    buf = torch.empty(pos.shape[1], 11)
+    assert torch.equal(numba_cpu.combine_into(buf, y, pos, r.weights), reference.combine(y, pos, r.weights))
+    with pytest.raises(ValueError):
+        numba_cpu.dispatch_into(torch.empty(R, 11, dtype=torch.float64), x, pos)
