@@ -98,3 +98,12 @@ def test_crossover_controls_auto(weights):
         assert c in (0, 1, 2) and Q.crossover("mxfp4") == c
     finally:
         Q.set_crossover("mxfp4", old)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_numba_dequant_is_bit_exact(weights, fmt):
+    from fmoe.quant import matmul as M
+
+    w = weights[fmt]
+    for e in range(3):
+        assert torch.equal(M._dequant_one(w, e), Q.dequantize(w[e]))

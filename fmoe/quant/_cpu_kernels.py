@@ -7,7 +7,9 @@ scales), which is a different summation order than dequantize-then-matmul, not a
 value set.
 
 Arrays are plain numpy (zero-copy views of torch tensors); shapes are documented per kernel.
-Integer arithmetic is kept in int32 on purpose: numba promotes int32 op int-literal to int64,
+Staging a decoded block in a 16-float buffer and then running a separate dot loop measured
+about 2x faster than decoding straight into the dot product, even at C = 1 (both vectorise
+better apart). Integer arithmetic is kept in int32 on purpose: numba promotes int32 op int-literal to int64,
 which stops LLVM from vectorising the decode.
 """
 from __future__ import annotations
@@ -113,3 +115,26 @@ def fp8_matmul(x, data, scales, bn, bk, table, out):
                 acc[c] += t * s
         for c in range(C):
             out[e, c, n] = acc[c]
+
+
+# No fastmath here: reassociating (v * s) * g into v * (s * g) would change the rounding.
+@njit(parallel=True, cache=True)
+def fp4_dequant(data, scales, scale_table, gscale, out):
+    """Decode one FP4 matrix to FP32 (bit-exact with formats.dequantize).
+
+    data uint8 [N, K/2]; scales uint8 [N, K/bk]; scale_table float32 [256]; gscale float32
+    (1 for MXFP4); out float32 [N, K]. The products are exact (E2M1 has 2 significant bits),
+    except for the NVFP4 global-scale multiply, which rounds once as in the reference.
+    """
+    N, KH = data.shape
+    KB = scales.shape[1]
+    hb = KH // KB
+    for n in prange(N):
+        row = data[n]
+        orow = out[n]
+        for kb in range(KB):
+            s = scale_table[scales[n, kb]] * _f32(0.5)
+            for j in range(kb * hb, kb * hb + hb):
+                b = _i32(row[j])
+                orow[2 * j] = _f32(_e2m1_twice(b & _I15)) * s * gscale
+                orow[2 * j + 1] = _f32(_e2m1_twice(b >> _I4)) * s * gscale

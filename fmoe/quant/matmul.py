@@ -58,12 +58,31 @@ def _reference(x, w: QuantizedTensor) -> torch.Tensor:
     return torch.bmm(x.float(), dequantize(w).transpose(1, 2)).to(x.dtype)
 
 
+def _dequant_one(w: QuantizedTensor, e: int) -> torch.Tensor:
+    """Expert e of w as FP32 [N, K]; FP4 on CPU decodes through a numba kernel (the torch
+    unpack/lookup chain is several times slower), everything else through dequantize()."""
+    we = w[e]
+    if w.fmt in FP4_FORMATS and w.device.type == "cpu":
+        from . import _cpu_kernels as K
+        from ._numba_setup import sync_threads
+
+        sync_threads()
+        n, k = we.logical_shape
+        out = torch.empty(n, k, dtype=torch.float32)
+        table = C.E8M0_TABLE if w.fmt == "mxfp4" else C.E4M3_TABLE
+        g = 1.0 if w.fmt == "mxfp4" else float(we.global_scale)
+        K.fp4_dequant(we.data.contiguous().numpy(), we.scales.contiguous().view(torch.uint8).numpy(),
+                      table.numpy(), g, out.numpy())
+        return out
+    return dequantize(we)
+
+
 def _dequant_per_expert(x, w: QuantizedTensor) -> torch.Tensor:
     E, Cn, _ = x.shape
     y = torch.empty(E, Cn, w.logical_shape[1], dtype=torch.float32, device=x.device)
     xf = x.float()
     for e in range(E):
-        torch.matmul(xf[e], dequantize(w[e]).T, out=y[e])
+        torch.matmul(xf[e], _dequant_one(w, e).T, out=y[e])
     return y.to(x.dtype)
 
 
