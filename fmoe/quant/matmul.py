@@ -21,10 +21,11 @@ from . import _codecs as C
 from .formats import dequantize
 from .tensor import FP4_FORMATS, QuantizedTensor
 
-# Largest tokens-per-expert C for which the fused kernel beat dequantize-then-matmul, measured
-# by benchmarks/bench_quant.py on the 2-core development VM (2026-11-30). Machines differ:
-# calibrate_crossover() re-measures and updates this table explicitly.
-_CROSSOVER = {"mxfp4": 8, "nvfp4": 8, "mxfp8": 4, "fp8_block": 4, "fp8_row": 4}
+# Largest tokens-per-expert C for which the fused kernel beat per-expert dequantize+matmul.
+# FP4: measured by benchmarks/bench_quant.py (E=8, N=1024, K=2048) on the shared 2-core dev VM
+# on 2026-11-30 (fused won up to C=32, lost at 64). FP8 values are unmeasured guesses. Machines
+# differ: calibrate_crossover() re-measures and updates this table explicitly.
+_CROSSOVER = {"mxfp4": 32, "nvfp4": 32, "mxfp8": 4, "fp8_block": 4, "fp8_row": 4}
 
 PATHS = ("auto", "fused", "dequant", "reference")
 
