@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fmoe.comm.layout import chunks_to_front, front_to_concat, gathered_to_axis, norm_axis
+from fmoe.comm.layout import chunks_to_front, front_to_concat, gathered_to_axis, norm_axis, raw_collective
 
 __all__ = ["MPIComm", "mpi_launched"]
 
@@ -111,6 +111,7 @@ class MPIComm:
 
     # ------------------------------------------------------------------ protocol
 
+    @raw_collective
     def exchange(self, front: Tensor) -> Tensor:
         """Row w of contiguous ``front`` [W, ...] goes to rank w; row u of the result came from rank u."""
         if front.shape[0] != self.size:
@@ -123,6 +124,7 @@ class MPIComm:
                       lambda: self.mpi_comm.Ialltoall(s, r))
         return out
 
+    @raw_collective
     def all_to_all(self, x: Tensor, concat_axis: int, split_axis: int) -> Tensor:
         """JAX-style all-to-all (see :class:`fmoe.comm.Communicator`); one MPI_Alltoall."""
         if x.dim() == 0:
@@ -130,6 +132,7 @@ class MPIComm:
         concat_axis = norm_axis(concat_axis, x.dim(), "concat_axis")
         return front_to_concat(self.exchange(chunks_to_front(x, split_axis, self.size)), concat_axis)
 
+    @raw_collective
     def all_to_all_v(self, x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> Tensor:
         """Variable all-to-all of rows (dim 0) with MPI_Alltoallv; rows travel as one derived type."""
         MPI = _mpi()
@@ -154,6 +157,7 @@ class MPIComm:
             row.Free()
         return out
 
+    @raw_collective
     def all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
         """Elementwise reduction over ranks; half precisions are reduced in fp32."""
         MPI = _mpi()
@@ -171,6 +175,7 @@ class MPIComm:
                       lambda: self.mpi_comm.Iallreduce(s, r, mpi_op))
         return out.to(x.dtype)
 
+    @raw_collective
     def all_gather(self, x: Tensor, axis: int = 0) -> Tensor:
         """Concatenate every rank's x (same shape everywhere) along ``axis``."""
         axis = norm_axis(axis, max(x.dim(), 1))

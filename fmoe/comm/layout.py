@@ -8,9 +8,44 @@ into JAX-style ``all_to_all(x, concat_axis, split_axis)`` (spec §12.2).
 """
 from __future__ import annotations
 
+import functools
+
+import torch
 from torch import Tensor
 
-__all__ = ["norm_axis", "chunks_to_front", "front_to_concat", "gathered_to_axis", "a2a_out_shape"]
+__all__ = ["plain", "raw_collective", "norm_axis", "chunks_to_front", "front_to_concat", "gathered_to_axis", "a2a_out_shape"]
+
+
+def plain(t: Tensor) -> Tensor:
+    """The underlying tensor of a torch.func-wrapped one (GradTrackingTensor, BatchedTensor, ...).
+
+    The raw collectives of a Communicator are not differentiable; code that
+    runs them on metadata (capacity, counts, fingerprints) inside a torch.func
+    transform hands them wrapped tensors, which have no storage to send.
+    Batched (vmapped) tensors cannot be unwrapped meaningfully and are refused.
+    """
+    f = torch._C._functorch
+    while f.is_functorch_wrapped_tensor(t):
+        if f.is_batchedtensor(t):
+            raise ValueError("a raw collective got a vmapped tensor; use fmoe.comm.all_to_all & co. under vmap")
+        t = f.get_unwrapped(t)
+    return t
+
+
+def raw_collective(method):
+    """Decorator for a Communicator's (non-differentiable) collectives.
+
+    Inside a torch.func transform even fresh tensors are wrapped and have no
+    storage, so MPI or gloo could not read them. The method gets the plain
+    tensor and runs with functorch disabled; its result is a plain tensor, a
+    constant to any surrounding transform (differentiable collectives go
+    through :mod:`fmoe.comm.collectives`).
+    """
+    @functools.wraps(method)
+    def wrapper(self, x, *args, **kwargs):
+        with torch._C._DisableFuncTorch():
+            return method(self, plain(x), *args, **kwargs)
+    return wrapper
 
 
 def norm_axis(axis: int, ndim: int, what: str = "axis") -> int:

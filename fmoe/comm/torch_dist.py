@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .layout import chunks_to_front, front_to_concat, gathered_to_axis, norm_axis
+from .layout import chunks_to_front, front_to_concat, gathered_to_axis, norm_axis, raw_collective
 
 __all__ = ["TorchDistComm"]
 
@@ -57,6 +57,7 @@ class TorchDistComm:
     def barrier(self) -> None:
         dist.barrier(self.group)
 
+    @raw_collective
     def exchange(self, front: Tensor) -> Tensor:
         """Row w of ``front`` [W, ...] goes to rank w; row u of the result came from rank u."""
         front = front.contiguous()
@@ -65,10 +66,12 @@ class TorchDistComm:
             dist.all_to_all_single(out, front, group=self.group)
         return out
 
+    @raw_collective
     def all_to_all(self, x: Tensor, concat_axis: int, split_axis: int) -> Tensor:
         concat_axis = norm_axis(concat_axis, x.dim(), "concat_axis")
         return front_to_concat(self.exchange(chunks_to_front(x, split_axis, self.size)), concat_axis)
 
+    @raw_collective
     def all_to_all_v(self, x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> Tensor:
         send, recv = [int(c) for c in send_counts], [int(c) for c in recv_counts]
         if len(send) != self.size or len(recv) != self.size or sum(send) != x.shape[0]:
@@ -79,6 +82,7 @@ class TorchDistComm:
         dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=self.group)
         return out
 
+    @raw_collective
     def all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
         if op not in _OPS:
             raise ValueError(f"all_reduce op must be one of {tuple(_OPS)}, got {op!r}")
@@ -86,6 +90,7 @@ class TorchDistComm:
         dist.all_reduce(out, op=_OPS[op], group=self.group)
         return out
 
+    @raw_collective
     def all_gather(self, x: Tensor, axis: int = 0) -> Tensor:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
