@@ -539,7 +539,7 @@ def _grouped(params, batch, spec, rs, settings, param_dims, task_loss, grad, E_m
                                 noise_scale=s.noise_scale)
             return _metrics(y, aux, (s.aux_coef, s.z_coef), task_loss, b[1], E_max)
 
-        if per_setting:
+        if per_setting or len(idx) == 1:  # vmap over a batch of one only adds overhead
             one = sub[0]
             p1 = sub_params
             if stacked_gate:
