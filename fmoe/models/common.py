@@ -26,6 +26,8 @@ from torch.utils import _pytree as pytree
 from ..comm import resolve
 from ..ops import combine as _fmoe_combine
 from ..ops import dispatch as _fmoe_dispatch
+from ..ops.grouped import expert_mm as _grouped_expert_mm
+from ..ops.grouped import filled_rows
 from ..routing import Routing, make_routing
 
 __all__ = ["BlockAux", "COMBINES", "ACTIVATIONS", "activation", "cfg_get", "is_quantized", "expert_mm",
@@ -85,7 +87,7 @@ def _dequantized(w, dtype: torch.dtype) -> Tensor:
     return w.dequantize(dtype)
 
 
-def expert_mm(x: Tensor, w, *, layout: str) -> Tensor:
+def expert_mm(x: Tensor, w, *, layout: str, rows: Optional[Tensor] = None) -> Tensor:
     """Per-expert matmul ``x[e] @ W[e]`` with ``torch.bmm``.
 
     Args:
@@ -94,6 +96,8 @@ def expert_mm(x: Tensor, w, *, layout: str) -> Tensor:
             float [E, K, N] when ``layout == "in_out"`` (GPT-OSS float layout), or a
             QuantizedTensor of logical shape [E, N, K] whatever ``layout`` says (quantized
             checkpoints always store out x in).
+        rows: optional int64 [E] filled rows per expert (dropless: the counts); float weights
+            then multiply only those rows (:mod:`fmoe.ops.grouped`), later rows are 0.
     Returns:
         [E, C, N] in x's dtype.
     """
@@ -104,7 +108,9 @@ def expert_mm(x: Tensor, w, *, layout: str) -> Tensor:
             return mm(x, w).to(x.dtype)
         return torch.bmm(x, _dequantized(w, x.dtype).transpose(1, 2))
     w = w.to(x.dtype)
-    return torch.bmm(x, w.transpose(1, 2) if layout == "out_in" else w)
+    # Decode buffers are mostly empty experts; the grouped GEMM skips them (and runs one
+    # torch.mm per filled expert, like transformers' per-expert loop).
+    return _grouped_expert_mm(x, w, transposed=layout == "out_in", rows=rows)
 
 
 def linear(x: Tensor, w, bias: Optional[Tensor] = None) -> Tensor:
@@ -226,7 +232,8 @@ def routed_experts(expert_params: dict, tokens: Tensor, routing: Routing, expert
         expert_params: the experts' pytree (float or quantized leaves).
         tokens: [T, H] in dt.
         routing: dropless routing over the T tokens (weights as fed to the experts).
-        expert_fn: ``fn(params, x[E, C, H]) -> [E, C, H]``.
+        expert_fn: ``fn(params, x[E, C, H], *, rows=None) -> [E, C, H]``; locally it is given
+            ``rows`` (filled rows per expert) so empty buffer rows are skipped.
         combine: "eager" or "grouped" (module docstring).
         comm: None / a size-1 communicator runs locally; a larger one goes through
             ``fmoe.parallel.expert_parallel`` (no silent single-process fallback).
@@ -238,7 +245,7 @@ def routed_experts(expert_params: dict, tokens: Tensor, routing: Routing, expert
     buffers = _fmoe_dispatch(tokens, routing)
     c = resolve(comm)
     if c.size == 1:
-        out = expert_fn(expert_params, buffers)
+        out = expert_fn(expert_params, buffers, rows=filled_rows(routing.counts, routing.capacity))
     else:
         try:
             from ..parallel import expert_parallel

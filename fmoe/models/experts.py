@@ -21,34 +21,38 @@ Shared experts act on tokens [T, H] (they are not routed):
 """
 from __future__ import annotations
 
-from torch import Tensor
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from .common import activation, expert_mm, is_quantized, linear
 
 __all__ = ["swiglu_experts", "gpt_oss_experts", "swiglu_mlp", "gated_shared_mlp"]
 
 
-def swiglu_experts(params: dict, x: Tensor, *, act: str = "silu") -> Tensor:
+def swiglu_experts(params: dict, x: Tensor, *, act: str = "silu", rows: Optional[Tensor] = None) -> Tensor:
     """y_e = D_e (act(G_e x) * (U_e x)), no biases, in x's dtype dt.
 
     Args:
         params: ``{"gate_up_proj": [E, 2I, H], "down_proj": [E, H, I]}`` or
             ``{"gate_proj": [E, I, H], "up_proj": [E, I, H], "down_proj": [E, H, I]}``.
         x: [E, C, H] in dt.
+        rows: optional int64 [E] filled rows per expert; rows past them are not meaningful.
     Returns:
         [E, C, H] in dt.
     """
     f = activation(act)
     if "gate_up_proj" in params:
-        gate, up = expert_mm(x, params["gate_up_proj"], layout="out_in").chunk(2, dim=-1)
+        gate, up = expert_mm(x, params["gate_up_proj"], layout="out_in", rows=rows).chunk(2, dim=-1)
     else:
-        gate = expert_mm(x, params["gate_proj"], layout="out_in")
-        up = expert_mm(x, params["up_proj"], layout="out_in")
-    return expert_mm(f(gate) * up, params["down_proj"], layout="out_in")
+        gate = expert_mm(x, params["gate_proj"], layout="out_in", rows=rows)
+        up = expert_mm(x, params["up_proj"], layout="out_in", rows=rows)
+    return expert_mm(f(gate) * up, params["down_proj"], layout="out_in", rows=rows)
 
 
-def gpt_oss_experts(params: dict, x: Tensor, *, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
+def gpt_oss_experts(params: dict, x: Tensor, *, alpha: float = 1.702, limit: float = 7.0,
+                    rows: Optional[Tensor] = None) -> Tensor:
     """GPT-OSS clamped SwiGLU (§7), including the down bias (the combine weight scales it).
 
         z = x A_e + a_e;  gate = z[..., 0::2], up = z[..., 1::2]
@@ -57,16 +61,17 @@ def gpt_oss_experts(params: dict, x: Tensor, *, alpha: float = 1.702, limit: flo
 
     Args:
         params: see the module docstring. x: [E, C, H] in dt.
+        rows: optional int64 [E] filled rows per expert; rows past them are not meaningful.
     Returns:
         [E, C, H] in dt. Empty buffer rows give d_e, not 0; they are never combined.
     """
-    z = expert_mm(x, params["gate_up_proj"], layout="in_out")
+    z = expert_mm(x, params["gate_up_proj"], layout="in_out", rows=rows)
     z = z + params["gate_up_proj_bias"].to(z.dtype).unsqueeze(1)
     gate, up = z[..., 0::2], z[..., 1::2]
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     h = (up + 1) * (gate * torch.sigmoid(gate * alpha))
-    y = expert_mm(h, params["down_proj"], layout="in_out")
+    y = expert_mm(h, params["down_proj"], layout="in_out", rows=rows)
     return y + params["down_proj_bias"].to(y.dtype).unsqueeze(1)
 
 
