@@ -71,7 +71,8 @@ def _ranks_agree(request):
     failed = bool(rep is not None and rep.failed)
     text = ""
     if failed:
-        text = str(rep.longrepr).strip().splitlines()[-1] if rep.longrepr else "failed"
+        lines = rep.longreprtext.strip().splitlines() or ["failed"]
+        text = " | ".join([ln[1:].strip() for ln in lines if ln.startswith("E ")][:3] or lines[-1:])
     sync = MPIComm(_WORLD, timeout=COLLECTIVE_TIMEOUT_S)
     msgs = _gather_text(sync, ("FAIL " + text) if failed else "")
     others = [(r, m) for r, m in enumerate(msgs) if m and r != _WORLD.Get_rank()]
