@@ -9,7 +9,7 @@ Stateless primitives over explicit parameter pytrees, composed at the user's edg
 
 Data flows one way: gates -> routing -> ops -> experts -> moe -> nn.
 """
-from . import comm, experts, gates, losses, ops
+from . import ablate, comm, experts, gates, losses, ops, stats
 from .experts import ExpertSpec
 from .moe import GateSpec, MoEAux, MoESpec, check_params, init_params, moe, route
 from .ops import combine, dispatch, gate_grad
@@ -21,5 +21,5 @@ __all__ = [
     "Routing", "top_k", "assign_slots", "capacity_for", "make_routing", "top_k_routing",
     "dispatch", "combine", "gate_grad",
     "ExpertSpec", "GateSpec", "MoESpec", "MoEAux", "init_params", "moe", "route", "check_params",
-    "comm", "experts", "gates", "losses", "ops",
+    "ablate", "comm", "experts", "gates", "losses", "ops", "stats",
 ]

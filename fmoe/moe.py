@@ -112,6 +112,8 @@ class MoEAux:
         dropped: int64 [] (token, expert) pairs lost to capacity.
         routing: the :class:`~fmoe.Routing` used (replayable).
         capacity: C.
+        scores: [T, E] routing scores (softmax/sigmoid of the noisy logits);
+            None when a recorded routing was replayed.
     """
 
     l_aux: Tensor
@@ -119,12 +121,13 @@ class MoEAux:
     dropped: Tensor
     routing: Routing
     capacity: int
+    scores: Optional[Tensor] = None
 
 
 pytree.register_pytree_node(
     MoEAux,
-    lambda a: ([a.l_aux, a.counts, a.dropped, a.routing], a.capacity),
-    lambda leaves, cap: MoEAux(*leaves, capacity=cap),
+    lambda a: ([a.l_aux, a.counts, a.dropped, a.routing, a.scores], a.capacity),
+    lambda leaves, cap: MoEAux(*leaves[:4], capacity=cap, scores=leaves[4]),
     serialized_type_name="fmoe.moe.MoEAux",
 )
 
@@ -220,6 +223,12 @@ def route(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator=None, 
     """Gate and route tokens x [T, M]; returns the Routing and the unweighted l_aux.
 
     ``alignment`` overrides ``spec.alignment`` (expert parallel needs C % (s*d) == 0)."""
+    routing, l_aux, _ = _route(params, x, spec, comm=comm, generator=generator, noise=noise, training=training,
+                               alignment=alignment)
+    return routing, l_aux
+
+
+def _route(params, x, spec, *, comm, generator, noise, training, alignment):
     gs = spec.gate
     logits = _gates.gate_logits(gs.type, params["gate"], x, fp32=gs.fp32_gate)
     noisy = logits
@@ -233,7 +242,7 @@ def route(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator=None, 
         l_aux = gshard_loss(scores, routing.expert_ids[0])
     else:
         l_aux = load_importance_loss(logits, noisy, gs.k, gs.gate_noise)
-    return routing, l_aux
+    return routing, l_aux, scores
 
 
 def _check_input(x, spec: MoESpec) -> None:
@@ -289,13 +298,13 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
         alignment = _par.capacity_alignment(spec.num_experts, comm.size, parallel, spec.alignment)
     tokens = x.reshape(-1, spec.model_dim)
     if routing is None:
-        routing, l_aux = route(params, tokens, spec, comm=comm, generator=generator, noise=noise,
-                               training=training, alignment=alignment)
+        routing, l_aux, scores = _route(params, tokens, spec, comm=comm, generator=generator, noise=noise,
+                                        training=training, alignment=alignment)
     else:
         if routing.num_tokens != tokens.shape[0] or routing.num_experts != spec.num_experts:
             raise ValueError(f"moe: injected routing is for T={routing.num_tokens}, E={routing.num_experts}; "
                              f"this call has T={tokens.shape[0]}, E={spec.num_experts}")
-        l_aux = x.new_zeros(())
+        l_aux, scores = x.new_zeros(()), None
     compute = tokens.to(_expert_dtype(params["experts"], x.dtype))
     buffers = dispatch(compute, routing, weighted=not spec.is_postscore)
     if comm.size == 1:
@@ -305,5 +314,5 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
                                            dataclasses.replace(parallel, check=False))
     y = combine(out_buffers, routing, weighted=spec.is_postscore)
     y = y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
-    aux = MoEAux(l_aux, routing.counts, routing.num_dropped(), routing, routing.capacity)
+    aux = MoEAux(l_aux, routing.counts, routing.num_dropped(), routing, routing.capacity, scores)
     return y, aux

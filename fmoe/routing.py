@@ -299,7 +299,13 @@ def make_routing(expert_ids: Tensor, weights: Tensor, num_experts: int, capacity
         t_star = _group_max(T, comm, expert_ids.device) if cf > 0 else T
         max_load = None
         if cf <= 0:
-            local = int(counts.max().item()) if num_experts > 0 else 0
+            try:
+                local = int(counts.max().item()) if num_experts > 0 else 0
+            except RuntimeError as e:  # e.g. under vmap: the buffer size cannot depend on batched data
+                raise RuntimeError(
+                    "dropless routing (capacity_factor <= 0) needs max(counts) as a Python int to size the "
+                    "expert buffers, which is impossible under vmap/tracing; pass a static capacity= "
+                    "(e.g. T * k covers every case)") from e
             max_load = _group_max(local, comm, expert_ids.device)
         capacity = capacity_for(cf, num_tokens=t_star, num_experts=num_experts, k=k,
                                 max_load=max_load, alignment=alignment)
