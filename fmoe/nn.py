@@ -180,7 +180,11 @@ class MoELayer(nn.Module):
             experts are drawn from a generator seeded with seeds[1] and gate i
             from seeds[0] + i (fmoe does not touch the global RNG).
         generator: alternatively one explicit generator for everything.
-        a2a_ffn_overlap_degree, parallel_type, use_2dh: distributed settings.
+        a2a_ffn_overlap_degree, parallel_type, use_2dh: distributed settings
+            (defaults for every call; ``forward`` can override the first two
+            for one call). ``use_2dh`` needs ``local_size`` (ranks per node):
+            fmoe never reads it from the environment.
+        local_size: ranks per node for the 2DH all-to-all.
         is_postscore, batch_prioritized_routing, normalize_gate, is_gshard_loss:
             as in :class:`fmoe.MoESpec`.
         dtype: parameter dtype of the experts (gates stay float32 with fp32_gate).
@@ -192,7 +196,8 @@ class MoELayer(nn.Module):
                  generator: Optional[torch.Generator] = None, a2a_ffn_overlap_degree: int = 1,
                  is_postscore: bool = True, batch_prioritized_routing: bool = False, normalize_gate: bool = True,
                  is_gshard_loss: bool = True, parallel_type: str = "adaptive:1", use_2dh: bool = False,
-                 dtype: torch.dtype = torch.float32, scan_expert_func=None, group=None):
+                 dtype: torch.dtype = torch.float32, scan_expert_func=None, group=None,
+                 local_size: Optional[int] = None):
         super().__init__()
         if group is not None:
             raise ValueError("MoELayer takes an explicit communicator: pass comm=fmoe.comm.TorchDistComm(group) "
@@ -224,6 +229,9 @@ class MoELayer(nn.Module):
         self.parallel_type = _parse_parallel_type(parallel_type)
         self.a2a_ffn_overlap_degree = a2a_ffn_overlap_degree
         self.use_2dh = bool(use_2dh)
+        if self.use_2dh and world > 1 and local_size is None:
+            raise ValueError("use_2dh=True needs local_size= (ranks per node); fmoe does not read LOCAL_SIZE")
+        self.local_size = local_size
         self.result_func = result_func
         self.register_buffer("_num_global_experts", torch.tensor(num_global, dtype=torch.int64))
 
@@ -232,9 +240,14 @@ class MoELayer(nn.Module):
                 return torch.Generator().manual_seed(int(seeds[seed_index]) + offset)
             return generator
 
-        local = n if n > 0 else 1
-        expert_params = init_params(self.specs[0], generator=gen(1), dtype=dtype,
-                                    num_local_experts=local)["experts"]
+        if n > 0:
+            expert_params = init_params(self.specs[0], generator=gen(1), dtype=dtype,
+                                        num_local_experts=n)["experts"]
+        else:  # one expert shared by -n ranks: draw it whole, keep this rank's shard (spec §12.1)
+            from .parallel import shard_experts
+            whole = init_params(self.specs[0], generator=gen(1), dtype=dtype,
+                                num_local_experts=num_global)["experts"]
+            expert_params = shard_experts(espec.type, whole, num_global, 0 if comm is None else comm.rank, world)
         self.experts = _Experts(espec, expert_params)
         gates = []
         for i, spec in enumerate(self.specs):
@@ -266,15 +279,26 @@ class MoELayer(nn.Module):
             spec = dataclasses.replace(spec, gate=dataclasses.replace(spec.gate, **changes))
         return spec
 
+    def parallel_spec(self, a2a_ffn_overlap_degree: Optional[int] = None, adaptive_r: Optional[int] = None):
+        """The :class:`fmoe.parallel.ParallelSpec` of one call (None for one process); nothing is stored."""
+        if self.comm is None or self.comm.size == 1:
+            return None
+        from .parallel import ParallelSpec
+        mode = self.parallel_type if adaptive_r is None else f"adaptive:{int(adaptive_r)}"
+        d = self.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else a2a_ffn_overlap_degree
+        return ParallelSpec(mode=mode, overlap_degree=d, local_size=self.local_size if self.use_2dh else None)
+
     def forward(self, input: Tensor, gate_index: int = 0, capacity_factor: Optional[float] = None,
                 top_k: Optional[int] = None, reserve_dims: int = 1, *, generator: Optional[torch.Generator] = None,
-                return_aux: bool = False, routing=None):
+                return_aux: bool = False, routing=None, a2a_ffn_overlap_degree: Optional[int] = None,
+                adaptive_r: Optional[int] = None):
         """Args:
             input: [..., M] (or [..., *feature] with ``reserve_dims`` > 1 trailing feature dims).
             gate_index, capacity_factor, top_k: per-call overrides (this call only).
             generator: RNG for gate noise (training mode).
             return_aux: return ``(y, aux)`` instead of ``y`` with ``y.l_aux``.
             routing: a recorded Routing to replay.
+            a2a_ffn_overlap_degree, adaptive_r: distributed settings for this call only.
         """
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
             raise ValueError(f"top_k must be an int >= 0 (0 = the gate's k), got {top_k!r}")
@@ -285,7 +309,8 @@ class MoELayer(nn.Module):
         feature = input.shape[input.dim() - reserve_dims:]
         x = input.reshape(*input.shape[:input.dim() - reserve_dims], math.prod(feature))
         y, aux = moe(self.params(gate_index), x, spec, comm=self.comm, generator=generator,
-                     training=self.training, routing=routing)
+                     training=self.training, routing=routing,
+                     parallel=self.parallel_spec(a2a_ffn_overlap_degree, adaptive_r))
         if reserve_dims > 1 and y.shape[-1] == x.shape[-1]:
             y = y.reshape(input.shape)
         if return_aux:

@@ -3,6 +3,12 @@
     python -m fmoe.examples.helloworld --batch_size 4 --num_tokens 256 --model_dim 256 \\
         --hidden_size 512 --num_local_experts 2 --top 2 --num_steps 10
 
+Expert parallel (the launcher picks the communicator: MPI under mpiexec,
+gloo under torchrun; only rank 0 prints):
+
+    mpiexec -n 2 python -m fmoe.examples.helloworld --num_local_experts 2 ...
+    torchrun --nproc_per_node=2 -m fmoe.examples.helloworld --num_local_experts -2 ...
+
 Model (Tutel spec §14): y = MoELayer(x); logits = log_softmax(sum_features(y), over
 tokens); loss = NLL against token index 0; SGD. Prints loss and step time per step.
 """
@@ -38,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--a2a_ffn_overlap_degree", type=int, default=1)
     p.add_argument("--parallel_type", default="adaptive:1")
     p.add_argument("--use_2dh", action="store_true")
+    p.add_argument("--local_size", type=int, default=None, help="ranks per node for --use_2dh")
+    p.add_argument("--comm", choices=("auto", "mpi", "torch", "local"), default="auto",
+                   help="communicator when run as a script (auto: from the launcher)")
     return p.parse_args(argv)
 
 
@@ -51,7 +60,7 @@ def build(args, comm=None) -> MoELayer:
                  "hidden_size_per_expert": args.hidden_size, "activation_fn": F.relu},
         comm=comm, seeds=(args.seed, args.seed + rank, args.seed),
         a2a_ffn_overlap_degree=args.a2a_ffn_overlap_degree, parallel_type=args.parallel_type,
-        use_2dh=args.use_2dh,
+        use_2dh=args.use_2dh, local_size=args.local_size,
     )
     return layer.to(device=args.device, dtype=DTYPES[args.dtype])
 
@@ -76,6 +85,11 @@ def main(argv=None, comm=None) -> list[float]:
         logits = F.log_softmax(y.float().sum(dim=2), dim=1)
         loss = F.nll_loss(logits, target) + args.l_aux_wt * aux.l_aux
         loss.backward()
+        if comm is not None and comm.size > 1:
+            # every rank sees the same x: average the replicated (non-expert) gradients
+            for name, p in layer.named_parameters():
+                if not name.startswith("experts.") and p.grad is not None:
+                    p.grad = comm.all_reduce(p.grad, "sum") / comm.size
         opt.step()
         dt = time.perf_counter() - t0
         losses.append(loss.item())
@@ -86,4 +100,8 @@ def main(argv=None, comm=None) -> list[float]:
 
 
 if __name__ == "__main__":
-    main()
+    from fmoe.comm import abort_on_error, from_env
+    _args = parse_args()
+    _comm = from_env(_args.comm)
+    with abort_on_error(_comm):  # one failing rank stops the job instead of hanging it
+        main(comm=_comm)
