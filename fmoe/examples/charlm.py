@@ -136,6 +136,38 @@ class CharLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)), l_aux
 
 
+def sync_and_clip(model: nn.Module, comm, max_norm: float) -> None:
+    """Data parallel for the replicated parameters, expert parallel for the experts.
+
+    Each rank's loss is a mean over its own batch; the objective is the mean over
+    ranks. Replicated (non-expert) gradients are averaged over ranks; expert
+    gradients already sum every rank's contribution (the all-to-all backward)
+    and are divided by W. The clipping norm is the global one, so every rank
+    scales by the same factor and replicas stay identical.
+    """
+    if comm is None or comm.size == 1:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return
+    W = comm.size
+    shared_sq = torch.zeros((), dtype=torch.float64)
+    expert_sq = torch.zeros((), dtype=torch.float64)
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        if ".experts." in name:
+            p.grad.div_(W)
+            expert_sq += p.grad.double().pow(2).sum()
+        else:
+            p.grad.copy_(comm.all_reduce(p.grad, "sum") / W)
+            shared_sq += p.grad.double().pow(2).sum()
+    total = (shared_sq + comm.all_reduce(expert_sq.reshape(1), "sum")[0]).sqrt()
+    scale = min(1.0, max_norm / (float(total) + 1e-6))
+    if scale < 1.0:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+
+
 @torch.no_grad()
 def evaluate(model: CharLM, data: Tensor, batch_size: int, steps: int, seed: int = 1234) -> float:
     model.eval()
@@ -213,7 +245,7 @@ def main(argv=None, comm=None) -> dict:
         loss, l_aux = model.loss(inputs, targets)
         opt.zero_grad(set_to_none=True)
         (loss + cfg.aux_weight * l_aux).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        sync_and_clip(model, comm, 1.0)
         opt.step()
         sched.step()
         tokens_seen += inputs.numel()
@@ -233,6 +265,7 @@ def main(argv=None, comm=None) -> dict:
         "tokens_per_second": tokens_seen / elapsed,
         "seconds": elapsed,
         "parameters": n_params,
+        "ranks": 1 if comm is None else comm.size,
         "config": dataclasses.asdict(cfg),
     }
     if rank == 0:
@@ -250,4 +283,10 @@ def main(argv=None, comm=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    # Expert parallel: `mpiexec -n 2 python -m fmoe.examples.charlm ...` or
+    # `torchrun --nproc_per_node=2 -m fmoe.examples.charlm ...`; experts are split
+    # over the ranks, everything else is data parallel.
+    from fmoe.comm import abort_on_error, from_env
+    _comm = from_env()
+    with abort_on_error(_comm):
+        main(comm=_comm)
