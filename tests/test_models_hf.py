@@ -231,6 +231,10 @@ def test_patch_trains():
     blk = model.model.layers[0].mlp
     assert isinstance(blk, FmoeMoEBlock)
     assert blk.experts.gate_up_proj.grad.abs().sum() > 0 and blk.gate.weight.grad.abs().sum() > 0
+    import copy
+    twin = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        assert torch.equal(twin(ids).logits, model.eval()(ids).logits)
 
 
 def test_patch_refuses_models_without_moe():

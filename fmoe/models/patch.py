@@ -66,9 +66,13 @@ class FmoeMoEBlock(nn.Module):
         self.original_class = type(original).__name__
         for name, child in original.named_children():
             self.add_module(name, child)
-        self._mod = arch_module(self.arch)
         # Validate now (e.g. packed MXFP4 experts) rather than at the first forward.
         self._mod.params_from_module(self)
+
+    @property
+    def _mod(self):
+        # Looked up, not stored: a module object attribute would break copy.deepcopy(model).
+        return arch_module(self.arch)
 
     def extra_repr(self) -> str:
         return f"fmoe {self.arch} (was {self.original_class}), combine={self.combine!r}"
