@@ -48,13 +48,17 @@ def mpi_launched() -> bool:
     return False
 
 
-def _bytes(t: Tensor) -> np.ndarray:
-    """A uint8 numpy view of a contiguous CPU tensor's storage (no copy)."""
+def _bytes(t: Tensor):
+    """An MPI byte buffer over a contiguous CPU tensor's memory (no copy, any dtype).
+
+    ``MPI.buffer.fromaddress`` costs ~0.3 us, a numpy view ~6 us: it matters
+    for small capacity buffers, where the exchange itself takes tens of us.
+    """
     if t.device.type != "cpu":
         raise ValueError(f"MPIComm moves CPU tensors only, got a tensor on {t.device}")
     if not t.is_contiguous():
         raise ValueError("internal: MPIComm buffer must be contiguous")
-    return t.reshape(-1).view(torch.uint8).numpy()
+    return _mpi().buffer.fromaddress(t.data_ptr(), t.numel() * t.element_size())
 
 
 class MPIComm:
@@ -112,12 +116,22 @@ class MPIComm:
     # ------------------------------------------------------------------ protocol
 
     @raw_collective
-    def exchange(self, front: Tensor) -> Tensor:
-        """Row w of contiguous ``front`` [W, ...] goes to rank w; row u of the result came from rank u."""
+    def exchange(self, front: Tensor, out: Optional[Tensor] = None) -> Tensor:
+        """Row w of contiguous ``front`` [W, ...] goes to rank w; row u of the result came from rank u.
+
+        ``out`` (contiguous, front's shape and dtype) is filled in place when given:
+        reusing it avoids page-faulting a fresh large buffer on every call.
+        """
+        return self._exchange(front, out)
+
+    def _exchange(self, front: Tensor, out: Optional[Tensor] = None) -> Tensor:
         if front.shape[0] != self.size:
             raise ValueError(f"exchange: leading dim must be {self.size}, got {tuple(front.shape)}")
         front = front.contiguous()
-        out = torch.empty_like(front)
+        if out is None:
+            out = torch.empty_like(front)
+        elif out.shape != front.shape or out.dtype != front.dtype or not out.is_contiguous():
+            raise ValueError(f"exchange: out must be contiguous {tuple(front.shape)} {front.dtype}")
         if front.numel():
             s, r = _bytes(front), _bytes(out)
             self._run("all_to_all", lambda: self.mpi_comm.Alltoall(s, r),
@@ -130,7 +144,7 @@ class MPIComm:
         if x.dim() == 0:
             raise ValueError("all_to_all needs at least one dimension")
         concat_axis = norm_axis(concat_axis, x.dim(), "concat_axis")
-        return front_to_concat(self.exchange(chunks_to_front(x, split_axis, self.size)), concat_axis)
+        return front_to_concat(self._exchange(chunks_to_front(x, split_axis, self.size)), concat_axis)
 
     @raw_collective
     def all_to_all_v(self, x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> Tensor:

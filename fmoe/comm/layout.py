@@ -66,6 +66,8 @@ def chunks_to_front(x: Tensor, split_axis: int, world: int) -> Tensor:
         raise ValueError(f"all_to_all: split axis {b} has size {size}, not divisible by the "
                          f"{world} ranks of the communicator (shape {tuple(x.shape)})")
     shape = tuple(x.shape[:b]) + (world, size // world) + tuple(x.shape[b + 1:])
+    if b == 0:
+        return x.reshape(shape).contiguous()
     return x.reshape(shape).movedim(b, 0).contiguous()
 
 
