@@ -139,6 +139,11 @@ def gather(states: list, *, num_experts: Optional[int] = None) -> dict:
                         o = states[-1].get(key[:-len(name)] + _PADDED[name])
                         if o is not None:
                             full = full[..., :o.shape[-1]]
+                elif name.startswith("W_fc"):
+                    # MoELayer stores a gated expert's hidden-axis shard flattened, not Tutel's flat
+                    # storage split; joining the pieces as flat storage would silently scramble them.
+                    raise ValueError(f"gather: {key} is a sharded gated (llama_ffn) expert; converting sharded "
+                                     "gated experts is not supported")
                 else:
                     full = torch.cat(pieces, 0).reshape(E, -1, *pieces[0].shape[2:])
             else:
