@@ -6,21 +6,23 @@ from fmoe.experts import ExpertSpec, ffn, gated_ffn, init_experts
 from fmoe.ops.grouped import filled_rows, grouped_mm, grouped_wgrad
 
 ROWS = [64, 10, 0, 33, 1, 5, 12, 4]  # full, small (MKL's odd small-M kernel), empty
+SPARSE = [0, 10, 0, 0, 1, 0, 0, 64]  # few busy experts: the per-expert path
 
 
-def _buffers(E=8, C=64, M=48, seed=0):
+def _buffers(E=8, C=64, M=48, seed=0, rows=ROWS):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(E, C, M, generator=g)
     mask = torch.zeros(E, C, 1)
-    for e, n in enumerate(ROWS[:E]):
+    for e, n in enumerate(rows[:E]):
         x[e, n:] = 0  # dispatch leaves empty rows zero
         mask[e, :n] = 1
-    return g, x, mask, torch.tensor(ROWS[:E])
+    return g, x, mask, torch.tensor(rows[:E])
 
 
 @pytest.mark.parametrize("typ,fn", [("ffn", ffn), ("gated_ffn", gated_ffn)])
-def test_filled_rows_equal_padded_forward_and_grad(typ, fn):
-    g, x, mask, rows = _buffers()
+@pytest.mark.parametrize("row_counts", [ROWS, SPARSE])
+def test_filled_rows_equal_padded_forward_and_grad(typ, fn, row_counts):
+    g, x, mask, rows = _buffers(rows=row_counts)
     p = init_experts(ExpertSpec(type=typ, hidden_size=80), 8, 48, generator=g)
     y_pad, y_grp = fn(p, x), fn(p, x, rows=rows)
     # Every row that combine reads is bit-identical to the padded computation.

@@ -12,8 +12,9 @@ Two autograd Functions, closed under differentiation (so grad of grad works):
         op(w) = w ([E,K,N]) or w^T ([E,N,K], ``transposed=True``)
     grouped_wgrad(a [E,C,P], b [E,C,Q], rows)    z[e] = a[e,:n]^T @ b[e,:n]   ([E,P,Q])
 
-Each expert's product is one ``torch.mm`` on views (no copies, no transposes
-materialised) written straight into the output. Under ``torch.func.vmap`` and
+When most experts have rows, one ``torch.bmm`` over the longest filled prefix
+does the work; when few do (decode), one ``torch.mm`` per busy expert on views,
+so idle experts' weights are never read. Under ``torch.func.vmap`` and
 ``torch.compile`` the row counts cannot drive Python control flow, so
 :func:`expert_mm` falls back to the padded ``torch.bmm`` there (same values on
 the filled rows).
@@ -57,14 +58,27 @@ def _gemm_rows(n: int, C: int) -> int:
     return min(n, C)
 
 
+def _dense(ns: list[int]) -> bool:
+    # Many busy experts: one batched call over the longest filled prefix beats E
+    # small calls (each a parallel region; on a shared machine every region start
+    # waits for all threads). Few busy experts (decode): loop over those only,
+    # so the idle experts' weights are never read.
+    return 2 * sum(1 for n in ns if n) > len(ns)
+
+
 def _mm_rows(x: Tensor, w: Tensor, ns: list[int], transposed: bool) -> Tensor:
     E, C, _ = x.shape
-    N = w.shape[1] if transposed else w.shape[2]
-    y = torch.empty(E, C, N, dtype=x.dtype, device=x.device)
+    wt = w.transpose(1, 2) if transposed else w
+    y = torch.empty(E, C, wt.shape[2], dtype=x.dtype, device=x.device)
+    ms = [_gemm_rows(n, C) for n in ns]
+    if _dense(ns):
+        m = max(ms)
+        y[:, :m] = torch.bmm(x[:, :m], wt)
+    else:
+        for e, m in enumerate(ms):
+            if m:
+                torch.mm(x[e, :m], wt[e], out=y[e, :m])
     for e, n in enumerate(ns):
-        m = _gemm_rows(n, C)
-        if m:
-            torch.mm(x[e, :m], w[e].t() if transposed else w[e], out=y[e, :m])
         if n < C:
             y[e, n:].zero_()
     return y
@@ -72,6 +86,13 @@ def _mm_rows(x: Tensor, w: Tensor, ns: list[int], transposed: bool) -> Tensor:
 
 def _wgrad_rows(a: Tensor, b: Tensor, ns: list[int]) -> Tensor:
     E = a.shape[0]
+    if _dense(ns):
+        m = max(ns)
+        bm = b[:, :m].clone()  # rows past n_e must not contribute
+        for e, n in enumerate(ns):
+            if n < m:
+                bm[e, n:].zero_()
+        return torch.bmm(a[:, :m].transpose(1, 2), bm)
     z = torch.empty(E, a.shape[2], b.shape[2], dtype=a.dtype, device=a.device)
     for e, n in enumerate(ns):
         if n:

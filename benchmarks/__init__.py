@@ -1,0 +1,1 @@
+"""fmoe benchmarks: ``python -m benchmarks.run``."""
