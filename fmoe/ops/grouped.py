@@ -6,7 +6,7 @@ rows [0, n_e), n_e = min(rows[e], C); the other output rows are 0. Rows that
 dispatch fills are exactly these (slots are handed out 0, 1, ... per expert),
 so on every row that combine reads the result equals the padded computation.
 
-Two autograd Functions, closed under differentiation (so grad of grad works):
+Two autograd Functions, closed under differentiation (grad of grad, jvp):
 
     grouped_mm(x [E,C,K], w, rows)     y[e,:n] = x[e,:n] @ op(w[e])
         op(w) = w ([E,K,N]) or w^T ([E,N,K], ``transposed=True``)
@@ -69,12 +69,15 @@ def _dense(ns: list[int]) -> bool:
 def _mm_rows(x: Tensor, w: Tensor, ns: list[int], transposed: bool) -> Tensor:
     E, C, _ = x.shape
     wt = w.transpose(1, 2) if transposed else w
-    y = torch.empty(E, C, wt.shape[2], dtype=x.dtype, device=x.device)
     ms = [_gemm_rows(n, C) for n in ns]
-    if _dense(ns):
+    if _dense(ns) and max(ms) == C:
+        y = torch.bmm(x, wt)
+    elif _dense(ns):
+        y = torch.empty(E, C, wt.shape[2], dtype=x.dtype, device=x.device)
         m = max(ms)
         y[:, :m] = torch.bmm(x[:, :m], wt)
     else:
+        y = torch.empty(E, C, wt.shape[2], dtype=x.dtype, device=x.device)
         for e, m in enumerate(ms):
             if m:
                 torch.mm(x[e, :m], wt[e], out=y[e, :m])
@@ -102,6 +105,26 @@ def _wgrad_rows(a: Tensor, b: Tensor, ns: list[int]) -> Tensor:
     return z
 
 
+def _row_mask(rows: Tensor, C: int, dtype: torch.dtype) -> Tensor:
+    """[E, C, 1]: 1 on rows [0, min(rows[e], C)), else 0 (pure torch, vmap-friendly)."""
+    return (torch.arange(C, device=rows.device) < rows.clamp(0, C).unsqueeze(-1)).unsqueeze(-1).to(dtype)
+
+
+def _mm(x: Tensor, w: Tensor, rows: Tensor, transposed: bool) -> Tensor:
+    # Inside a vmap (jacrev, vmap over cotangents) the row counts cannot drive
+    # Python loops: the same function as padded, masked torch.
+    if _batched_under_vmap(x, w, rows):
+        y = torch.matmul(x, w.transpose(-1, -2) if transposed else w)
+        return y * _row_mask(rows, x.shape[-2], y.dtype)
+    return _GroupedMM.apply(x, w, rows, transposed)
+
+
+def _wg(a: Tensor, b: Tensor, rows: Tensor) -> Tensor:
+    if _batched_under_vmap(a, b, rows):
+        return torch.matmul(a.transpose(-1, -2), b * _row_mask(rows, b.shape[-2], b.dtype))
+    return _GroupedWGrad.apply(a, b, rows)
+
+
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(x, w, rows, transposed):
@@ -111,6 +134,7 @@ class _GroupedMM(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, w, rows, transposed = inputs
         ctx.save_for_backward(x, w, rows)
+        ctx.save_for_forward(x, w, rows)
         ctx.transposed = transposed
 
     @staticmethod
@@ -119,10 +143,22 @@ class _GroupedMM(torch.autograd.Function):
         gx = gw = None
         if ctx.needs_input_grad[0]:
             # y = x op(w)  =>  gx = gy op(w)^T; op(w)^T is w read the other way round.
-            gx = grouped_mm(gy, w, rows, transposed=not ctx.transposed)
+            gx = _mm(gy, w, rows, not ctx.transposed)
         if ctx.needs_input_grad[1]:
-            gw = grouped_wgrad(gy, x, rows) if ctx.transposed else grouped_wgrad(x, gy, rows)
+            # Produced directly in w's layout: no transposed copy of the weight grad.
+            gw = _wg(gy, x, rows) if ctx.transposed else _wg(x, gy, rows)
         return gx, gw, None, None
+
+    @staticmethod
+    def jvp(ctx, tx, tw, trows, ttransposed):
+        x, w, rows = ctx.saved_tensors
+        out = None
+        if tx is not None:
+            out = _mm(tx, w, rows, ctx.transposed)
+        if tw is not None:
+            term = _mm(x, tw, rows, ctx.transposed)
+            out = term if out is None else out + term
+        return out
 
 
 class _GroupedWGrad(torch.autograd.Function):
@@ -134,14 +170,26 @@ class _GroupedWGrad(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         a, b, rows = inputs
         ctx.save_for_backward(a, b, rows)
+        ctx.save_for_forward(a, b, rows)
 
     @staticmethod
     def backward(ctx, gz):
         a, b, rows = ctx.saved_tensors
         # z = a^T b  =>  ga = b gz^T, gb = a gz (rows [0, n) only).
-        ga = grouped_mm(b, gz, rows, transposed=True) if ctx.needs_input_grad[0] else None
-        gb = grouped_mm(a, gz, rows, transposed=False) if ctx.needs_input_grad[1] else None
+        ga = _mm(b, gz, rows, True) if ctx.needs_input_grad[0] else None
+        gb = _mm(a, gz, rows, False) if ctx.needs_input_grad[1] else None
         return ga, gb, None
+
+    @staticmethod
+    def jvp(ctx, ta, tb, trows):
+        a, b, rows = ctx.saved_tensors
+        out = None
+        if ta is not None:
+            out = _wg(ta, b, rows)
+        if tb is not None:
+            term = _wg(a, tb, rows)
+            out = term if out is None else out + term
+        return out
 
 
 def grouped_mm(x: Tensor, w: Tensor, rows: Tensor, *, transposed: bool = False) -> Tensor:
@@ -154,12 +202,12 @@ def grouped_mm(x: Tensor, w: Tensor, rows: Tensor, *, transposed: bool = False) 
     Returns:
         [E, C, N] in x's dtype. Differentiable in x and w to any order.
     """
-    return _GroupedMM.apply(x, w, rows, transposed)
+    return _mm(x, w, rows, transposed)
 
 
 def grouped_wgrad(a: Tensor, b: Tensor, rows: Tensor) -> Tensor:
     """Per-expert ``a[e, :n_e]^T @ b[e, :n_e]``: [E, C, P], [E, C, Q] -> [E, P, Q]."""
-    return _GroupedWGrad.apply(a, b, rows)
+    return _wg(a, b, rows)
 
 
 def _batched_under_vmap(*ts: Tensor) -> bool:
