@@ -54,21 +54,25 @@ def table(results: dict) -> str:
         dense = core["dense_gemm"]["gflops"]
         lines.append(f"dense GEMM fwd+bwd {dense:.1f} GFLOP/s; copy bandwidth "
                      f"{core['copy_bandwidth']['gb_per_s']:.1f} GB/s")
-        lines.append("| config | variant | ms/step | useful GFLOP/s | vs dense | peak RSS MiB |")
-        lines.append("|---|---|---|---|---|---|")
+        lines.append("| config | variant | ms/step | useful GFLOP/s | vs dense | speed-up vs transformers "
+                     "| peak RSS growth MiB |")
+        lines.append("|---|---|---|---|---|---|---|")
         for name, r in core["configs"].items():
             for v, m in r["variants"].items():
                 if "seconds" not in m:
-                    lines.append(f"| {name} | {v} | skipped | | | |")
+                    lines.append(f"| {name} | {v} | skipped | | | | |")
                     continue
                 rss = r["peak_rss_bytes"].get(v)
                 lines.append(f"| {name} | {v} | {m['seconds'] * 1e3:.1f} | {m['useful_gflops']:.1f} | "
-                             f"{r['vs_dense'][v]:.2f} | {_fmt(rss / 2**20 if rss is not None else None, '.0f')} |")
+                             f"{r['vs_dense'][v]:.2f} | {_fmt(r.get('speedup_vs_transformers', {}).get(v))} | "
+                             f"{_fmt(rss / 2**20 if rss is not None else None, '.0f')} |")
         lines.append("")
         lines.append("| config | backend | dispatch+combine fwd ms | x bound | bwd ms | x bound |")
         lines.append("|---|---|---|---|---|---|")
         for name, r in core["configs"].items():
             dc = r["dispatch_combine"]
+            lines.append(f"| {name} | numba, into reused buffers | {dc['numba_into_fwd_seconds'] * 1e3:.2f} | "
+                         f"{dc['numba_into_fwd_vs_bound']:.2f} | | |")
             for b, m in dc["backends"].items():
                 lines.append(f"| {name} | {b} | {m['fwd_seconds'] * 1e3:.2f} | {m['fwd_vs_bound']:.2f} | "
                              f"{m['bwd_seconds'] * 1e3:.2f} | {m['bwd_vs_bound']:.2f} |")
