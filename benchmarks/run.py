@@ -54,6 +54,7 @@ def table(results: dict) -> str:
         dense = core["dense_gemm"]["gflops"]
         lines.append(f"dense GEMM fwd+bwd {dense:.1f} GFLOP/s; copy bandwidth "
                      f"{core['copy_bandwidth']['gb_per_s']:.1f} GB/s")
+        lines.append("")
         lines.append("| config | variant | ms/step | useful GFLOP/s | vs dense | speed-up vs transformers "
                      "| peak RSS growth MiB |")
         lines.append("|---|---|---|---|---|---|---|")
