@@ -18,7 +18,6 @@ from .matmul import (
     crossover,
     expert_matmul,
     expert_matmul_reference,
-    set_crossover,
 )
 from .layouts import (
     from_deepseek_fp8,

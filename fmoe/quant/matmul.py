@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import time
 
+from typing import Optional
+
 import torch
 
 from . import _codecs as C
@@ -24,22 +26,18 @@ from .tensor import FP4_FORMATS, QuantizedTensor
 # Largest tokens-per-expert C for which the fused kernel beat per-expert dequantize+matmul.
 # FP4: measured by benchmarks/bench_quant.py (E=8, N=1024, K=2048) on the shared 2-core dev VM
 # on 2026-11-30 (fused won up to C=32, lost at 64). FP8 values are unmeasured guesses. Machines
-# differ: calibrate_crossover() re-measures and updates this table explicitly.
+# differ: calibrate_crossover() re-measures; pass its result as expert_matmul(crossover=...).
+# The table is constant: no call changes which path another call takes.
 _CROSSOVER = {"mxfp4": 32, "nvfp4": 32, "mxfp8": 4, "fp8_block": 4, "fp8_row": 4}
 
 PATHS = ("auto", "fused", "dequant", "reference")
 
 
 def crossover(fmt: str) -> int:
-    """Current fused/dequant crossover (tokens per expert) for fmt."""
-    return _CROSSOVER[fmt]
-
-
-def set_crossover(fmt: str, c: int) -> None:
-    """Use the fused kernel for C <= c (c = 0 disables it) for fmt."""
+    """Default fused/dequant crossover (tokens per expert) for fmt."""
     if fmt not in _CROSSOVER:
         raise ValueError(f"unknown format {fmt!r}")
-    _CROSSOVER[fmt] = int(c)
+    return _CROSSOVER[fmt]
 
 
 def _check(x: torch.Tensor, w: QuantizedTensor) -> None:
@@ -171,16 +169,22 @@ class _ExpertMatmul(torch.autograd.Function):
         return torch.stack(outs), 0
 
 
-def expert_matmul(x: torch.Tensor, w: QuantizedTensor, *, path: str = "auto") -> torch.Tensor:
+def expert_matmul(x: torch.Tensor, w: QuantizedTensor, *, path: str = "auto",
+                  crossover: Optional[int] = None) -> torch.Tensor:
     """y[e] = x[e] @ dequant(w[e]).T.
 
     x: float32 or bfloat16 [E, C, K]; w: QuantizedTensor [E, N, K] (any fmoe format).
     Returns [E, C, N] in x.dtype (FP32 accumulation). Differentiable w.r.t. x.
     path: "auto" | "fused" | "dequant" | "reference" (see module docstring).
+    crossover: with path "auto" on CPU, use the fused kernel for C <= crossover
+        (default: the measured table, :func:`crossover`; see :func:`calibrate_crossover`).
     """
     _check(x, w)
     if path not in PATHS:
         raise ValueError(f"expert_matmul: path must be one of {PATHS}, got {path!r}")
+    if path == "auto" and x.device.type == "cpu":
+        limit = _CROSSOVER[w.fmt] if crossover is None else int(crossover)
+        path = "fused" if x.shape[1] <= limit else "dequant"
     meta = (w.fmt, w.shape, w.block, path)
     return _ExpertMatmul.apply(x, w.data, w.scales, w.global_scale, meta)
 
@@ -203,8 +207,8 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def calibrate_crossover(w: QuantizedTensor, *, max_c: int = 64, repeats: int = 5) -> int:
-    """Measure fused vs per-expert dequantize+matmul on w for C = 1, 2, 4, ... max_c, set the
-    crossover for w.fmt to the largest C below which the fused kernel always won, return it."""
+    """Measure fused vs per-expert dequantize+matmul on w for C = 1, 2, 4, ... max_c and return
+    the largest C below which the fused kernel always won (pass it as ``crossover=``)."""
     best = 0
     c = 1
     E, _, k = w.logical_shape
@@ -216,5 +220,4 @@ def calibrate_crossover(w: QuantizedTensor, *, max_c: int = 64, repeats: int = 5
             break
         best = c
         c *= 2
-    set_crossover(w.fmt, best)
     return best
