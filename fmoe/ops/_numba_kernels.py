@@ -111,6 +111,34 @@ def max_position(pos):
     return best
 
 
+@njit(**_FLAGS)
+def assign_slots_walk(ids, order, num_experts, slots, counts):
+    """Slot-major slots (spec §6): walk j outer, tokens in ``order`` inner, one counter per expert.
+
+    ``order`` of length 0 means token order. Negative ids get slot -1 and are not
+    counted. Serial on purpose: the walk is a running count, O(k*T), far below
+    a millisecond. Returns the number of ids >= num_experts (must be 0).
+    """
+    k, T = ids.shape
+    for e in range(num_experts):
+        counts[e] = 0
+    bad = 0
+    use_order = order.shape[0] > 0
+    for j in range(k):
+        for i in range(T):
+            t = order[i] if use_order else i
+            e = ids[j, t]
+            if e < 0:
+                slots[j, t] = -1
+            elif e >= num_experts:
+                bad += 1
+                slots[j, t] = -1
+            else:
+                slots[j, t] = counts[e]
+                counts[e] += 1
+    return bad
+
+
 def signatures():
     """(name, kernel, example args) for every compiled signature, used by warm-up."""
     out = []
@@ -118,6 +146,8 @@ def signatures():
     inv = np.array([0, 2, -1], dtype=np.int64)  # a valid inverse of pos for 3 rows
     out.append(("inverse_positions", inverse_positions, (pos, 3, inv)))
     out.append(("max_position", max_position, (pos,)))
+    out.append(("assign_slots_walk", assign_slots_walk,
+                (pos, np.empty(0, np.int64), 3, np.empty((2, 2), np.int64), np.empty(3, np.int64))))
     for dt in (np.float32, np.float64):
         x = np.ones((2, 4), dtype=dt)
         y = np.ones((3, 4), dtype=dt)
