@@ -3,8 +3,8 @@
 Runs the suites in one process (so ratios compare numbers from one run),
 writes ``<out>/results.json`` and PNG plots, and prints a table.
 
-Suites: ``core`` (configs: coarse, fine_cf1, fine_cf2, decode_8, decode_64)
-and ``layouts``. ``--only`` takes a suite or a config name.
+Suites: ``core`` (configs: coarse, fine_cf1, fine_cf2, decode_8, decode_64),
+``layouts`` and ``routing``. ``--only`` takes a suite or a config name.
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ import torch
 
 from fmoe import _numba
 
-from . import bench_core, bench_cpu_layouts
+from . import bench_core, bench_cpu_layouts, bench_cpu_routing
 
-SUITES = {"core": bench_core, "layouts": bench_cpu_layouts}
+SUITES = {"core": bench_core, "layouts": bench_cpu_layouts, "routing": bench_cpu_routing}
 TARGETS = {"train_vs_dense": 0.85, "decode_vs_dense": 0.50, "fwd_vs_bound": 1.3, "bwd_vs_bound": 1.6,
            "vs_transformers": 1.5}
 
@@ -86,6 +86,14 @@ def table(results: dict) -> str:
         for name, r in lay.items():
             lines.append(f"| {name} {r['shape']} | " + " | ".join(f"{m['gflops']:.1f}" for k, m in r.items()
                                                                  if k != "shape") + " |")
+    rt = results["suites"].get("routing")
+    if rt:
+        lines.append("")
+        lines.append("| config | tokens | assign_slots torch ms | numba ms | speed-up |")
+        lines.append("|---|---|---|---|---|")
+        for name, r in rt.items():
+            lines.append(f"| {name} | {r['tokens']} | {r['torch_seconds'] * 1e3:.2f} | {r['numba_seconds'] * 1e3:.3f} | "
+                         f"{r['speedup']:.0f}x |")
     return "\n".join(lines)
 
 
@@ -137,7 +145,7 @@ def plots(results: dict, out_dir: str) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer tokens and repeats (< 2 minutes)")
-    p.add_argument("--only", default=None, help="a suite (core, layouts) or a config name")
+    p.add_argument("--only", default=None, help="a suite (core, layouts, routing) or a config name")
     p.add_argument("--out", default=os.path.join("benchmarks", "out"), help="output directory")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -146,7 +154,7 @@ def main(argv=None) -> int:
                "quick": args.quick, "targets": TARGETS, "suites": {}}
     config_names = {c.name for c in bench_core.CONFIGS}
     for name, suite in SUITES.items():
-        if args.only and args.only != name and not (name == "core" and args.only in config_names):
+        if args.only and args.only != name and not (name in ("core", "routing") and args.only in config_names):
             continue
         print(f"[{name}]", flush=True)
         results["suites"][name] = suite.run(args.quick, args.only, lambda s: print(s, flush=True))
