@@ -148,6 +148,13 @@ def test_dispatch_into_reuses_buffer():
     assert torch.equal(numba_cpu.combine_into(buf, y, pos, r.weights), reference.combine(y, pos, r.weights))
     with pytest.raises(ValueError):
         numba_cpu.dispatch_into(torch.empty(R, 11, dtype=torch.float64), x, pos)
+    # a mutating custom op: usable inside torch.compile(fullgraph=True)
+    torch._dynamo.reset()
+    f = torch.compile(lambda o, x, p, w: numba_cpu.dispatch_into(o, x, p, w).sum(), fullgraph=True,
+                      backend="eager")
+    out.fill_(3.0)
+    f(out, x, pos, r.weights)
+    assert torch.equal(out, reference.dispatch(x, pos, r.weights, R))
 
 
 @pytest.mark.parametrize("prioritized", [False, True])
