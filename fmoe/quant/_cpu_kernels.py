@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._numba_setup import numba  # noqa: F401  (ensures the TBB layer is configured first)
+from .. import _numba  # noqa: F401  (configures numba's TBB threading layer before any kernel)
 
 # reassoc lets LLVM vectorise the reductions; no nnan/ninf, so inf/NaN scales propagate.
 _FM = {"reassoc", "contract", "nsz", "arcp"}

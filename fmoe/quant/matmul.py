@@ -62,16 +62,16 @@ def _dequant_one(w: QuantizedTensor, e: int) -> torch.Tensor:
     unpack/lookup chain is several times slower), everything else through dequantize()."""
     we = w[e]
     if w.fmt in FP4_FORMATS and w.device.type == "cpu":
+        from .. import _numba
         from . import _cpu_kernels as K
-        from ._numba_setup import sync_threads
 
-        sync_threads()
         n, k = we.logical_shape
         out = torch.empty(n, k, dtype=torch.float32)
         table = C.E8M0_TABLE if w.fmt == "mxfp4" else C.E4M3_TABLE
         g = 1.0 if w.fmt == "mxfp4" else float(we.global_scale)
-        K.fp4_dequant(we.data.contiguous().numpy(), we.scales.contiguous().view(torch.uint8).numpy(),
-                      table.numpy(), g, out.numpy())
+        with _numba.kernel_call():  # thread count follows torch; serialised on the workqueue fallback
+            K.fp4_dequant(we.data.contiguous().numpy(), we.scales.contiguous().view(torch.uint8).numpy(),
+                          table.numpy(), g, out.numpy())
         return out
     return dequantize(we)
 
@@ -86,31 +86,31 @@ def _dequant_per_expert(x, w: QuantizedTensor) -> torch.Tensor:
 
 
 def _fused(x, w: QuantizedTensor) -> torch.Tensor:
+    from .. import _numba
     from . import _cpu_kernels as K
-    from ._numba_setup import sync_threads
 
-    sync_threads()
     E, Cn, k = x.shape
     n = w.logical_shape[1]
     xf = x.float().contiguous()
     out = torch.empty(E, Cn, n, dtype=torch.float32)
-    if w.fmt in FP4_FORMATS:
-        xe = xf[..., 0::2].contiguous()
-        xo = xf[..., 1::2].contiguous()
-        if w.fmt == "mxfp4":
-            table, gs = C.E8M0_TABLE, torch.ones(E)
+    with _numba.kernel_call():  # thread count follows torch; serialised on the workqueue fallback
+        if w.fmt in FP4_FORMATS:
+            xe = xf[..., 0::2].contiguous()
+            xo = xf[..., 1::2].contiguous()
+            if w.fmt == "mxfp4":
+                table, gs = C.E8M0_TABLE, torch.ones(E)
+            else:
+                table, gs = C.E4M3_TABLE, w.global_scale.float().reshape(E).contiguous()
+            K.fp4_matmul(xe.numpy(), xo.numpy(), w.data.contiguous().numpy(),
+                         w.scales.contiguous().view(torch.uint8).numpy(), table.numpy(), gs.numpy(),
+                         out.numpy())
         else:
-            table, gs = C.E4M3_TABLE, w.global_scale.float().reshape(E).contiguous()
-        K.fp4_matmul(xe.numpy(), xo.numpy(), w.data.contiguous().numpy(),
-                     w.scales.contiguous().view(torch.uint8).numpy(), table.numpy(), gs.numpy(),
-                     out.numpy())
-    else:
-        if w.fmt == "mxfp8":
-            scales, bn, bk = C.decode_e8m0(w.scales), 1, 32
-        else:
-            scales, (bn, bk) = w.scales.float(), w.block
-        K.fp8_matmul(xf.numpy(), w.data.contiguous().view(torch.uint8).numpy(),
-                     scales.contiguous().numpy(), bn, bk, C.E4M3_TABLE.numpy(), out.numpy())
+            if w.fmt == "mxfp8":
+                scales, bn, bk = C.decode_e8m0(w.scales), 1, 32
+            else:
+                scales, (bn, bk) = w.scales.float(), w.block
+            K.fp8_matmul(xf.numpy(), w.data.contiguous().view(torch.uint8).numpy(),
+                         scales.contiguous().numpy(), bn, bk, C.E4M3_TABLE.numpy(), out.numpy())
     return out.to(x.dtype)
 
 
