@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import fmoe.quant as Q
 from fmoe.quant import matmul as M
-from fmoe.quant._numba_setup import threading_layer
+from fmoe._numba import threading_layer
 
 
 def _time(fn, repeats):
