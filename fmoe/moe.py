@@ -21,6 +21,7 @@ from .comm import resolve
 from .experts import ExpertSpec, apply_experts, init_experts
 from .losses import gshard_loss, load_importance_loss
 from .ops import combine, dispatch
+from .ops.grouped import filled_rows
 from .routing import Routing, top_k_routing
 
 __all__ = ["GateSpec", "MoESpec", "MoEAux", "init_params", "moe", "check_params", "route"]
@@ -308,7 +309,9 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     compute = tokens.to(_expert_dtype(params["experts"], x.dtype))
     buffers = dispatch(compute, routing, weighted=not spec.is_postscore)
     if comm.size == 1:
-        out_buffers = apply_experts(spec.experts, params["experts"], buffers)
+        # Only the first min(count, C) rows of each buffer hold tokens; skip the rest.
+        out_buffers = apply_experts(spec.experts, params["experts"], buffers,
+                                    rows=filled_rows(routing.counts, routing.capacity))
     else:
         out_buffers = _par.expert_parallel(spec, params["experts"], buffers, comm,
                                            dataclasses.replace(parallel, check=False))

@@ -24,6 +24,7 @@ __all__ = [
     "Routing",
     "top_k",
     "assign_slots",
+    "assign_slots_torch",
     "capacity_for",
     "make_routing",
     "top_k_routing",
@@ -186,7 +187,19 @@ def _check_k(k, num_experts: int) -> int:
 
 def assign_slots(expert_ids: Tensor, num_experts: int, *, order: Optional[Tensor] = None
                  ) -> tuple[Tensor, Tensor]:
-    """Slot-major location assignment (§6).
+    """Slot-major location assignment (§6); same contract as :func:`assign_slots_torch`.
+
+    On CPU this runs numba's O(k*T) counter walk (:func:`fmoe.ops.numba_cpu.assign_slots`),
+    which falls back to the pure-torch version under vmap, tracing and off CPU.
+    """
+    from .ops import numba_cpu  # local: ops imports routing
+
+    return numba_cpu.assign_slots(expert_ids, num_experts, order=order)
+
+
+def assign_slots_torch(expert_ids: Tensor, num_experts: int, *, order: Optional[Tensor] = None
+                       ) -> tuple[Tensor, Tensor]:
+    """Slot-major location assignment (§6), pure torch (the reference).
 
     Walk (j, t) with j outer and t inner (t in ``order`` if given) and hand out a
     per-expert counter. Negative ids get no slot (-1) and are not counted.

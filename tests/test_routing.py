@@ -158,3 +158,14 @@ def test_routing_is_a_pytree_and_saves(tmp_path):
     for a, b in zip(pytree.tree_leaves(r), pytree.tree_leaves(r3)):
         assert torch.equal(a, b)
     assert r3.capacity == r.capacity
+
+
+def test_numba_slot_walk_equals_torch_reference():
+    from fmoe.routing import assign_slots_torch
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(-1, 7, (4, 300), generator=g)
+    order = torch.randperm(300, generator=g)
+    for o in (None, order):
+        a_slots, a_counts = assign_slots(ids, 7, order=o)
+        b_slots, b_counts = assign_slots_torch(ids, 7, order=o)
+        assert torch.equal(a_slots, b_slots) and torch.equal(a_counts, b_counts)

@@ -224,9 +224,7 @@ def assign_slots(expert_ids: Tensor, num_experts: int, *, order: Optional[Tensor
     """
     from .. import routing as _routing
 
-    # The pure-torch walk: routing.assign_slots itself until routing dispatches CPU
-    # calls here, after which its torch body is expected as assign_slots_torch.
-    torch_assign_slots = getattr(_routing, "assign_slots_torch", _routing.assign_slots)
+    torch_assign_slots = _routing.assign_slots_torch
 
     if torch.compiler.is_compiling():  # Dynamo traces the pure-torch version
         return torch_assign_slots(expert_ids, num_experts, order=order)
