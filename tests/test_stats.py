@@ -6,16 +6,7 @@ import torch
 import fmoe
 from fmoe import stats
 
-S = torch.tensor([
-    [0.5, 0.25, 0.125, 0.125],
-    [0.4375, 0.125, 0.3125, 0.125],
-    [0.25, 0.625, 0.0625, 0.0625],
-    [0.375, 0.1875, 0.125, 0.3125],
-    [0.125, 0.0625, 0.75, 0.0625],
-    [0.5625, 0.25, 0.125, 0.0625],
-    [0.15625, 0.125, 0.3125, 0.40625],
-    [0.1875, 0.6875, 0.0625, 0.0625],
-], dtype=torch.float64)
+from tests.test_routing import S  # the spec's R1 score matrix
 
 
 def _cv(v):
