@@ -81,7 +81,8 @@ def _is_quantized(w) -> bool:
     return not isinstance(w, Tensor)
 
 
-def expert_matmul(x: Tensor, w, *, transposed: bool, rows: Optional[Tensor] = None) -> Tensor:
+def expert_matmul(x: Tensor, w, *, transposed: bool, rows: Optional[Tensor] = None,
+                  exact_rows: bool = False) -> Tensor:
     """Per-expert x[e] @ W[e] for float or quantized weights.
 
     Args:
@@ -91,6 +92,9 @@ def expert_matmul(x: Tensor, w, *, transposed: bool, rows: Optional[Tensor] = No
         rows: optional int64 [E]: multiply only rows [0, min(rows[e], C)) of
             expert e (float weights; other output rows are 0). See
             :mod:`fmoe.ops.grouped`.
+        exact_rows: multiply exactly those rows (faster at decode); they then equal
+            the padded GEMM within float rounding, not bit for bit
+            (:func:`fmoe.ops.grouped.grouped_mm`).
     Returns:
         [E, C, N] in x's dtype.
     """
@@ -98,11 +102,11 @@ def expert_matmul(x: Tensor, w, *, transposed: bool, rows: Optional[Tensor] = No
         from . import quant  # local: the quantized path is optional
         return quant.expert_matmul(x, w)
     w = w.to(x.dtype)
-    return expert_mm(x, w, transposed=transposed, rows=rows)
+    return expert_mm(x, w, transposed=transposed, rows=rows, exact=exact_rows)
 
 
 def ffn(params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor] = F.relu,
-        rows: Optional[Tensor] = None) -> Tensor:
+        rows: Optional[Tensor] = None, exact_rows: bool = False) -> Tensor:
     """h = act(x W1^T + b1); y = h W2 + b2 for each expert (Tutel 'ffn').
 
     Args:
@@ -112,23 +116,24 @@ def ffn(params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor] = F.r
         rows: optional int64 [E] filled rows per expert (``min(counts, C)``):
             the GEMMs skip the empty rows; the output on rows [0, rows[e]) is
             unchanged, later rows are not meaningful (0 + bias).
+        exact_rows: see :func:`expert_matmul`.
     Returns:
         [E, C, O].
     """
-    h = expert_matmul(x, params["fc1_w"], transposed=True, rows=rows)
+    h = expert_matmul(x, params["fc1_w"], transposed=True, rows=rows, exact_rows=exact_rows)
     if params.get("fc1_b") is not None:
         h = h + params["fc1_b"].to(h.dtype).unsqueeze(1)
     h = activation(h)
     w2 = params["fc2_w"]
     # Quantized fc2 is stored out x in ([E, O, H]); float fc2 keeps Tutel's hidden x out.
-    y = expert_matmul(h, w2, transposed=_is_quantized(w2), rows=rows)
+    y = expert_matmul(h, w2, transposed=_is_quantized(w2), rows=rows, exact_rows=exact_rows)
     if params.get("fc2_b") is not None:
         y = y + params["fc2_b"].to(y.dtype).unsqueeze(1)
     return y
 
 
 def gated_ffn(params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor] = F.silu,
-              rows: Optional[Tensor] = None) -> Tensor:
+              rows: Optional[Tensor] = None, exact_rows: bool = False) -> Tensor:
     """SwiGLU: y = (act(x A) * (x B)) Cm per expert (Tutel 'llama_ffn').
 
     Args:
@@ -136,26 +141,28 @@ def gated_ffn(params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor]
             (quantized weights: [E, H, M], [E, H, M], [E, M, H], out x in).
         x: [E, C, M].
         rows: optional int64 [E] filled rows per expert; see :func:`ffn`.
+        exact_rows: see :func:`expert_matmul`.
     Returns:
         [E, C, M_out].
     """
     def mm(inp, w):
-        return expert_matmul(inp, w, transposed=_is_quantized(w), rows=rows)
+        return expert_matmul(inp, w, transposed=_is_quantized(w), rows=rows, exact_rows=exact_rows)
 
     h = activation(mm(x, params["gate_w"])) * mm(x, params["up_w"])
     return mm(h, params["down_w"])
 
 
-def apply_experts(spec: ExpertSpec, params, x: Tensor, *, rows: Optional[Tensor] = None) -> Tensor:
+def apply_experts(spec: ExpertSpec, params, x: Tensor, *, rows: Optional[Tensor] = None,
+                  exact_rows: bool = False) -> Tensor:
     """Run the experts described by ``spec`` on buffers x [E, C, M] -> [E, C, O].
 
     ``rows`` (int64 [E], filled rows per expert) lets ffn/gated_ffn skip empty
-    rows; custom experts ignore it.
+    rows; custom experts ignore it. ``exact_rows``: see :func:`expert_matmul`.
     """
     if spec.type == "ffn":
-        return ffn(params, x, activation=spec.act(), rows=rows)
+        return ffn(params, x, activation=spec.act(), rows=rows, exact_rows=exact_rows)
     if spec.type == "gated_ffn":
-        return gated_ffn(params, x, activation=spec.act(), rows=rows)
+        return gated_ffn(params, x, activation=spec.act(), rows=rows, exact_rows=exact_rows)
     return spec.fn(params, x)
 
 

@@ -309,9 +309,10 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     compute = tokens.to(_expert_dtype(params["experts"], x.dtype))
     buffers = dispatch(compute, routing, weighted=not spec.is_postscore)
     if comm.size == 1:
-        # Only the first min(count, C) rows of each buffer hold tokens; skip the rest.
+        # Only the first min(count, C) rows of each buffer hold tokens; multiply exactly
+        # those (combine reads nothing else; y equals the reference within float rounding).
         out_buffers = apply_experts(spec.experts, params["experts"], buffers,
-                                    rows=filled_rows(routing.counts, routing.capacity))
+                                    rows=filled_rows(routing.counts, routing.capacity), exact_rows=True)
     else:
         out_buffers = _par.expert_parallel(spec, params["experts"], buffers, comm,
                                            dataclasses.replace(parallel, check=False))

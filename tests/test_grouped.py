@@ -90,3 +90,37 @@ def test_jvp_and_jacrev_match_padded():
     for argnum in (0, 1):
         torch.testing.assert_close(torch.func.jacrev(grp, argnums=argnum)(x, w),
                                    torch.func.jacrev(pad, argnums=argnum)(x, w))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("row_counts", [ROWS, SPARSE, [0, 1, 2, 0, 4, 0, 0, 3]])
+def test_exact_rows_close_to_padded(transposed, row_counts):
+    # exact=True multiplies exactly n_e rows (GEMVs for <= 4 rows): equal to the padded GEMM
+    # within float rounding on filled rows, exactly 0 elsewhere; grads agree to rounding.
+    g, x, mask, rows = _buffers(rows=row_counts)
+    w = torch.randn(8, 80, 48, generator=g) if transposed else torch.randn(8, 48, 80, generator=g)
+    pad = torch.bmm(x, w.transpose(1, 2) if transposed else w) * mask
+    got = grouped_mm(x, w, rows, transposed=transposed, exact=True)
+    torch.testing.assert_close(got, pad, rtol=1e-5, atol=1e-5)
+    assert torch.all(got[(mask == 0).expand_as(got)] == 0)
+
+    def loss(x, w, exact):
+        return (grouped_mm(x, w, rows, transposed=transposed, exact=exact) * mask).square().sum()
+
+    ge = torch.func.grad(loss, argnums=(0, 1))(x, w, True)
+    gp = torch.func.grad(loss, argnums=(0, 1))(x, w, False)
+    torch.testing.assert_close(ge, gp, rtol=1e-4, atol=1e-4)
+
+
+def test_exact_rows_gradcheck_and_jvp():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 6, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(3, 5, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    rows = torch.tensor([1, 3, 0])
+    f = lambda x, w: grouped_mm(x, w, rows, transposed=True, exact=True)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (x, w))
+    assert torch.autograd.gradgradcheck(f, (x, w))
+    tx, tw = torch.randn_like(x), torch.randn_like(w)
+    _, je = torch.func.jvp(f, (x.detach(), w.detach()), (tx, tw))
+    _, jp = torch.func.jvp(lambda x, w: grouped_mm(x, w, rows, transposed=True), (x.detach(), w.detach()), (tx, tw))
+    torch.testing.assert_close(je, jp)
