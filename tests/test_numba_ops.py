@@ -194,3 +194,27 @@ def test_assign_slots_under_transforms():
     ids = torch.randint(0, 5, (2, 9))
     compiled = torch.compile(lambda x: numba_cpu.assign_slots(x, 5)[0], fullgraph=True, backend="eager")
     assert torch.equal(compiled(ids), torch_assign_slots(ids, 5)[0])
+
+
+def test_forward_only_fast_path_is_the_function_path():
+    # No grad / nothing requires grad: the raw ops skip Function.apply; same values. Any
+    # autograd, forward-AD or torch.func context keeps the Function front (tangents flow).
+    from fmoe.ops.primitives import combine_raw, dispatch_raw, forward_only
+    import torch.autograd.forward_ad as fwAD
+    g, r, pos, R = _case()
+    x = torch.randn(pos.shape[1], 19, generator=g)
+    with torch.no_grad():
+        assert forward_only(x, pos, r.weights)
+        d = dispatch_raw(x, pos, r.weights, R)
+    assert torch.equal(d, numba_cpu.dispatch(x, pos, r.weights, R))
+    assert torch.equal(combine_raw(d, pos, r.weights), numba_cpu.combine(d, pos, r.weights))
+    xg = x.clone().requires_grad_(True)
+    assert not forward_only(xg, pos, None)
+    tx = torch.randn_like(x)
+    with fwAD.dual_level():
+        assert not forward_only(x, pos, None)
+        out = dispatch_raw(fwAD.make_dual(x, tx), pos, None, R)
+        assert torch.equal(fwAD.unpack_dual(out).tangent, numba_cpu.dispatch(tx, pos, None, R))
+    seen = []
+    torch.func.grad(lambda z: seen.append(forward_only(z, pos, None)) or dispatch_raw(z, pos, None, R).sum())(x)
+    assert seen == [False]

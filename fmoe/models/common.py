@@ -97,7 +97,9 @@ def expert_mm(x: Tensor, w, *, layout: str, rows: Optional[Tensor] = None) -> Te
             QuantizedTensor of logical shape [E, N, K] whatever ``layout`` says (quantized
             checkpoints always store out x in).
         rows: optional int64 [E] filled rows per expert (dropless: the counts); float weights
-            then multiply only those rows (:mod:`fmoe.ops.grouped`), later rows are 0.
+            then multiply exactly those rows, like transformers' per-expert loop
+            (``grouped_mm(exact=True)``: equal to the padded GEMM within float rounding,
+            not bit for bit); later rows are 0.
     Returns:
         [E, C, N] in x's dtype.
     """
@@ -110,7 +112,7 @@ def expert_mm(x: Tensor, w, *, layout: str, rows: Optional[Tensor] = None) -> Te
     w = w.to(x.dtype)
     # Decode buffers are mostly empty experts; the grouped GEMM skips them (and runs one
     # torch.mm per filled expert, like transformers' per-expert loop).
-    return _grouped_expert_mm(x, w, transposed=layout == "out_in", rows=rows)
+    return _grouped_expert_mm(x, w, transposed=layout == "out_in", rows=rows, exact=True)
 
 
 def linear(x: Tensor, w, bias: Optional[Tensor] = None) -> Tensor:

@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .primitives import forward_only
+
 __all__ = ["grouped_mm", "grouped_wgrad", "expert_mm", "filled_rows"]
 
 
@@ -135,6 +137,8 @@ def _row_mask(rows: Tensor, C: int, dtype: torch.dtype) -> Tensor:
 
 
 def _mm(x: Tensor, w: Tensor, rows: Tensor, transposed: bool, exact: bool = False) -> Tensor:
+    if forward_only(x, w, rows):  # no autograd, no transform: the forward itself
+        return _mm_rows(x, w, _row_list(rows, x.shape[0], x.shape[1]), transposed, exact)
     # Inside a vmap (jacrev, vmap over cotangents) the row counts cannot drive
     # Python loops: the same function as padded, masked torch.
     if _batched_under_vmap(x, w, rows):

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as _fwd_ad
 from torch import Tensor
 
 from . import reference
@@ -248,19 +249,48 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+_functorch = torch._C._functorch
+_has_torch_function = torch.overrides.has_torch_function
+
+
+def forward_only(*ts: Optional[Tensor]) -> bool:
+    """True when a Function front's ``apply`` could only run its ``forward``.
+
+    That is: not compiling, no torch.func transform (grad, vjp, jvp, vmap) active, no
+    forward-AD dual level open, no ``__torch_function__`` override among the inputs, and
+    either grad mode is off or no input requires grad. Then ``apply`` records nothing and
+    returns ``forward(*args)``, so calling the forward directly is the same computation
+    without ``apply``'s per-call cost (argument binding through ``inspect``: ~60 us).
+    """
+    if _compiling() or _functorch.maybe_current_level() is not None or _fwd_ad._current_level >= 0:
+        return False
+    present = tuple(t for t in ts if t is not None)
+    if _has_torch_function(present):
+        return False
+    if not torch.is_grad_enabled():
+        return True
+    return not any(t.requires_grad for t in present)
+
+
 def dispatch_raw(x: Tensor, pos: Tensor, weights: Optional[Tensor], num_rows: int) -> Tensor:
     """Differentiable ``D[pos[j,t]] = w[j,t] * x[t]`` on flat positions; [T, M] -> [R, M]."""
+    if forward_only(x, pos, weights):
+        return torch.ops.fmoe.dispatch(x, pos, weights, num_rows)
     fn = _DispatchBase if _compiling() else _Dispatch
     return fn.apply(x, pos, weights, num_rows)
 
 
 def combine_raw(y: Tensor, pos: Tensor, weights: Optional[Tensor]) -> Tensor:
     """Differentiable ``out[t] = sum_j w[j,t] * y[pos[j,t]]``; [R, M] -> [T, M]."""
+    if forward_only(y, pos, weights):
+        return torch.ops.fmoe.combine(y, pos, weights)
     fn = _CombineBase if _compiling() else _Combine
     return fn.apply(y, pos, weights)
 
 
 def gate_grad_raw(a: Tensor, b: Tensor, pos: Tensor) -> Tensor:
     """Differentiable ``g[j,t] = <a[t], b[pos[j,t]]>``; ([T, M], [R, M]) -> [k, T]."""
+    if forward_only(a, b, pos):
+        return torch.ops.fmoe.gate_grad(a, b, pos)
     fn = _GateGradBase if _compiling() else _GateGrad
     return fn.apply(a, b, pos)
