@@ -107,3 +107,53 @@ def test_numba_dequant_is_bit_exact(weights, fmt):
     w = weights[fmt]
     for e in range(3):
         assert torch.equal(M._dequant_one(w, e), Q.dequantize(w[e]))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("c", [1, 2, 3, 7, 16, 17])
+@pytest.mark.parametrize("n", [1, 4, 5, 67])
+def test_fp4_fused_shapes(fmt, c, n):
+    """Row groups of 4 (short last group), token pairs (odd C), several K chunks and tiles."""
+    from fmoe.quant import matmul as M
+
+    g = torch.Generator().manual_seed(100 * c + n)
+    k = 1152 + 64  # > one K chunk, not a multiple of it
+    w = Q.quantize(torch.randn(2, n, k, generator=g) * 0.1, fmt)
+    x = torch.randn(2, c, k, generator=g)
+    ref = Q.expert_matmul_reference(x, w)
+    y = M._fused(x, w)
+    assert y.shape == (2, c, n)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fp4_fused_nvfp4_global_scale_and_bf16():
+    from fmoe.quant import matmul as M
+
+    g = torch.Generator().manual_seed(7)
+    dense = torch.randn(3, 9, 64, generator=g)
+    w = Q.quantize_nvfp4(dense, weight_scale_2=torch.tensor([1e-3, 0.5, 3.0]))
+    x = torch.randn(3, 3, 64, generator=g)
+    torch.testing.assert_close(M._fused(x, w), Q.expert_matmul_reference(x, w), rtol=1e-5, atol=1e-5)
+    xb = x.to(torch.bfloat16)
+    y = Q.expert_matmul(xb, w, path="fused")
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, Q.expert_matmul_reference(xb, w), rtol=1e-2, atol=1e-2)
+
+
+def test_fp4_fused_generic_block_size():
+    """The kernel's fallback branch (block size other than 32/16 elements)."""
+    import numpy as np
+    from fmoe.quant import _codecs as C, _cpu_kernels as K
+
+    g = torch.Generator().manual_seed(3)
+    E, N, KH, bk = 2, 6, 48, 12  # 12-element blocks = 6 bytes
+    data = torch.randint(0, 256, (E, N, KH), dtype=torch.uint8, generator=g)
+    scales = torch.randint(120, 130, (E, N, 2 * KH // bk), dtype=torch.uint8, generator=g)
+    x = torch.randn(E, 3, 2 * KH, generator=g)
+    vals = C.decode_e2m1(C.unpack_fp4(data))
+    dense = vals.reshape(E, N, -1, bk) * C.decode_e8m0(scales).unsqueeze(-1)
+    ref = torch.bmm(x, dense.reshape(E, N, 2 * KH).transpose(1, 2))
+    out = np.empty((E, 3, N), np.float32)
+    K.fp4_matmul(x[..., 0::2].contiguous().numpy(), x[..., 1::2].contiguous().numpy(), data.numpy(),
+                 scales.numpy(), C.E8M0_TABLE.numpy(), np.ones(E, np.float32), out, 4, 18)
+    torch.testing.assert_close(torch.from_numpy(out), ref, rtol=1e-5, atol=1e-5)

@@ -32,6 +32,12 @@ _CROSSOVER = {"mxfp4": 32, "nvfp4": 32, "mxfp8": 4, "fp8_block": 4, "fp8_row": 4
 
 PATHS = ("auto", "fused", "dequant", "reference")
 
+# fp4_matmul work split: rows of one expert per parallel task, and packed bytes of K decoded per
+# pass (512 bytes = 1024 k: 4 rows x 2 x 4 KB of decoded floats stay in L1). Chosen by
+# benchmarks/bench_quant.py-shaped runs (E=8, N=1024, K=2048) on the 2-core dev VM.
+_FP4_TILE_N = 64
+_FP4_CHUNK = 512
+
 
 def crossover(fmt: str) -> int:
     """Default fused/dequant crossover (tokens per expert) for fmt."""
@@ -103,7 +109,7 @@ def _fused(x, w: QuantizedTensor) -> torch.Tensor:
                 table, gs = C.E4M3_TABLE, w.global_scale.float().reshape(E).contiguous()
             K.fp4_matmul(xe.numpy(), xo.numpy(), w.data.contiguous().numpy(),
                          w.scales.contiguous().view(torch.uint8).numpy(), table.numpy(), gs.numpy(),
-                         out.numpy())
+                         out.numpy(), _FP4_TILE_N, _FP4_CHUNK)
         else:
             if w.fmt == "mxfp8":
                 scales, bn, bk = C.decode_e8m0(w.scales), 1, 32
