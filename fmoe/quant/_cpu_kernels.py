@@ -72,12 +72,22 @@ def _fp4_decode(row, srow, table, hb, wl, wh):
                 wl[kb * 16 + j] = lo * s
                 wh[kb * 16 + j] = hi * s
     elif hb == 8:
-        for kb in range(srow.shape[0]):
-            s = table[srow[kb]]
-            for j in range(8):
-                lo, hi = _fp4_pair(row[kb * 8 + j])
-                wl[kb * 8 + j] = lo * s
-                wh[kb * 8 + j] = hi * s
+        # Two blocks per 16-byte step: an 8-trip loop was not vectorised (10x slower).
+        nb = srow.shape[0]
+        for kp in range(nb // 2):
+            s0 = table[srow[2 * kp]]
+            s1 = table[srow[2 * kp + 1]]
+            for j in range(16):
+                lo, hi = _fp4_pair(row[kp * 16 + j])
+                s = s0 if j < 8 else s1
+                wl[kp * 16 + j] = lo * s
+                wh[kp * 16 + j] = hi * s
+        if nb % 2 == 1:
+            s = table[srow[nb - 1]]
+            for j in range((nb - 1) * 8, nb * 8):
+                lo, hi = _fp4_pair(row[j])
+                wl[j] = lo * s
+                wh[j] = hi * s
     else:
         for j in range(row.shape[0]):
             s = table[srow[j // hb]]
