@@ -78,7 +78,7 @@ class Routing:
     def positions(self) -> Tensor:
         """int64 [k, T]: flat row ``e * C + slot`` in the [E*C, M] buffer, -1 if not kept."""
         pos = self.expert_ids * self.capacity + self.slots
-        return torch.where(self.kept(), pos, torch.full_like(pos, -1))
+        return torch.where(self.kept(), pos, -1)
 
     def reversed_ids(self, what: str = "sample_id") -> Tensor:
         """int64 [E, C]: which token ('sample_id') or slot j ('top_id') fills each

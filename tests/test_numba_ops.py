@@ -65,6 +65,7 @@ def test_ops_use_numba_and_disabled_restores_reference(monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(K, "combine_rows", spy)
+    monkeypatch.setattr(numba_cpu, "SERIAL_ELEMENTS", 0)  # small case: force the parallel kernel
     g, r, pos, R = _case()
     y = torch.randn(R, 8, generator=g)
     torch.ops.fmoe.combine(y, pos, r.weights)
@@ -76,7 +77,9 @@ def test_ops_use_numba_and_disabled_restores_reference(monkeypatch):
     assert len(calls) == 2
 
 
-def test_bad_positions_raise():
+@pytest.mark.parametrize("serial", [0, 1 << 30])
+def test_bad_positions_raise(serial, monkeypatch):
+    monkeypatch.setattr(numba_cpu, "SERIAL_ELEMENTS", serial)
     x = torch.randn(4, 3)
     pos = torch.tensor([[0, 1, 2, 9]])
     with pytest.raises(IndexError):
@@ -111,6 +114,7 @@ def test_vmap_matches_loop(monkeypatch):
     calls = []
     real = K.dispatch_rows
     monkeypatch.setattr(K, "dispatch_rows", lambda *a: (calls.append(1), real(*a))[1])
+    monkeypatch.setattr(numba_cpu, "SERIAL_ELEMENTS", 0)  # small case: force the parallel kernel
     g, r, pos, R = _case(T=20, E=4, k=2, mask=False)
     xs = torch.randn(3, 20, 8, generator=g)
     out = torch.func.vmap(lambda x: fmoe.combine(fmoe.dispatch(x, r) * 2, r))(xs)
@@ -123,6 +127,7 @@ def test_compile_fullgraph_runs_numba(monkeypatch):
     calls = []
     real = K.dispatch_rows
     monkeypatch.setattr(K, "dispatch_rows", lambda *a: (calls.append(1), real(*a))[1])
+    monkeypatch.setattr(numba_cpu, "SERIAL_ELEMENTS", 0)  # small case: force the parallel kernel
     g, r, pos, R = _case(T=20, E=4, k=2, mask=False)
     x = torch.randn(20, 8, generator=g)
 
@@ -218,3 +223,42 @@ def test_forward_only_fast_path_is_the_function_path():
     seen = []
     torch.func.grad(lambda z: seen.append(forward_only(z, pos, None)) or dispatch_raw(z, pos, None, R).sum())(x)
     assert seen == [False]
+
+
+@pytest.mark.parametrize("ydt,wdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                     (torch.bfloat16, torch.bfloat16), (torch.float64, torch.float64)])
+def test_grouped_combine_shortcut_bit_exact(ydt, wdt):
+    # models.common.grouped_combine skips the weighted [E, C, H] copy when combine's own
+    # weighted sum forms the same products; must equal the explicit per-row product path.
+    from fmoe.models.common import grouped_combine, to_routing
+    g = torch.Generator().manual_seed(4)
+    T, E, k, H = 13, 6, 3, 17
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g).to(wdt)
+    r = to_routing(ids, w, E)
+    y = torch.randn(E, r.capacity, H, generator=g).to(ydt)
+    pos = r.positions().reshape(-1)
+    w_rows = torch.zeros(E * r.capacity, dtype=wdt)
+    w_rows[pos[pos >= 0]] = r.weights.reshape(-1)[pos >= 0]
+    want = fmoe.combine(y * w_rows.reshape(E, r.capacity, 1), r, weighted=False).to(ydt)
+    got = grouped_combine(y, r, ydt)
+    assert got.dtype == ydt and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_serial_kernels_equal_parallel(dtype, weighted, monkeypatch):
+    # Small problems run serial twins (no TBB region); bit-identical to the parallel kernels.
+    g, r, pos, R = _case(T=53, M=23, E=7, k=3)
+    x = torch.randn(pos.shape[1], 23, generator=g).to(dtype)
+    y = torch.randn(R, 23, generator=g).to(dtype)
+    w = r.weights if weighted else None
+    out = {}
+    for name, lim in (("parallel", 0), ("serial", 1 << 30)):
+        monkeypatch.setattr(numba_cpu, "SERIAL_ELEMENTS", lim)
+        out[name] = (numba_cpu.dispatch(x, pos, w, R), numba_cpu.combine(y, pos, w),
+                     numba_cpu.dispatch_into(torch.full((R, 23), 7.0, dtype=x.dtype), x, pos, w)
+                     if dtype in numba_cpu.NATIVE_DTYPES else None)
+    for a, b in zip(out["parallel"], out["serial"]):
+        assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert torch.equal(out["serial"][0], reference.dispatch(x, pos, w, R))

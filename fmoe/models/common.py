@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 from ..comm import resolve
 from ..ops import combine as _fmoe_combine
 from ..ops import dispatch as _fmoe_dispatch
+from ..ops.reference import compute_dtype as _compute_dtype
 from ..ops.grouped import expert_mm as _grouped_expert_mm
 from ..ops.grouped import filled_rows
 from ..routing import Routing, make_routing
@@ -213,8 +214,16 @@ def grouped_combine(y: Tensor, routing: Routing, out_dtype: torch.dtype) -> Tens
         [T, H] in out_dtype.
     """
     E, C, H = y.shape
+    w = routing.weights
+    if (w.dtype in (torch.float32, torch.float64) and out_dtype == y.dtype
+            and torch.promote_types(y.dtype, w.dtype) == w.dtype == _compute_dtype(y.dtype)):
+        # The per-row product y * w is formed in w's dtype, which is also combine's compute
+        # dtype: combine's weighted sum forms the same products and sums them in the same
+        # order, then casts once to dt (fp32 experts; fp32 weights on bf16 experts): the same
+        # result without the [E, C, H] weighted copy.
+        return _fmoe_combine(y, routing, weighted=True)
     pos = routing.positions().reshape(-1)
-    w = routing.weights.reshape(-1)
+    w = w.reshape(-1)
     # Row E*C is a bin for masked pairs; kept positions are unique so index_copy is a scatter.
     w_rows = torch.zeros(E * C + 1, dtype=w.dtype, device=w.device).index_copy(
         0, torch.where(pos >= 0, pos, torch.full_like(pos, E * C)), w)[: E * C]

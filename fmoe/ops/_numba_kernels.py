@@ -111,6 +111,68 @@ def max_position(pos):
     return best
 
 
+# Serial twins for small problems (decode): a TBB parallel region costs tens of
+# microseconds, more than moving a few rows. Same arithmetic per element as the parallel
+# kernels (the parallel loops only split independent rows), so the results are identical.
+# Separate functions, not njit(parallel=False) of the same Python function: numba's
+# on-disk cache key does not include the parallel flag.
+
+@njit(**_FLAGS)
+def dispatch_serial(x, w, pos, zero, out):
+    """dispatch_rows(inverse_positions(pos)) in one serial pass; returns the number of
+    positions >= out.shape[0] (then nothing is written)."""
+    R, M = out.shape
+    k, T = pos.shape
+    for j in range(k):
+        for t in range(T):
+            if pos[j, t] >= R:
+                return 1
+    weighted = w.shape[0] > 0
+    for r in range(R):
+        for m in range(M):
+            out[r, m] = zero
+    for j in range(k):
+        for t in range(T):
+            p = pos[j, t]
+            if p < 0:
+                continue
+            if weighted:
+                a = w[j, t]
+                for m in range(M):
+                    out[p, m] = zero + a * x[t, m]
+            else:
+                for m in range(M):
+                    out[p, m] = zero + x[t, m]
+    return 0
+
+
+@njit(**_FLAGS)
+def combine_serial(y, pos, w, zero, out):
+    """combine_rows, serial; returns the number of positions >= y.shape[0] (then nothing is written)."""
+    k, T = pos.shape
+    R, M = y.shape
+    for j in range(k):
+        for t in range(T):
+            if pos[j, t] >= R:
+                return 1
+    weighted = w.shape[0] > 0
+    for t in range(T):
+        for m in range(M):
+            out[t, m] = zero
+        for j in range(k):
+            p = pos[j, t]
+            if p < 0:
+                continue
+            if weighted:
+                a = w[j, t]
+                for m in range(M):
+                    out[t, m] = out[t, m] + a * y[p, m]
+            else:
+                for m in range(M):
+                    out[t, m] = out[t, m] + y[p, m]
+    return 0
+
+
 @njit(**_FLAGS)
 def assign_slots_walk(ids, order, num_experts, slots, counts):
     """Slot-major slots (spec §6): walk j outer, tokens in ``order`` inner, one counter per expert.
@@ -157,4 +219,6 @@ def signatures():
         out.append((f"dispatch_rows[{name}]", dispatch_rows, (x, w, inv, zero, np.empty((3, 4), dt))))
         out.append((f"combine_rows[{name}]", combine_rows, (y, pos, w, zero, np.empty((2, 4), dt))))
         out.append((f"gate_grad_rows[{name}]", gate_grad_rows, (x, y, pos, zero, np.empty((2, 2), dt))))
+        out.append((f"dispatch_serial[{name}]", dispatch_serial, (x, w, pos, zero, np.empty((3, 4), dt))))
+        out.append((f"combine_serial[{name}]", combine_serial, (y, pos, w, zero, np.empty((2, 4), dt))))
     return out

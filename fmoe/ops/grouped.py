@@ -41,7 +41,7 @@ def _row_list(rows: Tensor, E: int, C: int) -> list[int]:
         raise ValueError(f"rows must be int64 [E] = [{E}], got shape {tuple(rows.shape)}")
     if rows.dtype.is_floating_point or rows.dtype == torch.bool:
         raise TypeError(f"rows must be an integer tensor, got {rows.dtype}")
-    return [min(max(int(n), 0), C) for n in rows.tolist()]
+    return rows.clamp(0, C).tolist()
 
 
 def _gemm_rows(n: int, C: int) -> int:
@@ -93,13 +93,14 @@ def _mm_rows(x: Tensor, w: Tensor, ns: list[int], transposed: bool, exact: bool 
         # One memset instead of a zero_() per idle expert (most of them at decode).
         y = torch.zeros(E, C, wt.shape[2], dtype=x.dtype, device=x.device)
         gemv = exact and x.dtype in _GEMV_DTYPES and x.device.type == "cpu"
+        wmv = (w if transposed else w.transpose(1, 2)) if gemv else None  # [E, N, K] for mv
         for e, m in enumerate(ms):
             if not m:
                 continue  # idle expert: its weights are never read
             if gemv and m <= _GEMV_ROWS:
-                a = wt[e].t()
+                a, xe, ye = wmv[e], x[e], y[e]
                 for i in range(m):
-                    torch.mv(a, x[e, i], out=y[e, i])
+                    torch.mv(a, xe[i], out=ye[i])
             else:
                 torch.mm(x[e, :m], wt[e], out=y[e, :m])
         if not exact:
