@@ -24,11 +24,17 @@ from .formats import dequantize
 from .tensor import FP4_FORMATS, QuantizedTensor
 
 # Largest tokens-per-expert C for which the fused kernel beat per-expert dequantize+matmul.
-# FP4: measured by benchmarks/bench_quant.py (E=8, N=1024, K=2048) on the shared 2-core dev VM
-# on 2026-11-30 (fused won up to C=32, lost at 64). FP8 values are unmeasured guesses. Machines
-# differ: calibrate_crossover() re-measures; pass its result as expert_matmul(crossover=...).
+# Measured 2026-11-30 with benchmarks/bench_quant.py (E=8, N=1024, K=2048, C = 1..1024 in
+# powers of two) on the shared 2-core AVX-512 dev VM, with another job running (noisy):
+#   mxfp4/nvfp4  fused won through C=256 (1.4x there), lost at 512 (0.97x) and 1024 (0.73x)
+#   mxfp8        won through C=32 (1.1-1.2x); at 64 one run 1.26x, another 0.77x
+#   fp8_block    won through C=256 (1.5x; C>256 not measured)
+#   fp8_row      won through C=128 (2.4x), lost at 256 (0.81x)
+# Per-expert dequantize+matmul is slow here partly because each expert alternates a numba (TBB)
+# decode with an MKL (OpenMP) matmul on 2 cores. Machines differ: calibrate_crossover()
+# re-measures; pass its result as expert_matmul(crossover=...).
 # The table is constant: no call changes which path another call takes.
-_CROSSOVER = {"mxfp4": 32, "nvfp4": 32, "mxfp8": 4, "fp8_block": 4, "fp8_row": 4}
+_CROSSOVER = {"mxfp4": 256, "nvfp4": 256, "mxfp8": 32, "fp8_block": 256, "fp8_row": 128}
 
 PATHS = ("auto", "fused", "dequant", "reference")
 
