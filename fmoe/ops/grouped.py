@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import numba_cpu as _numba_cpu
 from .primitives import forward_only
 
 __all__ = ["grouped_mm", "grouped_wgrad", "expert_mm", "filled_rows"]
@@ -93,14 +94,18 @@ def _mm_rows(x: Tensor, w: Tensor, ns: list[int], transposed: bool, exact: bool 
         # One memset instead of a zero_() per idle expert (most of them at decode).
         y = torch.zeros(E, C, wt.shape[2], dtype=x.dtype, device=x.device)
         gemv = exact and x.dtype in _GEMV_DTYPES and x.device.type == "cpu"
-        wmv = (w if transposed else w.transpose(1, 2)) if gemv else None  # [E, N, K] for mv
+        if gemv and max(ms) <= _GEMV_ROWS and _numba_cpu.rows_matvec(x, w, ms, transposed, y):
+            return y  # small weights: one serial numba call for every busy row
+        if gemv:  # [E, N, K] matrices for mv; flat row views (fewer view ops per row)
+            wmv = w if transposed else w.transpose(1, 2)
+            xf, yf = x.reshape(E * C, x.shape[2]), y.view(E * C, y.shape[2])
         for e, m in enumerate(ms):
             if not m:
                 continue  # idle expert: its weights are never read
             if gemv and m <= _GEMV_ROWS:
-                a, xe, ye = wmv[e], x[e], y[e]
-                for i in range(m):
-                    torch.mv(a, xe[i], out=ye[i])
+                a = wmv[e]
+                for r in range(e * C, e * C + m):
+                    torch.mv(a, xf[r], out=yf[r])
             else:
                 torch.mm(x[e, :m], wt[e], out=y[e, :m])
         if not exact:
@@ -264,6 +269,7 @@ def expert_mm(x: Tensor, w: Tensor, *, transposed: bool, rows: Optional[Tensor] 
     Falls back to the padded batched matmul when ``rows`` is None, while
     compiling, and under vmap (row counts cannot steer Python loops there).
     """
-    if rows is not None and not torch.compiler.is_compiling() and not _batched_under_vmap(x, w, rows):
+    if rows is not None and (forward_only(x, w, rows) or (
+            not torch.compiler.is_compiling() and not _batched_under_vmap(x, w, rows))):
         return grouped_mm(x, w, rows, transposed=transposed, exact=exact)
     return torch.bmm(x, w.transpose(1, 2) if transposed else w)
