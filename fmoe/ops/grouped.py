@@ -81,6 +81,10 @@ def _mm_rows(x: Tensor, w: Tensor, ns: list[int], transposed: bool, exact: bool 
     E, C, _ = x.shape
     wt = w.transpose(1, 2) if transposed else w
     ms = ns if exact else [_gemm_rows(n, C) for n in ns]
+    if exact and x.device.type == "cpu":
+        y = _numba_cpu.rows_matvec(x, w, ns, transposed)
+        if y is not None:  # small problem: one serial numba call over the busy rows only
+            return y
     # Many busy experts (exact or not): one batched call over the longest filled prefix
     # (measured faster than per-expert calls at decode_64: 128 experts, ~4 rows each).
     dense = _dense(ns)
@@ -94,8 +98,6 @@ def _mm_rows(x: Tensor, w: Tensor, ns: list[int], transposed: bool, exact: bool 
         # One memset instead of a zero_() per idle expert (most of them at decode).
         y = torch.zeros(E, C, wt.shape[2], dtype=x.dtype, device=x.device)
         gemv = exact and x.dtype in _GEMV_DTYPES and x.device.type == "cpu"
-        if gemv and max(ms) <= _GEMV_ROWS and _numba_cpu.rows_matvec(x, w, ms, transposed, y):
-            return y  # small weights: one serial numba call for every busy row
         if gemv:  # [E, N, K] matrices for mv; flat row views (fewer view ops per row)
             wmv = w if transposed else w.transpose(1, 2)
             xf, yf = x.reshape(E * C, x.shape[2]), y.view(E * C, y.shape[2])
@@ -234,10 +236,13 @@ def grouped_mm(x: Tensor, w: Tensor, rows: Tensor, *, transposed: bool = False, 
         x: float [E, C, K].
         w: float [E, K, N], or [E, N, K] with ``transposed=True``; x's dtype.
         rows: int64 [E], filled rows per expert (clamped to [0, C]).
-        exact: multiply exactly rows [0, n_e) (one GEMV per row for experts with at most
-            4 rows, float32/64 on CPU). Faster at decode, but rows [0, n_e) are then equal
-            to the padded C-row GEMM only within float rounding (MKL and the GEMV sum in
-            another order), not bit for bit as with the default ``exact=False``.
+        exact: multiply exactly rows [0, n_e), never touching idle experts' weights
+            (float32/64 on CPU: one serial numba call over all filled rows when that
+            streams at most ``numba_cpu.MATVEC_BYTES`` of weights, else one BLAS GEMV per
+            row for experts with at most 4 rows and a GEMM on n_e rows above). Faster at
+            decode, but rows [0, n_e) then equal the padded C-row GEMM only within float
+            rounding (another summation order), not bit for bit as with the default
+            ``exact=False``.
     Returns:
         [E, C, N] in x's dtype. Differentiable in x and w to any order.
     """

@@ -215,28 +215,34 @@ def combine_into(out: Tensor, y: Tensor, pos: Tensor, weights: Optional[Tensor] 
 
 # --------------------------------------------------------------------------- decode expert products
 
-# Above this many weight bytes on busy experts, BLAS GEMVs (threaded) win; below it one
-# serial numba call saves the per-row call overhead (~10 us per row at T=1).
-MATVEC_BYTES = 4 << 20
+# Weight bytes streamed (filled rows x one expert matrix) up to which one serial numba
+# call beats BLAS (per-row GEMVs, or a batched GEMM over every expert's padded rows).
+# Measured on the bench_models shapes (2 shared vCPUs): at 8-17 MB numba took 100-260 us
+# against 280-300 us for BLAS (and 8 ms when the machine was contended: small threaded
+# GEMMs stall on a descheduled thread); at 134 MB BLAS won 0.7 ms to 1.4-1.6 ms.
+MATVEC_BYTES = 32 << 20
 
 
-def rows_matvec(x: Tensor, w: Tensor, rows: list, transposed: bool, y: Tensor) -> bool:
-    """y[e, i] = x[e, i] @ op(w[e]) for i < rows[e], op(w) = w^T if ``transposed`` ([E, N, K])
-    else w ([E, K, N]), in one serial kernel call; y's other rows are left as they are.
+def rows_matvec(x: Tensor, w: Tensor, rows: list, transposed: bool) -> Optional[Tensor]:
+    """y[e, i] = x[e, i] @ op(w[e]) for i < rows[e], 0 on other rows; op(w) = w^T if
+    ``transposed`` (w [E, N, K]) else w ([E, K, N]); one serial kernel call that reads only
+    the busy experts' weights.
 
-    Only for small problems on plain contiguous float32/64 CPU tensors; returns False
-    (nothing done) otherwise, and the caller uses BLAS.
+    Only for small problems (see MATVEC_BYTES) on contiguous float32/64 CPU tensors;
+    returns None otherwise (the caller uses BLAS).
     """
     E, C, D = x.shape
-    if not (x.dtype in NATIVE_DTYPES and w.dtype == x.dtype and y.dtype == x.dtype and x.device.type == "cpu"
-            and w.device.type == "cpu" and x.is_contiguous() and w.is_contiguous() and y.is_contiguous()):
-        return False
-    if sum(1 for n in rows if n) * w.shape[1] * w.shape[2] * w.element_size() > MATVEC_BYTES:
-        return False
+    if not (x.dtype in NATIVE_DTYPES and w.dtype == x.dtype and x.device.type == "cpu"
+            and w.device.type == "cpu" and x.is_contiguous() and w.is_contiguous()):
+        return None
+    if sum(rows) * w.shape[1] * w.shape[2] * w.element_size() > MATVEC_BYTES:
+        return None
+    N = w.shape[1] if transposed else w.shape[2]
+    y = torch.zeros(E, C, N, dtype=x.dtype)
     ns = np.asarray(rows, dtype=np.int64)
     kern = K.rows_matvec_nk if transposed else K.rows_matvec_kn
-    kern(_view(x).reshape(E * C, D), _view(w), ns, C, _NP_ZERO[x.dtype], _view(y).reshape(E * C, y.shape[2]))
-    return True
+    kern(_view(x).reshape(E * C, D), _view(w), ns, C, _NP_ZERO[x.dtype], _view(y).reshape(E * C, N))
+    return y
 
 
 # --------------------------------------------------------------------------- routing
