@@ -307,7 +307,8 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
                              f"this call has T={tokens.shape[0]}, E={spec.num_experts}")
         l_aux, scores = x.new_zeros(()), None
     compute = tokens.to(_expert_dtype(params["experts"], x.dtype))
-    buffers = dispatch(compute, routing, weighted=not spec.is_postscore)
+    pos = routing.positions()  # computed once for dispatch and combine
+    buffers = dispatch(compute, routing, weighted=not spec.is_postscore, positions=pos)
     if comm.size == 1:
         # Only the first min(count, C) rows of each buffer hold tokens; multiply exactly
         # those (combine reads nothing else; y equals the reference within float rounding).
@@ -316,7 +317,7 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     else:
         out_buffers = _par.expert_parallel(spec, params["experts"], buffers, comm,
                                            dataclasses.replace(parallel, check=False))
-    y = combine(out_buffers, routing, weighted=spec.is_postscore)
+    y = combine(out_buffers, routing, weighted=spec.is_postscore, positions=pos)
     y = y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
     aux = MoEAux(l_aux, routing.counts, routing.num_dropped(), routing, routing.capacity, scores)
     return y, aux

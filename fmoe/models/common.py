@@ -173,7 +173,8 @@ def _aux_unflatten(leaves, has_sg) -> BlockAux:
 pytree.register_pytree_node(BlockAux, _aux_flatten, _aux_unflatten, serialized_type_name="fmoe.models.BlockAux")
 
 
-def eager_combine(y: Tensor, routing: Routing, out_dtype: torch.dtype) -> Tensor:
+def eager_combine(y: Tensor, routing: Routing, out_dtype: torch.dtype, *, positions: Optional[Tensor] = None
+                  ) -> Tensor:
     """transformers' eager accumulation order, vectorised.
 
     The eager loop visits experts in ascending id and index_adds ``(y * w).to(dt)``; a token
@@ -187,7 +188,7 @@ def eager_combine(y: Tensor, routing: Routing, out_dtype: torch.dtype) -> Tensor
         [T, H] in out_dtype.
     """
     E, C, H = y.shape
-    pos = routing.positions()                        # [k, T], -1 when masked
+    pos = routing.positions() if positions is None else positions  # [k, T], -1 when masked
     rows = y.reshape(E * C, H)[pos.clamp(min=0)]     # [k, T, H]
     # Promotion as in transformers: dt*dt stays dt, dt*fp32 becomes fp32, then one cast.
     contrib = (rows * routing.weights.unsqueeze(-1)).to(out_dtype)
@@ -201,7 +202,8 @@ def eager_combine(y: Tensor, routing: Routing, out_dtype: torch.dtype) -> Tensor
     return out
 
 
-def grouped_combine(y: Tensor, routing: Routing, out_dtype: torch.dtype) -> Tensor:
+def grouped_combine(y: Tensor, routing: Routing, out_dtype: torch.dtype, *, positions: Optional[Tensor] = None
+                    ) -> Tensor:
     """transformers' grouped_mm / batched_mm order through :func:`fmoe.combine`.
 
     Each buffer row holds exactly one (token, slot) pair, so the routing weight is applied
@@ -221,14 +223,14 @@ def grouped_combine(y: Tensor, routing: Routing, out_dtype: torch.dtype) -> Tens
         # dtype: combine's weighted sum forms the same products and sums them in the same
         # order, then casts once to dt (fp32 experts; fp32 weights on bf16 experts): the same
         # result without the [E, C, H] weighted copy.
-        return _fmoe_combine(y, routing, weighted=True)
-    pos = routing.positions().reshape(-1)
+        return _fmoe_combine(y, routing, weighted=True, positions=positions)
+    pos = (routing.positions() if positions is None else positions).reshape(-1)
     w = w.reshape(-1)
     # Row E*C is a bin for masked pairs; kept positions are unique so index_copy is a scatter.
     w_rows = torch.zeros(E * C + 1, dtype=w.dtype, device=w.device).index_copy(
         0, torch.where(pos >= 0, pos, torch.full_like(pos, E * C)), w)[: E * C]
     weighted = y * w_rows.reshape(E, C, 1)
-    return _fmoe_combine(weighted, routing, weighted=False).to(out_dtype)
+    return _fmoe_combine(weighted, routing, weighted=False, positions=positions).to(out_dtype)
 
 
 def _no_init(*args, **kwargs):
@@ -253,7 +255,8 @@ def routed_experts(expert_params: dict, tokens: Tensor, routing: Routing, expert
     """
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
-    buffers = _fmoe_dispatch(tokens, routing)
+    pos = routing.positions()  # once for dispatch and combine
+    buffers = _fmoe_dispatch(tokens, routing, positions=pos)
     c = resolve(comm)
     if c.size == 1:
         out = expert_fn(expert_params, buffers, rows=filled_rows(routing.counts, routing.capacity))
@@ -271,8 +274,8 @@ def routed_experts(expert_params: dict, tokens: Tensor, routing: Routing, expert
                        experts=ExpertSpec(type="custom", fn=expert_fn, init=_no_init))
         out = expert_parallel(spec, expert_params, buffers, c)
     if combine == "grouped":
-        return grouped_combine(out, routing, tokens.dtype)
-    return eager_combine(out, routing, tokens.dtype)
+        return grouped_combine(out, routing, tokens.dtype, positions=pos)
+    return eager_combine(out, routing, tokens.dtype, positions=pos)
 
 
 def check_tokens(x: Tensor, hidden_size: int, where: str) -> None:

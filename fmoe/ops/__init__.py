@@ -9,6 +9,8 @@ and ``torch.compile(fullgraph=True)``; see :mod:`fmoe.ops.primitives`.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import Tensor
 
 from ..routing import Routing
@@ -27,13 +29,14 @@ def _check_tokens(name: str, x: Tensor, routing: Routing) -> None:
                         f"{getattr(x, 'dtype', type(x).__name__)}")
 
 
-def dispatch(x: Tensor, routing: Routing, *, weighted: bool = False) -> Tensor:
+def dispatch(x: Tensor, routing: Routing, *, weighted: bool = False, positions: Optional[Tensor] = None) -> Tensor:
     """Scatter tokens into per-expert capacity buffers.
 
     Args:
         x: float [T, M] tokens.
         routing: from :func:`fmoe.top_k_routing` over the same T tokens.
         weighted: multiply each copy by its gate (pre-score mode).
+        positions: ``routing.positions()`` if the caller already has it (saves recomputing it).
 
     Returns:
         [E, C, M] in x's dtype; row ``(e, c)`` holds the token at slot c of
@@ -45,17 +48,18 @@ def dispatch(x: Tensor, routing: Routing, *, weighted: bool = False) -> Tensor:
                          f"got shape {tuple(x.shape)}")
     E, C = routing.num_experts, routing.capacity
     w = routing.weights if weighted else None
-    out = dispatch_raw(x, routing.positions(), w, E * C)
+    out = dispatch_raw(x, routing.positions() if positions is None else positions, w, E * C)
     return out.reshape(E, C, x.shape[1])
 
 
-def combine(y: Tensor, routing: Routing, *, weighted: bool = True) -> Tensor:
+def combine(y: Tensor, routing: Routing, *, weighted: bool = True, positions: Optional[Tensor] = None) -> Tensor:
     """Gather expert outputs back to tokens, summing the k slots in order.
 
     Args:
         y: float [E, C, M] expert outputs.
         routing: the routing that produced the buffers.
         weighted: multiply each slot by its gate (post-score mode).
+        positions: ``routing.positions()`` if the caller already has it.
 
     Returns:
         [T, M] in y's dtype; tokens whose every slot was dropped are 0.
@@ -65,7 +69,8 @@ def combine(y: Tensor, routing: Routing, *, weighted: bool = True) -> Tensor:
     if y.dim() != 3 or y.shape[0] != E or y.shape[1] != C:
         raise ValueError(f"combine: y must be [E, C, M] = [{E}, {C}, M], got shape {tuple(y.shape)}")
     w = routing.weights if weighted else None
-    return combine_raw(y.reshape(E * C, y.shape[2]), routing.positions(), w)
+    pos = routing.positions() if positions is None else positions
+    return combine_raw(y.reshape(E * C, y.shape[2]), pos, w)
 
 
 def gate_grad(a: Tensor, b: Tensor, routing: Routing) -> Tensor:
