@@ -7,9 +7,10 @@ ratio compares numbers taken minutes apart on the same (noisy, shared) machine:
 * copy bandwidth: one large tensor copy (the bound for dispatch/combine);
 * MoE layer step (training: forward + backward; decode: forward under no_grad) for
     reference   fmoe.moe with the pure-torch ops (numba disabled), padded expert GEMMs
-    numba       fmoe.moe with the numba ops, padded expert GEMMs
-    numba+rows  the same pipeline with expert GEMMs on filled rows only
-                (experts.apply_experts(rows=min(counts, C)), what moe() would pass)
+    numba       fmoe.moe with the numba ops (expert GEMMs on exactly the filled rows,
+                grouped_mm(exact=True): equal to padded within rounding)
+    numba+rows  the same pipeline with apply_experts(rows=min(counts, C)) and the default
+                bit-exact row rule (filled rows rounded up to MKL's padded-GEMM kernel)
     transformers  Qwen3-MoE sparse block (dropless peer), when transformers is installed
   reported as useful GFLOP/s = FLOPs of the expert GEMMs on routed, non-dropped rows / time;
 * dispatch + combine alone, forward and backward, against bytes moved / copy bandwidth;
@@ -136,7 +137,7 @@ def _spec(c: Config) -> fmoe.MoESpec:
 
 
 def _moe_rows(params, x, spec):
-    """fmoe.moe's single-process pipeline with expert GEMMs on filled rows only."""
+    """fmoe.moe's single-process pipeline, expert GEMMs on filled rows with the bit-exact row rule."""
     routing, l_aux = fmoe.route(params, x, spec)
     buf = fmoe.dispatch(x, routing, weighted=not spec.is_postscore)
     rows = filled_rows(routing.counts, routing.capacity)
