@@ -6,7 +6,7 @@ ratio compares numbers taken minutes apart on the same (noisy, shared) machine:
 * dense GEMM rate: one big float32 matmul forward + backward (the machine's roofline);
 * copy bandwidth: one large tensor copy (the bound for dispatch/combine);
 * MoE layer step (training: forward + backward; decode: forward under no_grad) for
-    reference   fmoe.moe with the pure-torch ops (numba disabled), padded expert GEMMs
+    reference   fmoe.moe with the pure-torch ops (numba_cpu.disabled())
     numba       fmoe.moe with the numba ops (expert GEMMs on exactly the filled rows,
                 grouped_mm(exact=True): equal to padded within rounding)
     numba+rows  the same pipeline with apply_experts(rows=min(counts, C)) and the default
