@@ -1,9 +1,11 @@
-"""CPU decode benchmark: fused MXFP4 expert matmul vs FP32 dense bmm vs dequantize-then-matmul.
+"""CPU decode benchmark: fused FP4/FP8 expert matmul vs FP32 dense bmm vs dequantize-then-matmul.
 
-All three run in the same process on the same shapes, alternating, medians over repeats.
+All three run in the same process on the same shapes, round-robin one call at a time,
+medians over repeats (the 1-minute load average is recorded: the dev VM is shared).
 Prints a table and writes JSON to benchmarks/out/bench_quant.json.
 
-    python benchmarks/bench_quant.py [--experts 8 --n 1024 --k 2048 --repeats 15]
+    python benchmarks/bench_quant.py [--fmt mxfp4|nvfp4|mxfp8|fp8_block|fp8_row]
+        [--experts 8 --n 1024 --k 2048 --repeats 15 --tokens 1 2 4 8 16 32 64 --threads N]
 """
 from __future__ import annotations
 
@@ -24,16 +26,6 @@ from fmoe.quant import matmul as M
 from fmoe._numba import threading_layer
 
 
-def _time(fn, repeats):
-    fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=8)
@@ -42,7 +34,11 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--fmt", default="mxfp4")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch.set_num_threads (numba follows torch); 0 keeps the default")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     E, N, K = args.experts, args.n, args.k
@@ -58,9 +54,17 @@ def main():
             "dequant_matmul": lambda: M._dequant_per_expert(x, w),
         }
         times = {k: [] for k in fns}
-        for _ in range(3):  # interleave the three so drift hits all of them
-            for k, fn in fns.items():
-                times[k] += _time(fn, max(1, args.repeats // 3))
+        names = list(fns)
+        for fn in fns.values():
+            fn()  # warm-up (numba compile / caches)
+        # Round-robin, one call at a time, rotating the order: the shared VM's load changes
+        # within seconds, and this way every change hits all three about equally.
+        for r in range(args.repeats):
+            for i in range(len(names)):
+                k = names[(r + i) % len(names)]
+                t0 = time.perf_counter()
+                fns[k]()
+                times[k].append(time.perf_counter() - t0)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         rows.append({"tokens_per_expert": c, **{f"{k}_ms": round(v, 4) for k, v in med.items()},
                      "speedup_vs_dense": round(med["dense_fp32"] / med["fused"], 3),
@@ -68,7 +72,7 @@ def main():
     result = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "torch_threads": torch.get_num_threads(), "numba_layer": threading_layer(),
-                    "torch": torch.__version__},
+                    "torch": torch.__version__, "loadavg_1m_end": round(os.getloadavg()[0], 2)},
         "config": {"fmt": args.fmt, "experts": E, "n": N, "k": K, "repeats": args.repeats,
                    "bits_per_weight": Q.bits_per_weight(w),
                    "auto_crossover": Q.crossover(args.fmt)},
@@ -80,7 +84,8 @@ def main():
               f"{r['dequant_matmul_ms']:>9.3f} {r['speedup_vs_dense']:>8.2f} "
               f"{r['speedup_vs_dequant']:>7.2f}")
     os.makedirs(os.path.join(os.path.dirname(__file__), "out"), exist_ok=True)
-    path = os.path.join(os.path.dirname(__file__), "out", f"bench_quant_{args.fmt}.json")
+    tag = f"_t{args.threads}" if args.threads else ""
+    path = os.path.join(os.path.dirname(__file__), "out", f"bench_quant_{args.fmt}{tag}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result["machine"]), "->", path)

@@ -65,29 +65,30 @@ _E2M1_TWICE = [0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, -0.0, -1.0, -2.0, -3.0, 
 
 
 @intrinsic
-def _fp4_decode16(typingctx, row, off, s0, s1, wl, wh, woff):
-    """16 packed bytes row[off:off+16] -> wl[woff:woff+16] = 2*E2M1(low nibbles) * scale and
-    wh[woff:woff+16] = 2*E2M1(high nibbles) * scale, scale = s0 for bytes 0..7, s1 for 8..15.
+def _fp4_decode16(typingctx, data, off, s0, s1, w, woff):
+    """16 packed bytes at flat byte offset `off` of the C-contiguous uint8 array `data` ->
+    32 floats w[woff:woff+32] in k order (low nibble first): 2*E2M1(code) * scale, with
+    scale = s0 for bytes 0..7 and s1 for bytes 8..15.
 
     Written as LLVM vector IR: the 16-entry table lookup is a build_vector of variable-index
     extracts from a constant vector, which the x86 backend lowers to one vpermps per 16
-    weights on AVX-512 (other targets get a correct generic lowering). numba cannot express
-    this; its loop form became 10+ vector ops per 16 weights (measured 4x slower per weight).
-    No bounds checks: callers pass in-range offsets. Exact (products of 2*E2M1 and a scale).
+    weights on AVX-512 (other targets get a correct generic lowering), and the two halves are
+    interleaved back into k order with two shuffles. numba's loop form of this decode was
+    10+ vector ops per 16 weights (measured 4x slower per weight). No bounds checks: callers
+    pass in-range offsets. Exact (products of 2*E2M1 and a scale).
     """
-    sig = types.void(row, off, s0, s1, wl, wh, woff)
+    sig = types.void(data, off, s0, s1, w, woff)
 
     def codegen(context, builder, signature, args):
-        row_v, off_v, s0_v, s1_v, wl_v, wh_v, woff_v = args
-        ra = context.make_array(signature.args[0])(context, builder, row_v)
-        la = context.make_array(signature.args[4])(context, builder, wl_v)
-        ha = context.make_array(signature.args[5])(context, builder, wh_v)
+        data_v, off_v, s0_v, s1_v, w_v, woff_v = args
+        da = context.make_array(signature.args[0])(context, builder, data_v)
+        wa = context.make_array(signature.args[4])(context, builder, w_v)
         i32 = ir.IntType(32)
         v16i8 = ir.VectorType(ir.IntType(8), 16)
         v16i32 = ir.VectorType(i32, 16)
         v16f = ir.VectorType(ir.FloatType(), 16)
         undef = ir.Constant(v16f, ir.Undefined)
-        p = builder.bitcast(builder.gep(ra.data, [off_v]), v16i8.as_pointer())
+        p = builder.bitcast(builder.gep(da.data, [off_v]), v16i8.as_pointer())
         b = builder.zext(builder.load(p, align=1), v16i32)
         lo = builder.and_(b, ir.Constant(v16i32, [15] * 16))
         hi = builder.lshr(b, ir.Constant(v16i32, [4] * 16))
@@ -102,81 +103,80 @@ def _fp4_decode16(typingctx, row, off, s0, s1, wl, wh, woff):
                 lane = ir.Constant(i32, i)
                 res = builder.insert_element(
                     res, builder.extract_element(table, builder.extract_element(idx, lane)), lane)
-            return res
+            return builder.fmul(res, sv)
 
-        for arr, idx in ((la, lo), (ha, hi)):
-            q = builder.bitcast(builder.gep(arr.data, [woff_v]), v16f.as_pointer())
-            builder.store(builder.fmul(lookup(idx), sv), q, align=4)
+        vlo, vhi = lookup(lo), lookup(hi)
+        for half in range(2):
+            mask = [v for i in range(8 * half, 8 * half + 8) for v in (i, 16 + i)]
+            v = builder.shuffle_vector(vlo, vhi, ir.Constant(v16i32, mask))
+            q = builder.gep(wa.data, [builder.add(woff_v, ir.Constant(woff_v.type, 16 * half))])
+            builder.store(v, builder.bitcast(q, v16f.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @njit(fastmath=_FM, inline="always", cache=True)
-def _fp4_decode(row, srow, table, hb, wl, wh):
-    """Decode the whole blocks row[:] (scales srow[:]) into wl/wh[:len(row)], each value
-    scaled by its block scale. The block loops have constant trip counts for the two real
-    block sizes (16 and 8 bytes) and write the arrays directly: passing the output arrays
-    into a helper (even an inlined one) stopped LLVM from vectorising (10x slower)."""
+def _fp4_decode(data, scales, e, r, j0, j1, table, hb, w):
+    """Decode bytes data[e, r, j0:j1] (whole blocks; data C-contiguous) into w[0:2*(j1-j0)] in
+    k order, each value 2*E2M1 * its block scale. The block loops have constant trip counts
+    (an 8-trip loop ran scalar, so NVFP4 decodes two 8-byte blocks per 16-byte step); the
+    odd-block tail and other block sizes take a scalar path."""
+    row0 = (e * data.shape[1] + r) * data.shape[2]
     if hb == 16:
-        for kb in range(srow.shape[0]):
-            s = table[srow[kb]]
-            _fp4_decode16(row, kb * 16, s, s, wl, wh, kb * 16)
-    elif hb == 8:
-        # Two blocks per 16-byte step (an 8-trip loop ran scalar, 10x slower).
-        nb = srow.shape[0]
+        for kb in range(j0 // 16, j1 // 16):
+            s = table[scales[e, r, kb]]
+            _fp4_decode16(data, row0 + kb * 16, s, s, w, 2 * (kb * 16 - j0))
+        return
+    jv = j0  # bytes decoded by the vector path
+    if hb == 8:
+        b0 = j0 // 8
+        nb = (j1 - j0) // 8
         for kp in range(nb // 2):
-            _fp4_decode16(row, kp * 16, table[srow[2 * kp]], table[srow[2 * kp + 1]], wl, wh,
-                          kp * 16)
-        if nb % 2 == 1:
-            s = table[srow[nb - 1]]
-            for j in range((nb - 1) * 8, nb * 8):
-                lo, hi = _fp4_pair(row[j])
-                wl[j] = lo * s
-                wh[j] = hi * s
-    else:
-        for j in range(row.shape[0]):
-            s = table[srow[j // hb]]
-            lo, hi = _fp4_pair(row[j])
-            wl[j] = lo * s
-            wh[j] = hi * s
+            kb = b0 + 2 * kp
+            _fp4_decode16(data, row0 + kb * 8, table[scales[e, r, kb]],
+                          table[scales[e, r, kb + 1]], w, 32 * kp)
+        jv = j0 + 16 * (nb // 2)
+    for j in range(jv, j1):
+        s = table[scales[e, r, j // hb]]
+        lo, hi = _fp4_pair(data[e, r, j])
+        w[2 * (j - j0)] = lo * s
+        w[2 * (j - j0) + 1] = hi * s
 
 
 @njit(parallel=True, fastmath=_FM, cache=True)
-def fp4_matmul(xe, xo, data, scales, scale_table, gscale, out, tile_n, chunk):
+def fp4_matmul(x, data, scales, scale_table, gscale, out, tile_n, chunk):
     """FP4 (MXFP4 / NVFP4) expert matmul.
 
-    xe, xo  float32 [E, C, K/2]   even / odd columns of x (matching the low / high nibbles)
-    data    uint8   [E, N, K/2]   packed E2M1, low nibble = even k
+    x       float32 [E, C, K]     C-contiguous
+    data    uint8   [E, N, K/2]   packed E2M1, low nibble = even k; C-contiguous
     scales  uint8   [E, N, K/bk]  block scale bytes (E8M0 or UE4M3)
     scale_table float32 [256]     byte -> block scale value
     gscale  float32 [E]           per-expert second-level scale (1 for MXFP4)
     out     float32 [E, C, N]
-    tile_n  rows per parallel task; chunk: bytes of K per pass (a multiple of bk/2)
+    tile_n  rows per parallel task; chunk: packed bytes of K per pass (a multiple of bk/2)
 
-    One task = tile_n rows of one expert. Within it, 4 rows at a time and `chunk` bytes of K
-    at a time are decoded (scale folded in: 2*E2M1 * s is exact) into a small L1-resident
-    buffer, then every token of the expert is dotted against all 4 rows in one pass over
-    its x chunk. So each weight byte is decoded once per call, not once per token.
+    One task = tile_n rows of one expert. Within it, 4 rows and `chunk` bytes of K at a time
+    are decoded (scale folded in: 2*E2M1 * s is exact) into an L1-resident buffer in k order,
+    then every token of the expert is dotted against all 4 rows, 4 tokens per pass (8 vector
+    loads per 16 FMAs), so each weight byte is decoded once per call, not once per token.
     """
-    E, C, KH = xe.shape
+    E, C, K = x.shape
     N = data.shape[1]
+    KH = data.shape[2]
     KB = scales.shape[2]
     hb = KH // KB  # bytes per block
     ch = min(max(hb, chunk - chunk % hb), KH)
     nt = (N + tile_n - 1) // tile_n
+    c4 = C - C % 4
     for job in prange(E * nt):
         e = job // nt
         n0 = (job - e * nt) * tile_n
         n1 = min(N, n0 + tile_n)
-        l0 = np.empty(ch, np.float32)
-        h0 = np.empty(ch, np.float32)
-        l1 = np.empty(ch, np.float32)
-        h1 = np.empty(ch, np.float32)
-        l2 = np.empty(ch, np.float32)
-        h2 = np.empty(ch, np.float32)
-        l3 = np.empty(ch, np.float32)
-        h3 = np.empty(ch, np.float32)
+        w0 = np.empty(2 * ch, np.float32)
+        w1 = np.empty(2 * ch, np.float32)
+        w2 = np.empty(2 * ch, np.float32)
+        w3 = np.empty(2 * ch, np.float32)
         acc = np.empty((C, 4), np.float32)
         g = gscale[e] * _f32(0.5)  # the decode produced 2 * E2M1
         for n in range(n0, n1, 4):
@@ -187,23 +187,17 @@ def fp4_matmul(xe, xo, data, scales, scale_table, gscale, out, tile_n, chunk):
             acc[:] = _f32(0.0)
             for j0 in range(0, KH, ch):
                 j1 = min(j0 + ch, KH)
-                b0 = j0 // hb
-                b1 = j1 // hb
-                _fp4_decode(data[e, r0, j0:j1], scales[e, r0, b0:b1], scale_table, hb, l0, h0)
-                _fp4_decode(data[e, r1, j0:j1], scales[e, r1, b0:b1], scale_table, hb, l1, h1)
-                _fp4_decode(data[e, r2, j0:j1], scales[e, r2, b0:b1], scale_table, hb, l2, h2)
-                _fp4_decode(data[e, r3, j0:j1], scales[e, r3, b0:b1], scale_table, hb, l3, h3)
-                # Four tokens per pass (16 vector loads per 32 FMAs), then pairs, then one.
-                c4 = C - C % 4
+                k0 = 2 * j0
+                k1 = 2 * j1
+                _fp4_decode(data, scales, e, r0, j0, j1, scale_table, hb, w0)
+                _fp4_decode(data, scales, e, r1, j0, j1, scale_table, hb, w1)
+                _fp4_decode(data, scales, e, r2, j0, j1, scale_table, hb, w2)
+                _fp4_decode(data, scales, e, r3, j0, j1, scale_table, hb, w3)
                 for c in range(0, c4, 4):
-                    a = xe[e, c, j0:j1]
-                    o = xo[e, c, j0:j1]
-                    p = xe[e, c + 1, j0:j1]
-                    q = xo[e, c + 1, j0:j1]
-                    a2 = xe[e, c + 2, j0:j1]
-                    o2 = xo[e, c + 2, j0:j1]
-                    p2 = xe[e, c + 3, j0:j1]
-                    q2 = xo[e, c + 3, j0:j1]
+                    a0 = x[e, c, k0:k1]
+                    a1 = x[e, c + 1, k0:k1]
+                    a2 = x[e, c + 2, k0:k1]
+                    a3 = x[e, c + 3, k0:k1]
                     t0 = _f32(0.0)
                     t1 = _f32(0.0)
                     t2 = _f32(0.0)
@@ -220,43 +214,35 @@ def fp4_matmul(xe, xo, data, scales, scale_table, gscale, out, tile_n, chunk):
                     z1 = _f32(0.0)
                     z2 = _f32(0.0)
                     z3 = _f32(0.0)
-                    for j in range(j1 - j0):
-                        xa = a[j]
-                        xb = o[j]
-                        ya = p[j]
-                        yb = q[j]
-                        va = a2[j]
-                        vb = o2[j]
-                        za = p2[j]
-                        zb = q2[j]
-                        w0 = l0[j]
-                        g0 = h0[j]
-                        w1 = l1[j]
-                        g1 = h1[j]
-                        w2 = l2[j]
-                        g2 = h2[j]
-                        w3 = l3[j]
-                        g3 = h3[j]
-                        t0 += w0 * xa + g0 * xb
-                        t1 += w1 * xa + g1 * xb
-                        t2 += w2 * xa + g2 * xb
-                        t3 += w3 * xa + g3 * xb
-                        u0 += w0 * ya + g0 * yb
-                        u1 += w1 * ya + g1 * yb
-                        u2 += w2 * ya + g2 * yb
-                        u3 += w3 * ya + g3 * yb
-                        v0 += w0 * va + g0 * vb
-                        v1 += w1 * va + g1 * vb
-                        v2 += w2 * va + g2 * vb
-                        v3 += w3 * va + g3 * vb
-                        z0 += w0 * za + g0 * zb
-                        z1 += w1 * za + g1 * zb
-                        z2 += w2 * za + g2 * zb
-                        z3 += w3 * za + g3 * zb
-                    acc[c, 0] += t0
-                    acc[c, 1] += t1
-                    acc[c, 2] += t2
-                    acc[c, 3] += t3
+                    for k in range(k1 - k0):
+                        m0 = w0[k]
+                        m1 = w1[k]
+                        m2 = w2[k]
+                        m3 = w3[k]
+                        xa = a0[k]
+                        t0 += m0 * xa
+                        t1 += m1 * xa
+                        t2 += m2 * xa
+                        t3 += m3 * xa
+                        xa = a1[k]
+                        u0 += m0 * xa
+                        u1 += m1 * xa
+                        u2 += m2 * xa
+                        u3 += m3 * xa
+                        xa = a2[k]
+                        v0 += m0 * xa
+                        v1 += m1 * xa
+                        v2 += m2 * xa
+                        v3 += m3 * xa
+                        xa = a3[k]
+                        z0 += m0 * xa
+                        z1 += m1 * xa
+                        z2 += m2 * xa
+                        z3 += m3 * xa
+                    acc[c + 0, 0] += t0
+                    acc[c + 0, 1] += t1
+                    acc[c + 0, 2] += t2
+                    acc[c + 0, 3] += t3
                     acc[c + 1, 0] += u0
                     acc[c + 1, 1] += u1
                     acc[c + 1, 2] += u2
@@ -269,59 +255,26 @@ def fp4_matmul(xe, xo, data, scales, scale_table, gscale, out, tile_n, chunk):
                     acc[c + 3, 1] += z1
                     acc[c + 3, 2] += z2
                     acc[c + 3, 3] += z3
-                for c in range(c4, C - 1, 2):
-                    a = xe[e, c, j0:j1]
-                    o = xo[e, c, j0:j1]
-                    p = xe[e, c + 1, j0:j1]
-                    q = xo[e, c + 1, j0:j1]
+                for c in range(c4, C):
+                    a0 = x[e, c, k0:k1]
                     t0 = _f32(0.0)
                     t1 = _f32(0.0)
                     t2 = _f32(0.0)
                     t3 = _f32(0.0)
-                    u0 = _f32(0.0)
-                    u1 = _f32(0.0)
-                    u2 = _f32(0.0)
-                    u3 = _f32(0.0)
-                    for j in range(j1 - j0):
-                        xa = a[j]
-                        xb = o[j]
-                        ya = p[j]
-                        yb = q[j]
-                        t0 += l0[j] * xa + h0[j] * xb
-                        t1 += l1[j] * xa + h1[j] * xb
-                        t2 += l2[j] * xa + h2[j] * xb
-                        t3 += l3[j] * xa + h3[j] * xb
-                        u0 += l0[j] * ya + h0[j] * yb
-                        u1 += l1[j] * ya + h1[j] * yb
-                        u2 += l2[j] * ya + h2[j] * yb
-                        u3 += l3[j] * ya + h3[j] * yb
-                    acc[c, 0] += t0
-                    acc[c, 1] += t1
-                    acc[c, 2] += t2
-                    acc[c, 3] += t3
-                    acc[c + 1, 0] += u0
-                    acc[c + 1, 1] += u1
-                    acc[c + 1, 2] += u2
-                    acc[c + 1, 3] += u3
-                if C % 2 == 1:
-                    c = C - 1
-                    a = xe[e, c, j0:j1]
-                    o = xo[e, c, j0:j1]
-                    t0 = _f32(0.0)
-                    t1 = _f32(0.0)
-                    t2 = _f32(0.0)
-                    t3 = _f32(0.0)
-                    for j in range(j1 - j0):
-                        xa = a[j]
-                        xb = o[j]
-                        t0 += l0[j] * xa + h0[j] * xb
-                        t1 += l1[j] * xa + h1[j] * xb
-                        t2 += l2[j] * xa + h2[j] * xb
-                        t3 += l3[j] * xa + h3[j] * xb
-                    acc[c, 0] += t0
-                    acc[c, 1] += t1
-                    acc[c, 2] += t2
-                    acc[c, 3] += t3
+                    for k in range(k1 - k0):
+                        m0 = w0[k]
+                        m1 = w1[k]
+                        m2 = w2[k]
+                        m3 = w3[k]
+                        xa = a0[k]
+                        t0 += m0 * xa
+                        t1 += m1 * xa
+                        t2 += m2 * xa
+                        t3 += m3 * xa
+                    acc[c + 0, 0] += t0
+                    acc[c + 0, 1] += t1
+                    acc[c + 0, 2] += t2
+                    acc[c + 0, 3] += t3
             for c in range(C):
                 out[e, c, r0] = acc[c, 0] * g
                 out[e, c, r1] = acc[c, 1] * g

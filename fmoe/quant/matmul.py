@@ -39,7 +39,7 @@ _CROSSOVER = {"mxfp4": 256, "nvfp4": 256, "mxfp8": 32, "fp8_block": 256, "fp8_ro
 PATHS = ("auto", "fused", "dequant", "reference")
 
 # fp4_matmul work split: rows of one expert per parallel task, and packed bytes of K decoded per
-# pass (512 bytes = 1024 k: 4 rows x 2 x 4 KB of decoded floats stay in L1). Chosen by
+# pass (512 bytes = 1024 k: 4 rows x 4 KB of decoded floats stay in L1). Chosen by
 # benchmarks/bench_quant.py-shaped runs (E=8, N=1024, K=2048) on the 2-core dev VM.
 _FP4_TILE_N = 64
 _FP4_CHUNK = 512
@@ -107,13 +107,11 @@ def _fused(x, w: QuantizedTensor) -> torch.Tensor:
     out = torch.empty(E, Cn, n, dtype=torch.float32)
     with _numba.kernel_call():  # thread count follows torch; serialised on the workqueue fallback
         if w.fmt in FP4_FORMATS:
-            xe = xf[..., 0::2].contiguous()
-            xo = xf[..., 1::2].contiguous()
             if w.fmt == "mxfp4":
                 table, gs = C.E8M0_TABLE, torch.ones(E)
             else:
                 table, gs = C.E4M3_TABLE, w.global_scale.float().reshape(E).contiguous()
-            K.fp4_matmul(xe.numpy(), xo.numpy(), w.data.contiguous().numpy(),
+            K.fp4_matmul(xf.numpy(), w.data.contiguous().numpy(),
                          w.scales.contiguous().view(torch.uint8).numpy(), table.numpy(), gs.numpy(),
                          out.numpy(), _FP4_TILE_N, _FP4_CHUNK)
         else:
