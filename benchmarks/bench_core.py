@@ -16,7 +16,9 @@ ratio compares numbers taken minutes apart on the same (noisy, shared) machine:
 * dispatch + combine alone, forward and backward, against bytes moved / copy bandwidth;
 * peak RSS growth of each variant (VmHWM after resetting it through /proc/self/clear_refs).
 
-Every figure is a median over repeats.
+Every figure is a median over repeats; the layer variants (and the transformers
+peer) are timed round-robin, one step each per repeat, so that bursts of load from
+other jobs on a shared machine hit all of them alike.
 """
 from __future__ import annotations
 
@@ -210,36 +212,54 @@ def bench_layer(c: Config, tokens: int, repeats: int, log: Callable[[str], None]
         "numba": (lambda p, xx: fmoe.moe(p, xx, spec), contextlib.nullcontext),
         "numba+rows": (lambda p, xx: _moe_rows(p, xx, spec), contextlib.nullcontext),
     }
-    for name, (layer, ctx) in variants.items():
-        with ctx(), peak_rss(res["peak_rss_bytes"], name):
-            t = median_time(_step_fn(layer, params, x, c.train), repeats)
-        res["variants"][name] = {"seconds": t, "useful_gflops": useful / t / 1e9}
-        log(f"  {c.name} {name}: {t * 1e3:.1f} ms, {useful / t / 1e9:.1f} useful GFLOP/s")
+    steps = {name: (_step_fn(layer, params, x, c.train), ctx) for name, (layer, ctx) in variants.items()}
+    flops = {name: useful for name in variants}
 
-    for t in torch.utils._pytree.tree_leaves(params):
-        t.grad = None
     block, why = _transformers_block(c, tokens)
     if block is None:
         log(f"  {c.name} transformers: skipped: {why}")
         res["variants"]["transformers"] = {"skipped": why}
     else:
+        xb = x.reshape(1, tokens, c.model_dim)
+        if c.train:
+            xb = xb.clone().requires_grad_(True)
+
+        def hf_layer(_, xx):
+            out = block(xx)
+            return (out[0] if isinstance(out, tuple) else out), None
+
+        steps["transformers"] = (_step_fn(hf_layer, dict(block.named_parameters()), xb, c.train),
+                                 contextlib.nullcontext)
+        flops["transformers"] = tokens * c.k * c.flop_per_row() * (3 if c.train else 1)
+
+    # Warm-up (and peak RSS) variant by variant, then timed steps interleaved round-robin so
+    # that a burst of load from other jobs on this shared machine hits every variant alike.
+    for name in list(steps):
+        step, ctx = steps[name]
         try:
-            xb = x.reshape(1, tokens, c.model_dim)
-            if c.train:
-                xb = xb.clone().requires_grad_(True)
-
-            def hf_layer(_, xx):
-                out = block(xx)
-                return (out[0] if isinstance(out, tuple) else out), None
-
-            with peak_rss(res["peak_rss_bytes"], "transformers"):
-                t = median_time(_step_fn(hf_layer, dict(block.named_parameters()), xb, c.train), repeats)
-            res["variants"]["transformers"] = {"seconds": t, "useful_gflops": tokens * c.k * c.flop_per_row()
-                                               * (3 if c.train else 1) / t / 1e9}
-            log(f"  {c.name} transformers: {t * 1e3:.1f} ms")
-        except Exception as exc:  # the peer is best effort; report, never crash the suite
+            with ctx(), peak_rss(res["peak_rss_bytes"], name):
+                step()
+        except Exception as exc:
+            if name != "transformers":
+                raise
+            # the peer is best effort; report, never crash the suite
             res["variants"]["transformers"] = {"skipped": f"error: {type(exc).__name__}: {exc}"}
             log(f"  {c.name} transformers: error {exc}")
+            del steps[name]
+    times = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, (step, ctx) in steps.items():
+            with ctx():
+                t0 = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - t0)
+    for name, ts in times.items():
+        t = statistics.median(ts)
+        res["variants"][name] = {"seconds": t, "useful_gflops": flops[name] / t / 1e9,
+                                 "all_seconds": ts}
+        log(f"  {c.name} {name}: {t * 1e3:.1f} ms, {flops[name] / t / 1e9:.1f} useful GFLOP/s")
+    for t in torch.utils._pytree.tree_leaves(params):
+        t.grad = None
     del block
     gc.collect()
     return res
