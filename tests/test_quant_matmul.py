@@ -160,3 +160,34 @@ def test_fp4_fused_generic_block_size():
     K.fp4_matmul(x.numpy(), data.numpy(), scales.numpy(), C.E8M0_TABLE.numpy(),
                  np.ones(E, np.float32), out, 4, 18)
     torch.testing.assert_close(torch.from_numpy(out), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_fused_decodes_every_e4m3_byte_exactly():
+    """One-hot tokens read single decoded weights back: every finite E4M3 byte (subnormals,
+    both zeros, negatives) times a non-power-of-two scale, bit-exact with dequantize()."""
+    codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+    k = codes.numel()  # 254: not a multiple of 16, so the table tail runs too
+    data = torch.stack([codes, codes.flip(0)]).unsqueeze(0).view(torch.float8_e4m3fn)
+    scales = torch.tensor([[[0.3], [1.7]]], dtype=torch.float32)  # [E, N, 1]
+    w = Q.QuantizedTensor(data, scales, None, "fp8_row", (1, 2, k), (1, k))
+    x = torch.eye(k).unsqueeze(0)
+    y = Q.expert_matmul(x, w, path="fused")
+    assert torch.equal(y[0].T, Q.dequantize(w)[0])
+
+
+def test_fp8_fused_nan_byte_and_ragged_shapes():
+    from fmoe.quant import matmul as M
+
+    g = torch.Generator().manual_seed(5)
+    for fmt, n, k in (("fp8_row", 7, 100), ("fp8_block", 130, 200), ("mxfp8", 5, 96)):
+        w = Q.quantize(torch.randn(2, n, k, generator=g), fmt)
+        for c in (1, 3, 4, 9):
+            x = torch.randn(2, c, k, generator=g)
+            torch.testing.assert_close(M._fused(x, w), Q.expert_matmul_reference(x, w),
+                                       rtol=1e-5, atol=1e-5)
+    w = Q.quantize_fp8_rowwise(torch.randn(1, 3, 64, generator=g))
+    data = w.data.view(torch.uint8).clone()
+    data[0, 1, 17] = 0x7F
+    bad = Q.QuantizedTensor(data.view(torch.float8_e4m3fn), w.scales, None, "fp8_row", w.shape, w.block)
+    y = M._fused(torch.randn(1, 2, 64, generator=g), bad)
+    assert torch.isnan(y[0, :, 1]).all() and torch.isfinite(y[0, :, [0, 2]]).all()

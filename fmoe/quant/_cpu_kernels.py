@@ -282,40 +282,201 @@ def fp4_matmul(x, data, scales, scale_table, gscale, out, tile_n, chunk):
                 out[e, c, r3] = acc[c, 3] * g
 
 
+@intrinsic
+def _e4m3_decode16(typingctx, data, off, s, w, woff):
+    """16 E4M3 bytes at flat byte offset `off` of the C-contiguous uint8 array `data` ->
+    w[woff:woff+16] = value * s (float32; one rounding, as in dequantize()).
+
+    LLVM vector IR, branch-free: normals by moving the exponent/mantissa bits into FP32
+    position and rebiasing (e + 120), subnormals as m * 2^-9, 0x7F/0xFF -> NaN, sign ORed in.
+    Replaces a 256-entry table gather per weight."""
+    sig = types.void(data, off, s, w, woff)
+
+    def codegen(context, builder, signature, args):
+        data_v, off_v, s_v, w_v, woff_v = args
+        da = context.make_array(signature.args[0])(context, builder, data_v)
+        wa = context.make_array(signature.args[3])(context, builder, w_v)
+        i32 = ir.IntType(32)
+        v16i8 = ir.VectorType(ir.IntType(8), 16)
+        v16i32 = ir.VectorType(i32, 16)
+        v16f = ir.VectorType(ir.FloatType(), 16)
+        undef = ir.Constant(v16f, ir.Undefined)
+
+        def splat_i(v):
+            return ir.Constant(v16i32, [v] * 16)
+
+        p = builder.bitcast(builder.gep(da.data, [off_v]), v16i8.as_pointer())
+        b = builder.zext(builder.load(p, align=1), v16i32)
+        em = builder.and_(b, splat_i(0x7F))
+        sign = builder.shl(builder.and_(b, splat_i(0x80)), splat_i(24))
+        normal = builder.bitcast(builder.add(builder.shl(em, splat_i(20)), splat_i(120 << 23)), v16f)
+        sub = builder.fmul(builder.uitofp(em, v16f), ir.Constant(v16f, [2.0 ** -9] * 16))
+        mag = builder.select(builder.icmp_unsigned("<", em, splat_i(8)), sub, normal)
+        mag = builder.select(builder.icmp_unsigned("==", em, splat_i(0x7F)),
+                             ir.Constant(v16f, [float("nan")] * 16), mag)
+        val = builder.bitcast(builder.or_(builder.bitcast(mag, v16i32), sign), v16f)
+        sv = builder.insert_element(undef, s_v, ir.Constant(i32, 0))
+        sv = builder.shuffle_vector(sv, undef, ir.Constant(v16i32, [0] * 16))
+        q = builder.bitcast(builder.gep(wa.data, [woff_v]), v16f.as_pointer())
+        builder.store(builder.fmul(val, sv), q, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(fastmath=_FM, inline="always", cache=True)
+def _fp8_decode(data, srow, bk, table, e, r, k0, k1, w):
+    """Decode data[e, r, k0:k1] (C-contiguous uint8 E4M3) into w[0:k1-k0], each value times its
+    block scale srow[k // bk]: 16 at a time through the intrinsic, ragged ends by table."""
+    row0 = (e * data.shape[1] + r) * data.shape[2]
+    ka = k0
+    while ka < k1:
+        kb = min(k1, (ka // bk + 1) * bk)  # end of this scale block within the chunk
+        s = srow[ka // bk]
+        kv = ka + (kb - ka) // 16 * 16
+        for k in range(ka, kv, 16):
+            _e4m3_decode16(data, row0 + k, s, w, k - k0)
+        for k in range(kv, kb):
+            w[k - k0] = table[data[e, r, k]] * s
+        ka = kb
+
+
 @njit(parallel=True, fastmath=_FM, cache=True)
-def fp8_matmul(x, data, scales, bn, bk, table, out):
+def fp8_matmul(x, data, scales, bn, bk, table, out, tile_n, chunk):
     """FP8 E4M3 expert matmul with [bn, bk] block scales (fp8_block, fp8_row, mxfp8).
 
-    x       float32 [E, C, K]
-    data    uint8   [E, N, K]      E4M3 bytes
+    x       float32 [E, C, K]      C-contiguous
+    data    uint8   [E, N, K]      E4M3 bytes, C-contiguous
     scales  float32 [E, ceil(N/bn), ceil(K/bk)]
-    table   float32 [256]          E4M3 byte -> value
+    table   float32 [256]          E4M3 byte -> value (ragged ends)
     out     float32 [E, C, N]
+    tile_n  rows per parallel task; chunk: elements of K decoded per pass
+
+    Same structure as fp4_matmul: 4 rows x `chunk` k decoded (scale applied, the same FP32
+    product dequantize() forms) into an L1-resident buffer, then all tokens dotted against it,
+    4 tokens per pass.
     """
     E, C, K = x.shape
     N = data.shape[1]
-    KB = scales.shape[2]
-    for job in prange(E * N):
-        e = job // N
-        n = job - e * N
-        row = data[e, n]
-        srow = scales[e, n // bn]
-        w = np.empty(bk, np.float32)
-        acc = np.zeros(C, np.float32)
-        for kb in range(KB):
-            k0 = kb * bk
-            k1 = min(k0 + bk, K)
-            for j in range(k1 - k0):
-                w[j] = table[row[k0 + j]]
-            s = srow[kb]
+    ch = min(chunk, K)
+    nt = (N + tile_n - 1) // tile_n
+    c4 = C - C % 4
+    for job in prange(E * nt):
+        e = job // nt
+        n0 = (job - e * nt) * tile_n
+        n1 = min(N, n0 + tile_n)
+        w0 = np.empty(ch, np.float32)
+        w1 = np.empty(ch, np.float32)
+        w2 = np.empty(ch, np.float32)
+        w3 = np.empty(ch, np.float32)
+        acc = np.empty((C, 4), np.float32)
+        for n in range(n0, n1, 4):
+            r0 = n
+            r1 = min(n + 1, n1 - 1)  # a short last group repeats its last row (same value)
+            r2 = min(n + 2, n1 - 1)
+            r3 = min(n + 3, n1 - 1)
+            acc[:] = _f32(0.0)
+            for k0 in range(0, K, ch):
+                k1 = min(k0 + ch, K)
+                _fp8_decode(data, scales[e, r0 // bn], bk, table, e, r0, k0, k1, w0)
+                _fp8_decode(data, scales[e, r1 // bn], bk, table, e, r1, k0, k1, w1)
+                _fp8_decode(data, scales[e, r2 // bn], bk, table, e, r2, k0, k1, w2)
+                _fp8_decode(data, scales[e, r3 // bn], bk, table, e, r3, k0, k1, w3)
+                for c in range(0, c4, 4):
+                    a0 = x[e, c, k0:k1]
+                    a1 = x[e, c + 1, k0:k1]
+                    a2 = x[e, c + 2, k0:k1]
+                    a3 = x[e, c + 3, k0:k1]
+                    t0 = _f32(0.0)
+                    t1 = _f32(0.0)
+                    t2 = _f32(0.0)
+                    t3 = _f32(0.0)
+                    u0 = _f32(0.0)
+                    u1 = _f32(0.0)
+                    u2 = _f32(0.0)
+                    u3 = _f32(0.0)
+                    v0 = _f32(0.0)
+                    v1 = _f32(0.0)
+                    v2 = _f32(0.0)
+                    v3 = _f32(0.0)
+                    z0 = _f32(0.0)
+                    z1 = _f32(0.0)
+                    z2 = _f32(0.0)
+                    z3 = _f32(0.0)
+                    for k in range(k1 - k0):
+                        m0 = w0[k]
+                        m1 = w1[k]
+                        m2 = w2[k]
+                        m3 = w3[k]
+                        xa = a0[k]
+                        t0 += m0 * xa
+                        t1 += m1 * xa
+                        t2 += m2 * xa
+                        t3 += m3 * xa
+                        xa = a1[k]
+                        u0 += m0 * xa
+                        u1 += m1 * xa
+                        u2 += m2 * xa
+                        u3 += m3 * xa
+                        xa = a2[k]
+                        v0 += m0 * xa
+                        v1 += m1 * xa
+                        v2 += m2 * xa
+                        v3 += m3 * xa
+                        xa = a3[k]
+                        z0 += m0 * xa
+                        z1 += m1 * xa
+                        z2 += m2 * xa
+                        z3 += m3 * xa
+                    acc[c + 0, 0] += t0
+                    acc[c + 0, 1] += t1
+                    acc[c + 0, 2] += t2
+                    acc[c + 0, 3] += t3
+                    acc[c + 1, 0] += u0
+                    acc[c + 1, 1] += u1
+                    acc[c + 1, 2] += u2
+                    acc[c + 1, 3] += u3
+                    acc[c + 2, 0] += v0
+                    acc[c + 2, 1] += v1
+                    acc[c + 2, 2] += v2
+                    acc[c + 2, 3] += v3
+                    acc[c + 3, 0] += z0
+                    acc[c + 3, 1] += z1
+                    acc[c + 3, 2] += z2
+                    acc[c + 3, 3] += z3
+                for c in range(c4, C):
+                    a0 = x[e, c, k0:k1]
+                    t0 = _f32(0.0)
+                    t1 = _f32(0.0)
+                    t2 = _f32(0.0)
+                    t3 = _f32(0.0)
+                    for k in range(k1 - k0):
+                        m0 = w0[k]
+                        m1 = w1[k]
+                        m2 = w2[k]
+                        m3 = w3[k]
+                        xa = a0[k]
+                        t0 += m0 * xa
+                        t1 += m1 * xa
+                        t2 += m2 * xa
+                        t3 += m3 * xa
+                    acc[c + 0, 0] += t0
+                    acc[c + 0, 1] += t1
+                    acc[c + 0, 2] += t2
+                    acc[c + 0, 3] += t3
             for c in range(C):
-                a = x[e, c]
-                t = _f32(0.0)
-                for j in range(k1 - k0):
-                    t += w[j] * a[k0 + j]
-                acc[c] += t * s
-        for c in range(C):
-            out[e, c, n] = acc[c]
+                out[e, c, r0] = acc[c, 0]
+                out[e, c, r1] = acc[c, 1]
+                out[e, c, r2] = acc[c, 2]
+                out[e, c, r3] = acc[c, 3]
+
+
+@njit(parallel=True, cache=True)
+def table_decode(codes, table, out):
+    """out[i] = table[codes[i]] for flat uint8 codes (E8M0 scale bytes -> float32 in numba:
+    torch's gather ran on its OpenMP threads, which then fought numba's TBB threads)."""
+    for i in prange(codes.shape[0]):
+        out[i] = table[codes[i]]
 
 
 # No fastmath here: reassociating (v * s) * g into v * (s * g) would change the rounding.

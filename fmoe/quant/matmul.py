@@ -38,7 +38,7 @@ _CROSSOVER = {"mxfp4": 256, "nvfp4": 256, "mxfp8": 32, "fp8_block": 256, "fp8_ro
 
 PATHS = ("auto", "fused", "dequant", "reference")
 
-# fp4_matmul work split: rows of one expert per parallel task, and packed bytes of K decoded per
+# fp4_matmul / fp8_matmul work split (fp8 decodes 2 * _FP4_CHUNK elements of K per pass): rows of one expert per parallel task, and packed bytes of K decoded per
 # pass (512 bytes = 1024 k: 4 rows x 4 KB of decoded floats stay in L1). Chosen by
 # benchmarks/bench_quant.py-shaped runs (E=8, N=1024, K=2048) on the 2-core dev VM.
 _FP4_TILE_N = 64
@@ -116,11 +116,14 @@ def _fused(x, w: QuantizedTensor) -> torch.Tensor:
                          out.numpy(), _FP4_TILE_N, _FP4_CHUNK)
         else:
             if w.fmt == "mxfp8":
-                scales, bn, bk = C.decode_e8m0(w.scales), 1, 32
+                sb = w.scales.contiguous().view(torch.uint8)
+                scales, bn, bk = torch.empty(sb.shape, dtype=torch.float32), 1, 32
+                K.table_decode(sb.reshape(-1).numpy(), C.E8M0_TABLE.numpy(), scales.view(-1).numpy())
             else:
                 scales, (bn, bk) = w.scales.float(), w.block
             K.fp8_matmul(xf.numpy(), w.data.contiguous().view(torch.uint8).numpy(),
-                         scales.contiguous().numpy(), bn, bk, C.E4M3_TABLE.numpy(), out.numpy())
+                         scales.contiguous().numpy(), bn, bk, C.E4M3_TABLE.numpy(), out.numpy(),
+                         _FP4_TILE_N, 2 * _FP4_CHUNK)
     return out.to(x.dtype)
 
 
