@@ -114,9 +114,14 @@ def test_numba_dequant_is_bit_exact(weights, fmt):
 @pytest.mark.parametrize("c", [1, 2, 3, 7, 16, 17])
 @pytest.mark.parametrize("n", [1, 4, 5, 67])
 @pytest.mark.parametrize("k", ["small", 1216])
-def test_fp4_fused_shapes(fmt, c, n, k):
-    """Row groups of 4 (short last group), token pairs (odd C), several K chunks and tiles."""
+@pytest.mark.parametrize("chunk", [None, 40])
+def test_fp4_fused_shapes(fmt, c, n, k, chunk, monkeypatch):
+    """Row groups of 4 (short last group), 4-token blocks + remainder (odd C), several K chunks
+    (40 bytes: 2 MX blocks, or 5 NVFP4 blocks so each chunk has an odd-block tail)."""
     from fmoe.quant import matmul as M
+
+    if chunk is not None:
+        monkeypatch.setattr(M, "_FP4_CHUNK", chunk)
 
     g = torch.Generator().manual_seed(100 * c + n)
     # 1216: > one K chunk, not a multiple of it; small: an odd number of blocks.

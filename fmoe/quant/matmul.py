@@ -38,11 +38,12 @@ _CROSSOVER = {"mxfp4": 256, "nvfp4": 256, "mxfp8": 32, "fp8_block": 256, "fp8_ro
 
 PATHS = ("auto", "fused", "dequant", "reference")
 
-# fp4_matmul / fp8_matmul work split (fp8 decodes 2 * _FP4_CHUNK elements of K per pass): rows of one expert per parallel task, and packed bytes of K decoded per
-# pass (512 bytes = 1024 k: 4 rows x 4 KB of decoded floats stay in L1). Chosen by
-# benchmarks/bench_quant.py-shaped runs (E=8, N=1024, K=2048) on the 2-core dev VM.
+# fp4_matmul / fp8_matmul work split: rows of one expert per parallel task, and packed bytes of K
+# decoded per pass (fp8: 2 * _FP4_CHUNK elements). 1024 bytes (2048 k: 4 rows x 8 KB of decoded
+# floats) beat 256 and 512 at C >= 4 by 5-15% and lost ~5% at C = 1 (E=8, N=1024, K=2048,
+# 2-core dev VM, 2026-11-30); the row tile (16..128) made no measurable difference.
 _FP4_TILE_N = 64
-_FP4_CHUNK = 512
+_FP4_CHUNK = 1024
 
 
 def crossover(fmt: str) -> int:
