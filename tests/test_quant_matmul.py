@@ -180,8 +180,13 @@ def test_fp8_fused_decodes_every_e4m3_byte_exactly():
     assert torch.equal(y[0].T, Q.dequantize(w)[0])
 
 
-def test_fp8_fused_nan_byte_and_ragged_shapes():
+@pytest.mark.parametrize("chunk", [None, 40])
+def test_fp8_fused_nan_byte_and_ragged_shapes(chunk, monkeypatch):
+    """Ragged N and K; chunk 40 -> 80 elements of K per pass, so scale blocks straddle chunks."""
     from fmoe.quant import matmul as M
+
+    if chunk is not None:
+        monkeypatch.setattr(M, "_FP4_CHUNK", chunk)
 
     g = torch.Generator().manual_seed(5)
     for fmt, n, k in (("fp8_row", 7, 100), ("fp8_block", 130, 200), ("mxfp8", 5, 96)):
