@@ -23,18 +23,20 @@ from . import _codecs as C
 from .formats import dequantize
 from .tensor import FP4_FORMATS, QuantizedTensor
 
-# Largest tokens-per-expert C for which the fused kernel beat per-expert dequantize+matmul.
-# Measured 2026-11-30 with benchmarks/bench_quant.py (E=8, N=1024, K=2048, C = 1..1024 in
-# powers of two) on the shared 2-core AVX-512 dev VM, with another job running (noisy):
-#   mxfp4/nvfp4  fused won through C=256 (1.4x there), lost at 512 (0.97x) and 1024 (0.73x)
-#   mxfp8        won through C=32 (1.1-1.2x); at 64 one run 1.26x, another 0.77x
-#   fp8_block    won through C=256 (1.5x; C>256 not measured)
-#   fp8_row      won through C=128 (2.4x), lost at 256 (0.81x)
-# Per-expert dequantize+matmul is slow here partly because each expert alternates a numba (TBB)
-# decode with an MKL (OpenMP) matmul on 2 cores. Machines differ: calibrate_crossover()
-# re-measures; pass its result as expert_matmul(crossover=...).
+# Largest tokens-per-expert C for which the fused kernel beat per-expert dequantize+matmul by
+# more than ~5%. Measured 2026-11-30 with benchmarks/bench_quant.py --repeats 5 --tokens 64 128
+# 256 512 1024 (E=8, N=1024, K=2048, 2 threads) on the shared 2-core AVX-512 dev VM with another
+# job running (noisy), after the FP4/FP8 kernel rewrite. fused / dequant speedup at each C:
+#   mxfp4      64: 5.2  128: 2.6  256: 2.0  512: 1.35  1024: 1.01
+#   nvfp4      64: 2.5  128: 1.8  256: 1.11 512: 1.01  1024: 0.76
+#   mxfp8      64: 2.8  128: 2.9  256: 4.1  512: 2.4   1024: 1.40
+#   fp8_block  64: 10   128: 5.8  256: 3.6  512: 2.2   1024: 1.21
+#   fp8_row    64: 8.6  128: 4.0  256: 2.9  512: 1.8   1024: 1.10   (C > 1024 not measured)
+# Per-expert dequantize+matmul is slow here partly because every expert alternates a numba
+# (TBB) or torch decode with an MKL (OpenMP) matmul on 2 cores. Machines differ:
+# calibrate_crossover() re-measures; pass its result as expert_matmul(crossover=...).
 # The table is constant: no call changes which path another call takes.
-_CROSSOVER = {"mxfp4": 256, "nvfp4": 256, "mxfp8": 32, "fp8_block": 256, "fp8_row": 128}
+_CROSSOVER = {"mxfp4": 512, "nvfp4": 256, "mxfp8": 1024, "fp8_block": 1024, "fp8_row": 1024}
 
 PATHS = ("auto", "fused", "dequant", "reference")
 
