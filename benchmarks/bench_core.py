@@ -7,10 +7,11 @@ ratio compares numbers taken minutes apart on the same (noisy, shared) machine:
 * copy bandwidth: one large tensor copy (the bound for dispatch/combine);
 * MoE layer step (training: forward + backward; decode: forward under no_grad) for
     reference   fmoe.moe with the pure-torch ops (numba_cpu.disabled())
-    numba       fmoe.moe with the numba ops (expert GEMMs on exactly the filled rows,
-                grouped_mm(exact=True): equal to padded within rounding)
-    numba+rows  the same pipeline with apply_experts(rows=min(counts, C)) and the default
-                bit-exact row rule (filled rows rounded up to MKL's padded-GEMM kernel)
+    numba       fmoe.moe with the numba ops (default: expert GEMMs on the filled rows,
+                rounded up so the results stay bit-identical to the padded GEMMs)
+    numba+rows  the same pipeline spelled out (apply_experts(rows=min(counts, C)))
+    numba+exact fmoe.moe with ExpertSpec(exact_rows=True): exactly the filled rows (GEMVs at
+                decode, idle experts untouched); equal to the others within float rounding
     transformers  Qwen3-MoE sparse block (dropless peer), when transformers is installed
   reported as useful GFLOP/s = FLOPs of the expert GEMMs on routed, non-dropped rows / time;
 * dispatch + combine alone, forward and backward, against bytes moved / copy bandwidth;
@@ -192,6 +193,7 @@ def _params(c: Config, spec: fmoe.MoESpec) -> dict:
 
 def bench_layer(c: Config, tokens: int, repeats: int, log: Callable[[str], None]) -> dict:
     spec = _spec(c)
+    exact = dataclasses.replace(spec, experts=dataclasses.replace(spec.experts, exact_rows=True))
     g = torch.Generator().manual_seed(0)
     params = _params(c, spec)
     for t in torch.utils._pytree.tree_leaves(params):
@@ -211,6 +213,7 @@ def bench_layer(c: Config, tokens: int, repeats: int, log: Callable[[str], None]
         "reference": (lambda p, xx: fmoe.moe(p, xx, spec), numba_cpu.disabled),
         "numba": (lambda p, xx: fmoe.moe(p, xx, spec), contextlib.nullcontext),
         "numba+rows": (lambda p, xx: _moe_rows(p, xx, spec), contextlib.nullcontext),
+        "numba+exact": (lambda p, xx: fmoe.moe(p, xx, exact), contextlib.nullcontext),
     }
     steps = {name: (_step_fn(layer, params, x, c.train), ctx) for name, (layer, ctx) in variants.items()}
     flops = {name: useful for name in variants}

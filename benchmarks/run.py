@@ -109,14 +109,14 @@ def plots(results: dict, out_dir: str) -> list[str]:
     core = results["suites"].get("core")
     if core and core["configs"]:
         names = list(core["configs"])
-        variants = ["reference", "numba", "numba+rows", "transformers"]
+        variants = ["reference", "numba", "numba+rows", "numba+exact", "transformers"]
         fig, ax = plt.subplots(figsize=(9, 4))
-        width = 0.2
+        width = 0.16
         for i, v in enumerate(variants):
             vals = [core["configs"][n]["variants"].get(v, {}).get("useful_gflops", 0) for n in names]
             ax.bar([j + i * width for j in range(len(names))], vals, width, label=v)
         ax.axhline(core["dense_gemm"]["gflops"], color="k", ls="--", label="dense GEMM")
-        ax.set_xticks([j + 1.5 * width for j in range(len(names))], names)
+        ax.set_xticks([j + 2 * width for j in range(len(names))], names)
         ax.set_ylabel("useful GFLOP/s (median)")
         ax.set_title("MoE layer step, float32")
         ax.legend(fontsize=8)

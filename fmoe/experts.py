@@ -46,6 +46,11 @@ class ExpertSpec:
         has_fc1_bias, has_fc2_bias: ffn biases (Tutel defaults: both on).
         output_dim: O (default: model_dim).
         fn, init: the custom expert function and its initialiser.
+        exact_rows: :func:`fmoe.moe` multiplies exactly the filled rows of each expert
+            buffer (ffn/gated_ffn with float weights): at decode one GEMV per routed row
+            and no weight reads for idle experts, about 1.7x faster at 8 tokens x 128
+            experts. Outputs then equal the default (padded-GEMM order, bit for bit equal
+            to the unpadded forward, e.g. :mod:`fmoe.ablate`) only within float rounding.
     """
 
     type: str = "ffn"
@@ -56,6 +61,7 @@ class ExpertSpec:
     output_dim: Optional[int] = None
     fn: Optional[Callable] = None
     init: Optional[Callable] = None
+    exact_rows: bool = False
 
     def __post_init__(self):
         if self.type == "llama_ffn":  # Tutel's name for the same SwiGLU expert

@@ -310,10 +310,11 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     pos = routing.positions()  # computed once for dispatch and combine
     buffers = dispatch(compute, routing, weighted=not spec.is_postscore, positions=pos)
     if comm.size == 1:
-        # Only the first min(count, C) rows of each buffer hold tokens; multiply exactly
-        # those (combine reads nothing else; y equals the reference within float rounding).
+        # Only the first min(count, C) rows of each buffer hold tokens; skip the rest
+        # (bit-identical to the padded GEMMs unless spec.experts.exact_rows asks for speed).
         out_buffers = apply_experts(spec.experts, params["experts"], buffers,
-                                    rows=filled_rows(routing.counts, routing.capacity), exact_rows=True)
+                                    rows=filled_rows(routing.counts, routing.capacity),
+                                    exact_rows=spec.experts.exact_rows)
     else:
         out_buffers = _par.expert_parallel(spec, params["experts"], buffers, comm,
                                            dataclasses.replace(parallel, check=False))

@@ -128,3 +128,23 @@ def test_exact_rows_gradcheck_and_jvp():
     _, je = torch.func.jvp(f, (x.detach(), w.detach()), (tx, tw))
     _, jp = torch.func.jvp(lambda x, w: grouped_mm(x, w, rows, transposed=True), (x.detach(), w.detach()), (tx, tw))
     torch.testing.assert_close(je, jp)
+
+
+@pytest.mark.parametrize("typ", ["ffn", "gated_ffn"])
+def test_moe_exact_rows_option_close_to_default(typ):
+    # ExpertSpec(exact_rows=True) is an explicit speed option: moe() equals the default
+    # (bit-exact padded order) within float rounding, with gradients, and under vmap.
+    import dataclasses
+    import fmoe
+    spec = fmoe.MoESpec(model_dim=32, num_experts=16, gate=fmoe.GateSpec(k=4, capacity_factor=0.0),
+                        experts=fmoe.ExpertSpec(type=typ, hidden_size=24))
+    fast = dataclasses.replace(spec, experts=dataclasses.replace(spec.experts, exact_rows=True))
+    params = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    y0, _ = fmoe.moe(params, x, spec)
+    y1, _ = fmoe.moe(params, x, fast)
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+    loss = lambda p, s: fmoe.moe(p, x, s)[0].square().sum()  # noqa: E731
+    g0 = torch.func.grad(loss)(params, spec)
+    g1 = torch.func.grad(loss)(params, fast)
+    torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-6)
