@@ -335,21 +335,32 @@ def run(quick: bool, only: Optional[str], log: Callable[[str], None] = print) ->
     """Run the core suite; returns a JSON-able dict."""
     repeats = 2 if quick else 5
     numba_cpu.warmup()
-    out = {"dense_gemm": dense_gemm_rate(repeats), "copy_bandwidth": copy_bandwidth(repeats), "configs": {}}
-    log(f"  dense GEMM fwd+bwd: {out['dense_gemm']['gflops']:.1f} GFLOP/s; "
-        f"copy: {out['copy_bandwidth']['gb_per_s']:.1f} GB/s")
-    bw = out["copy_bandwidth"]["gb_per_s"] * 1e9
+    # The machine is shared: the dense rate is re-measured next to every config and the
+    # best measurement is the denominator, so "vs dense" can only be understated.
+    dense_runs = [dense_gemm_rate(repeats)]
+    copy_runs = [copy_bandwidth(repeats)]
+    out = {"configs": {}}
+    log(f"  dense GEMM fwd+bwd: {dense_runs[0]['gflops']:.1f} GFLOP/s; "
+        f"copy: {copy_runs[0]['gb_per_s']:.1f} GB/s")
     for c in CONFIGS:
         if only and only not in (c.name, "core"):
             continue
         tokens = c.quick_tokens if quick and c.quick_tokens else c.tokens
+        dense_runs.append(dense_gemm_rate(repeats))
+        copy_runs.append(copy_bandwidth(repeats))
+        bw = max(r["gb_per_s"] for r in copy_runs) * 1e9
         res = bench_layer(c, tokens, repeats, log)
         res["dispatch_combine"] = bench_dispatch_combine(c, tokens, repeats, bw, log)
-        dense = out["dense_gemm"]["gflops"]
-        res["vs_dense"] = {k: v["useful_gflops"] / dense for k, v in res["variants"].items() if "useful_gflops" in v}
         hf = res["variants"].get("transformers", {}).get("seconds")
         if hf:
             res["speedup_vs_transformers"] = {k: hf / v["seconds"] for k, v in res["variants"].items()
                                               if k != "transformers" and "seconds" in v}
         out["configs"][c.name] = res
+    out["dense_gemm"] = dict(max(dense_runs, key=lambda r: r["gflops"]),
+                             measurements=[r["gflops"] for r in dense_runs])
+    out["copy_bandwidth"] = dict(max(copy_runs, key=lambda r: r["gb_per_s"]),
+                                 measurements=[r["gb_per_s"] for r in copy_runs])
+    dense = out["dense_gemm"]["gflops"]
+    for res in out["configs"].values():
+        res["vs_dense"] = {k: v["useful_gflops"] / dense for k, v in res["variants"].items() if "useful_gflops" in v}
     return out

@@ -1,5 +1,5 @@
-"""Routing's slot assignment (spec §6) on CPU: fmoe.routing.assign_slots (pure torch:
-a [k*T, E] membership cumsum) against fmoe.ops.numba_cpu.assign_slots (an O(k*T)
+"""Routing's slot assignment (spec §6) on CPU: fmoe.routing.assign_slots_torch (pure torch:
+a [k*T, E] membership cumsum) against fmoe.ops.numba_cpu.assign_slots (what fmoe.routing.assign_slots runs on CPU; an O(k*T)
 counter walk), at the core configs' shapes. Medians over repeats, one process."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from fmoe.ops import numba_cpu
-from fmoe.routing import assign_slots
+from fmoe.routing import assign_slots_torch as assign_slots
 
 from .bench_core import CONFIGS, median_time
 

@@ -52,7 +52,9 @@ def table(results: dict) -> str:
     lines = []
     if core:
         dense = core["dense_gemm"]["gflops"]
-        lines.append(f"dense GEMM fwd+bwd {dense:.1f} GFLOP/s; copy bandwidth "
+        lines.append(f"dense GEMM fwd+bwd {dense:.1f} GFLOP/s (best of "
+                     f"{len(core['dense_gemm'].get('measurements', [dense]))} measurements taken next to the configs); "
+                     f"copy bandwidth "
                      f"{core['copy_bandwidth']['gb_per_s']:.1f} GB/s")
         lines.append("")
         lines.append("| config | variant | ms/step | useful GFLOP/s | vs dense | speed-up vs transformers "
