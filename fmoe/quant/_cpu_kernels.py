@@ -144,6 +144,95 @@ def _fp4_decode(data, scales, e, r, j0, j1, table, hb, w):
         w[2 * (j - j0) + 1] = hi * s
 
 
+@njit(fastmath=_FM, inline="always", cache=True)
+def _dot_rows4(x, e, k0, k1, c4, C, w0, w1, w2, w3, acc):
+    """acc[c, i] += sum_k x[e, c, k0 + k] * w_i[k] for every token c of expert e and the 4 decoded
+    rows w0..w3 (k < k1 - k0): 4 tokens per pass (8 vector loads per 16 FMAs), then the rest.
+    Shared by the FP4 and FP8 kernels; inlined, so each compiles to its own loop nest."""
+    for c in range(0, c4, 4):
+        a0 = x[e, c, k0:k1]
+        a1 = x[e, c + 1, k0:k1]
+        a2 = x[e, c + 2, k0:k1]
+        a3 = x[e, c + 3, k0:k1]
+        t0 = _f32(0.0)
+        t1 = _f32(0.0)
+        t2 = _f32(0.0)
+        t3 = _f32(0.0)
+        u0 = _f32(0.0)
+        u1 = _f32(0.0)
+        u2 = _f32(0.0)
+        u3 = _f32(0.0)
+        v0 = _f32(0.0)
+        v1 = _f32(0.0)
+        v2 = _f32(0.0)
+        v3 = _f32(0.0)
+        z0 = _f32(0.0)
+        z1 = _f32(0.0)
+        z2 = _f32(0.0)
+        z3 = _f32(0.0)
+        for k in range(k1 - k0):
+            m0 = w0[k]
+            m1 = w1[k]
+            m2 = w2[k]
+            m3 = w3[k]
+            xa = a0[k]
+            t0 += m0 * xa
+            t1 += m1 * xa
+            t2 += m2 * xa
+            t3 += m3 * xa
+            xa = a1[k]
+            u0 += m0 * xa
+            u1 += m1 * xa
+            u2 += m2 * xa
+            u3 += m3 * xa
+            xa = a2[k]
+            v0 += m0 * xa
+            v1 += m1 * xa
+            v2 += m2 * xa
+            v3 += m3 * xa
+            xa = a3[k]
+            z0 += m0 * xa
+            z1 += m1 * xa
+            z2 += m2 * xa
+            z3 += m3 * xa
+        acc[c + 0, 0] += t0
+        acc[c + 0, 1] += t1
+        acc[c + 0, 2] += t2
+        acc[c + 0, 3] += t3
+        acc[c + 1, 0] += u0
+        acc[c + 1, 1] += u1
+        acc[c + 1, 2] += u2
+        acc[c + 1, 3] += u3
+        acc[c + 2, 0] += v0
+        acc[c + 2, 1] += v1
+        acc[c + 2, 2] += v2
+        acc[c + 2, 3] += v3
+        acc[c + 3, 0] += z0
+        acc[c + 3, 1] += z1
+        acc[c + 3, 2] += z2
+        acc[c + 3, 3] += z3
+    for c in range(c4, C):
+        a0 = x[e, c, k0:k1]
+        t0 = _f32(0.0)
+        t1 = _f32(0.0)
+        t2 = _f32(0.0)
+        t3 = _f32(0.0)
+        for k in range(k1 - k0):
+            m0 = w0[k]
+            m1 = w1[k]
+            m2 = w2[k]
+            m3 = w3[k]
+            xa = a0[k]
+            t0 += m0 * xa
+            t1 += m1 * xa
+            t2 += m2 * xa
+            t3 += m3 * xa
+        acc[c + 0, 0] += t0
+        acc[c + 0, 1] += t1
+        acc[c + 0, 2] += t2
+        acc[c + 0, 3] += t3
+
+
 @njit(parallel=True, fastmath=_FM, cache=True)
 def fp4_matmul(x, data, scales, scale_table, gscale, out, tile_n, chunk):
     """FP4 (MXFP4 / NVFP4) expert matmul.
@@ -193,88 +282,7 @@ def fp4_matmul(x, data, scales, scale_table, gscale, out, tile_n, chunk):
                 _fp4_decode(data, scales, e, r1, j0, j1, scale_table, hb, w1)
                 _fp4_decode(data, scales, e, r2, j0, j1, scale_table, hb, w2)
                 _fp4_decode(data, scales, e, r3, j0, j1, scale_table, hb, w3)
-                for c in range(0, c4, 4):
-                    a0 = x[e, c, k0:k1]
-                    a1 = x[e, c + 1, k0:k1]
-                    a2 = x[e, c + 2, k0:k1]
-                    a3 = x[e, c + 3, k0:k1]
-                    t0 = _f32(0.0)
-                    t1 = _f32(0.0)
-                    t2 = _f32(0.0)
-                    t3 = _f32(0.0)
-                    u0 = _f32(0.0)
-                    u1 = _f32(0.0)
-                    u2 = _f32(0.0)
-                    u3 = _f32(0.0)
-                    v0 = _f32(0.0)
-                    v1 = _f32(0.0)
-                    v2 = _f32(0.0)
-                    v3 = _f32(0.0)
-                    z0 = _f32(0.0)
-                    z1 = _f32(0.0)
-                    z2 = _f32(0.0)
-                    z3 = _f32(0.0)
-                    for k in range(k1 - k0):
-                        m0 = w0[k]
-                        m1 = w1[k]
-                        m2 = w2[k]
-                        m3 = w3[k]
-                        xa = a0[k]
-                        t0 += m0 * xa
-                        t1 += m1 * xa
-                        t2 += m2 * xa
-                        t3 += m3 * xa
-                        xa = a1[k]
-                        u0 += m0 * xa
-                        u1 += m1 * xa
-                        u2 += m2 * xa
-                        u3 += m3 * xa
-                        xa = a2[k]
-                        v0 += m0 * xa
-                        v1 += m1 * xa
-                        v2 += m2 * xa
-                        v3 += m3 * xa
-                        xa = a3[k]
-                        z0 += m0 * xa
-                        z1 += m1 * xa
-                        z2 += m2 * xa
-                        z3 += m3 * xa
-                    acc[c + 0, 0] += t0
-                    acc[c + 0, 1] += t1
-                    acc[c + 0, 2] += t2
-                    acc[c + 0, 3] += t3
-                    acc[c + 1, 0] += u0
-                    acc[c + 1, 1] += u1
-                    acc[c + 1, 2] += u2
-                    acc[c + 1, 3] += u3
-                    acc[c + 2, 0] += v0
-                    acc[c + 2, 1] += v1
-                    acc[c + 2, 2] += v2
-                    acc[c + 2, 3] += v3
-                    acc[c + 3, 0] += z0
-                    acc[c + 3, 1] += z1
-                    acc[c + 3, 2] += z2
-                    acc[c + 3, 3] += z3
-                for c in range(c4, C):
-                    a0 = x[e, c, k0:k1]
-                    t0 = _f32(0.0)
-                    t1 = _f32(0.0)
-                    t2 = _f32(0.0)
-                    t3 = _f32(0.0)
-                    for k in range(k1 - k0):
-                        m0 = w0[k]
-                        m1 = w1[k]
-                        m2 = w2[k]
-                        m3 = w3[k]
-                        xa = a0[k]
-                        t0 += m0 * xa
-                        t1 += m1 * xa
-                        t2 += m2 * xa
-                        t3 += m3 * xa
-                    acc[c + 0, 0] += t0
-                    acc[c + 0, 1] += t1
-                    acc[c + 0, 2] += t2
-                    acc[c + 0, 3] += t3
+                _dot_rows4(x, e, k0, k1, c4, C, w0, w1, w2, w3, acc)
             for c in range(C):
                 out[e, c, r0] = acc[c, 0] * g
                 out[e, c, r1] = acc[c, 1] * g
@@ -382,88 +390,7 @@ def fp8_matmul(x, data, scales, bn, bk, table, out, tile_n, chunk):
                 _fp8_decode(data, scales[e, r1 // bn], bk, table, e, r1, k0, k1, w1)
                 _fp8_decode(data, scales[e, r2 // bn], bk, table, e, r2, k0, k1, w2)
                 _fp8_decode(data, scales[e, r3 // bn], bk, table, e, r3, k0, k1, w3)
-                for c in range(0, c4, 4):
-                    a0 = x[e, c, k0:k1]
-                    a1 = x[e, c + 1, k0:k1]
-                    a2 = x[e, c + 2, k0:k1]
-                    a3 = x[e, c + 3, k0:k1]
-                    t0 = _f32(0.0)
-                    t1 = _f32(0.0)
-                    t2 = _f32(0.0)
-                    t3 = _f32(0.0)
-                    u0 = _f32(0.0)
-                    u1 = _f32(0.0)
-                    u2 = _f32(0.0)
-                    u3 = _f32(0.0)
-                    v0 = _f32(0.0)
-                    v1 = _f32(0.0)
-                    v2 = _f32(0.0)
-                    v3 = _f32(0.0)
-                    z0 = _f32(0.0)
-                    z1 = _f32(0.0)
-                    z2 = _f32(0.0)
-                    z3 = _f32(0.0)
-                    for k in range(k1 - k0):
-                        m0 = w0[k]
-                        m1 = w1[k]
-                        m2 = w2[k]
-                        m3 = w3[k]
-                        xa = a0[k]
-                        t0 += m0 * xa
-                        t1 += m1 * xa
-                        t2 += m2 * xa
-                        t3 += m3 * xa
-                        xa = a1[k]
-                        u0 += m0 * xa
-                        u1 += m1 * xa
-                        u2 += m2 * xa
-                        u3 += m3 * xa
-                        xa = a2[k]
-                        v0 += m0 * xa
-                        v1 += m1 * xa
-                        v2 += m2 * xa
-                        v3 += m3 * xa
-                        xa = a3[k]
-                        z0 += m0 * xa
-                        z1 += m1 * xa
-                        z2 += m2 * xa
-                        z3 += m3 * xa
-                    acc[c + 0, 0] += t0
-                    acc[c + 0, 1] += t1
-                    acc[c + 0, 2] += t2
-                    acc[c + 0, 3] += t3
-                    acc[c + 1, 0] += u0
-                    acc[c + 1, 1] += u1
-                    acc[c + 1, 2] += u2
-                    acc[c + 1, 3] += u3
-                    acc[c + 2, 0] += v0
-                    acc[c + 2, 1] += v1
-                    acc[c + 2, 2] += v2
-                    acc[c + 2, 3] += v3
-                    acc[c + 3, 0] += z0
-                    acc[c + 3, 1] += z1
-                    acc[c + 3, 2] += z2
-                    acc[c + 3, 3] += z3
-                for c in range(c4, C):
-                    a0 = x[e, c, k0:k1]
-                    t0 = _f32(0.0)
-                    t1 = _f32(0.0)
-                    t2 = _f32(0.0)
-                    t3 = _f32(0.0)
-                    for k in range(k1 - k0):
-                        m0 = w0[k]
-                        m1 = w1[k]
-                        m2 = w2[k]
-                        m3 = w3[k]
-                        xa = a0[k]
-                        t0 += m0 * xa
-                        t1 += m1 * xa
-                        t2 += m2 * xa
-                        t3 += m3 * xa
-                    acc[c + 0, 0] += t0
-                    acc[c + 0, 1] += t1
-                    acc[c + 0, 2] += t2
-                    acc[c + 0, 3] += t3
+                _dot_rows4(x, e, k0, k1, c4, C, w0, w1, w2, w3, acc)
             for c in range(C):
                 out[e, c, r0] = acc[c, 0]
                 out[e, c, r1] = acc[c, 1]
