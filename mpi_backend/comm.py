@@ -113,6 +113,11 @@ class MPIComm:
     def barrier(self) -> None:
         self._run("barrier", self.mpi_comm.Barrier, self.mpi_comm.Ibarrier)
 
+    def close(self) -> None:
+        """End-of-job shutdown (collective). mpi4py finalizes MPI at interpreter exit; this only
+        makes sure no rank leaves while another is still inside a collective."""
+        self.barrier()
+
     # ------------------------------------------------------------------ protocol
 
     @raw_collective

@@ -50,6 +50,9 @@ class Communicator(Protocol):
         ordered by ``key`` (default: current rank)."""
         ...
 
+    # Communicators made by fmoe.comm.from_env() also have close(): an end-of-job, collective
+    # shutdown (torch.distributed needs it to exit cleanly). It is not needed by fmoe's functions.
+
 
 class LocalComm:
     """The trivial communicator of one process. Every collective is an identity."""
@@ -77,6 +80,9 @@ class LocalComm:
 
     def split(self, color: int, key: Optional[int] = None) -> "LocalComm":
         return self
+
+    def close(self) -> None:
+        pass
 
     def __repr__(self) -> str:
         return "LocalComm()"

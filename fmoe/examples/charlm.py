@@ -290,3 +290,4 @@ if __name__ == "__main__":
     _comm = from_env()
     with abort_on_error(_comm):
         main(comm=_comm)
+    _comm.close()  # collective shutdown: torch.distributed aborts at exit without it

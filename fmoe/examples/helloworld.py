@@ -105,3 +105,4 @@ if __name__ == "__main__":
     _comm = from_env(_args.comm)
     with abort_on_error(_comm):  # one failing rank stops the job instead of hanging it
         main(comm=_comm)
+    _comm.close()  # collective shutdown: torch.distributed aborts at exit without it
