@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 
-__all__ = ["handle_of", "lookup", "forget"]
+__all__ = ["handle_of", "lookup", "forget", "forget_all"]
 
 _lock = threading.Lock()
 _next = itertools.count(1)
@@ -46,3 +46,10 @@ def forget(comm) -> None:
     with _lock:
         if h is not None and _by_handle.get(h) is comm:
             del _by_handle[h]
+
+
+def forget_all() -> None:
+    """Drop every registered communicator (end of job: lets their process groups be freed
+    while the interpreter is still intact)."""
+    with _lock:
+        _by_handle.clear()

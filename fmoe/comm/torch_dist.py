@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import sys
 from typing import Optional, Sequence
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .layout import chunks_to_front, front_to_concat, gathered_to_axis, norm_axis, raw_collective
+from .registry import forget_all
 
 __all__ = ["TorchDistComm"]
 
@@ -51,10 +53,16 @@ class TorchDistComm:
 
         Exiting with a live gloo group lets its threads be torn down mid-flight, which aborts a rank
         at interpreter exit ("terminate called without an active exception") about one run in three.
+        Also forgets every registered communicator: call it once, at the end of the job.
         """
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+        # Sub-groups made for sharded experts / 2DH live in the split cache and the handle
+        # registry; freed at interpreter teardown, their gloo threads abort the process.
+        self.__dict__.pop("_fmoe_subcomms", None)
+        forget_all()
+        gc.collect()
 
     def abort(self, message: str = "", code: int = 1) -> None:
         """Print ``message`` and end this process at once; torchrun then stops the other ranks."""
