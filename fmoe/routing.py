@@ -20,6 +20,8 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from . import _slots
+
 __all__ = [
     "Routing",
     "top_k",
@@ -189,12 +191,13 @@ def assign_slots(expert_ids: Tensor, num_experts: int, *, order: Optional[Tensor
                  ) -> tuple[Tensor, Tensor]:
     """Slot-major location assignment (§6); same contract as :func:`assign_slots_torch`.
 
-    On CPU this runs numba's O(k*T) counter walk (:func:`fmoe.ops.numba_cpu.assign_slots`),
-    which falls back to the pure-torch version under vmap, tracing and off CPU.
+    On CPU this runs numba's O(k*T) counter walk (:mod:`fmoe._slots`); under vmap,
+    while compiling and off CPU it is the pure-torch version.
     """
-    from .ops import numba_cpu  # local: ops imports routing
-
-    return numba_cpu.assign_slots(expert_ids, num_experts, order=order)
+    fast = _slots.assign_slots_fast(expert_ids, num_experts, order)
+    if fast is not None:
+        return fast
+    return assign_slots_torch(expert_ids, num_experts, order=order)
 
 
 def assign_slots_torch(expert_ids: Tensor, num_experts: int, *, order: Optional[Tensor] = None

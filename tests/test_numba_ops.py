@@ -164,40 +164,40 @@ def test_dispatch_into_reuses_buffer():
 
 @pytest.mark.parametrize("prioritized", [False, True])
 def test_assign_slots_matches_routing(prioritized):
-    from fmoe.routing import assign_slots as torch_assign_slots
+    from fmoe.routing import assign_slots, assign_slots_torch as torch_assign_slots
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(-1, 6, (3, 50), generator=g)  # includes masked (-1) pairs
     order = torch.randperm(50, generator=g) if prioritized else None
-    got = numba_cpu.assign_slots(ids, 6, order=order)
+    got = assign_slots(ids, 6, order=order)
     want = torch_assign_slots(ids, 6, order=order)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     # R1 (spec §7.4): loc_0 / loc_1 and dispatch_count
     r1 = torch.tensor([[0, 0, 1, 0, 2, 0, 3, 1], [1, 2, 0, 3, 0, 1, 2, 0]])
-    slots, counts = numba_cpu.assign_slots(r1, 4)
+    slots, counts = assign_slots(r1, 4)
     assert slots.tolist() == [[0, 1, 0, 2, 0, 3, 0, 1], [2, 1, 4, 1, 5, 3, 2, 6]]
     assert counts.tolist() == [7, 4, 3, 2]
     with pytest.raises(IndexError):
-        numba_cpu.assign_slots(torch.tensor([[0, 9]]), 4)
+        assign_slots(torch.tensor([[0, 9]]), 4)
 
 
 def test_assign_slots_under_transforms():
-    from fmoe.routing import assign_slots as torch_assign_slots
+    from fmoe.routing import assign_slots, assign_slots_torch as torch_assign_slots
     s = torch.rand(20, 5, generator=torch.Generator().manual_seed(4))
 
     def f(s):  # under grad the ids are wrapped tensors: the kernel must still run
         ids = torch.topk(s, 2, dim=1).indices.t()
         order = torch.argsort(-s.amax(1), stable=True)
-        got, want = numba_cpu.assign_slots(ids, 5, order=order), torch_assign_slots(ids, 5, order=order)
+        got, want = assign_slots(ids, 5, order=order), torch_assign_slots(ids, 5, order=order)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
         return (s * got[1].to(s.dtype)).sum()
 
     torch.func.grad(f)(s)
     xs = torch.rand(3, 20, 5)
-    got = torch.func.vmap(lambda x: numba_cpu.assign_slots(torch.topk(x, 2, dim=1).indices.t(), 5)[1])(xs)
+    got = torch.func.vmap(lambda x: assign_slots(torch.topk(x, 2, dim=1).indices.t(), 5)[1])(xs)
     for i in range(3):
         assert torch.equal(got[i], torch_assign_slots(torch.topk(xs[i], 2, dim=1).indices.t(), 5)[1])
     ids = torch.randint(0, 5, (2, 9))
-    compiled = torch.compile(lambda x: numba_cpu.assign_slots(x, 5)[0], fullgraph=True, backend="eager")
+    compiled = torch.compile(lambda x: assign_slots(x, 5)[0], fullgraph=True, backend="eager")
     assert torch.equal(compiled(ids), torch_assign_slots(ids, 5)[0])
 
 

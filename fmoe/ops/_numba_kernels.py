@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .._slots import assign_slots_walk
+
 _FLAGS = dict(cache=True, nogil=True)
 
 
@@ -207,33 +209,6 @@ def rows_matvec_kn(x, w, ns, C, zero, y):
 
 
 @njit(**_FLAGS)
-def assign_slots_walk(ids, order, num_experts, slots, counts):
-    """Slot-major slots (spec §6): walk j outer, tokens in ``order`` inner, one counter per expert.
-
-    ``order`` of length 0 means token order. Negative ids get slot -1 and are not
-    counted. Serial on purpose: the walk is a running count, O(k*T), far below
-    a millisecond. Returns the number of ids >= num_experts (must be 0).
-    """
-    k, T = ids.shape
-    for e in range(num_experts):
-        counts[e] = 0
-    bad = 0
-    use_order = order.shape[0] > 0
-    for j in range(k):
-        for i in range(T):
-            t = order[i] if use_order else i
-            e = ids[j, t]
-            if e < 0:
-                slots[j, t] = -1
-            elif e >= num_experts:
-                bad += 1
-                slots[j, t] = -1
-            else:
-                slots[j, t] = counts[e]
-                counts[e] += 1
-    return bad
-
-
 def signatures():
     """(name, kernel, example args) for every compiled signature, used by warm-up."""
     out = []

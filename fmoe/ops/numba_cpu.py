@@ -16,8 +16,6 @@ Extras:
     dispatch_into(out, x, pos, weights): write a dispatch into a caller-owned
         buffer (no fresh allocation, so no page faults on the hot path).
     combine_into(out, y, pos, weights): the same for combine.
-    assign_slots(expert_ids, num_experts, order): routing's slot assignment as a
-        serial counter walk (same results as fmoe.routing.assign_slots).
     disabled(): context manager that routes the ops back to the reference.
     warmup(progress): compile (or load from cache) every kernel signature.
 """
@@ -35,7 +33,7 @@ from .. import _numba
 from . import _numba_kernels as K
 from . import primitives, reference
 
-__all__ = ["dispatch", "combine", "gate_grad", "dispatch_into", "combine_into", "assign_slots", "disabled", "warmup",
+__all__ = ["dispatch", "combine", "gate_grad", "dispatch_into", "combine_into", "disabled", "warmup",
            "threading_layer", "NATIVE_DTYPES"]
 
 NATIVE_DTYPES = (torch.float32, torch.float64)
@@ -243,57 +241,6 @@ def rows_matvec(x: Tensor, w: Tensor, rows: list, transposed: bool) -> Optional[
     kern = K.rows_matvec_nk if transposed else K.rows_matvec_kn
     kern(_view(x).reshape(E * C, D), _view(w), ns, C, _NP_ZERO[x.dtype], _view(y).reshape(E * C, N))
     return y
-
-
-# --------------------------------------------------------------------------- routing
-
-def _plain(t: Tensor) -> Optional[Tensor]:
-    """t without functorch grad wrappers; None if a vmap batches it (caller falls back)."""
-    F = torch._C._functorch
-    while F.is_functorch_wrapped_tensor(t):
-        if F.is_batchedtensor(t):
-            return None
-        t = F.get_unwrapped(t)
-    return t
-
-
-def assign_slots(expert_ids: Tensor, num_experts: int, *, order: Optional[Tensor] = None
-                 ) -> tuple[Tensor, Tensor]:
-    """Same contract and results as :func:`fmoe.routing.assign_slots`, as an O(k*T) counter walk.
-
-    The pure-torch version builds a [k*T, E] membership matrix and cumsums it
-    (~160 ms at T=8192, k=8, E=64; this takes well under 1 ms). Falls back to it
-    off CPU, while compiling, and under vmap.
-
-    Args:
-        expert_ids: int [k, T]; negative ids get slot -1 and are not counted.
-        num_experts: E.
-        order: optional int64 [T] token permutation (batch-prioritized routing).
-    Returns:
-        slots int64 [k, T] and counts int64 [E].
-    """
-    from .. import routing as _routing
-
-    torch_assign_slots = _routing.assign_slots_torch
-
-    if torch.compiler.is_compiling():  # Dynamo traces the pure-torch version
-        return torch_assign_slots(expert_ids, num_experts, order=order)
-    ids = _plain(expert_ids)
-    perm = None if order is None else _plain(order)
-    if ids is None or (order is not None and perm is None) or ids.device.type != "cpu" or ids.dim() != 2:
-        return torch_assign_slots(expert_ids, num_experts, order=order)
-    # Inside a torch.func transform every torch op (even .numpy()) would see the
-    # transform's dispatch keys; the ids are plain integer data, so step outside.
-    with torch._C._DisableFuncTorch():
-        ids = np.ascontiguousarray(ids.numpy(), dtype=np.int64)
-        perm = np.empty(0, np.int64) if perm is None else np.ascontiguousarray(perm.numpy(), dtype=np.int64)
-        if perm.size not in (0, ids.shape[1]):
-            raise ValueError(f"assign_slots: order must have T={ids.shape[1]} entries, got {perm.size}")
-        slots = np.empty(ids.shape, np.int64)
-        counts = np.empty(num_experts, np.int64)
-        if K.assign_slots_walk(ids, perm, num_experts, slots, counts):
-            raise IndexError(f"assign_slots: an expert id is >= num_experts={num_experts}")
-        return torch.from_numpy(slots), torch.from_numpy(counts)
 
 
 # --------------------------------------------------------------------------- registration

@@ -1,0 +1,82 @@
+"""Slot assignment as a numba counter walk (the fast path of :func:`fmoe.routing.assign_slots`).
+
+Kept apart from :mod:`fmoe.ops` so that routing (plain data) never imports the ops.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+from numba import njit
+from torch import Tensor
+
+from . import _numba  # noqa: F401  (selects numba's threading layer before any kernel compiles)
+
+__all__ = ["assign_slots_walk", "assign_slots_fast"]
+
+
+@njit(cache=True, nogil=True)
+def assign_slots_walk(ids, order, num_experts, slots, counts):
+    """Slot-major slots (spec §6): walk j outer, tokens in ``order`` inner, one counter per expert.
+
+    ``order`` of length 0 means token order. Negative ids get slot -1 and are not
+    counted. Serial on purpose: the walk is a running count, O(k*T), far below
+    a millisecond. Returns the number of ids >= num_experts (must be 0).
+    """
+    k, T = ids.shape
+    for e in range(num_experts):
+        counts[e] = 0
+    bad = 0
+    use_order = order.shape[0] > 0
+    for j in range(k):
+        for i in range(T):
+            t = order[i] if use_order else i
+            e = ids[j, t]
+            if e < 0:
+                slots[j, t] = -1
+            elif e >= num_experts:
+                bad += 1
+                slots[j, t] = -1
+            else:
+                slots[j, t] = counts[e]
+                counts[e] += 1
+    return bad
+
+
+def _plain(t: Tensor) -> Optional[Tensor]:
+    """t without functorch grad wrappers; None if a vmap batches it (caller falls back)."""
+    F = torch._C._functorch
+    while F.is_functorch_wrapped_tensor(t):
+        if F.is_batchedtensor(t):
+            return None
+        t = F.get_unwrapped(t)
+    return t
+
+
+def assign_slots_fast(expert_ids: Tensor, num_experts: int, order: Optional[Tensor]
+                      ) -> Optional[tuple[Tensor, Tensor]]:
+    """(slots int64 [k, T], counts int64 [E]) by the counter walk, or None where it cannot run.
+
+    None (the caller then uses the pure-torch reference) while compiling, under vmap and
+    off CPU. The pure-torch version builds a [k*T, E] membership matrix and cumsums it
+    (~160 ms at T=8192, k=8, E=64); this takes well under 1 ms.
+    """
+    if torch.compiler.is_compiling():  # Dynamo traces the pure-torch version
+        return None
+    ids = _plain(expert_ids)
+    perm = None if order is None else _plain(order)
+    if ids is None or (order is not None and perm is None) or ids.device.type != "cpu" or ids.dim() != 2:
+        return None
+    # Inside a torch.func transform every torch op (even .numpy()) would see the
+    # transform's dispatch keys; the ids are plain integer data, so step outside.
+    with torch._C._DisableFuncTorch():
+        ids = np.ascontiguousarray(ids.numpy(), dtype=np.int64)
+        perm = np.empty(0, np.int64) if perm is None else np.ascontiguousarray(perm.numpy(), dtype=np.int64)
+        if perm.size not in (0, ids.shape[1]):
+            raise ValueError(f"assign_slots: order must have T={ids.shape[1]} entries, got {perm.size}")
+        slots = np.empty(ids.shape, np.int64)
+        counts = np.empty(num_experts, np.int64)
+        if assign_slots_walk(ids, perm, num_experts, slots, counts):
+            raise IndexError(f"assign_slots: an expert id is >= num_experts={num_experts}")
+        return torch.from_numpy(slots), torch.from_numpy(counts)
