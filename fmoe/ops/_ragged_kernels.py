@@ -1,0 +1,149 @@
+"""numba kernels for small groups of :mod:`fmoe.ops.ragged` (decode): numpy in, numpy out.
+
+A group of n <= a few rows times one expert matrix is a matrix-vector product
+and memory bound: the time is reading the expert's weight. BLAS runs one GEMM
+(or GEMV) call per group, each with its own threading region; here one call
+handles every small group and streams each busy expert's weight once for all
+of that group's rows (the rows are blocked 4 at a time inside the loop over
+weight rows, so a weight row is re-read from L1, not from memory).
+
+Arrays (all C-contiguous):
+    x: [Sx, R, K] rows, Sx in {1, S} (1 = shared by every segment).
+    w: [Sw, E, N, K] (``*_nk``: y = x w^T, nn.Linear layout) or [Sw, E, K, N]
+       (``*_kn``: y = x w), Sw in {1, S}.
+    tasks: int64 [G, 4] of (segment s, expert e, first row, end row); rows
+       index x[sx] and y[s]; validated by the caller (0 <= first < end <= R).
+    y: [S, R, N]; exactly the tasks' rows are written.
+
+The K reduction is reassociated (vectorised, FMA-contracted), like a BLAS
+GEMV: equal to torch.mm within float rounding, not bit for bit.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+_FLAGS = dict(cache=True, nogil=True)
+_FAST = {"reassoc", "contract"}
+
+# Output columns per parallel work item: enough work to amortise a task's start,
+# small enough that 2-16 threads get balanced shares of one expert's matrix.
+N_CHUNK = 128
+
+
+@njit(fastmath=_FAST, **_FLAGS)
+def _nk_task(x, w, lo, hi, n0, n1, zero, y):
+    """y[r, n] = <w[n, :], x[r, :]> for r in [lo, hi), n in [n0, n1); x [R, K], w [N, K]."""
+    K = w.shape[1]
+    for n in range(n0, n1):
+        r = lo
+        while r + 4 <= hi:
+            s0 = zero
+            s1 = zero
+            s2 = zero
+            s3 = zero
+            for k in range(K):
+                a = w[n, k]
+                s0 += a * x[r, k]
+                s1 += a * x[r + 1, k]
+                s2 += a * x[r + 2, k]
+                s3 += a * x[r + 3, k]
+            y[r, n] = s0
+            y[r + 1, n] = s1
+            y[r + 2, n] = s2
+            y[r + 3, n] = s3
+            r += 4
+        while r < hi:
+            s0 = zero
+            for k in range(K):
+                s0 += w[n, k] * x[r, k]
+            y[r, n] = s0
+            r += 1
+
+
+@njit(fastmath=_FAST, **_FLAGS)
+def _kn_task(x, w, lo, hi, n0, n1, zero, y):
+    """y[r, n] = sum_k x[r, k] w[k, n] for r in [lo, hi), n in [n0, n1); x [R, K], w [K, N]."""
+    K = w.shape[0]
+    for r in range(lo, hi):
+        for n in range(n0, n1):
+            y[r, n] = zero
+    r = lo
+    while r + 4 <= hi:
+        for k in range(K):
+            a0 = x[r, k]
+            a1 = x[r + 1, k]
+            a2 = x[r + 2, k]
+            a3 = x[r + 3, k]
+            for n in range(n0, n1):
+                b = w[k, n]
+                y[r, n] += a0 * b
+                y[r + 1, n] += a1 * b
+                y[r + 2, n] += a2 * b
+                y[r + 3, n] += a3 * b
+        r += 4
+    rest = hi - r
+    if rest == 0:
+        return
+    # 1-3 leftover rows in one pass over w (each weight row read once for all of them).
+    for k in range(K):
+        a0 = x[r, k]
+        a1 = x[r + 1, k] if rest > 1 else zero
+        a2 = x[r + 2, k] if rest > 2 else zero
+        for n in range(n0, n1):
+            b = w[k, n]
+            y[r, n] += a0 * b
+            if rest > 1:
+                y[r + 1, n] += a1 * b
+            if rest > 2:
+                y[r + 2, n] += a2 * b
+
+
+@njit(**_FLAGS)
+def _run(x, w, tasks, t, nblk, N, transposed, zero, y):
+    g = t // nblk
+    n0 = (t % nblk) * N_CHUNK
+    n1 = min(N, n0 + N_CHUNK)
+    s = tasks[g, 0]
+    e = tasks[g, 1]
+    sx = s if x.shape[0] > 1 else 0
+    sw = s if w.shape[0] > 1 else 0
+    if transposed:
+        _nk_task(x[sx], w[sw, e], tasks[g, 2], tasks[g, 3], n0, n1, zero, y[s])
+    else:
+        _kn_task(x[sx], w[sw, e], tasks[g, 2], tasks[g, 3], n0, n1, zero, y[s])
+
+
+@njit(parallel=True, **_FLAGS)
+def small_groups(x, w, tasks, transposed, zero, y):
+    """Every task's rows of y = x op(w[e]); parallel over (task, N_CHUNK output columns)."""
+    N = y.shape[2]
+    nblk = (N + N_CHUNK - 1) // N_CHUNK
+    for t in prange(tasks.shape[0] * nblk):
+        _run(x, w, tasks, t, nblk, N, transposed, zero, y)
+
+
+# Serial twin for tiny problems (a TBB region costs tens of microseconds). A separate
+# function, not njit(parallel=False) of the same one: numba's cache key ignores the flag.
+@njit(**_FLAGS)
+def small_groups_serial(x, w, tasks, transposed, zero, y):
+    """small_groups on the calling thread only (same arithmetic per element)."""
+    N = y.shape[2]
+    nblk = (N + N_CHUNK - 1) // N_CHUNK
+    for t in range(tasks.shape[0] * nblk):
+        _run(x, w, tasks, t, nblk, N, transposed, zero, y)
+
+
+def signatures():
+    """(name, kernel, example args) for every compiled signature, used by warm-up."""
+    out = []
+    tasks = np.array([[0, 1, 0, 5], [0, 0, 5, 6]], dtype=np.int64)
+    for dt in (np.float32, np.float64):
+        name = np.dtype(dt).name
+        x = np.ones((1, 6, 4), dtype=dt)
+        w = np.ones((1, 2, 4, 4), dtype=dt)
+        for kern in (small_groups, small_groups_serial):
+            for transposed in (True, False):
+                label = f"ragged_{kern.__name__}_{'nk' if transposed else 'kn'}[{name}]"
+                out.append((label, kern, (x, w, tasks, transposed, dt(0), np.empty((1, 6, 4), dt))))
+    return out
