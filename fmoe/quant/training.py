@@ -1,0 +1,538 @@
+"""Quantized expert training: low-precision expert GEMMs with float master weights.
+
+Every step the expert GEMMs run on quantized operands while the optimizer keeps FP32 (or
+BF16) master weights. One call of :func:`quantized_mm` is one expert GEMM ``y = x @ op(w)``
+over any layout (padded buffers [E, C, K] or ragged rows [R, K]); the layout lives in the
+two callables it is given:
+
+    mm(a, b, transposed)  -> per-expert a @ (b^T if transposed else b)   (float)
+    wgrad(a, b)           -> per-expert a^T b, shape [E, P, Q]            (float)
+
+Forward, dgrad and wgrad (the three GEMMs of a linear layer) each quantize their operands
+along that GEMM's reduction axis, as a low-precision tensor core needs them:
+
+    forward  y  = mm(q_K(x),  q_K(w))            reduction over K (x's last axis)
+    dgrad    dx = mm(q_N(gy), q_N(w), not t)     reduction over N (gy's last axis)
+    wgrad    dw = wgrad(q_T(gy), q_T(x)) or wgrad(q_T(x), q_T(gy))   reduction over tokens
+
+``q`` is quantize-then-dequantize with the bit-exact codecs of :mod:`fmoe.quant.formats`
+(spec/formats.md); the quantizer is a straight-through estimator, so dw lands on the master
+weight as is. Which operands are quantized is a :class:`TrainPrecision` recipe:
+
+    weights       the weight format: "fp32" (no rounding), "bf16", "fp8_row", "fp8_block" (128x128 weight blocks,
+                  1x128 activation/gradient tiles, DeepSeek-V3), "mxfp8", "mxfp4", "nvfp4"
+    activations   also quantize x (forward and wgrad) in the matching activation format
+    grads         also quantize gy (dgrad and wgrad); FP4 gradients use stochastic rounding
+                  when ``stochastic_rounding`` (unbiased: E[q(g)] = g inside the range)
+    hadamard      random Hadamard transform (16-point, random signs) of both wgrad operands
+                  along the token axis before quantizing (NVFP4 training recipe); exact in
+                  real arithmetic since the transform is orthogonal. Padded [E, C, K] buffers
+                  only; the wgrad then runs as torch.bmm (or the fused kernel) over the
+                  16-padded token axis rather than through the layout's wgrad
+    save_activations  "fp8": keep the x saved for backward as FP8 rows (1 byte per element
+                  plus one FP32 scale per row) instead of x's dtype (activation compression)
+
+Activation/gradient formats: "fp8_row" per token row (one FP32 scale), "fp8_block" 1x128
+tiles with s = max(amax, 1e-4)/448 (DeepSeek act_quant), MX and NVFP4 their own 1-D blocks
+(NVFP4 with one FP32 global scale per matrix: per expert for [E, C, K], per tensor for
+[R, K]). FP8 amax comes from the current tensor (no delayed scaling). Along the token axis
+a block may span two experts in the ragged layout (the scales are then shared by both; the
+result is still a valid quantization of the rows), and the token axis is zero-padded to the
+block size (zeros change no amax) and cropped after decoding.
+
+Randomness (stochastic rounding, Hadamard signs) comes only from the ``generator`` passed
+in; a recipe that needs it raises without one.
+
+Compute: quantized operands are decoded to FP32 and multiplied in FP32 (the exact products
+a tensor core forms, FP32 accumulation); y and dx come back in x's dtype, dw in w's dtype.
+``path="fused"`` multiplies padded [E, C, K] buffers with the numba kernels of
+:mod:`fmoe.quant.matmul` (weights decoded in registers, no dequantized copy) for forward,
+dgrad and (when x is quantized) wgrad; ``"reference"`` always dequantizes then calls the
+given mm / wgrad; ``"auto"`` takes the fused kernels on CPU [E, C, K] inputs when C is at
+most the measured crossover of the format.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from . import _codecs as C
+from . import formats as F
+from .tensor import FP4_FORMATS, QuantizedTensor
+
+__all__ = ["TrainPrecision", "recipe_from_name", "PRECISION_NAMES", "TRAIN_FORMATS",
+           "quantized_mm", "quantized_mm_reference", "fake_quantize", "quantize_operand",
+           "quantize_sr", "hadamard_along_tokens", "bmm_layout"]
+
+TRAIN_FORMATS = ("fp32", "bf16", "fp8_row", "fp8_block", "mxfp8", "mxfp4", "nvfp4")
+PRECISION_NAMES = TRAIN_FORMATS
+_FLOAT_FORMATS = ("fp32", "bf16")  # rounding only, no block scales
+SAVE_FORMATS = (None, "fp8")
+PATHS = ("auto", "fused", "reference")
+HADAMARD_SIZE = 16
+
+# Block length along the quantized axis that the token axis must be padded to.
+_AXIS_BLOCK = {"mxfp8": F.MX_BLOCK, "mxfp4": F.MX_BLOCK, "nvfp4": F.NVFP4_BLOCK}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainPrecision:
+    """Static quantized-training recipe (frozen, hashable); see the module docstring.
+
+    weights: one of TRAIN_FORMATS. activations / grads: also quantize x / gy.
+    stochastic_rounding: FP4 gradient operands round stochastically (needs a generator).
+    hadamard: random Hadamard transform of the wgrad operands (needs a generator).
+    save_activations: None or "fp8" (x saved for backward as FP8 rows).
+    """
+
+    weights: str = "fp8_block"
+    activations: bool = False
+    grads: bool = False
+    stochastic_rounding: bool = True
+    hadamard: bool = False
+    save_activations: Optional[str] = None
+
+    def __post_init__(self):
+        if self.weights not in TRAIN_FORMATS:
+            raise ValueError(f"TrainPrecision.weights must be one of {TRAIN_FORMATS}, got {self.weights!r}")
+        if self.save_activations not in SAVE_FORMATS:
+            raise ValueError(f"TrainPrecision.save_activations must be one of {SAVE_FORMATS}, "
+                             f"got {self.save_activations!r}")
+        for name in ("activations", "grads", "stochastic_rounding", "hadamard"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"TrainPrecision.{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def uses_sr(self) -> bool:
+        """True when gradient operands are stochastically rounded (FP4 grads)."""
+        return self.grads and self.stochastic_rounding and self.weights in FP4_FORMATS
+
+    @property
+    def uses_hadamard(self) -> bool:
+        """True when the wgrad operands get the random Hadamard transform."""
+        return self.hadamard and (self.activations or self.grads) and self.weights not in _FLOAT_FORMATS
+
+    @property
+    def needs_generator(self) -> bool:
+        return self.uses_sr or self.uses_hadamard
+
+
+def recipe_from_name(name: str, *, save_activations: Optional[str] = None) -> Optional[TrainPrecision]:
+    """The recipe behind a CLI precision name (``PRECISION_NAMES``).
+
+    "fp32" -> None (no quantization; with save_activations a float recipe that only
+    compresses the saved activations). Every other name quantizes weights, activations and
+    output gradients in that format (full low-precision training of the expert GEMMs);
+    "mxfp4" and "nvfp4" round gradients stochastically, and "nvfp4" adds the random
+    Hadamard transform on wgrad (NVIDIA's NVFP4 recipe).
+    """
+    if name not in PRECISION_NAMES:
+        raise ValueError(f"unknown precision {name!r}; expected one of {PRECISION_NAMES}")
+    if name == "fp32":
+        if save_activations is not None:
+            return TrainPrecision(weights="fp32", save_activations=save_activations)
+        return None
+    return TrainPrecision(weights=name, activations=True, grads=True,
+                          stochastic_rounding=name in FP4_FORMATS, hadamard=name == "nvfp4",
+                          save_activations=save_activations)
+
+
+# --- operand quantizers (last axis = reduction axis) ------------------------------------------
+
+def _sr_e2m1(v: Tensor, generator: torch.Generator) -> Tensor:
+    """Stochastically rounded E2M1 codes of already-scaled float32 v (saturating to +-6).
+
+    A magnitude a between grid neighbours lo < hi rounds to hi with probability
+    (a - lo) / (hi - lo), so E[decode] = clamp(v, -6, 6). Sign of zero kept, NaN refused.
+    """
+    if torch.isnan(v).any():
+        raise ValueError("stochastic E2M1 rounding: NaN input has no E2M1 encoding")
+    grid = C.E2M1_VALUES[:8].to(v.device)  # 0, .5, 1, 1.5, 2, 3, 4, 6
+    a = v.abs().float().clamp(max=C.E2M1_MAX)
+    lo_idx = (torch.searchsorted(grid, a.contiguous(), right=True) - 1).clamp(0, 7)
+    hi_idx = (lo_idx + 1).clamp(max=7)
+    lo, hi = grid[lo_idx], grid[hi_idx]
+    gap = hi - lo
+    p = torch.where(gap > 0, (a - lo) / torch.where(gap > 0, gap, torch.ones_like(gap)), torch.zeros_like(a))
+    u = torch.rand(a.shape, generator=generator, device=v.device, dtype=torch.float32)
+    code = torch.where(u < p, hi_idx, lo_idx).to(torch.uint8)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def quantize_sr(x: Tensor, fmt: str, *, generator: torch.Generator) -> QuantizedTensor:
+    """FP4 quantization with stochastic element rounding, x float [..., N, K] -> fmt.
+
+    The block scales (and the NVFP4 global scale) are exactly those of the round-to-nearest
+    quantizer of spec/formats.md (``quantize(x, fmt)``); only the E2M1 element codes are
+    rounded stochastically, from ``generator``. fmt: "mxfp4" or "nvfp4".
+    """
+    if fmt not in FP4_FORMATS:
+        raise ValueError(f"quantize_sr: stochastic rounding is for FP4 formats {FP4_FORMATS}, got {fmt!r}")
+    if not isinstance(generator, torch.Generator):
+        raise TypeError("quantize_sr: pass an explicit torch.Generator (stochastic rounding never "
+                        "draws from the global RNG)")
+    base = F.quantize(x, fmt)
+    xf = x.float()
+    if fmt == "mxfp4":
+        scaled = F._divide_by_e8m0(F._blocks(xf, F.MX_BLOCK), base.scales).float()
+    else:
+        sf2b = base.global_scale.float()[..., None, None]
+        divisor = C.decode_e4m3(base.scales) * sf2b
+        scaled = F._blocks(xf, F.NVFP4_BLOCK) / divisor.unsqueeze(-1)
+    codes = _sr_e2m1(scaled, generator)
+    data = C.pack_fp4(codes.flatten(-2))
+    return QuantizedTensor(data, base.scales, base.global_scale, fmt, tuple(x.shape), base.block)
+
+
+def _act_quantizer(fmt: str, x: Tensor, sr: bool, generator) -> QuantizedTensor:
+    """Quantize an activation / gradient operand [..., rows, K] along K."""
+    if fmt == "fp8_row":
+        return F.quantize_fp8_rowwise(x)
+    if fmt == "fp8_block":
+        return F.quantize_fp8_act_tiles(x, 128)
+    if sr:
+        return quantize_sr(x, fmt, generator=generator)
+    return F.quantize(x, fmt)
+
+
+def quantize_operand(t: Tensor, fmt: str, role: str, *, sr: bool = False,
+                     generator: Optional[torch.Generator] = None) -> QuantizedTensor:
+    """Quantize t [..., rows, K] along its last axis (the reduction axis of the GEMM).
+
+    role "weight": fp8_block uses 128x128 blocks, fp8_row one scale per row, others their
+    1-D blocks; role "act" (activations and gradients): fp8_block uses 1x128 tiles.
+    sr: stochastic element rounding (FP4 formats only; needs generator).
+    Returns a QuantizedTensor of logical shape t.shape (not for fmt "bf16").
+    """
+    if fmt not in TRAIN_FORMATS or fmt in _FLOAT_FORMATS:
+        raise ValueError(f"quantize_operand: fmt must be one of {TRAIN_FORMATS[2:]}, got {fmt!r}")
+    if role == "weight":
+        if sr:
+            return quantize_sr(t, fmt, generator=generator)
+        return F.quantize(t, fmt)
+    if role != "act":
+        raise ValueError(f"quantize_operand: role must be 'weight' or 'act', got {role!r}")
+    return _act_quantizer(fmt, t, sr and fmt in FP4_FORMATS, generator)
+
+
+def fake_quantize(t: Tensor, fmt: str, role: str, *, sr: bool = False,
+                  generator: Optional[torch.Generator] = None) -> Tensor:
+    """dequantize(quantize_operand(t, ...)) as float32 [t.shape]; "bf16" rounds to bfloat16,
+    "fp32" only converts."""
+    if fmt == "fp32":
+        return t.float()
+    if fmt == "bf16":
+        return t.to(torch.bfloat16).float()
+    return F.dequantize(quantize_operand(t, fmt, role, sr=sr, generator=generator))
+
+
+def _pad_rows(t: Tensor, multiple: int) -> Tensor:
+    pad = (-t.shape[-1]) % multiple
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t
+
+
+def _hadamard_matrix(signs: Tensor) -> Tensor:
+    """diag(signs) @ H16 / 4: orthogonal, float32 [16, 16]."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < HADAMARD_SIZE:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return signs.float()[:, None] * h / math.sqrt(HADAMARD_SIZE)
+
+
+def hadamard_along_tokens(tT: Tensor, signs: Tensor) -> Tensor:
+    """Apply the block-diagonal random Hadamard transform along the last axis of tT [..., T],
+    T a multiple of 16; signs: +-1 float [16]. Orthogonal: (a R) . (b R) = a . b."""
+    *lead, T = tT.shape
+    R = _hadamard_matrix(signs).to(tT.device)
+    return (tT.float().reshape(*lead, T // HADAMARD_SIZE, HADAMARD_SIZE) @ R).reshape(*lead, T)
+
+
+def _token_operand(t: Tensor, fmt: Optional[str], sr: bool, generator, signs: Optional[Tensor],
+                   want_qt: bool):
+    """Operand t [..., T, P] of a wgrad, quantized along the token axis T.
+
+    Returns (float32 [..., P, T_padded] transposed values or None, QuantizedTensor of logical
+    [..., P, T_padded] or None, T). fmt None: no quantization (the Hadamard transform still
+    applies if signs are given, so both operands stay in the same basis).
+    """
+    T = t.shape[-2]
+    tT = t.float().transpose(-1, -2)
+    mult = HADAMARD_SIZE if signs is not None else 1
+    if fmt in _AXIS_BLOCK:
+        mult = max(mult, _AXIS_BLOCK[fmt])
+    tT = _pad_rows(tT, mult)
+    if tT.dim() < 2:
+        raise ValueError("wgrad operand needs at least 2 dims")
+    if signs is not None:
+        tT = hadamard_along_tokens(tT, signs)
+    if fmt is None or fmt in _FLOAT_FORMATS:
+        return fake_quantize(tT, fmt or "fp32", "act"), None, T
+    qt = quantize_operand(tT.contiguous(), fmt, "act", sr=sr, generator=generator)
+    return (None if want_qt else F.dequantize(qt)), qt, T
+
+
+# --- layout helpers --------------------------------------------------------------------------
+
+def bmm_layout():
+    """(mm, wgrad) for padded [E, C, K] buffers with torch.bmm (the tests' and the default
+    layout): mm(a, b, t) = a @ (b^T if t else b); wgrad(a, b) = a^T b."""
+    def mm(a, b, transposed):
+        return torch.bmm(a, b.transpose(1, 2) if transposed else b)
+
+    def wgrad(a, b):
+        return torch.bmm(a.transpose(1, 2), b)
+
+    return mm, wgrad
+
+
+def _fused_ok(x: Tensor, fmt: str, path: str, rows: int) -> bool:
+    if fmt in _FLOAT_FORMATS or path == "reference":
+        return False
+    ok = x.device.type == "cpu" and x.dim() == 3
+    if path == "fused":
+        if not ok:
+            raise ValueError(f"quantized_mm: path 'fused' needs CPU [E, C, K] buffers, got "
+                             f"{tuple(x.shape)} on {x.device}")
+        return True
+    from .matmul import crossover
+    return ok and rows <= crossover(fmt)
+
+
+def _fused(a: Tensor, qt: QuantizedTensor) -> Tensor:
+    from .matmul import _run
+    return _run(a.float().contiguous(), qt, "fused")
+
+
+# --- the autograd function -------------------------------------------------------------------
+
+def _weight_qts(w: Tensor, recipe: TrainPrecision, transposed: bool, which: str):
+    """w in [E, N, K] orientation quantized along K ("fwd") or along N ("dgrad")."""
+    w_nk = w if transposed else w.transpose(-1, -2)
+    src = w_nk if which == "fwd" else w_nk.transpose(-1, -2)
+    return quantize_operand(src.float().contiguous(), recipe.weights, "weight")
+
+
+def _weight_values(w: Tensor, recipe: TrainPrecision, transposed: bool, which: str):
+    """(float32 weight in w's own orientation for mm, QuantizedTensor or None)."""
+    if recipe.weights in _FLOAT_FORMATS:
+        return fake_quantize(w, recipe.weights, "weight"), None
+    qt = _weight_qts(w, recipe, transposed, which)
+    vals = F.dequantize(qt)  # [E, N, K] ("fwd") or [E, K, N] ("dgrad")
+    if which == "fwd":
+        return (vals if transposed else vals.transpose(-1, -2)), qt
+    return (vals.transpose(-1, -2) if transposed else vals), qt
+
+
+def _x_operand(x: Tensor, recipe: TrainPrecision) -> Tensor:
+    if not recipe.activations:
+        return x.float()
+    return fake_quantize(x, recipe.weights, "act")
+
+
+def _forward(x, w, recipe, transposed, mm, path):
+    xq = _x_operand(x, recipe)
+    if _fused_ok(x, recipe.weights, path, x.shape[-2] if x.dim() == 3 else 0):
+        y = _fused(xq, _weight_qts(w, recipe, transposed, "fwd"))
+    else:
+        wv, _ = _weight_values(w, recipe, transposed, "fwd")
+        y = mm(xq, wv, transposed)
+    return y.to(x.dtype)
+
+
+def _dgrad(gy, w, recipe, transposed, mm, path, generator, x_dtype):
+    if recipe.grads:
+        gq = fake_quantize(gy, recipe.weights, "act", sr=recipe.uses_sr, generator=generator)
+    else:
+        gq = gy.float()
+    if _fused_ok(gy, recipe.weights, path, gy.shape[-2] if gy.dim() == 3 else 0):
+        dx = _fused(gq, _weight_qts(w, recipe, transposed, "dgrad"))
+    else:
+        wv, _ = _weight_values(w, recipe, transposed, "dgrad")
+        dx = mm(gq, wv, not transposed)
+    return dx.to(x_dtype)
+
+
+def _wgrad(x, gy, w, recipe, transposed, wgrad, path, generator):
+    """dw (w's shape) from x [..., T, K] and gy [..., T, N], both quantized along T."""
+    fmt = recipe.weights
+    signs = None
+    if recipe.uses_hadamard:
+        signs = torch.randint(0, 2, (HADAMARD_SIZE,), generator=generator,
+                              device=generator.device).float().mul_(2).sub_(1)
+    x_fmt = fmt if recipe.activations else None
+    g_fmt = fmt if recipe.grads else None
+    fused = (x_fmt is not None and fmt not in _FLOAT_FORMATS and x.dim() == 3 and
+             _fused_ok(gy, fmt, path, gy.shape[-1]))
+    gT, _, T = _token_operand(gy, g_fmt, recipe.uses_sr, generator, signs, False)
+    xT, x_qt, _ = _token_operand(x, x_fmt, False, generator, signs, fused)
+    if fused:
+        # dw_nk[e] = gT[e] @ dequant(x_qt[e])^T over the padded token axis (zero padding
+        # adds nothing); the x operand is decoded in registers.
+        dw_nk = _fused(gT, x_qt)
+        dw = dw_nk if transposed else dw_nk.transpose(-1, -2)
+        return dw.contiguous().to(w.dtype)
+    if signs is not None:
+        # The transform mixed the padded tokens in: multiply over the whole padded axis
+        # (padded [E, C, K] buffers only, checked by quantized_mm).
+        dw_nk = torch.bmm(gT, xT.transpose(-1, -2))
+        dw = dw_nk if transposed else dw_nk.transpose(-1, -2)
+        return dw.contiguous().to(w.dtype)
+    # Back to token-major [..., T, P] for the layout's wgrad (drop the padding).
+    g_tm = gT[..., :T].transpose(-1, -2)
+    x_tm = xT[..., :T].transpose(-1, -2)
+    dw = wgrad(g_tm, x_tm) if transposed else wgrad(x_tm, g_tm)
+    return dw.to(w.dtype)
+
+
+def _compress_saved(x: Tensor):
+    qt = F.quantize_fp8_rowwise(x, amax_floor=0.0)
+    return qt.data, qt.scales
+
+
+def _restore_saved(data: Tensor, scales: Tensor, dtype) -> Tensor:
+    return (data.float() * scales).to(dtype)
+
+
+class _QuantizedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(x, w, recipe, transposed, mm, wgrad, generator, path):
+        return _forward(x, w, recipe, transposed, mm, path)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w, recipe, transposed, mm, wgrad, generator, path = inputs
+        ctx.recipe, ctx.transposed, ctx.mm, ctx.wgrad = recipe, transposed, mm, wgrad
+        ctx.generator, ctx.path, ctx.x_dtype = generator, path, x.dtype
+        if recipe.save_activations == "fp8":
+            data, scales = _compress_saved(x.detach())
+            ctx.save_for_backward(data, scales, w)
+            ctx.compressed = True
+        else:
+            ctx.save_for_backward(x, w)
+            ctx.compressed = False
+
+    @staticmethod
+    def backward(ctx, gy):
+        if ctx.compressed:
+            data, scales, w = ctx.saved_tensors
+            x = _restore_saved(data, scales, ctx.x_dtype)
+        else:
+            x, w = ctx.saved_tensors
+        r = ctx.recipe
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _dgrad(gy, w, r, ctx.transposed, ctx.mm, ctx.path, ctx.generator, ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _wgrad(x, gy, w, r, ctx.transposed, ctx.wgrad, ctx.path, ctx.generator)
+        return dx, dw, None, None, None, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, w, recipe, transposed, mm, wgrad, generator, path):
+        # One call per batch element: the quantizers and kernels are not batching rules;
+        # each element is quantized on its own (its own scales), as an unbatched call would.
+        def pick(t, d, b):
+            return t if d is None else t.select(d, b)
+
+        outs = [_QuantizedMM.apply(pick(x, in_dims[0], b), pick(w, in_dims[1], b), recipe,
+                                   transposed, mm, wgrad, generator, path)
+                for b in range(info.batch_size)]
+        return torch.stack(outs), 0
+
+
+def _check_call(x, w, recipe, transposed, generator, path):
+    if not isinstance(recipe, TrainPrecision):
+        raise TypeError(f"quantized_mm: recipe must be a TrainPrecision, got {type(recipe).__name__}")
+    if not isinstance(x, Tensor) or not torch.is_floating_point(x):
+        raise TypeError(f"quantized_mm: x must be a float tensor, got {type(x).__name__}")
+    if not isinstance(w, Tensor) or not torch.is_floating_point(w) or w.dim() < 2:
+        raise TypeError("quantized_mm: w must be a float master weight [E, K, N] or [E, N, K]")
+    k_w = w.shape[-1] if transposed else w.shape[-2]
+    if x.shape[-1] != k_w:
+        raise ValueError(f"quantized_mm: x has K = {x.shape[-1]} but w {tuple(w.shape)} "
+                         f"(transposed={transposed}) has K = {k_w}")
+    if path not in PATHS:
+        raise ValueError(f"quantized_mm: path must be one of {PATHS}, got {path!r}")
+    if recipe.needs_generator and not isinstance(generator, torch.Generator):
+        raise ValueError("quantized_mm: this recipe uses stochastic rounding or a random Hadamard "
+                         "transform; pass generator=torch.Generator() (fmoe never draws from the "
+                         "global RNG)")
+    if recipe.uses_hadamard and x.dim() != 3:
+        raise ValueError(f"quantized_mm: the Hadamard transform runs along each expert's token "
+                         f"axis and needs padded [E, C, K] buffers (a 16-token block must not span "
+                         f"two experts); got x {tuple(x.shape)}")
+    fmt = recipe.weights
+    if fmt in _AXIS_BLOCK:
+        b = _AXIS_BLOCK[fmt]
+        n_w = w.shape[-2] if transposed else w.shape[-1]
+        if x.shape[-1] % b or n_w % b:
+            raise ValueError(f"quantized_mm: {fmt} needs both weight dims to be multiples of {b} "
+                             f"(its blocks run along K in forward and along N in dgrad); got w "
+                             f"{tuple(w.shape)}")
+
+
+def quantized_mm(x: Tensor, w: Tensor, recipe: Optional[TrainPrecision], *, transposed: bool,
+                 mm: Callable, wgrad: Callable, generator: Optional[torch.Generator] = None,
+                 path: str = "auto") -> Tensor:
+    """One expert GEMM with quantized operands and float master weights.
+
+    Args:
+        x: float activations in the layout ([E, C, K] buffers or [R, K] rows), float32/bf16.
+        w: float master weight [E, N, K] if ``transposed`` else [E, K, N] (float32/bf16).
+        recipe: a TrainPrecision, or None for the plain float GEMM ``mm(x, w, transposed)``.
+        transposed: y = x @ w^T (w out x in) instead of x @ w.
+        mm: ``mm(a, b, transposed) -> a @ op(b)`` per expert over the layout.
+        wgrad: ``wgrad(a, b) -> a^T b`` per expert over the layout, [E, P, Q].
+        generator: torch.Generator for stochastic rounding / Hadamard signs (required when
+            the recipe uses them; advanced once per backward).
+        path: "auto" | "fused" | "reference" (see the module docstring).
+    Returns:
+        y in x's dtype ([E, C, N] or [R, N]). Backward: dx in x's dtype, dw on w (its dtype).
+    Composes with torch.func.grad / vjp and (per batch element) vmap.
+    """
+    if recipe is None:
+        return mm(x, w, transposed)
+    _check_call(x, w, recipe, transposed, generator, path)
+    return _QuantizedMM.apply(x, w, recipe, bool(transposed), mm, wgrad, generator, path)
+
+
+def quantized_mm_reference(x: Tensor, w: Tensor, recipe: TrainPrecision, *, transposed: bool,
+                           gy: Tensor, generator: Optional[torch.Generator] = None):
+    """Obviously-right (y, dx, dw) for padded [E, C, K] buffers: quantize each operand along
+    its GEMM's reduction axis with :func:`fake_quantize`, then plain torch.bmm in FP32.
+
+    Same randomness order as :func:`quantized_mm` (dgrad's gradient quantization draws first,
+    then the Hadamard signs, then wgrad's), so with equal generators the results are equal.
+    """
+    w_nk = (w if transposed else w.transpose(1, 2)).float()
+    fmt = recipe.weights
+    xq = fake_quantize(x, fmt, "act") if recipe.activations else x.float()
+    wf = fake_quantize(w_nk.contiguous(), fmt, "weight")            # [E, N, K] along K
+    y = torch.bmm(xq, wf.transpose(1, 2))
+    sr = recipe.uses_sr
+    gq = fake_quantize(gy, fmt, "act", sr=sr, generator=generator) if recipe.grads else gy.float()
+    wd = fake_quantize(w_nk.transpose(1, 2).contiguous(), fmt, "weight")  # [E, K, N] along N
+    dx = torch.bmm(gq, wd.transpose(1, 2))
+    signs = None
+    if recipe.uses_hadamard:
+        signs = torch.randint(0, 2, (HADAMARD_SIZE,), generator=generator).float() * 2 - 1
+    def tok(t, on, use_sr):
+        tT = t.float().transpose(1, 2)
+        mult = HADAMARD_SIZE if signs is not None else 1
+        if on and fmt in _AXIS_BLOCK:
+            mult = max(mult, _AXIS_BLOCK[fmt])
+        tT = _pad_rows(tT, mult)
+        if signs is not None:
+            tT = hadamard_along_tokens(tT, signs)
+        if on:
+            tT = fake_quantize(tT.contiguous(), fmt, "act", sr=use_sr, generator=generator)
+        return tT
+
+    gT = tok(gy, recipe.grads, sr)
+    xT = tok(x, recipe.activations, False)
+    dw_nk = torch.bmm(gT, xT.transpose(1, 2))  # padded tokens are zero in both
+    dw = dw_nk if transposed else dw_nk.transpose(1, 2)
+    return y.to(x.dtype), dx.to(x.dtype), dw.to(w.dtype)
