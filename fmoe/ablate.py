@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from . import gates as _gates
+from . import routers as _gates
 from . import stats as _stats
 from .experts import apply_experts
 from .losses import gshard_loss, z_loss

@@ -7,7 +7,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fmoe.models import (balance, config_from_hf, deepseek_v3, gpt_oss, mixtral, patch, qwen2_moe,  # noqa: E402
+from fmoe import losses  # noqa: E402
+from fmoe.models import (config_from_hf, deepseek_v3, gpt_oss, mixtral, patch, qwen2_moe,  # noqa: E402
                          qwen3_moe)
 from fmoe.models.patch import FmoeMoEBlock  # noqa: E402
 
@@ -154,7 +155,7 @@ def test_load_balancing_loss_matches_transformers():
     mask[1, :2] = 0
     for m in (None, mask):
         ref = load_balancing_loss_func(layers, 8, 2, m)
-        got = balance.load_balancing_loss(layers, 2, attention_mask=m)
+        got = losses.load_balancing_loss(layers, 2, attention_mask=m)
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
 
 

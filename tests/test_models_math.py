@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fmoe.models import balance, deepseek_v3, gpt_oss, mixtral, qwen2_moe, qwen3_moe, routers
+from fmoe import losses, routers
+from fmoe.models import deepseek_v3, gpt_oss, mixtral, qwen2_moe, qwen3_moe
 from fmoe.models.common import eager_combine, grouped_combine, to_routing
 from fmoe.models.experts import gpt_oss_experts, swiglu_experts
 
@@ -375,7 +376,7 @@ def test_load_balancing_loss_formula_and_mask():
     g = _gen(20)
     layers = [torch.randn(12, 6, generator=g) for _ in range(2)]
     k = 2
-    loss = balance.load_balancing_loss(layers, k)
+    loss = losses.load_balancing_loss(layers, k)
     logits = torch.cat(layers)
     p = torch.softmax(logits, 1)
     ids = p.topk(k, 1).indices
@@ -383,22 +384,22 @@ def test_load_balancing_loss_formula_and_mask():
     torch.testing.assert_close(loss, 6 * (f * p.mean(0)).sum())
     mask = torch.ones(3, 4)
     mask[0, :2] = 0
-    lm = balance.load_balancing_loss(layers, k, attention_mask=mask)
+    lm = losses.load_balancing_loss(layers, k, attention_mask=mask)
     keep = mask.reshape(-1).bool().repeat(2)
-    torch.testing.assert_close(lm, balance.load_balancing_loss(logits[keep], k))
+    torch.testing.assert_close(lm, losses.load_balancing_loss(logits[keep], k))
 
 
 def test_aux_free_bias_update_and_sequence_loss():
     bias = torch.zeros(4)
-    new = balance.aux_free_bias_update(bias, torch.tensor([10, 2, 6, 6]), 0.01)
+    new = losses.aux_free_bias_update(bias, torch.tensor([10, 2, 6, 6]), 0.01)
     torch.testing.assert_close(new, torch.tensor([-0.01, 0.01, 0.0, 0.0]))
     assert torch.equal(bias, torch.zeros(4))
-    assert torch.equal(balance.expert_load(torch.tensor([[0, 1], [0, -1]]), 3), torch.tensor([2, 1, 0]))
+    assert torch.equal(losses.expert_load(torch.tensor([[0, 1], [0, -1]]), 3), torch.tensor([2, 1, 0]))
     # Uniform affinities with a perfectly balanced selection give exactly alpha.
     S, E, k = 8, 4, 2
     ids = torch.tensor([[(2 * t) % E, (2 * t + 1) % E] for t in range(S)])
-    torch.testing.assert_close(balance.sequence_aux_loss(torch.ones(S, E), ids, alpha=0.5), torch.tensor(0.5))
+    torch.testing.assert_close(losses.sequence_aux_loss(torch.ones(S, E), ids, alpha=0.5), torch.tensor(0.5))
     # Collapsed routing is penalised.
-    collapsed = balance.sequence_aux_loss(torch.tensor([[1.0, 1.0, 0.01, 0.01]]).repeat(S, 1),
+    collapsed = losses.sequence_aux_loss(torch.tensor([[1.0, 1.0, 0.01, 0.01]]).repeat(S, 1),
                                           torch.tensor([[0, 1]]).repeat(S, 1))
     assert collapsed > 1.5

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import fmoe
+import fmoe.routers  # noqa: F401  (fmoe.routers.* below)
 
 
 def loop_moe(params, x, spec):
@@ -147,12 +148,12 @@ def test_gate_noise_uses_explicit_generator():
 
 def test_cosine_gate_formula():
     g = torch.Generator().manual_seed(3)
-    p = fmoe.gates.init_cosine_gate(5, 8, proj_dim=4, generator=g, dtype=torch.float64)
+    p = fmoe.routers.init_cosine_gate(5, 8, proj_dim=4, generator=g, dtype=torch.float64)
     x = torch.randn(3, 8, generator=g, dtype=torch.float64)
-    logits = fmoe.gates.cosine_gate(p, x)
+    logits = fmoe.routers.cosine_gate(p, x)
     u = x @ p["proj_w"].t() + p["proj_b"]
     u = u / u.norm(dim=1, keepdim=True)
     v = p["sim_matrix"] / p["sim_matrix"].norm(dim=0, keepdim=True)
     torch.testing.assert_close(logits, (u @ v) * 2.0)  # temperature starts at ln 2
     p["temperature"] = torch.tensor([10.0], dtype=torch.float64)
-    torch.testing.assert_close(fmoe.gates.cosine_gate(p, x), (u @ v) * 100.0)  # capped at ln 100
+    torch.testing.assert_close(fmoe.routers.cosine_gate(p, x), (u @ v) * 100.0)  # capped at ln 100

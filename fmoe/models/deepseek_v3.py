@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .common import BlockAux, cfg_get, check_tokens, routed_experts, text_config, to_routing
 from .experts import swiglu_experts, swiglu_mlp
-from .routers import deepseek_topk
+from ..routers import deepseek_topk
 
 __all__ = ["DeepseekV3BlockConfig", "moe_block", "is_moe_layer", "params_from_module"]
 

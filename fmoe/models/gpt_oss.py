@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .common import BlockAux, cfg_get, check_tokens, routed_experts, text_config, to_routing
 from .experts import gpt_oss_experts
-from .routers import gpt_oss_topk
+from ..routers import gpt_oss_topk
 
 __all__ = ["GptOssBlockConfig", "moe_block", "params_from_module"]
 

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .common import BlockAux, cfg_get, check_tokens, routed_experts, text_config, to_routing
 from .experts import swiglu_experts
-from .routers import mixtral_jitter, mixtral_topk
+from ..routers import mixtral_jitter, mixtral_topk
 
 __all__ = ["MixtralBlockConfig", "moe_block", "params_from_module"]
 

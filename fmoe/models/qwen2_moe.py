@@ -15,7 +15,7 @@ from torch import Tensor
 from .common import BlockAux, cfg_get, check_tokens, routed_experts, text_config, to_routing
 from .experts import gated_shared_mlp, swiglu_experts
 from .qwen3_moe import Qwen3MoeBlockConfig, is_moe_layer
-from .routers import qwen_topk
+from ..routers import qwen_topk
 
 __all__ = ["Qwen2MoeBlockConfig", "moe_block", "is_moe_layer", "params_from_module"]
 

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .common import BlockAux, cfg_get, check_tokens, routed_experts, text_config, to_routing
 from .experts import swiglu_experts
-from .routers import qwen_topk
+from ..routers import qwen_topk
 
 __all__ = ["Qwen3MoeBlockConfig", "moe_block", "is_moe_layer", "params_from_module"]
 
