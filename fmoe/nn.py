@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from .experts import ExpertSpec
 from .moe import GateSpec, MoEAux, MoESpec, init_params, moe
 
-__all__ = ["MoELayer", "moe_layer"]
+__all__ = ["MoELayer", "moe_layer", "check_not_silently_local"]
 
 _GATE_KEYS = {"type", "k", "capacity_factor", "gate_noise", "fp32_gate", "proj_dim", "init_t", "score_fn"}
 _EXPERT_KEYS = {"type", "num_experts_per_device", "count_per_node", "hidden_size_per_expert", "activation_fn",
@@ -154,11 +154,64 @@ class _Experts(nn.Module):
                 error_msgs.append(f"missing expert parameter {key!r} (expected shape {tuple(param.shape)})")
                 continue
             stored = state_dict[key]
-            if stored.shape != param.shape and stored.numel() == param.numel():
-                # Converted (resharded) checkpoints store expert tensors flattened differently.
+            if stored.shape == param.shape:
+                continue
+            expected, got = tuple(param.shape), tuple(stored.shape)
+            if stored.numel() == param.numel() and stored.dim() != param.dim():
+                # Converted (resharded) checkpoints and Tutel's flat llama_ffn / [n, 1, H] bias
+                # layouts store the same row-major elements with a different number of dims.
                 state_dict[key] = stored.reshape(param.shape)
+                continue
+            # Same rank but another shape is a transposed (or mis-sharded) tensor: reshaping it
+            # would scramble the weights, and a [1, H] / [E, 1] bias would broadcast silently.
+            what = "transposed or permuted" if sorted(got) == sorted(expected) else "wrong shape"
+            error_msgs.append(f"expert parameter {key!r}: checkpoint tensor has shape {got}, this layer "
+                              f"expects {expected} ({what}; fmoe never reshapes or broadcasts a same-rank "
+                              f"tensor on load)")
+            # Keep PyTorch's own size-mismatch message out of the way: ours names the problem.
+            state_dict[key] = param.detach()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+
+
+def _distributed_world() -> tuple[str, int]:
+    """(launcher, ranks) of an initialised multi-process job, or ("", 1).
+
+    Looks only at state the job itself set up (an initialised torch.distributed
+    default group, or MPI initialised by mpi4py); importing neither here, so a
+    one-process run never initialises MPI as a side effect.
+    """
+    import sys
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        size = dist.get_world_size()
+        if size > 1:
+            return "torch.distributed", size
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        size = mpi.COMM_WORLD.Get_size()
+        if size > 1:
+            return "MPI", size
+    return "", 1
+
+
+def check_not_silently_local(comm, what: str = "MoELayer") -> None:
+    """Raise if a multi-rank job would run this layer on one process because ``comm`` is None.
+
+    Without a communicator every rank holds and runs every expert: no expert
+    parallelism, negative ``num_experts_per_device`` sharding is lost, and a
+    script's gradient all-reduce then averages experts that should differ.
+    """
+    if comm is not None:
+        return
+    launcher, size = _distributed_world()
+    if size > 1:
+        fix = ("comm=fmoe.comm.TorchDistComm() (or TorchDistComm(group) for a sub-group)"
+               if launcher == "torch.distributed" else "comm=mpi_backend.MPIComm()")
+        raise RuntimeError(
+            f"{what}: {launcher} is initialised with {size} ranks but no comm= was given, so every rank would "
+            f"run every expert locally (no expert parallelism). Pass {fix}, or fmoe.comm.from_env(); pass "
+            f"comm=fmoe.comm.LocalComm() to run this layer on each rank independently on purpose.")
 
 
 class MoELayer(nn.Module):
@@ -175,7 +228,9 @@ class MoELayer(nn.Module):
         custom_expert: an ``ExpertSpec(type='custom', ...)`` instead of ``experts``
             (then pass ``num_experts``).
         result_func: if given, ``forward`` returns ``result_func(y)``.
-        comm: communicator (None = one process); W = comm.size.
+        comm: communicator (None = one process); W = comm.size. None under an initialised
+            torch.distributed / MPI job of more than one rank raises (never silently local):
+            pass the job's communicator, or ``LocalComm()`` to run locally on purpose.
         seeds: Tutel's (gate seed, expert seed, after seed) triple; with it,
             experts are drawn from a generator seeded with seeds[1] and gate i
             from seeds[0] + i (fmoe does not touch the global RNG).
@@ -209,6 +264,7 @@ class MoELayer(nn.Module):
             raise ValueError("pass exactly one of experts= (a Tutel experts dict) or custom_expert=")
         if not isinstance(a2a_ffn_overlap_degree, int) or not 1 <= a2a_ffn_overlap_degree <= 32:
             raise ValueError(f"a2a_ffn_overlap_degree must be an int in [1, 32], got {a2a_ffn_overlap_degree!r}")
+        check_not_silently_local(comm)
         self.comm = comm
         world = 1 if comm is None else comm.size
         if experts is not None:
@@ -300,6 +356,7 @@ class MoELayer(nn.Module):
             routing: a recorded Routing to replay.
             a2a_ffn_overlap_degree, adaptive_r: distributed settings for this call only.
         """
+        check_not_silently_local(self.comm)  # the job may have been initialised after construction
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
             raise ValueError(f"top_k must be an int >= 0 (0 = the gate's k), got {top_k!r}")
         spec = self.spec(gate_index, top_k=top_k, capacity_factor=capacity_factor)
