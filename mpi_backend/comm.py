@@ -8,7 +8,15 @@ because MPI has no portable half-precision sum).
 Collectives block, unless ``timeout`` is given: then each one is started
 non-blocking and polled, and a rank that waits longer than ``timeout`` seconds
 prints what it was waiting for and aborts the whole job (a collective that one
-peer never joins cannot be cancelled in MPI, so abort is the only exit).
+peer never joins cannot be cancelled in MPI, so abort is the only exit: a
+timeout never returns).
+
+Matched collectives: MPI matches collectives by order, not kind, so every
+collective first all-gathers a fixed-size header (kind, call number, dtype,
+shape, op; :mod:`fmoe.comm.matching`) and moves data only when all ranks
+agree; otherwise every rank raises ``CollectiveMismatchError``. Invalid
+arguments on one rank raise on every rank. The call number is this object's
+own count of its collectives.
 """
 from __future__ import annotations
 
@@ -20,7 +28,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fmoe.comm import matching
+from fmoe.comm.agreement import end_of_job_check
 from fmoe.comm.layout import chunks_to_front, front_to_concat, gathered_to_axis, norm_axis, raw_collective
+from fmoe.comm.registry import forget, mark_closed
 
 __all__ = ["MPIComm", "mpi_launched"]
 
@@ -82,11 +93,34 @@ class MPIComm:
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         self.timeout = timeout
+        self._calls = 0  # collectives started on this object (the header's call number)
 
     def __repr__(self) -> str:
         return f"MPIComm(rank={self.rank}, size={self.size}, timeout={self.timeout})"
 
     # ------------------------------------------------------------------ plumbing
+
+    def _begin(self, kind: str, x: Optional[Tensor] = None, *, op: str = "",
+               error: Optional[BaseException] = None) -> int:
+        """Header exchange of the next collective; returns its call number, raises on a mismatch."""
+        self._calls += 1
+        call = self._calls
+        hdr = matching.header(kind, call, x, op=op, failed=error is not None)
+        table = torch.empty(self.size, matching.HEADER, dtype=torch.int64)
+        s, r = _bytes(hdr), _bytes(table)
+        self._run(f"{kind} #{call} (header)", lambda: self.mpi_comm.Allgather(s, r),
+                  lambda: self.mpi_comm.Iallgather(s, r))
+        matching.check(table, self.rank, kind, error, self._gather_text)
+        return call
+
+    def _gather_text(self, text: str, width: int = 400) -> list[str]:
+        raw = text.encode()[:width]
+        buf = torch.zeros(width, dtype=torch.uint8)
+        buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        out = torch.empty(self.size, width, dtype=torch.uint8)
+        s, r = _bytes(buf), _bytes(out)
+        self._run("error report", lambda: self.mpi_comm.Allgather(s, r), lambda: self.mpi_comm.Iallgather(s, r))
+        return [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in out]
 
     def _run(self, what: str, blocking, nonblocking):
         if self.timeout is None:
@@ -111,12 +145,17 @@ class MPIComm:
         self.mpi_comm.Abort(code)
 
     def barrier(self) -> None:
-        self._run("barrier", self.mpi_comm.Barrier, self.mpi_comm.Ibarrier)
+        call = self._begin("barrier")
+        self._run(f"barrier #{call}", self.mpi_comm.Barrier, self.mpi_comm.Ibarrier)
 
     def close(self) -> None:
-        """End-of-job shutdown (collective). mpi4py finalizes MPI at interpreter exit; this only
-        makes sure no rank leaves while another is still inside a collective."""
+        """End-of-job shutdown (collective). mpi4py finalizes MPI at interpreter exit; this checks that
+        every rank made the same fmoe calls (a rank that skipped a step raises here, on every rank,
+        instead of leaving a peer waiting) and that no rank leaves while another is inside a collective."""
+        end_of_job_check(self)
         self.barrier()
+        forget(self)
+        mark_closed(self)
 
     # ------------------------------------------------------------------ protocol
 
@@ -130,35 +169,53 @@ class MPIComm:
         return self._exchange(front, out)
 
     def _exchange(self, front: Tensor, out: Optional[Tensor] = None) -> Tensor:
-        if front.shape[0] != self.size:
-            raise ValueError(f"exchange: leading dim must be {self.size}, got {tuple(front.shape)}")
+        err = None
+        if front.dim() == 0 or front.shape[0] != self.size:
+            err = ValueError(f"exchange: leading dim must be {self.size}, got {tuple(front.shape)}")
+        elif out is not None and (out.shape != front.shape or out.dtype != front.dtype or not out.is_contiguous()):
+            err = ValueError(f"exchange: out must be contiguous {tuple(front.shape)} {front.dtype}")
+        elif front.device.type != "cpu":
+            err = ValueError(f"MPIComm moves CPU tensors only, got a tensor on {front.device}")
+        call = self._begin("all_to_all", front, error=err)
         front = front.contiguous()
         if out is None:
             out = torch.empty_like(front)
-        elif out.shape != front.shape or out.dtype != front.dtype or not out.is_contiguous():
-            raise ValueError(f"exchange: out must be contiguous {tuple(front.shape)} {front.dtype}")
         if front.numel():
             s, r = _bytes(front), _bytes(out)
-            self._run("all_to_all", lambda: self.mpi_comm.Alltoall(s, r),
+            self._run(f"all_to_all #{call}", lambda: self.mpi_comm.Alltoall(s, r),
                       lambda: self.mpi_comm.Ialltoall(s, r))
         return out
 
     @raw_collective
     def all_to_all(self, x: Tensor, concat_axis: int, split_axis: int) -> Tensor:
         """JAX-style all-to-all (see :class:`fmoe.comm.Communicator`); one MPI_Alltoall."""
-        if x.dim() == 0:
-            raise ValueError("all_to_all needs at least one dimension")
-        concat_axis = norm_axis(concat_axis, x.dim(), "concat_axis")
-        return front_to_concat(self._exchange(chunks_to_front(x, split_axis, self.size)), concat_axis)
+        try:
+            if x.dim() == 0:
+                raise ValueError("all_to_all needs at least one dimension")
+            concat_axis = norm_axis(concat_axis, x.dim(), "concat_axis")
+            front = chunks_to_front(x, split_axis, self.size)
+        except ValueError as e:  # tell the peers before raising, so they do not wait for data
+            self._begin("all_to_all", x, error=e)
+            raise AssertionError("unreachable: _begin re-raises")  # pragma: no cover
+        return front_to_concat(self._exchange(front), concat_axis)
 
     @raw_collective
     def all_to_all_v(self, x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> Tensor:
         """Variable all-to-all of rows (dim 0) with MPI_Alltoallv; rows travel as one derived type."""
         MPI = _mpi()
         send, recv = [int(c) for c in send_counts], [int(c) for c in recv_counts]
-        if len(send) != self.size or len(recv) != self.size or sum(send) != x.shape[0]:
-            raise ValueError(f"all_to_all_v: need {self.size} counts each with sum(send_counts) == rows; got "
-                             f"send={send}, recv={recv}, rows={x.shape[0]}")
+        err = None
+        if x.dim() == 0 or len(send) != self.size or len(recv) != self.size or sum(send) != x.shape[0] \
+                or min(send + recv) < 0:
+            err = ValueError(f"all_to_all_v: need {self.size} non-negative counts each with sum(send_counts) == "
+                             f"rows; got send={send}, recv={recv}, rows={x.shape[0] if x.dim() else None}")
+        call = self._begin("all_to_all_v", x, error=err)
+        table = torch.empty(self.size, 2 * self.size, dtype=torch.int64)
+        mine = torch.tensor(send + recv, dtype=torch.int64)
+        sb, rb = _bytes(mine), _bytes(table)
+        self._run(f"all_to_all_v #{call} (counts)", lambda: self.mpi_comm.Allgather(sb, rb),
+                  lambda: self.mpi_comm.Iallgather(sb, rb))
+        matching.check_counts(table, call)
         x = x.contiguous()
         out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
         row_bytes = x[0:1].numel() * x.element_size() if x.dim() > 1 else x.element_size()
@@ -170,7 +227,7 @@ class MPIComm:
             rdis = np.concatenate([[0], np.cumsum(recv)[:-1]]).tolist()
             s = [_bytes(x) if x.numel() else np.empty(0, np.uint8), (send, sdis), row]
             r = [_bytes(out) if out.numel() else np.empty(0, np.uint8), (recv, rdis), row]
-            self._run("all_to_all_v", lambda: self.mpi_comm.Alltoallv(s, r),
+            self._run(f"all_to_all_v #{call}", lambda: self.mpi_comm.Alltoallv(s, r),
                       lambda: self.mpi_comm.Ialltoallv(s, r))
         finally:
             row.Free()
@@ -180,8 +237,8 @@ class MPIComm:
     def all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
         """Elementwise reduction over ranks; half precisions are reduced in fp32."""
         MPI = _mpi()
-        if op not in _REDUCE:
-            raise ValueError(f"all_reduce op must be one of {_REDUCE}, got {op!r}")
+        err = None if op in _REDUCE else ValueError(f"all_reduce op must be one of {_REDUCE}, got {op!r}")
+        call = self._begin("all_reduce", x, op=op if err is None else "", error=err)
         mpi_op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
         work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         if work.dtype == torch.bool:
@@ -190,19 +247,24 @@ class MPIComm:
         out = torch.empty_like(send)
         if send.numel():
             s, r = send.reshape(-1).numpy(), out.reshape(-1).numpy()
-            self._run(f"all_reduce({op})", lambda: self.mpi_comm.Allreduce(s, r, mpi_op),
+            self._run(f"all_reduce({op}) #{call}", lambda: self.mpi_comm.Allreduce(s, r, mpi_op),
                       lambda: self.mpi_comm.Iallreduce(s, r, mpi_op))
         return out.to(x.dtype)
 
     @raw_collective
     def all_gather(self, x: Tensor, axis: int = 0) -> Tensor:
         """Concatenate every rank's x (same shape everywhere) along ``axis``."""
-        axis = norm_axis(axis, max(x.dim(), 1))
+        try:
+            axis = norm_axis(axis, max(x.dim(), 1))
+            err = None
+        except ValueError as e:
+            err = e
+        call = self._begin("all_gather", x, error=err)
         x = x.contiguous()
         out = x.new_empty((self.size,) + tuple(x.shape))
         if x.numel():
             s, r = _bytes(x), _bytes(out)
-            self._run("all_gather", lambda: self.mpi_comm.Allgather(s, r),
+            self._run(f"all_gather #{call}", lambda: self.mpi_comm.Allgather(s, r),
                       lambda: self.mpi_comm.Iallgather(s, r))
         if x.dim() == 0:
             return out
@@ -210,5 +272,6 @@ class MPIComm:
 
     def split(self, color: int, key: Optional[int] = None) -> "MPIComm":
         """MPI_Comm_split: ranks with equal ``color``, ordered by ``key`` (default: rank)."""
+        self._begin("split")
         sub = self.mpi_comm.Split(int(color), self.rank if key is None else int(key))
         return MPIComm(sub, timeout=self.timeout)

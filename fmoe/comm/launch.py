@@ -67,14 +67,35 @@ def abort_on_error(comm, code: int = 1):
 
     Peers blocked in a collective this rank will never join cannot be woken up
     any other way. With one process the exception propagates normally.
+
+    When the block ends normally (or by ``sys.exit(0)``) every rank runs the
+    collective end-of-job check (:func:`fmoe.comm.agreement.end_of_job_check`):
+    a rank that skipped or repeated a step meets a peer still inside an fmoe
+    call, both raise :class:`~fmoe.comm.agreement.StepMismatchError`, and the
+    job aborts with that message instead of hanging.
     """
+    size = getattr(comm, "size", 1)
     try:
         yield
     except BaseException as e:  # noqa: BLE001 - includes KeyboardInterrupt on purpose
-        if getattr(comm, "size", 1) == 1 or isinstance(e, SystemExit) and not e.code:
+        if size == 1:
+            raise
+        if isinstance(e, SystemExit) and not e.code:
+            _end_check(comm, code)
             raise
         tb = "".join(traceback.format_exception(e))
         abort(comm, f"uncaught {type(e).__name__} on rank {comm.rank}:\n{tb}", code)
+    else:
+        if size > 1:
+            _end_check(comm, code)
+
+
+def _end_check(comm, code: int) -> None:
+    from .agreement import end_of_job_check
+    try:
+        end_of_job_check(comm)
+    except Exception as e:  # noqa: BLE001 - any failure here means the ranks are out of step
+        abort(comm, f"end-of-job check failed on rank {comm.rank}: {type(e).__name__}: {e}", code)
 
 
 def install_excepthook(comm, code: int = 1) -> None:

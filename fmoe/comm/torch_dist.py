@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import matching
+from .agreement import end_of_job_check
 from .layout import chunks_to_front, front_to_concat, gathered_to_axis, norm_axis, raw_collective
-from .registry import forget_all
+from .registry import forget_all, mark_closed
 
 __all__ = ["TorchDistComm"]
 
@@ -26,7 +28,11 @@ class TorchDistComm:
         group: a process group; None means the default (WORLD) group, which
             must already be initialised (see :meth:`from_env`).
 
-    Collective timeouts are the process group's own (``init_process_group(timeout=...)``).
+    Collective timeouts are the process group's own (``init_process_group(timeout=...)``); a
+    collective that fails (timeout, dead peer) aborts this process with a message naming it, and
+    torchrun then stops the others. Every collective first exchanges a header (kind, call number,
+    dtype, shape; :mod:`fmoe.comm.matching`), so mismatched calls raise on every rank instead of
+    pairing up.
     """
 
     def __init__(self, group=None):
@@ -36,6 +42,7 @@ class TorchDistComm:
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        self._calls = 0  # collectives started on this object (the header's call number)
 
     @classmethod
     def from_env(cls, backend: str = "gloo", timeout: Optional[float] = None) -> "TorchDistComm":
@@ -56,12 +63,14 @@ class TorchDistComm:
         Also forgets every registered communicator: call it once, at the end of the job.
         """
         if dist.is_initialized():
+            end_of_job_check(self)
             dist.barrier()
             dist.destroy_process_group()
         # Sub-groups made for sharded experts / 2DH live in the split cache and the handle
         # registry; freed at interpreter teardown, their gloo threads abort the process.
         self.__dict__.pop("_fmoe_subcomms", None)
         forget_all()
+        mark_closed(self)
         gc.collect()
 
     def abort(self, message: str = "", code: int = 1) -> None:
@@ -72,49 +81,103 @@ class TorchDistComm:
         sys.stdout.flush()
         os._exit(code)
 
+    def _do(self, what: str, fn):
+        """Run one torch.distributed call; a failure (timeout, dead peer) aborts with its name."""
+        try:
+            return fn()
+        except (RuntimeError, dist.DistBackendError) as e:
+            self.abort(f"{what} failed: {type(e).__name__}: {str(e)[:500]} (a peer rank crashed, never joined "
+                       "it, or is stuck; the process group timeout bounds the wait)")
+
+    def _begin(self, kind: str, x: Optional[Tensor] = None, *, op: str = "",
+               error: Optional[BaseException] = None) -> int:
+        """Header exchange of the next collective; returns its call number, raises on a mismatch."""
+        self._calls += 1
+        call = self._calls
+        hdr = matching.header(kind, call, x, op=op, failed=error is not None)
+        table = torch.empty(self.size * matching.HEADER, dtype=torch.int64)
+        self._do(f"{kind} #{call} (header)", lambda: dist.all_gather_into_tensor(table, hdr, group=self.group))
+        matching.check(table.reshape(self.size, matching.HEADER), self.rank, kind, error, self._gather_text)
+        return call
+
+    def _gather_text(self, text: str, width: int = 400) -> list[str]:
+        raw = text.encode()[:width]
+        buf = torch.zeros(width, dtype=torch.uint8)
+        buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        out = torch.empty(self.size * width, dtype=torch.uint8)
+        self._do("error report", lambda: dist.all_gather_into_tensor(out, buf, group=self.group))
+        return [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in out.reshape(self.size, width)]
+
     def barrier(self) -> None:
-        dist.barrier(self.group)
+        call = self._begin("barrier")
+        self._do(f"barrier #{call}", lambda: dist.barrier(self.group))
 
     @raw_collective
     def exchange(self, front: Tensor) -> Tensor:
         """Row w of ``front`` [W, ...] goes to rank w; row u of the result came from rank u."""
+        err = None
+        if front.dim() == 0 or front.shape[0] != self.size:
+            err = ValueError(f"exchange: leading dim must be {self.size}, got {tuple(front.shape)}")
+        call = self._begin("all_to_all", front, error=err)
         front = front.contiguous()
         out = torch.empty_like(front)
         if front.numel():
-            dist.all_to_all_single(out, front, group=self.group)
+            self._do(f"all_to_all #{call}", lambda: dist.all_to_all_single(out, front, group=self.group))
         return out
 
     @raw_collective
     def all_to_all(self, x: Tensor, concat_axis: int, split_axis: int) -> Tensor:
-        concat_axis = norm_axis(concat_axis, x.dim(), "concat_axis")
-        return front_to_concat(self.exchange(chunks_to_front(x, split_axis, self.size)), concat_axis)
+        try:
+            if x.dim() == 0:
+                raise ValueError("all_to_all needs at least one dimension")
+            concat_axis = norm_axis(concat_axis, x.dim(), "concat_axis")
+            front = chunks_to_front(x, split_axis, self.size)
+        except ValueError as e:  # tell the peers before raising, so they do not wait for data
+            self._begin("all_to_all", x, error=e)
+            raise AssertionError("unreachable: _begin re-raises")  # pragma: no cover
+        return front_to_concat(self.exchange(front), concat_axis)
 
     @raw_collective
     def all_to_all_v(self, x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> Tensor:
         send, recv = [int(c) for c in send_counts], [int(c) for c in recv_counts]
-        if len(send) != self.size or len(recv) != self.size or sum(send) != x.shape[0]:
-            raise ValueError(f"all_to_all_v: need {self.size} counts each with sum(send_counts) == rows; got "
-                             f"send={send}, recv={recv}, rows={x.shape[0]}")
+        err = None
+        if x.dim() == 0 or len(send) != self.size or len(recv) != self.size or sum(send) != x.shape[0] \
+                or min(send + recv) < 0:
+            err = ValueError(f"all_to_all_v: need {self.size} non-negative counts each with sum(send_counts) == "
+                             f"rows; got send={send}, recv={recv}, rows={x.shape[0] if x.dim() else None}")
+        call = self._begin("all_to_all_v", x, error=err)
+        table = torch.empty(self.size * 2 * self.size, dtype=torch.int64)
+        mine = torch.tensor(send + recv, dtype=torch.int64)
+        self._do(f"all_to_all_v #{call} (counts)",
+                 lambda: dist.all_gather_into_tensor(table, mine, group=self.group))
+        matching.check_counts(table.reshape(self.size, 2 * self.size), call)
         x = x.contiguous()
         out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=self.group)
+        self._do(f"all_to_all_v #{call}", lambda: dist.all_to_all_single(
+            out, x, output_split_sizes=recv, input_split_sizes=send, group=self.group))
         return out
 
     @raw_collective
     def all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
-        if op not in _OPS:
-            raise ValueError(f"all_reduce op must be one of {tuple(_OPS)}, got {op!r}")
+        err = None if op in _OPS else ValueError(f"all_reduce op must be one of {tuple(_OPS)}, got {op!r}")
+        call = self._begin("all_reduce", x, op=op if err is None else "", error=err)
         out = x.detach().clone().contiguous()
-        dist.all_reduce(out, op=_OPS[op], group=self.group)
+        self._do(f"all_reduce({op}) #{call}", lambda: dist.all_reduce(out, op=_OPS[op], group=self.group))
         return out
 
     @raw_collective
     def all_gather(self, x: Tensor, axis: int = 0) -> Tensor:
+        err = None
+        try:
+            axis = norm_axis(axis, max(x.dim(), 1))
+        except ValueError as e:
+            err = e
+        call = self._begin("all_gather", x, error=err)
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self.group)
+        self._do(f"all_gather #{call}", lambda: dist.all_gather(parts, x, group=self.group))
         out = torch.stack(parts)
-        return out if x.dim() == 0 else gathered_to_axis(out, norm_axis(axis, x.dim()))
+        return out if x.dim() == 0 else gathered_to_axis(out, axis)
 
     def split(self, color: int, key: Optional[int] = None) -> "TorchDistComm":
         """Sub-group of the ranks with the same ``color`` ordered by ``key`` (collective over this group)."""

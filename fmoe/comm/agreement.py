@@ -1,0 +1,188 @@
+"""Cross-rank agreement: every rank is in the same call of the same program step, with the same settings.
+
+A distributed fmoe call starts with one fixed-size int64 all-gather (the
+*agreement record*) before any other collective:
+
+    [MAGIC, kind, call number, error flag, settings digest, field count, field 0, ..., field F-1]
+
+* ``call number`` counts agreement calls per communicator object (kept in
+  :mod:`.registry`, never on the communicator). A rank that skipped, repeated
+  or reordered a step sits at a different number, or pairs an fmoe call with
+  the end-of-job check (kind ``end``) of a rank that finished early: every
+  rank raises :class:`StepMismatchError` naming each rank's call.
+* ``error flag``: a rank whose local inputs are invalid still joins the
+  exchange, so every rank raises (the bad rank its own error, the others
+  :class:`InconsistentRanksError` with its message) instead of hanging.
+* ``digest`` and the fields: static settings (spec, parallel mode, dtype, ...);
+  any difference raises on every rank naming the field and each rank's value.
+
+The decision to raise is taken from the gathered table, identical on every
+rank, so all ranks leave the check the same way (further text exchanges for
+the message happen on all ranks or on none).
+
+Cost: one all-gather of ``8 * (6 + FIELDS)`` bytes per rank per call (see
+``benchmarks`` notes in the README "Failure behaviour" section).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+from typing import Callable, Optional
+
+import torch
+
+from . import registry
+
+__all__ = ["InconsistentRanksError", "StepMismatchError", "CollectiveMismatchError", "agree_across_ranks",
+           "end_of_job_check", "FIELDS"]
+
+MAGIC = 0x664D6F4541475245  # "fMoEAGRE"
+FIELDS = 24                 # field slots in the record; more fields are folded into the last slot
+_HEAD = 6
+
+
+class InconsistentRanksError(ValueError):
+    """Ranks called a collective MoE function with different static settings or invalid inputs."""
+
+
+class StepMismatchError(InconsistentRanksError):
+    """Ranks are not in the same call: one skipped, repeated or reordered a step, or finished early."""
+
+
+class CollectiveMismatchError(InconsistentRanksError):
+    """Ranks entered different collectives (kind, dtype, shape or call number differ)."""
+
+
+def _stable(obj) -> str:
+    """A process-independent description of a static setting (no addresses, no salted hashes)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        inner = ",".join(f"{f.name}={_stable(getattr(obj, f.name))}" for f in dataclasses.fields(obj))
+        return f"{type(obj).__name__}({inner})"
+    if callable(obj):
+        return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
+    return repr(obj)
+
+
+def _h64(text: str) -> int:
+    return struct.unpack("<q", hashlib.blake2b(text.encode(), digest_size=8).digest())[0]
+
+
+def _fingerprint(fields: dict) -> list[int]:
+    out = []
+    for v in fields.values():
+        out.append(v if isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2 ** 62 else _h64(_stable(v)))
+    return out
+
+
+def _gather_text(comm, text: str, width: int = 400) -> list[str]:
+    raw = text.encode()[:width]
+    buf = torch.zeros(width, dtype=torch.uint8)
+    buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    rows = comm.all_gather(buf.unsqueeze(0), 0)
+    return [bytes(r.tolist()).rstrip(b"\0").decode(errors="replace") for r in rows]
+
+
+# kind code -> readable name, for the kinds this process knows (a peer's unknown kind prints as hex)
+_KINDS: dict[int, str] = {}
+
+
+def _kind(name: str) -> int:
+    code = _h64("kind:" + name)
+    _KINDS.setdefault(code, name)
+    return code
+
+
+_CALL, _END = _kind("call"), _kind("end")
+
+
+def _record(kind: int, call: int, failed: bool, fields: dict) -> torch.Tensor:
+    fp = _fingerprint(fields)
+    digest = _h64("|".join(f"{n}={v}" for n, v in zip(fields, fp)))
+    slots = fp[:FIELDS - 1] + ([_h64(repr(fp[FIELDS - 1:]))] if len(fp) >= FIELDS else [])
+    slots += [0] * (FIELDS - len(slots))
+    return torch.tensor([MAGIC, kind, call, int(failed), digest, len(fp)] + slots, dtype=torch.int64)
+
+
+def _describe(row) -> str:
+    kind, call = int(row[1]), int(row[2])
+    name = _KINDS.get(kind, f"kind {kind & 0xFFFFFFFF:#x}")
+    return f"{'end-of-job check' if name == 'end' else 'fmoe ' + name} #{call}"
+
+
+def agree_across_ranks(comm, fields: dict, local_check: Optional[Callable[[], None]] = None, *,
+                       kind: str = "call") -> None:
+    """Collective guard run before the first exchange of a distributed call.
+
+    Runs ``local_check`` (input validation) on every rank, then all-gathers the
+    agreement record (module docstring). Raises on every rank if the ranks are
+    at different calls (:class:`StepMismatchError`), if any rank failed its
+    check (that rank re-raises its error, the others raise
+    :class:`InconsistentRanksError` quoting it), or if any field differs
+    (:class:`InconsistentRanksError` naming the field and every rank's value).
+
+    Args:
+        comm: communicator (size W); its call counter advances by one.
+        fields: name -> static value (int, or anything with a stable repr).
+            Every rank must pass the same names in the same order.
+        local_check: callable raising ValueError/TypeError on invalid local input.
+        kind: which agreement point this is ('call' for fmoe's functions,
+            'end' for :func:`end_of_job_check`).
+    """
+    err: Optional[BaseException] = None
+    if local_check is not None:
+        try:
+            local_check()
+        except (ValueError, TypeError) as e:
+            err = e
+    call = registry.next_call(comm)
+    mine = _record(_kind(kind), call, err is not None, fields)
+    table = comm.all_gather(mine.unsqueeze(0), 0)  # [W, HEAD + FIELDS]
+    if table.shape != (comm.size, mine.numel()) or table.dtype != torch.int64:
+        raise CollectiveMismatchError(f"agreement exchange returned {tuple(table.shape)} {table.dtype}, "
+                                      f"expected ({comm.size}, {mine.numel()}) int64")
+    bad = (table[:, 0] != MAGIC).nonzero().flatten().tolist()
+    if bad:
+        raise CollectiveMismatchError(
+            f"rank(s) {bad} answered the agreement exchange of call #{call} with data that is not an agreement "
+            "record: they were in a different collective (mismatched program order)")
+    if (table[:, 1:3] != table[:1, 1:3]).any():
+        raise StepMismatchError(
+            f"ranks are at different steps: " + "; ".join(f"rank {r} is in {_describe(row)}"
+                                                          for r, row in enumerate(table.tolist()))
+            + ". A rank skipped, repeated or reordered a step (every rank must make the same fmoe calls in the "
+            "same order on this communicator).")
+    failed = table[:, 3].nonzero().flatten().tolist()
+    if failed:
+        msg = _gather_text(comm, "" if err is None else f"{type(err).__name__}: {err}")
+        if err is not None:
+            raise err
+        raise InconsistentRanksError("invalid input on rank(s) " + "; ".join(f"{r}: {msg[r]}" for r in failed))
+    names = list(fields)
+    if (table[:, 5] != table[0, 5]).any():
+        counts = table[:, 5].tolist()
+        raise InconsistentRanksError(f"ranks passed different numbers of settings ({counts}) in {_describe(mine)}")
+    diff = (table[:, _HEAD:] != table[:1, _HEAD:]).any(0).nonzero().flatten().tolist()
+    if diff or (table[:, 4] != table[0, 4]).any():
+        diff_names = [names[i] if i < FIELDS - 1 else "the settings after " + names[FIELDS - 2] for i in diff]
+        name = names[diff[0]] if diff and diff[0] < len(names) else None
+        values = _gather_text(comm, _stable(fields[name])[:200] if name else "")
+        per_rank = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values)) if name else ""
+        raise InconsistentRanksError(
+            f"ranks disagree on {', '.join(diff_names) or 'the settings digest'}"
+            + (f"; {name} per rank: {per_rank}" if name else "")
+            + ". Every rank must call with the same static settings.")
+
+
+def end_of_job_check(comm) -> None:
+    """Collective end-of-job check: every rank has made the same number of agreement calls.
+
+    A rank that skipped a step reaches this while a peer is still in its last
+    fmoe call; the two records differ in kind and both ranks raise
+    :class:`StepMismatchError` instead of the peer waiting forever. Called by
+    the communicators' ``close()`` and when :func:`fmoe.comm.abort_on_error`'s
+    block ends normally; a no-op on one process.
+    """
+    if getattr(comm, "size", 1) == 1 or registry.is_closed(comm):
+        return
+    agree_across_ranks(comm, {}, kind="end")
