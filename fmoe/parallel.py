@@ -51,10 +51,6 @@ SHARD_AXES = {
 _PADDED = {"fc2_b"}
 
 
-class InconsistentRanksError(ValueError):
-    """Ranks called a collective MoE function with different static settings or invalid inputs."""
-
-
 @dataclasses.dataclass(frozen=True)
 class ParallelSpec:
     """How the expert stage runs across ranks; pass one per call (nothing sticks).
@@ -162,71 +158,10 @@ def _axes(expert_type: str, params: dict) -> dict:
 
 # --------------------------------------------------------------------------- agreement
 
-def _stable(obj) -> str:
-    """A process-independent description of a static setting (no addresses, no salted hashes)."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        inner = ",".join(f"{f.name}={_stable(getattr(obj, f.name))}" for f in dataclasses.fields(obj))
-        return f"{type(obj).__name__}({inner})"
-    if callable(obj):
-        return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
-    return repr(obj)
-
-
-def _h64(text: str) -> int:
-    return struct.unpack("<q", hashlib.blake2b(text.encode(), digest_size=8).digest())[0]
-
-
-def _fingerprint(fields: dict) -> list[int]:
-    out = []
-    for v in fields.values():
-        out.append(v if isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2 ** 62 else _h64(_stable(v)))
-    return out
-
-
-def agree_across_ranks(comm, fields: dict, local_check: Optional[Callable[[], None]] = None) -> None:
-    """Collective guard run before the first exchange of a call.
-
-    Runs ``local_check`` (input validation) on every rank, then all-gathers
-    one fixed-size int64 vector (an error flag plus one entry per field) so the
-    collective always matches, even when a rank's inputs are bad. Raises on
-    every rank if any rank failed its check or any field differs.
-
-    Args:
-        comm: communicator.
-        fields: name -> static value (int, or anything with a stable repr).
-        local_check: callable raising on invalid local input.
-    """
-    err: Optional[BaseException] = None
-    if local_check is not None:
-        try:
-            local_check()
-        except (ValueError, TypeError) as e:
-            err = e
-    names = list(fields)
-    mine = torch.tensor([int(err is not None)] + _fingerprint(fields), dtype=torch.int64)
-    table = comm.all_gather(mine.unsqueeze(0), 0)  # [W, 1 + F]
-    failed = table[:, 0].nonzero().flatten().tolist()
-    if failed:
-        msg = _gather_text(comm, "" if err is None else f"{type(err).__name__}: {err}")
-        if err is not None:
-            raise err
-        raise InconsistentRanksError("invalid input on rank(s) " + "; ".join(f"{r}: {msg[r]}" for r in failed))
-    diff = (table[:, 1:] != table[:1, 1:]).any(0).nonzero().flatten().tolist()
-    if diff:
-        name = names[diff[0]]
-        values = [v for v in _gather_text(comm, _stable(fields[name])[:200])]
-        raise InconsistentRanksError(
-            f"ranks disagree on {', '.join(names[i] for i in diff)}; {name} per rank: "
-            + "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            + ". Every rank must call with the same static settings.")
-
-
-def _gather_text(comm, text: str, width: int = 400) -> list[str]:
-    raw = text.encode()[:width]
-    buf = torch.zeros(width, dtype=torch.uint8)
-    buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    rows = comm.all_gather(buf.unsqueeze(0), 0)
-    return [bytes(r.tolist()).rstrip(b"\0").decode(errors="replace") for r in rows]
+# agree_across_ranks, InconsistentRanksError, _gather_text, _stable, _h64, _fingerprint live in
+# fmoe.comm.agreement (step agreement: call counter + settings digest); re-exported here.
+from .comm.agreement import (InconsistentRanksError, _fingerprint, _gather_text, _h64,  # noqa: E402,F401
+                             _stable, agree_across_ranks)
 
 
 def _leaf_sig(params) -> str:
