@@ -289,8 +289,15 @@ def bmm_layout():
     return mm, wgrad
 
 
-def _fused_ok(x: Tensor, fmt: str, path: str, rows: int) -> bool:
-    if fmt in _FLOAT_FORMATS or path == "reference":
+def _wrapped(*ts) -> bool:
+    # torch.func wraps tensors (grad tracking, batching) and numba cannot read a wrapper's
+    # storage; under a transform the GEMMs go through mm / wgrad (same decoded values).
+    f = torch._C._functorch
+    return any(f.is_functorch_wrapped_tensor(t) for t in ts)
+
+
+def _fused_ok(x: Tensor, fmt: str, path: str, rows: int, *others: Tensor) -> bool:
+    if fmt in _FLOAT_FORMATS or path == "reference" or _wrapped(x, *others):
         return False
     ok = x.device.type == "cpu" and x.dim() == 3
     if path == "fused":
@@ -304,7 +311,10 @@ def _fused_ok(x: Tensor, fmt: str, path: str, rows: int) -> bool:
 
 def _fused(a: Tensor, qt: QuantizedTensor) -> Tensor:
     from .matmul import _run
-    return _run(a.float().contiguous(), qt, "fused")
+    qt = QuantizedTensor(qt.data.detach(), qt.scales.detach(),
+                         None if qt.global_scale is None else qt.global_scale.detach(),
+                         qt.fmt, qt.shape, qt.block)
+    return _run(a.detach().float().contiguous(), qt, "fused")
 
 
 # --- the autograd function -------------------------------------------------------------------
@@ -335,7 +345,7 @@ def _x_operand(x: Tensor, recipe: TrainPrecision) -> Tensor:
 
 def _forward(x, w, recipe, transposed, mm, path):
     xq = _x_operand(x, recipe)
-    if _fused_ok(x, recipe.weights, path, x.shape[-2] if x.dim() == 3 else 0):
+    if _fused_ok(x, recipe.weights, path, x.shape[-2] if x.dim() == 3 else 0, w):
         y = _fused(xq, _weight_qts(w, recipe, transposed, "fwd"))
     else:
         wv, _ = _weight_values(w, recipe, transposed, "fwd")
@@ -348,7 +358,7 @@ def _dgrad(gy, w, recipe, transposed, mm, path, generator, x_dtype):
         gq = fake_quantize(gy, recipe.weights, "act", sr=recipe.uses_sr, generator=generator)
     else:
         gq = gy.float()
-    if _fused_ok(gy, recipe.weights, path, gy.shape[-2] if gy.dim() == 3 else 0):
+    if _fused_ok(gy, recipe.weights, path, gy.shape[-2] if gy.dim() == 3 else 0, w):
         dx = _fused(gq, _weight_qts(w, recipe, transposed, "dgrad"))
     else:
         wv, _ = _weight_values(w, recipe, transposed, "dgrad")
@@ -366,7 +376,7 @@ def _wgrad(x, gy, w, recipe, transposed, wgrad, path, generator):
     x_fmt = fmt if recipe.activations else None
     g_fmt = fmt if recipe.grads else None
     fused = (x_fmt is not None and fmt not in _FLOAT_FORMATS and x.dim() == 3 and
-             _fused_ok(gy, fmt, path, gy.shape[-1]))
+             _fused_ok(gy, fmt, path, gy.shape[-1], x))
     gT, _, T = _token_operand(gy, g_fmt, recipe.uses_sr, generator, signs, False)
     xT, x_qt, _ = _token_operand(x, x_fmt, False, generator, signs, fused)
     if fused:
