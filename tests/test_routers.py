@@ -738,3 +738,38 @@ def test_router_input_errors():
     q = GateSpec(type="qwen", k=5)
     with pytest.raises(ValueError, match=r"k must be an int in \[1, E=4\], got 5"):
         router_forward(_params(q, 4, M), torch.zeros(3, M), q, num_experts=4)
+
+
+# --------------------------------------------------------------------------- Tutel golden values
+
+# Measured with Tutel 0.4 (CosineTopKGate(fp32_gate=True) on these weights, softmax, then
+# tutel.impls.fast_dispatch.extract_critical(scores, 2, capacity_factor=1.0,
+# batch_prioritized_routing=bp)) on CPU; Tutel itself is not needed to run this test.
+TUTEL_COSINE = {
+    "ids": [[1, 3, 1, 1, 3, 2, 1, 3], [2, 0, 2, 0, 0, 1, 2, 0]],
+    "loc": {False: [[0, 0, 1, 2, 1, 0, 3, 2], [1, 0, 2, 1, 2, 4, 3, 3]],
+            True: [[2, 0, 3, 0, 1, 0, 1, 2], [2, 1, 3, 0, 2, 4, 1, 3]]},
+    "gate0": [0.811863899230957, 0.650268018245697, 0.7541906237602234, 0.9207395315170288, 0.6527549624443054,
+              0.5975350141525269, 0.8814035058021545, 0.634331464767456],
+    "cap": 4,
+    "l_aux": 1.3216021060943604,
+}
+
+
+@pytest.mark.parametrize("bp", [False, True])
+def test_cosine_router_matches_tutel_golden(bp):
+    Tn, Mn, E, P = 8, 4, 4, 3
+    x = torch.tensor([[((t * 7 + m * 3) % 11 - 5) / 4 for m in range(Mn)] for t in range(Tn)])
+    p = {"proj_w": torch.tensor([[((i * 5 + j) % 7 - 3) / 4 for j in range(Mn)] for i in range(P)]),
+         "proj_b": torch.tensor([0.25, -0.5, 0.125]),
+         "sim_matrix": torch.tensor([[((i * 3 + e * 2) % 5 - 2) / 2 for e in range(E)] for i in range(P)]),
+         "temperature": torch.log(torch.full([1], 2.0))}
+    spec = GateSpec(type="cosine_top", k=2, capacity_factor=1.0, proj_dim=P)
+    r, out = route(p, x, spec, num_experts=E, batch_prioritized=bp)
+    assert r.expert_ids.tolist() == TUTEL_COSINE["ids"] and r.capacity == TUTEL_COSINE["cap"]
+    assert r.slots.tolist() == TUTEL_COSINE["loc"][bp]
+    g0 = torch.tensor(TUTEL_COSINE["gate0"])
+    assert torch.equal(r.weights[0], g0)                     # bit-exact with Tutel
+    torch.testing.assert_close(r.weights[1], 1 - g0, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(losses.router_loss("gshard", out, r, k=2), torch.tensor(TUTEL_COSINE["l_aux"]),
+                               rtol=1e-6, atol=0)
