@@ -1,15 +1,24 @@
-"""Benchmark entry point: ``python -m benchmarks.run [--quick] [--only NAME] [--out DIR]``.
+"""Benchmark entry point: ``python -m benchmarks.run [--quick] [--only NAME] [--out DIR] [--no-memory]``.
 
-Runs the suites in one process (so ratios compare numbers from one run),
-writes ``<out>/results.json`` and PNG plots, and prints a table.
+Default suites (issue 11; everything side by side in one run, medians and ratios):
 
-Suites: ``core`` (configs: coarse, fine_cf1, fine_cf2, decode_8, decode_64),
-``layouts`` and ``routing``. ``--only`` takes a suite or a config name.
+* ``layer``  (benchmarks/bench_layer.py): ``fmoe.nn.MoELayer`` with default settings vs Tutel's
+  layer on the same weights, vs the dense-GEMM roofline (training) and the weight-stream
+  bound (decode); configs coarse, fine_cf125, fine_cf2, dropless, fine_e64k8, decode_16,
+  decode_64;
+* ``blocks`` (benchmarks/bench_blocks.py): ``fmoe.models`` blocks (Qwen3-MoE, DeepSeek-V3,
+  GPT-OSS, Mixtral) vs transformers' own blocks with both experts implementations, for
+  training, prefill and decode.
+
+Peak resident memory of every variant is measured in its own subprocess (``--no-memory``
+skips it). Older suites run only when named: ``--only core|layouts|routing``.
+``--only`` also takes one layer config or one arch name. Writes ``<out>/results.json``
+(atomically), ``<out>/results.md`` (the tables) and PNG plots; prints the tables and one
+status line per target.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -21,11 +30,18 @@ import torch
 
 from fmoe import _numba
 
-from . import bench_core, bench_cpu_layouts, bench_cpu_routing
+from . import bench_blocks, bench_common, bench_core, bench_cpu_layouts, bench_cpu_routing, bench_layer
 
-SUITES = {"core": bench_core, "layouts": bench_cpu_layouts, "routing": bench_cpu_routing}
-TARGETS = {"train_vs_dense": 0.85, "decode_vs_dense": 0.50, "fwd_vs_bound": 1.3, "bwd_vs_bound": 1.6,
-           "vs_transformers": 1.5}
+DEFAULT_SUITES = {"layer": bench_layer, "blocks": bench_blocks}
+EXTRA_SUITES = {"core": bench_core, "layouts": bench_cpu_layouts, "routing": bench_cpu_routing}
+# Issue 11's thresholds; each suite's targets() turns its results into status lines against them.
+TARGETS = {
+    "T1 training useful GFLOP/s / dense GEMM rate of the same shapes": ">= 0.90",
+    "T2 decode (T <= 64, no grad) time / time to stream the busy experts' weights once": "<= 1.2",
+    "T3 time / Tutel's (same weights), geo-mean over coarse, fine_cf125, fine_cf2, decode_16": "<= 0.55, none > 1",
+    "T4 transformers block time / fmoe block time, both experts implementations": ">= 1.5 train/prefill, >= 1.2 decode",
+    "T5 training-step peak memory above the resting set": "<= 0.5x Tutel (cf 1.25, dropless); <= transformers'",
+}
 
 
 def machine() -> dict:
@@ -38,16 +54,106 @@ def machine() -> dict:
                 model = val.strip()
     except (OSError, subprocess.SubprocessError):
         pass
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
     return {"cpu": model, "logical_cpus": cores, "torch": torch.__version__, "numba": numba.__version__,
             "torch_threads": torch.get_num_threads(), "threading_layer": _numba.threading_layer(),
-            "python": platform.python_version()}
+            "python": platform.python_version(), "loadavg_start": load}
 
 
 def _fmt(v, spec=".2f"):
     return "-" if v is None else format(v, spec)
 
 
+def _ms(m: dict) -> str:
+    if "seconds" in m:
+        return f"{m['seconds'] * 1e3:.1f}"
+    return "skipped" if "skipped" in m else ("error" if "error" in m else "-")
+
+
+def _mem(m: dict) -> str:
+    """'+above rest / absolute peak' in MiB."""
+    if not m:
+        return "-"
+    if m.get("above_rest_mib") is not None:
+        return f"+{m['above_rest_mib']:.0f} / {m['peak_mib']:.0f}"
+    return "skipped" if "skipped" in m else f"error ({m.get('error', '?')[:60]})"
+
+
+def layer_tables(lay: dict) -> list[str]:
+    L = [f"Tutel: {lay['tutel']}; {lay['repeats']} repeats, medians; memory = MiB above the resting set / "
+         "absolute VmHWM, each variant in its own process", ""]
+    train = {n: r for n, r in lay["configs"].items() if r["config"]["train"]}
+    dec = {n: r for n, r in lay["configs"].items() if not r["config"]["train"]}
+    if train:
+        L += ["| config | T | M | H | E | k | cf | kept pairs | fmoe ms | tutel ms | fmoe/tutel time | "
+              "dense GF/s flat / batched | fmoe GF/s | fmoe vs dense | tutel vs dense | fmoe mem MiB | "
+              "tutel mem MiB | fmoe/tutel mem |",
+              "|" + "---|" * 18]
+        for n, r in train.items():
+            c, v = r["config"], r["variants"]
+            L.append(f"| {n} | {r['tokens']} | {c['model_dim']} | {c['hidden']} | {c['experts']} | {c['k']} | "
+                     f"{c['cf']:g} | {r['kept_pairs']} | {_ms(v['fmoe'])} | {_ms(v.get('tutel', {}))} | "
+                     f"{_fmt(r.get('fmoe_time_vs_tutel'))} | {v['dense_flat']['gflops']:.0f} / "
+                     f"{v['dense_batched']['gflops']:.0f} | {v['fmoe']['gflops']:.0f} | {r['fmoe_vs_dense']:.2f} | "
+                     f"{_fmt(r.get('tutel_vs_dense'))} | {_mem(r['memory'].get('fmoe'))} | "
+                     f"{_mem(r['memory'].get('tutel'))} | {_fmt(r.get('fmoe_mem_vs_tutel'))} |")
+    if dec:
+        L += ["", "| config | T | M | H | E | k | busy experts | busy weights MiB | read GB/s | stream bound ms | "
+              "fmoe ms | fmoe x bound | tutel ms | tutel x bound | fmoe/tutel time | fmoe mem MiB | tutel mem MiB |",
+              "|" + "---|" * 17]
+        for n, r in dec.items():
+            c, v = r["config"], r["variants"]
+            L.append(f"| {n} | {r['tokens']} | {c['model_dim']} | {c['hidden']} | {c['experts']} | {c['k']} | "
+                     f"{r['busy_experts']} | {r['weight_bytes_busy'] / 2**20:.0f} | {r['read_gb_per_s']:.1f} | "
+                     f"{r['stream_bound_seconds'] * 1e3:.1f} | {_ms(v['fmoe'])} | {r['fmoe_vs_stream']:.2f} | "
+                     f"{_ms(v.get('tutel', {}))} | {_fmt(r.get('tutel_vs_stream'))} | "
+                     f"{_fmt(r.get('fmoe_time_vs_tutel'))} | {_mem(r['memory'].get('fmoe'))} | "
+                     f"{_mem(r['memory'].get('tutel'))} |")
+    return L
+
+
+def block_tables(bl: dict) -> list[str]:
+    if "skipped" in bl:
+        return [f"transformers: {bl['skipped']}"]
+    L = [f"transformers {bl['transformers']}; {bl['repeats']} repeats, medians; speed-up = transformers time / "
+         "fmoe (default) time; memory = MiB above the resting set / absolute VmHWM, own process each", "",
+         "| arch | phase | T | fmoe ms | fmoe_grouped ms | hf_eager ms | hf_grouped_mm ms | speed-up vs eager | "
+         "vs grouped_mm | dense GF/s | fmoe vs dense | stream bound ms | fmoe x bound | fmoe mem MiB | "
+         "hf_eager mem MiB | hf_grouped_mm mem MiB |",
+         "|" + "---|" * 16]
+    for a, r in bl["archs"].items():
+        for ph, p in r["phases"].items():
+            v, s, m = p["variants"], p["speedup_vs_hf"], p["memory"]
+            L.append(f"| {a} | {ph} | {p['tokens']} | {_ms(v['fmoe'])} | {_ms(v.get('fmoe_grouped', {}))} | "
+                     f"{_ms(v.get('hf_eager', {}))} | {_ms(v.get('hf_grouped_mm', {}))} | {_fmt(s.get('eager'))} | "
+                     f"{_fmt(s.get('grouped_mm'))} | {_fmt(p.get('dense_gflops'), '.0f')} | "
+                     f"{_fmt(p.get('fmoe_vs_dense'))} | "
+                     f"{_fmt(p['stream_bound_seconds'] * 1e3 if 'stream_bound_seconds' in p else None, '.1f')} | "
+                     f"{_fmt(p.get('fmoe_vs_stream'))} | {_mem(m.get('fmoe'))} | {_mem(m.get('hf_eager'))} | "
+                     f"{_mem(m.get('hf_grouped_mm'))} |")
+    return L
+
+
 def table(results: dict) -> str:
+    lines = []
+    s = results["suites"]
+    if "layer" in s:
+        lines += ["### MoELayer vs Tutel, dense roofline, stream bound (suite `layer`)", ""] + layer_tables(s["layer"])
+    if "blocks" in s:
+        lines += ["", "### Architecture blocks vs transformers (suite `blocks`)", ""] + block_tables(s["blocks"])
+    legacy = legacy_tables(results)
+    if legacy:
+        lines += ["", legacy]
+    if results["targets"]:
+        lines += ["", "### Targets", ""] + [f"- {t['line']}" for t in results["targets"]]
+    return "\n".join(lines)
+
+
+def legacy_tables(results: dict) -> str:
+    """Tables of the older suites (core, layouts, routing), run with --only SUITE."""
     core = results["suites"].get("core")
     lines = []
     if core:
@@ -108,67 +214,149 @@ def plots(results: dict, out_dir: str) -> list[str]:
         print("matplotlib not installed: no plots")
         return []
     paths = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, name))
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+
+    lay = results["suites"].get("layer")
+    if lay and lay["configs"]:
+        train = {n: r for n, r in lay["configs"].items() if r["config"]["train"]}
+        dec = {n: r for n, r in lay["configs"].items() if not r["config"]["train"]}
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        if train:
+            ax, names, w = axes[0], list(train), 0.2
+            for i, v in enumerate(("fmoe", "tutel", "dense_flat", "dense_batched")):
+                ax.bar([j + i * w for j in range(len(names))],
+                       [train[n]["variants"].get(v, {}).get("gflops") or 0 for n in names], w, label=v)
+            ax.set_xticks([j + 1.5 * w for j in range(len(names))], names, rotation=20)
+            ax.set_ylabel("useful GFLOP/s (median)")
+            ax.set_title("training step (fwd+bwd)")
+            ax.legend(fontsize=8)
+        if dec:
+            ax, names, w = axes[1], list(dec), 0.3
+            for i, v in enumerate(("fmoe", "tutel")):
+                ax.bar([j + i * w for j in range(len(names))],
+                       [dec[n].get(f"{v}_vs_stream") or 0 for n in names], w, label=v)
+            ax.axhline(1.0, color="k", ls="--", label="stream bound")
+            ax.axhline(1.2, color="r", ls=":", label="target 1.2x")
+            ax.set_xticks([j + 0.5 * w for j in range(len(names))], names)
+            ax.set_ylabel("time / weight-stream time")
+            ax.set_title("decode, no grad")
+            ax.legend(fontsize=8)
+        names = [n for n, r in lay["configs"].items() if "fmoe_time_vs_tutel" in r]
+        ax = axes[2]
+        ax.bar(names, [lay["configs"][n]["fmoe_time_vs_tutel"] for n in names], 0.4, label="time")
+        ax.bar([j + 0.4 for j in range(len(names))],
+               [lay["configs"][n].get("fmoe_mem_vs_tutel") or 0 for n in names], 0.4, label="peak memory")
+        ax.axhline(0.55, color="r", ls=":", label="time target 0.55")
+        ax.axhline(0.5, color="m", ls="--", label="memory target 0.5")
+        ax.set_ylabel("fmoe / Tutel")
+        ax.set_title("vs Tutel (same weights)")
+        ax.tick_params(axis="x", rotation=20)
+        ax.legend(fontsize=8)
+        save(fig, "layer.png")
+    bl = results["suites"].get("blocks")
+    if bl and bl.get("archs"):
+        rows = [(a, ph, p) for a, r in bl["archs"].items() for ph, p in r["phases"].items()]
+        fig, axes = plt.subplots(1, 2, figsize=(14, 4))
+        ax, w = axes[0], 0.4
+        for i, impl in enumerate(bench_blocks.HF_IMPLS):
+            ax.bar([j + i * w for j in range(len(rows))], [p["speedup_vs_hf"].get(impl, 0) for _, _, p in rows],
+                   w, label=f"vs hf {impl}")
+        ax.axhline(1.5, color="r", ls=":", label="target 1.5x (train/prefill)")
+        ax.axhline(1.0, color="k", ls="--")
+        ax.set_yscale("log")
+        ax.set_xticks([j + 0.5 * w for j in range(len(rows))], [f"{a}\n{ph}" for a, ph, _ in rows], fontsize=7)
+        ax.set_ylabel("transformers time / fmoe time")
+        ax.set_title("architecture blocks")
+        ax.legend(fontsize=8)
+        ax = axes[1]
+        mrows = [(a, ph, p) for a, ph, p in rows if p["memory"]]
+        w = 0.27
+        for i, v in enumerate(("fmoe", "hf_eager", "hf_grouped_mm")):
+            ax.bar([j + i * w for j in range(len(mrows))],
+                   [p["memory"].get(v, {}).get("above_rest_mib") or 0 for _, _, p in mrows], w, label=v)
+        ax.set_xticks([j + w for j in range(len(mrows))], [f"{a}\n{ph}" for a, ph, _ in mrows], fontsize=7)
+        ax.set_ylabel("peak MiB above resting set")
+        ax.set_title("peak memory, own process per variant")
+        ax.legend(fontsize=8)
+        save(fig, "blocks.png")
     core = results["suites"].get("core")
     if core and core["configs"]:
         names = list(core["configs"])
-        variants = ["reference", "numba", "numba+rows", "numba+exact", "transformers"]
         fig, ax = plt.subplots(figsize=(9, 4))
         width = 0.16
-        for i, v in enumerate(variants):
+        for i, v in enumerate(["reference", "numba", "numba+rows", "numba+exact", "transformers"]):
             vals = [core["configs"][n]["variants"].get(v, {}).get("useful_gflops", 0) for n in names]
             ax.bar([j + i * width for j in range(len(names))], vals, width, label=v)
         ax.axhline(core["dense_gemm"]["gflops"], color="k", ls="--", label="dense GEMM")
         ax.set_xticks([j + 2 * width for j in range(len(names))], names)
         ax.set_ylabel("useful GFLOP/s (median)")
-        ax.set_title("MoE layer step, float32")
+        ax.set_title("core suite: MoE layer step, float32")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "moe_layer.png"))
-        fig.savefig(paths[-1], dpi=100)
-        plt.close(fig)
-
-        fig, ax = plt.subplots(figsize=(9, 4))
-        for i, (b, d) in enumerate((("reference", "fwd"), ("reference", "bwd"), ("numba", "fwd"), ("numba", "bwd"))):
-            vals = [core["configs"][n]["dispatch_combine"]["backends"][b][f"{d}_vs_bound"] for n in names]
-            ax.bar([j + i * width for j in range(len(names))], vals, width, label=f"{b} {d}")
-        ax.axhline(1.0, color="k", ls="--", label="bandwidth bound")
-        ax.set_yscale("log")
-        ax.set_xticks([j + 1.5 * width for j in range(len(names))], names)
-        ax.set_ylabel("time / (bytes / copy bandwidth)")
-        ax.set_title("dispatch + combine")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(os.path.join(out_dir, "dispatch_combine.png"))
-        fig.savefig(paths[-1], dpi=100)
-        plt.close(fig)
+        save(fig, "moe_layer.png")
     return paths
+
+
+def select(only):
+    """The suites to run and the ``only`` each gets (None = all of its configs)."""
+    if only is None:
+        return {n: (m, None) for n, m in DEFAULT_SUITES.items()}
+    if only in DEFAULT_SUITES:
+        return {only: (DEFAULT_SUITES[only], None)}
+    if only in EXTRA_SUITES:
+        return {only: (EXTRA_SUITES[only], only)}
+    if only in bench_layer.BY_NAME:
+        return {"layer": (bench_layer, only)}
+    if only in bench_blocks.ARCHS:
+        return {"blocks": (bench_blocks, only)}
+    known = (list(DEFAULT_SUITES) + list(EXTRA_SUITES) + list(bench_layer.BY_NAME) + list(bench_blocks.ARCHS))
+    raise SystemExit(f"--only {only!r}: not a suite, layer config or arch; known: {', '.join(known)}")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer tokens and repeats (< 2 minutes)")
-    p.add_argument("--only", default=None, help="a suite (core, layouts, routing) or a config name")
+    p.add_argument("--quick", action="store_true", help="small shapes, 2 repeats, a subset (< 60 s): a smoke run")
+    p.add_argument("--only", default=None, help="a suite (layer, blocks, core, layouts, routing), a layer config "
+                   "or an arch")
     p.add_argument("--out", default=os.path.join("benchmarks", "out"), help="output directory")
+    p.add_argument("--no-memory", action="store_true", help="skip the per-variant peak-memory subprocesses")
     args = p.parse_args(argv)
+    chosen = select(args.only)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    results = {"machine": machine(), "command": " ".join(["python -m benchmarks.run", *sys.argv[1:]]),
-               "quick": args.quick, "targets": TARGETS, "suites": {}}
-    config_names = {c.name for c in bench_core.CONFIGS}
-    for name, suite in SUITES.items():
-        if args.only and args.only != name and not (name in ("core", "routing") and args.only in config_names):
-            continue
+    results = {"machine": machine(), "command": " ".join(["python -m benchmarks.run", *(argv if argv is not None
+                                                                                      else sys.argv[1:])]),
+               "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "quick": args.quick,
+               "memory": not args.no_memory, "target_definitions": TARGETS, "suites": {}, "targets": []}
+    for name, (suite, only) in chosen.items():
         print(f"[{name}]", flush=True)
-        results["suites"][name] = suite.run(args.quick, args.only, lambda s: print(s, flush=True))
+        kw = {"memory": not args.no_memory} if name in DEFAULT_SUITES else {}
+        results["suites"][name] = suite.run(args.quick, only, lambda s: print(s, flush=True), **kw)
+        results["targets"] += results["suites"][name].get("targets", []) if name in DEFAULT_SUITES else []
     results["machine"]["threading_layer"] = _numba.threading_layer()
+    try:
+        results["machine"]["loadavg_end"] = os.getloadavg()
+    except OSError:
+        pass
     results["seconds"] = time.time() - t0
     path = os.path.join(args.out, "results.json")
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
+    bench_common.write_json(path, results)
+    text = table(results)
+    md = os.path.join(args.out, "results.md")
+    tmp = md + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(f"Command: `{results['command']}` ({results['date_utc']}, {results['seconds']:.0f} s)\n\n{text}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, md)
     print()
-    print(table(results))
+    print(text)
     print()
-    print(f"wrote {path} and {', '.join(plots(results, args.out)) or 'no plots'} in {results['seconds']:.0f} s")
+    print(f"wrote {path}, {md} and {', '.join(plots(results, args.out)) or 'no plots'} in {results['seconds']:.0f} s")
     return 0
 
 

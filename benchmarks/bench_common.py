@@ -1,0 +1,227 @@
+"""Shared measurement pieces of the issue-11 suites (``layer``, ``blocks``).
+
+* :func:`round_robin` times several step functions one step each per repeat (a shared
+  2-core machine has load bursts; interleaving makes them hit every variant alike).
+* :func:`dense_ffn_rates` times the roofline of an expert FFN: the 9 float32 GEMMs of a
+  SwiGLU FFN forward + backward (3 forward, 6 backward) on the same [rows, M] x [M, H]
+  shapes, once as one flat matrix and once batched per expert; no routing, no activation.
+* :func:`read_bandwidth` measures how fast the weight tensors themselves stream (a sum
+  reads each byte once), giving the decode bound "busy experts' weights read once".
+* :func:`isolated_peak` runs one training step in a fresh subprocess
+  (``python -m benchmarks.bench_common CASE_JSON``): warm-up step, free grads, gc,
+  ``malloc_trim(0)`` so RSS is the live set, reset VmHWM (write "5" to
+  /proc/self/clear_refs), one step, read VmHWM. Each variant runs alone, so one variant's
+  freed-but-resident pages never count for another.
+* :func:`write_json` writes atomically (temp file in the same folder, fsync, os.replace).
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Optional
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIB = 2 ** 20
+
+
+# --------------------------------------------------------------------------- timing
+
+def round_robin(steps: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Per-step wall times (s) of each step function, interleaved one step each per repeat."""
+    for _ in range(warmup):
+        for fn in steps.values():
+            fn()
+    times = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def summarize(times: list[float]) -> dict:
+    return {"seconds": statistics.median(times), "all_seconds": times}
+
+
+def geomean(xs) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+# --------------------------------------------------------------------------- rooflines
+
+def dense_ffn_steps(rows: int, model_dim: int, hidden: int, experts: int) -> tuple[dict, dict]:
+    """Step functions (and their FLOPs) for the dense GEMMs of a SwiGLU FFN fwd+bwd.
+
+    ``flat``: one [rows, M] matrix through [M, H], [M, H], [H, M] (the best case: one big GEMM);
+    ``batched``: the same rows split evenly over ``experts`` ([E, ceil(rows/E), M], torch.bmm),
+    i.e. the per-expert shapes with perfect balance. Each step runs the 3 forward and 6 backward
+    GEMMs explicitly (no autograd, no activation), so it is the GEMM roofline only.
+    """
+    g = torch.Generator().manual_seed(7)
+    M, H = model_dim, hidden
+    steps, flops = {}, {}
+
+    def make(a, w1, w2, w3, h, gy, gh, mm, t):
+        def step():
+            mm(a, w1), mm(a, w2), mm(h, w3)                         # forward
+            mm(gy, t(w3)), mm(t(h), gy)                             # down: dX, dW
+            mm(gh, t(w1)), mm(t(a), gh), mm(gh, t(w2)), mm(t(a), gh)  # gate, up: dX, dW
+        return step
+
+    r = max(rows, 1)
+    a, h = torch.randn(r, M, generator=g), torch.randn(r, H, generator=g)
+    gy, gh = torch.randn(r, M, generator=g), torch.randn(r, H, generator=g)
+    w1, w2, w3 = torch.randn(M, H, generator=g), torch.randn(M, H, generator=g), torch.randn(H, M, generator=g)
+    steps["dense_flat"] = make(a, w1, w2, w3, h, gy, gh, torch.mm, lambda t: t.t())
+    flops["dense_flat"] = 3 * r * 6 * M * H
+    c = max(1, -(-rows // experts))
+    ab, hb = torch.randn(experts, c, M, generator=g), torch.randn(experts, c, H, generator=g)
+    gyb, ghb = torch.randn(experts, c, M, generator=g), torch.randn(experts, c, H, generator=g)
+    w1b, w2b = torch.randn(experts, M, H, generator=g), torch.randn(experts, M, H, generator=g)
+    w3b = torch.randn(experts, H, M, generator=g)
+    steps["dense_batched"] = make(ab, w1b, w2b, w3b, hb, gyb, ghb, torch.bmm, lambda t: t.transpose(1, 2))
+    flops["dense_batched"] = 3 * experts * c * 6 * M * H
+    return steps, flops
+
+
+def read_bandwidth(tensors: list[torch.Tensor], repeats: int) -> dict:
+    """Bytes per second at which ``tensors`` stream through a reduction (each byte read once)."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+    def step():
+        for t in tensors:
+            t.sum()
+
+    ts = round_robin({"read": step}, repeats)["read"]
+    best = min(ts)
+    return {"bytes": nbytes, "seconds_best": best, "seconds_median": statistics.median(ts),
+            "gb_per_s": nbytes / best / 1e9}
+
+
+# --------------------------------------------------------------------------- memory
+
+def _status(key: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _trim() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def measure_peak(step: Callable[[], object], reset: Callable[[], None], warmup: int = 1) -> dict:
+    """Peak RSS of one ``step()`` after ``warmup`` steps, in this process (bytes).
+
+    ``reset()`` drops what a training loop drops between steps (gradients). Returns rest
+    (VmRSS just before the step: params, inputs, libraries), peak (VmHWM during it) and
+    peak - rest; ``ok`` is False where /proc/self/clear_refs cannot be written.
+    """
+    for _ in range(warmup):
+        step()
+        reset()
+    _trim()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := current RSS
+        ok = True
+    except OSError:
+        ok = False
+    rest = _status("VmRSS")
+    t0 = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - t0
+    peak = _status("VmHWM")
+    return {"ok": ok and rest is not None and peak is not None, "rest_bytes": rest, "peak_bytes": peak,
+            "above_rest_bytes": (peak - rest) if ok and rest is not None and peak is not None else None,
+            "step_seconds": seconds}
+
+
+def isolated_peak(module: str, case: dict, timeout: float = 300) -> dict:
+    """Run ``module.memory_case(case)`` -> (step, reset) in a fresh Python process; its peak RSS.
+
+    Returns :func:`measure_peak`'s dict (plus MiB figures), or {"error": ...} when the child
+    failed or timed out (the caller reports it; a benchmark never crashes on one variant).
+    """
+    cmd = [sys.executable, "-m", "benchmarks.bench_common", json.dumps({"module": module, "case": case})]
+    try:
+        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for line in p.stdout.splitlines()[::-1]:
+        if line.startswith("PEAK "):
+            r = json.loads(line[5:])
+            for k in ("rest", "peak", "above_rest"):
+                v = r.get(f"{k}_bytes")
+                r[f"{k}_mib"] = None if v is None else v / MIB
+            return r
+    tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+    return {"error": f"child exited {p.returncode}: {' | '.join(tail)}"}
+
+
+# --------------------------------------------------------------------------- output
+
+def write_json(path: str, obj) -> None:
+    """Write JSON atomically: a temp file in the same folder, fsync, then os.replace."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def status(name: str, measured: Optional[float], threshold: float, higher_is_better: bool, detail: str,
+           why_missing: str = "") -> dict:
+    """One target's status line: met / missed with the measured ratio, or not measured."""
+    if measured is None:
+        state = "not measured"
+    elif (measured >= threshold) if higher_is_better else (measured <= threshold):
+        state = "met"
+    else:
+        state = "missed"
+    op = ">=" if higher_is_better else "<="
+    return {"target": name, "status": state, "measured": measured, "threshold": threshold,
+            "line": f"{name}: {state} ({'-' if measured is None else format(measured, '.2f')} vs {op} "
+                    f"{threshold:g}; {detail})" + (f" {why_missing}" if state == "missed" and why_missing else "")}
+
+
+def _child(arg: str) -> int:
+    spec = json.loads(arg)
+    mod = importlib.import_module(spec["module"])
+    step, reset = mod.memory_case(spec["case"])
+    print("PEAK " + json.dumps(measure_peak(step, reset)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1]))

@@ -1,0 +1,281 @@
+"""Issue-11 layer suite: ``fmoe.nn.MoELayer`` (default settings) vs Tutel's layer on the same
+weights, vs the dense-GEMM roofline (training) and the weight-stream bound (decode), with the
+peak memory of each variant measured in its own process.
+
+Per config, timed round-robin one step each per repeat (medians):
+
+    fmoe           MoELayer(gate_type={'type': 'top', k, capacity_factor}, experts gated_ffn,
+                   no biases) -- defaults otherwise; training = forward + backward of
+                   y.square().mean() with x.requires_grad (dx is computed, as inside a network);
+                   decode = eval() forward under no_grad
+    tutel          tutel.moe.moe_layer with experts 'llama_ffn' (the same SwiGLU math), its
+                   state dict loaded from the fmoe layer's (same names, same weights; the
+                   outputs are compared once); column skipped with the reason when
+                   ``import tutel`` fails
+    dense_flat     training only: the 9 GEMMs of a SwiGLU FFN fwd+bwd on one [kept, M] matrix
+    dense_batched  training only: the same on [E, ceil(kept/E), M] (per-expert shapes, balanced)
+    weights_read   decode only: one read (a sum) of all experts' weights; the stream bound is
+                   busy experts' bytes / the bandwidth this step achieves
+
+Useful GFLOP/s counts the expert GEMMs on kept (routed, non-dropped) rows only: kept x 6·M·H
+(x3 for training). "vs dense" divides it by the faster dense rate of the same run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional
+
+import torch
+
+import fmoe.nn
+
+from . import bench_common as bc
+
+MODULE = "benchmarks.bench_layer"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerConfig:
+    name: str
+    tokens: int
+    model_dim: int
+    hidden: int
+    experts: int
+    k: int
+    cf: float          # > 0 padded capacity factor, 0 dropless (Tutel's meaning too)
+    train: bool
+    quick_tokens: Optional[int] = None
+
+    def flop_per_row(self) -> int:
+        return 3 * 2 * self.model_dim * self.hidden
+
+
+CONFIGS = [
+    LayerConfig("coarse", 2048, 512, 1024, 8, 2, 1.25, True, quick_tokens=256),
+    LayerConfig("fine_cf125", 4096, 768, 384, 32, 4, 1.25, True, quick_tokens=512),
+    LayerConfig("fine_cf2", 4096, 768, 384, 32, 4, 2.0, True, quick_tokens=512),
+    LayerConfig("dropless", 4096, 768, 384, 32, 4, 0.0, True, quick_tokens=512),
+    LayerConfig("fine_e64k8", 2048, 768, 256, 64, 8, 1.25, True, quick_tokens=256),
+    LayerConfig("decode_16", 16, 1024, 512, 64, 6, 0.0, False),
+    LayerConfig("decode_64", 64, 1024, 512, 64, 6, 0.0, False),
+]
+# "smoke" is not in the full run: a seconds-long config for tests/test_benchmarks.py
+SMOKE = LayerConfig("smoke", 256, 128, 64, 8, 2, 1.25, True)
+BY_NAME = {c.name: c for c in CONFIGS + [SMOKE]}
+QUICK = ("fine_cf125",)      # what --quick runs when no --only is given
+TUTEL_GEOMEAN = ("coarse", "fine_cf125", "fine_cf2", "decode_16")   # issue 11, target 3
+MEMORY_VS_TUTEL = ("fine_cf125", "dropless")                       # issue 11, target 5
+
+
+def tutel_status() -> Optional[str]:
+    """None when Tutel's layer imports, else why not (the column is skipped)."""
+    try:
+        from tutel import moe as _  # noqa: F401
+    except Exception as exc:
+        return f"not installed ({type(exc).__name__}: {exc})"
+    return None
+
+
+def build(c: LayerConfig, tokens: int, variant: str):
+    """(layer, x) for one variant; the fmoe layer's weights are drawn from seed 0, Tutel gets a copy."""
+    layer = fmoe.nn.MoELayer({"type": "top", "k": c.k, "capacity_factor": c.cf}, c.model_dim,
+                             experts={"type": "gated_ffn", "num_experts_per_device": c.experts,
+                                      "hidden_size_per_expert": c.hidden, "has_fc1_bias": False,
+                                      "has_fc2_bias": False},
+                             generator=torch.Generator().manual_seed(0))
+    if variant == "tutel":
+        from tutel import moe as tutel_moe
+        t = tutel_moe.moe_layer(gate_type={"type": "top", "k": c.k, "capacity_factor": c.cf, "fp32_gate": True},
+                                model_dim=c.model_dim,
+                                experts={"type": "llama_ffn", "num_experts_per_device": c.experts,
+                                         "hidden_size_per_expert": c.hidden})
+        t.load_state_dict(layer.state_dict())
+        layer = t
+    elif variant != "fmoe":
+        raise ValueError(f"unknown layer variant {variant!r}")
+    x = torch.randn(tokens, c.model_dim, generator=torch.Generator().manual_seed(1))
+    if c.train:
+        x.requires_grad_(True)
+        layer.train()
+    else:
+        layer.eval()
+    return layer, x
+
+
+def step_fns(layer, x, train: bool) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(step, reset): a training step leaves fresh grads each time, as zero_grad(set_to_none) does."""
+    params = [p for p in layer.parameters()]
+
+    def reset():
+        for p in params:
+            p.grad = None
+        x.grad = None
+
+    if train:
+        def step():
+            reset()
+            layer(x).square().mean().backward()
+    else:
+        def step():
+            with torch.no_grad():
+                layer(x)
+    return step, reset
+
+
+def memory_case(case: dict):
+    """Entry point of the memory subprocess (bench_common.isolated_peak)."""
+    c = BY_NAME[case["config"]]
+    layer, x = build(c, case["tokens"], case["variant"])
+    return step_fns(layer, x, c.train)
+
+
+def bench_config(c: LayerConfig, tokens: int, repeats: int, memory: bool, log: Callable[[str], None]) -> dict:
+    fm, x = build(c, tokens, "fmoe")
+    with torch.no_grad():
+        _, aux = fm(x, return_aux=True)
+    routing = aux.routing
+    kept_per_expert = torch.minimum(routing.counts, torch.tensor(routing.capacity))
+    kept = int(kept_per_expert.sum())
+    busy = int((kept_per_expert > 0).sum())
+    passes = 3 if c.train else 1
+    useful = kept * c.flop_per_row() * passes
+    res = {"config": dataclasses.asdict(c), "tokens": tokens, "capacity": routing.capacity, "kept_pairs": kept,
+           "dropped_pairs": tokens * c.k - kept, "busy_experts": busy, "useful_gflop": useful / 1e9,
+           "variants": {}, "memory": {}}
+    steps, flops = {}, {}
+    steps["fmoe"], _ = step_fns(fm, x, c.train)
+    flops["fmoe"] = useful
+    why = tutel_status()
+    if why is None:
+        tl, _ = build(c, tokens, "tutel")
+        with torch.no_grad():
+            fm.eval(), tl.eval()
+            diff = (fm(x) - tl(x)).abs().max().item()
+            if c.train:
+                fm.train(), tl.train()
+        res["tutel_max_abs_diff"] = diff
+        steps["tutel"], _ = step_fns(tl, x, c.train)
+        flops["tutel"] = useful
+    else:
+        res["variants"]["tutel"] = {"skipped": why}
+        log(f"  {c.name} tutel: skipped: {why}")
+    if c.train:
+        dsteps, dflops = bc.dense_ffn_steps(kept, c.model_dim, c.hidden, c.experts)
+        steps.update(dsteps)
+        flops.update(dflops)
+    else:
+        ex = fm.experts.params()
+        weights = [ex["gate_w"], ex["up_w"], ex["down_w"]]
+        steps["weights_read"] = lambda: [w.sum() for w in weights]
+        all_bytes = sum(w.numel() * w.element_size() for w in weights)
+        res["weight_bytes_all"] = all_bytes
+        res["weight_bytes_busy"] = all_bytes * busy // c.experts
+    times = bc.round_robin(steps, repeats)
+    for name, ts in times.items():
+        m = bc.summarize(ts)
+        if name in flops:
+            m["gflops"] = flops[name] / m["seconds"] / 1e9
+        res["variants"][name] = m
+    v = res["variants"]
+    t_f = v["fmoe"]["seconds"]
+    if c.train:
+        dense_rate = max(v["dense_flat"]["gflops"], v["dense_batched"]["gflops"])
+        res["dense_gflops"] = dense_rate
+        res["fmoe_vs_dense"] = v["fmoe"]["gflops"] / dense_rate
+        if "seconds" in v.get("tutel", {}):
+            res["tutel_vs_dense"] = v["tutel"]["gflops"] / dense_rate
+    else:
+        bw = res["weight_bytes_all"] / v["weights_read"]["seconds"]
+        res["read_gb_per_s"] = bw / 1e9
+        res["stream_bound_seconds"] = res["weight_bytes_busy"] / bw
+        res["fmoe_vs_stream"] = t_f / res["stream_bound_seconds"]
+        if "seconds" in v.get("tutel", {}):
+            res["tutel_vs_stream"] = v["tutel"]["seconds"] / res["stream_bound_seconds"]
+    if "seconds" in v.get("tutel", {}):
+        res["fmoe_time_vs_tutel"] = t_f / v["tutel"]["seconds"]
+    del fm, steps
+    if memory:
+        for variant in ("fmoe", "tutel"):
+            if variant == "tutel" and why is not None:
+                res["memory"][variant] = {"skipped": why}
+                continue
+            res["memory"][variant] = bc.isolated_peak(MODULE, {"config": c.name, "tokens": tokens,
+                                                               "variant": variant})
+        mf, mt = res["memory"]["fmoe"], res["memory"].get("tutel", {})
+        if mf.get("above_rest_bytes") is not None and mt.get("above_rest_bytes"):
+            res["fmoe_mem_vs_tutel"] = mf["above_rest_bytes"] / mt["above_rest_bytes"]
+    log("  " + line(c.name, res))
+    return res
+
+
+def line(name: str, r: dict) -> str:
+    v = r["variants"]
+    parts = [f"{name}:"]
+    for k, m in v.items():
+        if "seconds" in m:
+            parts.append(f"{k} {m['seconds'] * 1e3:.1f} ms" + (f" ({m['gflops']:.0f} GF/s)" if "gflops" in m else ""))
+    for k in ("fmoe_vs_dense", "fmoe_vs_stream", "fmoe_time_vs_tutel", "fmoe_mem_vs_tutel"):
+        if k in r:
+            parts.append(f"{k} {r[k]:.2f}")
+    for k, m in r["memory"].items():
+        if m.get("above_rest_mib") is not None:
+            parts.append(f"{k} +{m['above_rest_mib']:.0f} MiB")
+        elif "error" in m:
+            parts.append(f"{k} mem error: {m['error']}")
+    return ", ".join(parts)
+
+
+def targets(res: dict) -> list[dict]:
+    """Issue-11 targets 1, 2, 3, 5 (layer part) from this suite's results."""
+    out = []
+    cf = res["configs"]
+    train = {n: r["fmoe_vs_dense"] for n, r in cf.items() if "fmoe_vs_dense" in r}
+    if train:
+        worst = min(train, key=train.get)
+        out.append(bc.status("T1 layer training >= 0.90 of dense", train[worst], 0.90, True,
+                             "worst " + worst + "; " + ", ".join(f"{n} {v:.2f}" for n, v in train.items())))
+    dec = {n: r["fmoe_vs_stream"] for n, r in cf.items() if "fmoe_vs_stream" in r}
+    if dec:
+        worst = max(dec, key=dec.get)
+        out.append(bc.status("T2 layer decode <= 1.2x weight stream", dec[worst], 1.2, False,
+                             "worst " + worst + "; " + ", ".join(f"{n} {v:.2f}x" for n, v in dec.items())))
+    tut = {n: cf[n]["fmoe_time_vs_tutel"] for n in TUTEL_GEOMEAN if n in cf and "fmoe_time_vs_tutel" in cf[n]}
+    if tut:
+        detail = ", ".join(f"{n} {v:.2f}" for n, v in tut.items())
+        if len(tut) < len(TUTEL_GEOMEAN):
+            detail += f" (only {len(tut)} of {len(TUTEL_GEOMEAN)} configs run)"
+    else:
+        detail = tutel_status() or f"none of {', '.join(TUTEL_GEOMEAN)} run"
+    out.append(bc.status("T3 time vs Tutel geo-mean <= 0.55", bc.geomean(tut.values()), 0.55, False, detail))
+    every = {n: r["fmoe_time_vs_tutel"] for n, r in cf.items() if "fmoe_time_vs_tutel" in r}
+    if every:
+        worst = max(every, key=every.get)
+        out.append(bc.status("T3 no config slower than Tutel", every[worst], 1.0, False,
+                             "worst " + worst + "; " + ", ".join(f"{n} {v:.2f}" for n, v in every.items())))
+    mem = {n: cf[n]["fmoe_mem_vs_tutel"] for n in MEMORY_VS_TUTEL if n in cf and "fmoe_mem_vs_tutel" in cf[n]}
+    if mem:
+        worst = max(mem, key=mem.get)
+        out.append(bc.status("T5 layer training peak memory <= 0.5x Tutel", mem[worst], 0.5, False,
+                             "peak above rest; " + ", ".join(f"{n} {v:.2f}" for n, v in mem.items())))
+    return out
+
+
+def run(quick: bool, only: Optional[str], log: Callable[[str], None] = print, memory: bool = True) -> dict:
+    """Run the layer suite; returns a JSON-able dict (configs, targets)."""
+    repeats = 2 if quick else 5
+    names = [only] if only in BY_NAME else (list(QUICK) if quick else [c.name for c in CONFIGS])
+    try:
+        from fmoe.ops import numba_cpu
+        numba_cpu.warmup()
+        warm = None
+    except Exception as exc:  # kernels then compile on the warm-up step instead
+        warm = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        log(f"  numba warmup failed ({warm}); kernels compile on first use")
+    out = {"tutel": tutel_status() or "installed", "numba_warmup_error": warm, "repeats": repeats, "configs": {}}
+    for name in names:
+        c = BY_NAME[name]
+        tokens = c.quick_tokens if quick and c.quick_tokens else c.tokens
+        out["configs"][name] = bench_config(c, tokens, repeats, memory, log)
+    out["targets"] = targets(out)
+    return out

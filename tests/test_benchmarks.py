@@ -1,0 +1,117 @@
+"""The benchmark harness runs end to end and writes what BENCHMARKS.md is built from.
+
+Structure and the measurement helpers' arithmetic only: speed is never asserted (the machine
+is shared), but the Tutel peer must compute the same function as fmoe on the copied weights.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks import bench_blocks, bench_common, bench_layer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STATES = {"met", "missed", "not measured"}
+
+
+def test_run_quick_smoke_writes_json_tables_and_plots(tmp_path):
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--only", "smoke", "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["quick"] is True and res["memory"] is True
+    assert list(res["suites"]) == ["layer"]
+    r = res["suites"]["layer"]["configs"]["smoke"]
+    assert r["tokens"] == 256 and r["kept_pairs"] + r["dropped_pairs"] == 256 * 2
+    for v in ("fmoe", "dense_flat", "dense_batched"):
+        m = r["variants"][v]
+        assert len(m["all_seconds"]) == 2 and m["seconds"] == sorted(m["all_seconds"])[0] + (
+            sorted(m["all_seconds"])[1] - sorted(m["all_seconds"])[0]) / 2
+        assert m["gflops"] > 0
+    assert r["fmoe_vs_dense"] == pytest.approx(
+        r["variants"]["fmoe"]["gflops"] / max(r["variants"]["dense_flat"]["gflops"],
+                                              r["variants"]["dense_batched"]["gflops"]))
+    mem = r["memory"]["fmoe"]
+    assert mem["ok"] is True, mem
+    assert mem["peak_bytes"] >= mem["rest_bytes"] > 0 and mem["above_rest_bytes"] == mem["peak_bytes"] - mem["rest_bytes"]
+    if bench_layer.tutel_status() is None:
+        assert r["tutel_max_abs_diff"] < 1e-6  # same weights, same routing: the same function
+        assert "seconds" in r["variants"]["tutel"] and r["memory"]["tutel"]["ok"] is True
+        assert r["fmoe_time_vs_tutel"] == pytest.approx(r["variants"]["fmoe"]["seconds"]
+                                                        / r["variants"]["tutel"]["seconds"])
+    else:
+        assert "not installed" in r["variants"]["tutel"]["skipped"]
+    names = [t["target"] for t in res["targets"]]
+    assert "T1 layer training >= 0.90 of dense" in names and "T3 time vs Tutel geo-mean <= 0.55" in names
+    assert all(t["status"] in STATES and t["line"].startswith(t["target"]) for t in res["targets"])
+    md = (out / "results.md").read_text()
+    assert "| smoke | 256 | 128 | 64 | 8 | 2 | 1.25 |" in md and "### Targets" in md
+    pytest.importorskip("matplotlib")
+    assert (out / "layer.png").stat().st_size > 1000
+    assert not [f for f in os.listdir(out) if f.startswith(".tmp-")]
+
+
+def test_only_rejects_unknown_names():
+    p = subprocess.run([sys.executable, "-m", "benchmarks.run", "--only", "nope"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "--only 'nope': not a suite, layer config or arch" in p.stderr
+
+
+def test_tutel_missing_is_reported_not_raised(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tutel", None)  # import tutel -> ImportError
+    assert bench_layer.tutel_status() == ("not installed (ModuleNotFoundError: import of tutel halted; "
+                                          "None in sys.modules)")
+
+
+def test_status_lines():
+    s = bench_common.status("X", 0.5, 0.55, False, "d")
+    assert s["status"] == "met" and s["line"] == "X: met (0.50 vs <= 0.55; d)"
+    s = bench_common.status("X", 0.8, 0.9, True, "d", "bound by Y")
+    assert s["status"] == "missed" and s["line"] == "X: missed (0.80 vs >= 0.9; d) bound by Y"
+    assert bench_common.status("X", None, 1.0, True, "d")["status"] == "not measured"
+    assert bench_common.geomean([0.25, 1.0]) == pytest.approx(0.5)
+    assert bench_common.geomean([None]) is None
+
+
+def test_dense_ffn_flops_match_the_gemms():
+    steps, flops = bench_common.dense_ffn_steps(rows=10, model_dim=6, hidden=4, experts=3)
+    assert flops["dense_flat"] == 3 * 10 * 6 * 6 * 4
+    assert flops["dense_batched"] == 3 * 3 * 4 * 6 * 6 * 4  # ceil(10 / 3) = 4 rows per expert
+    for name, mm in (("dense_flat", torch.mm), ("dense_batched", torch.bmm)):
+        calls = []
+
+        class Count(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func is mm:
+                    a, b = args
+                    calls.append(2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if a.dim() == 3 else 1))
+                return func(*args, **(kwargs or {}))
+
+        with Count():
+            steps[name]()
+        assert len(calls) == 9 and sum(calls) == flops[name]
+
+
+def test_write_json_is_atomic(tmp_path):
+    path = tmp_path / "sub" / "r.json"
+    bench_common.write_json(str(path), {"a": [1, 2]})
+    bench_common.write_json(str(path), {"a": 3})
+    assert json.loads(path.read_text()) == {"a": 3} and os.listdir(path.parent) == ["r.json"]
+    with pytest.raises(TypeError):
+        bench_common.write_json(str(path), {"a": object()})
+    assert json.loads(path.read_text()) == {"a": 3} and os.listdir(path.parent) == ["r.json"]
+
+
+def test_block_flop_and_byte_accounting():
+    params = {"router": {"weight": torch.zeros(4, 8)},
+              "experts": {"gate_up": torch.zeros(4, 6, 8), "down": torch.zeros(4, 8, 3), "bias": torch.zeros(4, 6)},
+              "shared": {"w": torch.zeros(5, 8)}}
+    per_expert, always, row_flop, shared_flop = bench_blocks._expert_bytes_and_flops(params, 4)
+    assert per_expert == (48 + 24 + 6) * 4 and always == (32 + 40) * 4
+    assert row_flop == 2 * (48 + 24) and shared_flop == 2 * 40
+    assert math.isclose(bench_common.MIB, 1 << 20)
