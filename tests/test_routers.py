@@ -1,7 +1,11 @@
 """fmoe.routers and fmoe.losses against slow per-token loops written here from the specs
 (routing.md §3-§10, architectures.md §2-§8) and from hand formulas."""
 import dataclasses
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -773,3 +777,48 @@ def test_cosine_router_matches_tutel_golden(bp):
     torch.testing.assert_close(r.weights[1], 1 - g0, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(losses.router_loss("gshard", out, r, k=2), torch.tensor(TUTEL_COSINE["l_aux"]),
                                rtol=1e-6, atol=0)
+
+
+# --------------------------------------------------------------------------- two ranks (torchrun, gloo)
+
+_TWO_RANKS = r'''
+import json, torch
+from fmoe import losses
+from fmoe.comm import from_env
+from fmoe.routers import GateSpec, route
+comm = from_env("torch", timeout=60)
+x_all = torch.randn(20, 6, generator=torch.Generator().manual_seed(0))
+x = x_all[:12] if comm.rank == 0 else x_all[12:]              # unequal local batches
+p = {"wg": torch.randn(4, 6, generator=torch.Generator().manual_seed(1))}
+r, out = route(p, x, GateSpec(k=2, capacity_factor=0.0), num_experts=4, comm=comm)
+ga = losses.router_loss("global_aux", out, r, k=2, comm=comm)
+r2, o2 = route(p, x, GateSpec(type="expert_choice", k=1, capacity_factor=1.0), num_experts=4, comm=comm)
+print("RESULT " + json.dumps({"rank": comm.rank, "ga": float(ga), "cap": r.capacity, "ec_C": o2.capacity,
+                              "ec_cap": r2.capacity}), flush=True)
+comm.close()
+'''
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
+                    reason="torchrun not found")
+def test_global_aux_and_capacities_agree_over_two_ranks(tmp_path):
+    script = tmp_path / "two_ranks.py"
+    script.write_text(_TWO_RANKS)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", str(script)], capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    got = {d["rank"]: d for d in (json.loads(line[7:]) for line in proc.stdout.splitlines()
+                                  if line.startswith("RESULT "))}
+    assert sorted(got) == [0, 1]
+    # One process: the global fractions come from both ranks' counts, P from each rank's own tokens.
+    x_all = torch.randn(20, 6, generator=torch.Generator().manual_seed(0))
+    p = {"wg": torch.randn(4, 6, generator=torch.Generator().manual_seed(1))}
+    parts = [route(p, xs, GateSpec(k=2, capacity_factor=0.0), num_experts=4) for xs in (x_all[:12], x_all[12:])]
+    counts = parts[0][0].counts + parts[1][0].counts
+    for rank, (r, out) in enumerate(parts):
+        want = 4 * sum(counts[e].item() / (2 * 20) * out.scores[:, e].mean().item() for e in range(4))
+        assert got[rank]["ga"] == pytest.approx(want, rel=1e-6)
+        assert got[rank]["cap"] == max(int(parts[0][0].counts.max()), int(parts[1][0].counts.max()))
+    # Expert choice: C from each rank's own T (ceil(12/4) = 3, ceil(8/4) = 2); buffers agree on the max.
+    assert (got[0]["ec_C"], got[1]["ec_C"]) == (3, 2) and got[0]["ec_cap"] == got[1]["ec_cap"] == 3
