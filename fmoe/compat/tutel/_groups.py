@@ -20,10 +20,16 @@ import sys
 
 from ...comm import LocalComm
 
-__all__ = ["comm_of", "set_world", "world_size_of", "close_all"]
+__all__ = ["comm_of", "set_world", "world_size_of", "close_all", "SESSION", "session_local_size"]
 
 _BY_GROUP: dict = {}
 _WORLD: list = []  # the MPI world communicator, when the session runs over MPI
+SESSION: list = []  # Tutel's one session record per process (system.init_data_model_parallel)
+
+
+def session_local_size() -> int:
+    """Ranks per node of the current session (for 2DH); 1 without a session."""
+    return SESSION[0].local_size if SESSION else 1
 
 
 def _dist():

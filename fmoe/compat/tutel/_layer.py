@@ -33,7 +33,7 @@ from ...ops import combine, dispatch
 from ...comm import all_to_all
 from ...routing import top_k_routing
 from ... import losses as _losses
-from ._groups import comm_of
+from ._groups import comm_of, session_local_size
 
 __all__ = ["moe_layer", "MOELayer"]
 
@@ -387,8 +387,9 @@ class MOELayer(nn.Module):
         from ...parallel import ParallelSpec
         local = None
         if self.use_2dh:
-            from .system import get_local_session
-            local = get_local_session().local_size
+            # Ranks per node come from the session (torchrun's LOCAL_WORLD_SIZE); 1 or W is the flat path.
+            local = session_local_size()
+            local = local if 1 < local < self.world_size else None
         return ParallelSpec(mode=f"adaptive:{self.adaptive_degree}", overlap_degree=d, local_size=local)
 
     def _custom_route(self, gate, x: Tensor, k: int, cf: float, alignment: int):

@@ -24,7 +24,7 @@ from torch import Tensor
 from ...comm import all_gather as _all_gather
 from ...comm import all_to_all as _all_to_all
 from ...comm import reduce_scatter as _reduce_scatter
-from ._groups import comm_of, set_world
+from ._groups import comm_of, session_local_size, set_world
 
 __all__ = ["get_world_size", "get_world_rank", "barrier", "create_groups_from_world", "simple_broadcast",
            "simple_all_reduce", "simple_all_to_all", "simple_split", "simple_reduce_scatter", "simple_all_gather",
@@ -126,8 +126,7 @@ def all_to_all(input: Tensor, input_dim: int, output_dim: int, use_2dh: bool = F
         raise ValueError("all_to_all(background=True) is a CUDA stream feature of Tutel; not available on CPU")
     comm = comm_of(group)
     if use_2dh and comm.size > 1:
-        from .system import get_local_session
-        local = get_local_session().local_size
+        local = session_local_size()
         if 1 < local < comm.size:
             from ...comm import Hierarchical2DComm
             comm = Hierarchical2DComm(comm, local)

@@ -16,12 +16,12 @@ import re
 import time
 
 from . import net
+from ._groups import SESSION as _SESSION
 from ._groups import close_all
 
 __all__ = ["init_data_model_parallel", "get_local_session", "record_time", "apply_rank_size_from_pattern",
            "cache", "LocalCache", "save", "load"]
 
-_SESSION: list = []
 _EXIT_HOOK: list = []
 
 
