@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from . import _slots
+from . import _io, _slots
 
 __all__ = [
     "Routing",
@@ -30,6 +31,9 @@ __all__ = [
     "capacity_for",
     "make_routing",
     "top_k_routing",
+    "validate_routing",
+    "capacity_bound",
+    "MAX_CAPACITY_PER_PAIR",
 ]
 
 
@@ -56,6 +60,10 @@ class Routing:
     counts: Tensor
     capacity: int
     num_experts: int
+
+    def __post_init__(self):
+        # Runs for Routing(...), dataclasses.replace and pytree unflatten alike.
+        validate_routing(self)
 
     @property
     def k(self) -> int:
@@ -100,13 +108,17 @@ class Routing:
         return out[:rows].reshape(self.num_experts, self.capacity)
 
     def save(self, path) -> None:
-        """Write this routing to ``path`` (torch.save of plain tensors and ints)."""
-        torch.save(_routing_to_dict(self), path)
+        """Write this routing to ``path`` (torch.save of plain tensors and ints), atomically."""
+        _io.atomic_save(_routing_to_dict(self), path)
 
     @staticmethod
     def load(path, map_location=None) -> "Routing":
-        """Read a routing written by :meth:`save`."""
-        return _routing_from_dict(torch.load(path, map_location=map_location, weights_only=True))
+        """Read a routing written by :meth:`save`; the result is validated like any Routing."""
+        d = torch.load(path, map_location=map_location, weights_only=True)
+        try:
+            return _routing_from_dict(d)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"Routing.load({os.fspath(path)!r}): {e}") from None
 
 
 def _routing_to_dict(r: Routing) -> dict:
@@ -114,7 +126,105 @@ def _routing_to_dict(r: Routing) -> dict:
 
 
 def _routing_from_dict(d: dict) -> Routing:
-    return Routing(**{f.name: d[f.name] for f in dataclasses.fields(Routing)})
+    names = [f.name for f in dataclasses.fields(Routing)]
+    if not isinstance(d, dict) or sorted(d) != sorted(names):
+        got = sorted(d) if isinstance(d, dict) else type(d).__name__
+        raise ValueError(f"not a saved Routing: expected the keys {names}, got {got}")
+    return Routing(**{n: d[n] for n in names})
+
+
+# A pair fills at most one buffer row, so capacity beyond k*T rows only adds padding. Padded mode
+# legitimately exceeds it (capacity_factor > 1 with few experts, alignment), so the bound is generous:
+# C <= MAX_CAPACITY_PER_PAIR * max(k*T, 1) + slack. Above it the buffers would be almost all padding
+# (capacity_factor=1e6 asked for gigabytes); that is refused with a clear error. capacity_for knows the
+# group's T* and uses slack 1024; a Routing only knows its own T (a rank's ragged last batch may be
+# much smaller than T*), so it allows slack 65536 rows on top.
+MAX_CAPACITY_PER_PAIR = 64
+_ALIGN_SLACK = 1024
+_RAGGED_SLACK = 65536
+
+
+def capacity_bound(k: int, num_tokens: int, slack: int = _ALIGN_SLACK) -> int:
+    """The largest capacity fmoe computes for k slots and T tokens: ``64 * max(k*T, 1) + 1024``.
+
+    A :class:`Routing` accepts up to ``64 * max(k*T, 1) + 65536`` (its T is local; capacity may come
+    from the group's larger T*)."""
+    return MAX_CAPACITY_PER_PAIR * max(int(k) * int(num_tokens), 1) + slack
+
+
+def _plain_tensor(t: Tensor) -> bool:
+    """True for an ordinary eager tensor whose values may be read (not traced, vmapped, fake or meta)."""
+    if torch.compiler.is_compiling() or t.device.type == "meta":
+        return False
+    if torch._C._functorch.is_functorch_wrapped_tensor(t):
+        return False
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+
+
+def _int_like(v) -> bool:
+    return isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool)
+
+
+def validate_routing(r: "Routing") -> None:
+    """Check a Routing's fields against each other; raise ValueError/TypeError naming the problem.
+
+    Always (cheap, safe under vmap and torch.compile): every leaf is a tensor;
+    ``expert_ids``, ``slots``, ``weights`` all [k, T]; ``counts`` [E]; integer
+    ids/slots/counts and floating weights; int ``capacity`` in
+    ``[0, 64 * max(k*T, 1) + 65536]`` and int ``num_experts >= 1``.
+
+    On plain eager tensors only (one host sync; skipped while tracing, under
+    vmap/grad transforms and for fake/meta tensors): ids in ``[-1, E)``, where
+    ``-1`` (any negative) marks a masked pair; slots of valid pairs in
+    ``[0, k*T)``; counts non-negative with ``sum(counts) <= k*T``.
+
+    Leaves that are ints or None (pytree plumbing, e.g. vmap in_dims trees)
+    skip the tensor checks.
+    """
+    leaves = {n: getattr(r, n) for n in _LEAVES}
+    if any(v is None or _int_like(v) for v in leaves.values()):
+        return
+    for n, v in leaves.items():
+        if not isinstance(v, Tensor):
+            raise TypeError(f"Routing.{n} must be a torch.Tensor, got {type(v).__name__}")
+    ids, slots, w, counts = (leaves[n] for n in _LEAVES)
+    if not _int_like(r.num_experts) or r.num_experts < 1:
+        raise ValueError(f"Routing.num_experts must be an int >= 1, got {r.num_experts!r}")
+    if not _int_like(r.capacity) or r.capacity < 0:
+        raise ValueError(f"Routing.capacity must be an int >= 0, got {r.capacity!r}")
+    if ids.dim() != 2:
+        raise ValueError(f"Routing.expert_ids must be [k, T], got shape {list(ids.shape)}")
+    k, T = ids.shape
+    for n, v in (("slots", slots), ("weights", w)):
+        if v.shape != ids.shape:
+            raise ValueError(f"Routing.{n} has shape {list(v.shape)} but expert_ids is [k, T] = {[k, T]}; "
+                             "all three must match")
+    if counts.dim() != 1 or counts.shape[0] != r.num_experts:
+        raise ValueError(f"Routing.counts must be [E] = [{r.num_experts}], got shape {list(counts.shape)}")
+    for n, v in (("expert_ids", ids), ("slots", slots), ("counts", counts)):
+        if v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool:
+            raise TypeError(f"Routing.{n} must be an integer tensor, got {v.dtype}")
+    if not w.dtype.is_floating_point:
+        raise TypeError(f"Routing.weights must be floating point, got {w.dtype}")
+    bound = capacity_bound(k, T, _RAGGED_SLACK)
+    if r.capacity > bound:
+        raise ValueError(f"Routing.capacity={r.capacity} exceeds the bound 64*max(k*T, 1) + 65536 = {bound} for "
+                         f"k={k}, T={T} (a pair fills at most one row; such buffers would be almost all padding)")
+    if ids.numel() == 0 or not all(_plain_tensor(v) for v in (ids, slots, counts)):
+        return
+    valid = ids >= 0
+    stats = torch.stack([ids.max(), torch.where(valid, slots, 0).min(), torch.where(valid, slots, -1).max(),
+                         counts.min() if counts.numel() else ids.new_zeros(()), counts.sum()]).tolist()
+    id_max, slot_min, slot_max, count_min, count_sum = stats
+    if id_max >= r.num_experts:
+        raise ValueError(f"Routing.expert_ids has id {id_max}, outside [-1, E) = [-1, {r.num_experts})")
+    if slot_min < 0 or slot_max >= k * T:
+        bad = slot_min if slot_min < 0 else slot_max
+        raise ValueError(f"Routing.slots has {bad} for a valid pair; slots lie in [0, k*T) = [0, {k * T}) "
+                         "(-1 only where expert_ids is negative)")
+    if count_min < 0 or count_sum > k * T:
+        raise ValueError(f"Routing.counts must be >= 0 with sum <= k*T = {k * T}; got min {count_min}, "
+                         f"sum {count_sum}")
 
 
 _LEAVES = ("expert_ids", "slots", "weights", "counts")
@@ -158,6 +268,12 @@ def top_k(scores: Tensor, k: int, *, normalize: bool = True) -> tuple[Tensor, Te
     _check_scores(scores)
     k = _check_k(k, scores.shape[1])
     vals, ids = torch.topk(scores, k, dim=1, sorted=True)
+    if normalize and k > 1 and vals.numel() and _plain_tensor(vals):
+        low = vals.min().item()
+        if not low >= 0:  # also NaN
+            raise ValueError(
+                f"top_k: normalize=True divides the k gates by their sum, which needs non-negative scores; got "
+                f"a selected score of {low} (pass softmax probabilities, or normalize=False for raw logits)")
     if normalize and k > 1:
         eps = torch.finfo(vals.dtype).eps
         vals = vals / vals.sum(dim=1, keepdim=True).clamp(min=eps)
@@ -248,9 +364,15 @@ def capacity_for(capacity_factor: float, *, num_tokens: int, num_experts: int, k
     """
     if not isinstance(alignment, int) or alignment < 1:
         raise ValueError(f"alignment must be an int >= 1, got {alignment!r}")
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+        raise TypeError(f"capacity_factor must be a real number (> 0 padded, 0 dropless, < 0 capped dropless), "
+                        f"got {type(capacity_factor).__name__} {capacity_factor!r}")
     cf = float(capacity_factor)
-    if math.isnan(cf):
-        raise ValueError("capacity_factor is NaN")
+    if not math.isfinite(cf):
+        raise ValueError(f"capacity_factor must be finite, got {cf} (use 0 for dropless routing)")
+    for name, v in (("num_tokens", num_tokens), ("num_experts", num_experts), ("k", k)):
+        if not _int_like(v) or v < (1 if name != "num_tokens" else 0):
+            raise ValueError(f"capacity_for: {name} must be an int >= {1 if name != 'num_tokens' else 0}, got {v!r}")
     spe = -(-num_tokens // num_experts)  # ceil(T / E)
     if cf > 0:
         per_slot = int(cf * spe)
@@ -269,6 +391,12 @@ def capacity_for(capacity_factor: float, *, num_tokens: int, num_experts: int, k
     if alignment > 256:
         alignment = -(-alignment // 128) * 128
     cap = -(-cap // alignment) * alignment
+    bound = capacity_bound(k, num_tokens)
+    if cap > bound:
+        raise ValueError(
+            f"capacity {cap} (capacity_factor={capacity_factor}, T={num_tokens}, E={num_experts}, k={k}, "
+            f"alignment={alignment}) exceeds the bound 64*max(k*T, 1) + 1024 = {bound}: a pair fills at most one "
+            "row, so the buffers would be almost all padding; use a smaller capacity_factor")
     return cap
 
 

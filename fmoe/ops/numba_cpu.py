@@ -49,9 +49,12 @@ def _view(t: Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
-def _weights(weights: Optional[Tensor], acc: torch.dtype):
+def _weights(weights: Optional[Tensor], acc: torch.dtype, pos: np.ndarray):
     if weights is None:
         return _NO_WEIGHTS[acc], None
+    if tuple(weights.shape) != pos.shape:  # the kernels index w[j, t] for every (j, t) of pos
+        raise ValueError(f"fmoe numba kernels: weights must have the positions' shape [k, T] = {list(pos.shape)}, "
+                         f"got {list(weights.shape)}")
     w = weights.detach().to(acc).contiguous()  # keep the tensor alive while numba reads it
     return _view(w), w
 
@@ -83,15 +86,17 @@ SERIAL_ELEMENTS = 1 << 15
 def _dispatch_native(out: Tensor, x: Tensor, pos: Tensor, weights: Optional[Tensor]) -> None:
     acc = x.dtype
     p = _view(pos)
+    if x.shape[0] != p.shape[1]:  # the kernels read x[t] for every token t of pos
+        raise ValueError(f"dispatch: x has {x.shape[0]} rows but the positions are for T={p.shape[1]} tokens")
     if (out.shape[0] + p.size) * out.shape[1] <= SERIAL_ELEMENTS:
         _numba.sync_threads()  # no parallel region, but numba's count still follows torch's
-        w, keep = _weights(weights, acc)
+        w, keep = _weights(weights, acc, p)
         if K.dispatch_serial(_view(x), w, p, _NP_ZERO[acc], _view(out)):
             raise IndexError(f"dispatch: a position is >= num_rows={out.shape[0]}")
         del keep
         return
     inv = np.empty(out.shape[0], dtype=np.int64)
-    w, keep = _weights(weights, acc)
+    w, keep = _weights(weights, acc, p)
     with _numba.kernel_call():
         if K.inverse_positions(p, out.shape[0], inv):
             raise IndexError(f"dispatch: a position is >= num_rows={out.shape[0]}")
@@ -102,7 +107,7 @@ def _dispatch_native(out: Tensor, x: Tensor, pos: Tensor, weights: Optional[Tens
 def _combine_native(out: Tensor, y: Tensor, pos: Tensor, weights: Optional[Tensor]) -> None:
     acc = y.dtype
     p = _view(pos)
-    w, keep = _weights(weights, acc)
+    w, keep = _weights(weights, acc, p)
     if (p.size + out.shape[0]) * out.shape[1] <= SERIAL_ELEMENTS:
         _numba.sync_threads()
         if K.combine_serial(_view(y), p, w, _NP_ZERO[acc], _view(out)):

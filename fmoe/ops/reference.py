@@ -44,7 +44,7 @@ def dispatch(x: Tensor, pos: Tensor, weights: Optional[Tensor], num_rows: int) -
         src = weights.to(acc).unsqueeze(-1) * src
     out = torch.zeros(num_rows + 1, x.shape[1], dtype=acc, device=x.device)
     # Row num_rows is a bin for skipped pairs; kept rows are written exactly once.
-    out.index_add_(0, _safe(pos, num_rows).reshape(-1), src.reshape(k * T, -1))
+    out.index_add_(0, _safe(pos, num_rows).reshape(-1), src.reshape(k * T, x.shape[1]))  # -1 fails at T = 0
     return out[:num_rows].to(x.dtype)
 
 
