@@ -27,8 +27,8 @@ def weights(E, K, N, transposed, dtype=torch.float32, g=None):
 
 # Group sizes above SMALL_ROWS run one torch.mm per group, the reference's own call:
 # bit-identical. Sizes <= SMALL_ROWS (float32/64 on CPU) run the numba streaming kernel.
-BIG = [7, 0, 12, 5, 0, 9]  # idle experts in the middle, one at the end
-assert min(c for c in BIG if c) > RG.SMALL_ROWS
+S = RG.SMALL_ROWS
+BIG = [S + 3, 0, S + 8, S + 1, 0, S + 5]  # idle experts in the middle, one at the end
 
 
 # --------------------------------------------------------------------------- forward values
@@ -60,14 +60,15 @@ def test_mm_bit_exact_vs_reference_with_padding(dtype, transposed):
 @pytest.mark.parametrize("K,N", [(24, 20), (256, 300)])  # 256 x 300: the parallel kernel, N chunks
 def test_mm_small_groups_numba_vs_reference(dtype, transposed, K, N):
     g = gen(2)
-    counts = [1, 0, 2, 3, 4, 9, 0, 1]  # every leftover size 1-3, a 4-block, one BLAS group
+    # every leftover size 1-3, 4-blocks with and without leftovers, one BLAS group (index 6)
+    counts = [1, 0, 2, 3, 4, min(7, S), S + 1, 0, 1]
     off = counts_to_offsets(counts)
     R = int(off[-1]) + 3
     x = torch.randn(R, K, generator=g, dtype=dtype)
     x[int(off[-1]):] = float("nan")
     w = weights(len(counts), K, N, transposed, dtype, g)
     w[1] = float("nan")  # idle experts' weights are never read
-    w[6] = float("nan")
+    w[7] = float("nan")
     streamed = sum(1 for c in counts if 0 < c <= RG.SMALL_ROWS) * K * N * w.element_size()
     assert (streamed > RG.SERIAL_BYTES) == (K == 256)  # both kernels are exercised
     y = ragged_mm(x, w, off, transposed=transposed)
@@ -75,8 +76,8 @@ def test_mm_small_groups_numba_vs_reference(dtype, transposed, K, N):
     tol = dict(rtol=1e-5, atol=1e-5 * K ** 0.5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(y, ref, **tol)
     assert torch.equal(y[int(off[-1]):], torch.zeros(3, N, dtype=dtype))
-    # the BLAS group (9 rows) is the reference's own call
-    assert torch.equal(y[int(off[5]):int(off[6])], ref[int(off[5]):int(off[6])])
+    # the BLAS group is the reference's own call
+    assert torch.equal(y[int(off[6]):int(off[7])], ref[int(off[6]):int(off[7])])
 
 
 def test_mm_idle_expert_weights_never_read_on_blas_path():
@@ -156,8 +157,8 @@ def _f64(counts, R, K, N, transposed, seed):
 
 @pytest.mark.parametrize("transposed", [False, True])
 def test_mm_gradcheck_and_gradgradcheck(transposed):
-    # groups of 2 (numba) and 6 (BLAS), an idle expert, 2 padding rows
-    x, w, off = _f64([2, 0, 6], 10, 3, 4, transposed, 7)
+    # groups of 2 (numba) and S + 2 (BLAS), an idle expert, 2 padding rows
+    x, w, off = _f64([2, 0, S + 2], S + 6, 3, 4, transposed, 7)
     f = lambda x, w: ragged_mm(x, w, off, transposed=transposed)  # noqa: E731
     assert torch.autograd.gradcheck(f, (x, w))
     assert torch.autograd.gradgradcheck(f, (x, w))
@@ -191,7 +192,7 @@ VIEWS = {"unsqueeze", "squeeze", "view", "t", "transpose", "detach", "alias", "e
 def test_backward_is_ragged_ops_only(transposed):
     """Closed under differentiation: dgrad is ragged_mm, wgrad is ragged_wgrad in w's layout
     (no transposed copy of anything); grad of ragged_wgrad is ragged_mm."""
-    x, w, off = _f64([5, 0, 6], 13, 4, 3, transposed, 9)
+    x, w, off = _f64([S + 1, 0, S + 2], 2 * S + 5, 4, 3, transposed, 9)  # BLAS groups: bit-exact
     y = ragged_mm(x, w, off, transposed=transposed)
     gy = torch.randn_like(y).requires_grad_()
     with _Ops() as mode:

@@ -27,8 +27,11 @@ _FLAGS = dict(cache=True, nogil=True)
 _FAST = {"reassoc", "contract"}
 
 # Output columns per parallel work item: enough work to amortise a task's start,
-# small enough that 2-16 threads get balanced shares of one expert's matrix.
-N_CHUNK = 128
+# small enough that 2-16 threads get balanced shares of one expert's matrix. The x w
+# layout reads [K, chunk] column blocks, so it takes wider chunks (longer contiguous
+# runs per weight row); measured 1.3-1.7x faster at 256 than 128 for 4-8 rows.
+NK_CHUNK = 128
+KN_CHUNK = 256
 
 
 @njit(fastmath=_FAST, **_FLAGS)
@@ -63,47 +66,47 @@ def _nk_task(x, w, lo, hi, n0, n1, zero, y):
 
 @njit(fastmath=_FAST, **_FLAGS)
 def _kn_task(x, w, lo, hi, n0, n1, zero, y):
-    """y[r, n] = sum_k x[r, k] w[k, n] for r in [lo, hi), n in [n0, n1); x [R, K], w [K, N]."""
+    """y[r, n] = sum_k x[r, k] w[k, n] for r in [lo, hi), n in [n0, n1); x [R, K], w [K, N].
+
+    Four weight rows per pass: each output row is loaded and stored once per 4 k, and
+    the 4 weight-row chunks are re-read from L1 for every row of the group. 1-D row
+    views keep LLVM's alias checks few enough that the n loop vectorises (indexing
+    y[r, n] on the 2-D arrays measured 4-6x slower).
+    """
     K = w.shape[0]
+    m = n1 - n0
     for r in range(lo, hi):
-        for n in range(n0, n1):
-            y[r, n] = zero
-    r = lo
-    while r + 4 <= hi:
-        for k in range(K):
+        y[r, n0:n1] = zero
+    k = 0
+    while k + 4 <= K:
+        w0 = w[k, n0:n1]
+        w1 = w[k + 1, n0:n1]
+        w2 = w[k + 2, n0:n1]
+        w3 = w[k + 3, n0:n1]
+        for r in range(lo, hi):
             a0 = x[r, k]
-            a1 = x[r + 1, k]
-            a2 = x[r + 2, k]
-            a3 = x[r + 3, k]
-            for n in range(n0, n1):
-                b = w[k, n]
-                y[r, n] += a0 * b
-                y[r + 1, n] += a1 * b
-                y[r + 2, n] += a2 * b
-                y[r + 3, n] += a3 * b
-        r += 4
-    rest = hi - r
-    if rest == 0:
-        return
-    # 1-3 leftover rows in one pass over w (each weight row read once for all of them).
-    for k in range(K):
-        a0 = x[r, k]
-        a1 = x[r + 1, k] if rest > 1 else zero
-        a2 = x[r + 2, k] if rest > 2 else zero
-        for n in range(n0, n1):
-            b = w[k, n]
-            y[r, n] += a0 * b
-            if rest > 1:
-                y[r + 1, n] += a1 * b
-            if rest > 2:
-                y[r + 2, n] += a2 * b
+            a1 = x[r, k + 1]
+            a2 = x[r, k + 2]
+            a3 = x[r, k + 3]
+            yr = y[r, n0:n1]
+            for n in range(m):
+                yr[n] += a0 * w0[n] + a1 * w1[n] + a2 * w2[n] + a3 * w3[n]
+        k += 4
+    while k < K:
+        wk = w[k, n0:n1]
+        for r in range(lo, hi):
+            a = x[r, k]
+            yr = y[r, n0:n1]
+            for n in range(m):
+                yr[n] += a * wk[n]
+        k += 1
 
 
 @njit(**_FLAGS)
-def _run(x, w, tasks, t, nblk, N, transposed, zero, y):
+def _run(x, w, tasks, t, nblk, chunk, N, transposed, zero, y):
     g = t // nblk
-    n0 = (t % nblk) * N_CHUNK
-    n1 = min(N, n0 + N_CHUNK)
+    n0 = (t % nblk) * chunk
+    n1 = min(N, n0 + chunk)
     s = tasks[g, 0]
     e = tasks[g, 1]
     sx = s if x.shape[0] > 1 else 0
@@ -116,11 +119,12 @@ def _run(x, w, tasks, t, nblk, N, transposed, zero, y):
 
 @njit(parallel=True, **_FLAGS)
 def small_groups(x, w, tasks, transposed, zero, y):
-    """Every task's rows of y = x op(w[e]); parallel over (task, N_CHUNK output columns)."""
+    """Every task's rows of y = x op(w[e]); parallel over (task, chunk of output columns)."""
     N = y.shape[2]
-    nblk = (N + N_CHUNK - 1) // N_CHUNK
+    chunk = NK_CHUNK if transposed else KN_CHUNK
+    nblk = (N + chunk - 1) // chunk
     for t in prange(tasks.shape[0] * nblk):
-        _run(x, w, tasks, t, nblk, N, transposed, zero, y)
+        _run(x, w, tasks, t, nblk, chunk, N, transposed, zero, y)
 
 
 # Serial twin for tiny problems (a TBB region costs tens of microseconds). A separate
@@ -129,9 +133,10 @@ def small_groups(x, w, tasks, transposed, zero, y):
 def small_groups_serial(x, w, tasks, transposed, zero, y):
     """small_groups on the calling thread only (same arithmetic per element)."""
     N = y.shape[2]
-    nblk = (N + N_CHUNK - 1) // N_CHUNK
+    chunk = NK_CHUNK if transposed else KN_CHUNK
+    nblk = (N + chunk - 1) // chunk
     for t in range(tasks.shape[0] * nblk):
-        _run(x, w, tasks, t, nblk, N, transposed, zero, y)
+        _run(x, w, tasks, t, nblk, chunk, N, transposed, zero, y)
 
 
 def signatures():

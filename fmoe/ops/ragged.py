@@ -55,14 +55,18 @@ __all__ = ["ragged_mm", "ragged_wgrad", "ragged_mm_reference", "ragged_wgrad_ref
            "SMALL_ROWS", "SERIAL_BYTES"]
 
 # --------------------------------------------------------------------------- thresholds
-# The one place for the kernel-choice constants (measured with
-# benchmarks/bench_ragged.py --decode on the 2-vCPU dev machine, float32, 2026-12-01).
+# The one place for the kernel-choice constants. Measured with
+# ``python -m benchmarks.bench_ragged --only groups [--threads 1]`` (32 busy experts,
+# K = N = 768, float32, both layouts) on the 2-vCPU dev machine while it was shared
+# (load average 8-10), 2026-12-01.
 
-# Groups with at most this many rows run in the numba streaming kernel instead of
-# torch.mm (float32/64 on CPU). Measured per-group at K=N=768 / 768x2048: numba took
-# 0.6-0.8x BLAS's time at 1-4 rows (one call for all groups vs a threaded GEMM per
-# group); from about 8 rows MKL's GEMM is as fast or faster.
-SMALL_ROWS = 4
+# Groups with at most this many rows run in the numba streaming kernel instead of one
+# torch.mm each (float32/64 on CPU). Single-threaded the two were level at 1-8 rows
+# (numba 0.9-1.1x MKL's time, both 1.0-2.5x the time to read the weights once) and MKL
+# won from 16 rows (numba 1.2-1.5x, 2.1-2.4x at 32). With torch's 2 threads MKL's
+# small GEMMs stalled on the shared machine (135 ms-2.3 s for the 32 groups, against
+# 28-99 ms for numba at 1-8 rows).
+SMALL_ROWS = 8
 
 # Below this many weight bytes streamed by the small groups the serial numba twin
 # runs: a TBB parallel region costs ~20-50 us, more than reading 1 MiB on one core.
