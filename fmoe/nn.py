@@ -227,7 +227,7 @@ class MoELayer(nn.Module):
             ``activation_fn``, ``has_fc1_bias``, ``has_fc2_bias``, ``output_dim``.
         custom_expert: an ``ExpertSpec(type='custom', ...)`` instead of ``experts``
             (then pass ``num_experts``).
-        result_func: if given, ``forward`` returns ``result_func(y)``.
+        result_func: if given, ``forward`` returns ``result_func(y)`` (``y.l_aux`` is already set).
         comm: communicator (None = one process); W = comm.size. None under an initialised
             torch.distributed / MPI job of more than one rank raises (never silently local):
             pass the job's communicator, or ``LocalComm()`` to run locally on purpose.
@@ -372,9 +372,9 @@ class MoELayer(nn.Module):
             y = y.reshape(input.shape)
         if return_aux:
             return y, aux
+        y.l_aux = aux.l_aux  # before result_func: Tutel's result_func reads y.l_aux
         if self.result_func is not None:
             return self.result_func(y)
-        y.l_aux = aux.l_aux
         return y
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,

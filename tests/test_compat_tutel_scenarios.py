@@ -70,7 +70,7 @@ def helloworld(T, *, steps=4, k=2, n=2, cf=1.0, l_aux_wt=0.0, d=1, expert_type="
                     p.grad /= env.global_size
                     p.grad = T.net.simple_all_reduce(p.grad)
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             laux.append(float(layer.l_aux))
         E = T.moe.moe_layer.global_expert_count(n, group=T.system.get_local_session().model_group)
         return {"init": init, "losses": _rounded(losses), "l_aux": _rounded(laux), "local_count": local,
@@ -109,7 +109,7 @@ def switch(T, *, steps=6, n=2, cf=1.0, M=16, H=32, B=2, S=8, lr=1e-2):
                 if not hasattr(p, "skip_allreduce"):
                     p.grad = T.net.simple_all_reduce(p.grad / env.global_size)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         seen.append((layer.adaptive_degree, layer.a2a_ffn_overlap_degree))
     return {"init": init, "losses": _rounded(losses), "r_o": seen, "valid_rs": list(layer.valid_rs)}
 
@@ -156,7 +156,7 @@ def custom_gate_expert(T, *, steps=4, n=2, M=16, B=2, S=8, lr=1e-2, l_aux_wt=0.0
         loss = F.nll_loss(F.log_softmax(torch.sum(layer(x), dim=2), dim=1), y) + l_aux_wt * layer.l_aux
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return {"init": init, "losses": _rounded(losses), "keys": sorted(layer.state_dict())}
 
 
@@ -198,12 +198,13 @@ def custom_expert_sharded(T, *, steps=4, n=2, M=16, B=2, S=8, lr=1e-2, cf=1.0):
                 if not hasattr(p, "skip_allreduce"):
                     p.grad = T.net.simple_all_reduce(p.grad / env.global_size)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return {"init": init, "losses": _rounded(losses), "local_count": local}
 
 
-def from_scratch(T, *, steps=4, n=4, M=16, H=16, seq=4, outer=3, lr=1e-2, k=2):
-    """helloworld_from_scratch.py: top_k_routing, fast_encode/decode, net.all_to_all and the reverse maps."""
+def from_scratch(T, *, steps=4, n=4, M=16, H=16, seq=4, outer=3, lr=1e-2, k=2, reverse_maps=False):
+    """helloworld_from_scratch.py: top_k_routing, fast_encode/decode, net.all_to_all and (``reverse_maps``;
+    Tutel has them on CUDA only) the reverse maps."""
     env = T.system.init_data_model_parallel(backend="gloo")
     E = n * env.global_size
     torch.manual_seed(1)
@@ -223,13 +224,15 @@ def from_scratch(T, *, steps=4, n=4, M=16, H=16, seq=4, outer=3, lr=1e-2, k=2):
         opt.zero_grad()
         scores = F.softmax(torch.matmul(data, wg), dim=-1)
         crit, l_aux = T.moe.top_k_routing(scores, top_k=k, capacity_factor=0)
-        if i == 0 and env.global_size == 1:  # Tutel's CPU build lacks scatter_sample_ids under torchrun
+        if i == 0:
             topk_ids, total = T.moe.get_topk_selection(crit)
+            extras = {"topk_ids": topk_ids.tolist(), "total": [int(t) for t in total], "capacity": int(crit[4]),
+                      "locations": [t.tolist() for t in crit[2]]}
+        if i == 0 and reverse_maps:
             sid = T.moe.get_reversed_sample_ids(crit, return_id_type="sample_id")
             tid = T.moe.get_reversed_sample_ids(crit, return_id_type="top_id")
-            extras = {"topk_ids": topk_ids.tolist(), "total": [int(t) for t in total],
-                      "sample_ids": sid.tolist(), "top_ids": tid.tolist(),
-                      "inner": torch.where(sid >= 0, sid % seq, sid).tolist()}
+            extras.update(sample_ids=sid.tolist(), top_ids=tid.tolist(),
+                          inner=torch.where(sid >= 0, sid % seq, sid).tolist())
         y = T.moe.fast_encode(data, crit)
         y = T.net.all_to_all(y, 1, 0)
         y = torch.matmul(F.relu(torch.add(torch.matmul(y, w1), b1)), w2)
@@ -240,7 +243,7 @@ def from_scratch(T, *, steps=4, n=4, M=16, H=16, seq=4, outer=3, lr=1e-2, k=2):
         for p in (wg,):
             p.grad = T.net.simple_all_reduce(p.grad)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return {"losses": _rounded(losses), **extras}
 
 
@@ -287,7 +290,7 @@ def mnist_like(T, *, steps=3, batch=4, hidden=8):
             if not hasattr(p, "skip_allreduce") and p.grad is not None:
                 p.grad = T.net.simple_all_reduce(p.grad)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     model.eval()
     with torch.no_grad():
         evals = [float(F.nll_loss(model(images[-1], top_k=k), labels[-1])) for k in (1, 2, 8)]
@@ -320,7 +323,7 @@ def options(T, *, steps=3, M=16, H=8, B=2, S=8, lr=1e-2):
         loss = y.square().mean() + 0.1 * l_aux
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     out["losses"] = _rounded(losses)
     out["shape"] = list(y.shape)
     return out

@@ -20,11 +20,12 @@ import sys
 
 from ...comm import LocalComm
 
-__all__ = ["comm_of", "set_world", "world_size_of", "close_all", "SESSION", "session_local_size"]
+__all__ = ["comm_of", "set_world", "world_size_of", "close_all", "SESSION", "OWNED", "session_local_size"]
 
 _BY_GROUP: dict = {}
 _WORLD: list = []  # the MPI world communicator, when the session runs over MPI
 SESSION: list = []  # Tutel's one session record per process (system.init_data_model_parallel)
+OWNED: list = []  # True once this layer started torch.distributed itself (then it also shuts it down)
 
 
 def session_local_size() -> int:
@@ -74,14 +75,13 @@ def world_size_of(group=None) -> int:
 
 
 def close_all() -> None:
-    """End of job: shut the world communicator down cleanly (collective) and drop the cache."""
+    """End of job: shut down what this layer started (collective) and drop the cache."""
     world = _BY_GROUP.pop("WORLD", None)
     _BY_GROUP.clear()
-    if world is None and _torch_ready():
+    if OWNED and _torch_ready():  # a job started elsewhere is shut down by whoever started it
         from ...comm import TorchDistComm
-        world = TorchDistComm()
-    if world is not None:
-        world.close()
+        (world or TorchDistComm()).close()
+    OWNED.clear()
     for comm in _WORLD:
         if hasattr(comm, "close"):
             comm.close()

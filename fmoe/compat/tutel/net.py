@@ -24,7 +24,7 @@ from torch import Tensor
 from ...comm import all_gather as _all_gather
 from ...comm import all_to_all as _all_to_all
 from ...comm import reduce_scatter as _reduce_scatter
-from ._groups import comm_of, session_local_size, set_world
+from ._groups import OWNED, comm_of, session_local_size, set_world
 
 __all__ = ["get_world_size", "get_world_rank", "barrier", "create_groups_from_world", "simple_broadcast",
            "simple_all_reduce", "simple_all_to_all", "simple_split", "simple_reduce_scatter", "simple_all_gather",
@@ -234,6 +234,7 @@ def _init_world(backend: str):
     if backend != "mpi" and _launched_by_torchrun():
         from ...comm import TorchDistComm
         TorchDistComm.from_env(backend=backend)
+        OWNED[:] = [True]
         return "torch"
     from mpi_backend.comm import mpi_launched
     if backend == "mpi" or mpi_launched():
