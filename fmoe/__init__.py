@@ -7,19 +7,22 @@ Stateless primitives over explicit parameter pytrees, composed at the user's edg
     params = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))
     y, aux = fmoe.moe(params, x, spec)
 
-Data flows one way: gates -> routing -> ops -> experts -> moe -> nn.
+Data flows one way: routers -> routing -> layout -> ops -> experts -> moe -> the edge
+(nn, compat, models). Research helpers (``fmoe.ablate``, ``fmoe.stats``) are imported by name.
 """
-from . import ablate, comm, experts, gates, losses, ops, stats
+from . import comm, experts, losses, ops, routers
 from .experts import ExpertSpec
-from .moe import GateSpec, MoEAux, MoESpec, check_params, init_params, moe, route
+from .layout import Layout, make_layout
+from .moe import MoEAux, MoESpec, check_params, init_params, moe, route
 from .ops import combine, dispatch, gate_grad
+from .routers import GateSpec
 from .routing import Routing, assign_slots, capacity_for, make_routing, top_k, top_k_routing
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Routing", "top_k", "assign_slots", "capacity_for", "make_routing", "top_k_routing",
-    "dispatch", "combine", "gate_grad",
+    "Layout", "make_layout", "dispatch", "combine", "gate_grad",
     "ExpertSpec", "GateSpec", "MoESpec", "MoEAux", "init_params", "moe", "route", "check_params",
-    "ablate", "comm", "experts", "gates", "losses", "ops", "stats",
+    "comm", "experts", "losses", "ops", "routers",
 ]

@@ -593,8 +593,8 @@ def per_example_grads(loss_fn: Callable, params, *batch, batch_dim: int = 0):
     ``vmap(grad(loss_fn))`` over the batch axis: inside, each example is its own
     MoE call, so it routes only its own tokens and its capacity is computed
     from its own token count (``k * int(cf * ceil(T_example / E))``), not the
-    batch's. Dropless capacity (cf <= 0) needs a host sync and cannot run under
-    vmap; give the gate a positive capacity factor.
+    batch's. Dropless routing (cf = 0) runs in the ragged layout, whose size is static; the
+    padded dropless layout needs the max load (a host sync) and cannot run under vmap.
 
     Returns:
         the gradient pytree with a leading batch axis on every leaf.

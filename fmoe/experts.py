@@ -1,38 +1,89 @@
-"""Expert functions, batched over the local experts.
+"""Expert functions over the one grouped-GEMM seam, and the table of their parameter layouts.
 
-Every expert function has the signature ``fn(params, x) -> y`` with
-x [E, C, M] (E local experts, C rows each) and y [E, C, O].
+Every built-in expert function has the signature ``fn(params, x, gemm) -> y`` where ``gemm``
+is a :class:`fmoe.ops.grouped.GroupedGemm` bound to the dispatch layout and x is that
+layout's buffer: padded [E, C, M] or ragged [R, M]; y has the same leading shape and O
+features. ``gemm=None`` means plain per-expert matmuls over padded buffers [E, C, M] (every
+row multiplied), which is what a hand-written call on ``fmoe.dispatch`` output wants.
 
-Parameter pytrees (float layouts follow Tutel so checkpoints map one to one):
-    ffn:       ``{"fc1_w": [E, H, M], "fc1_b": [E, H]?, "fc2_w": [E, H, O], "fc2_b": [E, O]?}``
-               (fc1 is hidden x in like nn.Linear; fc2 is hidden x out, spec §11.1)
-    gated_ffn: ``{"gate_w": [E, M, H], "up_w": [E, M, H], "down_w": [E, H, M]}`` applied as x @ W
-               (Tutel's llama_ffn, SwiGLU).
+Expert types (``ExpertSpec.type``) and their parameter pytrees (float layouts; a weight may
+also be a :class:`fmoe.quant.QuantizedTensor`, always out x in [E, N, K]):
 
-A weight may also be a quantized tensor from :mod:`fmoe.quant`; quantized
-weights always use the out x in layout [E, N, K] (blocks run along the
-reduction axis K, as checkpoints store them) and are multiplied by the fused
-low-precision kernel.
+=============  =======================================================================  ==========
+type           parameters                                                               origin
+=============  =======================================================================  ==========
+``ffn``        fc1_w [E, H, M], fc1_b [E, H]?, fc2_w [E, H, O], fc2_b [E, O]?           Tutel ffn
+``gated_ffn``  gate_w [E, M, H], up_w [E, M, H], down_w [E, H, O]  (x @ W)              Tutel llama_ffn
+``swiglu``     gate_up_proj [E, 2I, M] (gate rows first) or gate_proj/up_proj [E, I, M];  transformers
+               down_proj [E, M, I]  (out x in, like nn.Linear)                          Qwen/DeepSeek/Mixtral
+``gpt_oss``    gate_up_proj [E, M, 2I] (in x out, gate/up interleaved), gate_up_proj_bias  GPT-OSS
+               [E, 2I], down_proj [E, I, M], down_proj_bias [E, M]; clamped SwiGLU
+``custom``     anything: ``fn(params, x[E, C, M]) -> [E, C, O]`` on padded buffers       user
+=============  =======================================================================  ==========
 
-Custom experts: pass any ``fn(params, x[E, C, M]) -> [E, C, O]`` as
-``ExpertSpec(type="custom", fn=..., init=...)``; ``init(num_experts,
-model_dim, spec, generator, dtype)`` returns its parameter pytree.
+:data:`EXPERT_PARAMS` is the one description of these layouts (names, Tutel state-dict
+names, the axis cut when several ranks share an expert, zero-padded leaves); expert
+parallelism, checkpoints and :mod:`fmoe.nn` read it.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ops.grouped import expert_mm
+from .ops.grouped import GroupedGemm
 
-__all__ = ["ExpertSpec", "ffn", "gated_ffn", "apply_experts", "init_experts", "expert_matmul"]
+__all__ = ["ExpertSpec", "ParamLayout", "EXPERT_PARAMS", "EXPERT_TYPES", "ffn", "gated_ffn", "swiglu",
+           "gpt_oss", "apply_experts", "init_experts", "expert_matmul", "shard_axes", "swiglu_mlp",
+           "shared_experts"]
 
-EXPERT_TYPES = ("ffn", "gated_ffn", "custom")
+EXPERT_TYPES = ("ffn", "gated_ffn", "swiglu", "gpt_oss", "custom")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """One expert parameter of a built-in expert type.
+
+    Attributes:
+        name: key in the expert pytree.
+        tutel_name: Tutel's state-dict name (None where Tutel has no such expert).
+        shard_axis: axis of the local [n, ...] tensor cut when s ranks share one expert (None:
+            this type cannot be sharded).
+        padded: cut with zero padding to a multiple of s (fc2 bias along O).
+        optional: may be absent (biases).
+    """
+
+    name: str
+    tutel_name: Optional[str] = None
+    shard_axis: Optional[int] = None
+    padded: bool = False
+    optional: bool = False
+
+
+EXPERT_PARAMS: dict[str, tuple[ParamLayout, ...]] = {
+    "ffn": (ParamLayout("fc1_w", "batched_fc1_w", 1), ParamLayout("fc1_b", "batched_fc1_bias", 1, optional=True),
+            ParamLayout("fc2_w", "batched_fc2_w", 1),
+            ParamLayout("fc2_b", "batched_fc2_bias", 1, padded=True, optional=True)),
+    "gated_ffn": (ParamLayout("gate_w", "W_fc1", 2), ParamLayout("up_w", "W_fc2", 2), ParamLayout("down_w", "W_fc3", 1)),
+    # Fused gate/up halves and interleaved columns cannot be cut along the hidden axis by one
+    # narrow: these types run with E >= W (whole experts per rank) only.
+    "swiglu": (ParamLayout("gate_up_proj", optional=True), ParamLayout("gate_proj", optional=True),
+               ParamLayout("up_proj", optional=True), ParamLayout("down_proj")),
+    "gpt_oss": (ParamLayout("gate_up_proj"), ParamLayout("gate_up_proj_bias"), ParamLayout("down_proj"),
+                ParamLayout("down_proj_bias")),
+}
+
+
+def shard_axes(expert_type: str) -> Optional[dict[str, ParamLayout]]:
+    """name -> ParamLayout for a type whose experts can be shared by several ranks, else None."""
+    table = EXPERT_PARAMS.get(expert_type)
+    if table is None or any(p.shard_axis is None for p in table):
+        return None
+    return {p.name: p for p in table}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,17 +91,21 @@ class ExpertSpec:
     """Static description of the experts (hashable, never traced).
 
     Attributes:
-        type: 'ffn' (fc1, activation, fc2), 'gated_ffn' (SwiGLU) or 'custom'.
-        hidden_size: H, hidden units per expert.
-        activation: elementwise callable; default ReLU for ffn, SiLU for gated_ffn.
+        type: one of :data:`EXPERT_TYPES` ('llama_ffn' is accepted as Tutel's name of gated_ffn).
+        hidden_size: H (I for swiglu / gpt_oss), hidden units per expert.
+        activation: elementwise callable; default ReLU for ffn, SiLU for gated_ffn / swiglu.
         has_fc1_bias, has_fc2_bias: ffn biases (Tutel defaults: both on).
         output_dim: O (default: model_dim).
-        fn, init: the custom expert function and its initialiser.
-        exact_rows: :func:`fmoe.moe` multiplies exactly the filled rows of each expert
-            buffer (ffn/gated_ffn with float weights): at decode one GEMV per routed row
-            and no weight reads for idle experts, about 1.7x faster at 8 tokens x 128
-            experts. Outputs then equal the default (padded-GEMM order, bit for bit equal
-            to the unpadded forward, e.g. :mod:`fmoe.ablate`) only within float rounding.
+        alpha, limit: GPT-OSS clamped SwiGLU constants.
+        fn, init: the custom expert function ``fn(params, x[E, C, M]) -> [E, C, O]`` and its
+            initialiser ``init(num_experts, model_dim, spec, generator, dtype)``.
+        exact_rows: padded layout: multiply exactly the filled rows of each expert buffer (at
+            decode one GEMV per routed row and no weight reads for idle experts). Outputs then
+            equal the default (the padded C-row GEMM's order, bit for bit equal to Tutel's)
+            only within float rounding.
+        precision: None, a name such as 'fp8_block' / 'mxfp4' / 'nvfp4', or a
+            :class:`fmoe.quant.training.TrainPrecision`: run the expert GEMMs of float master
+            weights quantized in forward and backward (quantized training).
     """
 
     type: str = "ffn"
@@ -59,9 +114,12 @@ class ExpertSpec:
     has_fc1_bias: bool = True
     has_fc2_bias: bool = True
     output_dim: Optional[int] = None
+    alpha: float = 1.702
+    limit: float = 7.0
     fn: Optional[Callable] = None
     init: Optional[Callable] = None
     exact_rows: bool = False
+    precision: Any = None
 
     def __post_init__(self):
         if self.type == "llama_ffn":  # Tutel's name for the same SwiGLU expert
@@ -74,11 +132,19 @@ class ExpertSpec:
                                  "generator, dtype)")
         elif not isinstance(self.hidden_size, int) or self.hidden_size < 1:
             raise ValueError(f"hidden_size must be a positive int, got {self.hidden_size!r}")
+        if isinstance(self.precision, str):
+            from .quant import training as _qt  # validates the name; keeps the spec hashable
+            object.__setattr__(self, "precision", _qt.recipe_from_name(self.precision))
 
     def act(self) -> Callable[[Tensor], Tensor]:
         if self.activation is not None:
             return self.activation
-        return F.silu if self.type == "gated_ffn" else F.relu
+        return F.relu if self.type == "ffn" else F.silu
+
+    @property
+    def layout_aware(self) -> bool:
+        """Built-in types take any layout through the seam; custom experts see padded buffers."""
+        return self.type != "custom"
 
 
 def _is_quantized(w) -> bool:
@@ -87,88 +153,131 @@ def _is_quantized(w) -> bool:
     return not isinstance(w, Tensor)
 
 
-def expert_matmul(x: Tensor, w, *, transposed: bool, rows: Optional[Tensor] = None,
-                  exact_rows: bool = False) -> Tensor:
-    """Per-expert x[e] @ W[e] for float or quantized weights.
+def expert_matmul(x: Tensor, w, gemm: Optional[GroupedGemm] = None, *, transposed: bool) -> Tensor:
+    """Per-expert ``x_e @ op(w[e])`` through the seam (``gemm``) or, with ``gemm=None``, over
+    padded buffers x [E, C, K] with every row multiplied.
 
     Args:
-        x: [E, C, K].
-        w: float [E, N, K] if ``transposed`` (out x in) else [E, K, N];
-            or a quantized tensor of logical shape [E, N, K].
-        rows: optional int64 [E]: multiply only rows [0, min(rows[e], C)) of
-            expert e (float weights; other output rows are 0). See
-            :mod:`fmoe.ops.grouped`.
-        exact_rows: multiply exactly those rows (faster at decode); they then equal
-            the padded GEMM within float rounding, not bit for bit
-            (:func:`fmoe.ops.grouped.grouped_mm`).
+        x: the layout's buffer ([E, C, K] or [R, K]).
+        w: float [E, N, K] if ``transposed`` (out x in) else [E, K, N]; or a quantized tensor
+            of logical shape [E, N, K].
     Returns:
-        [E, C, N] in x's dtype.
+        [E, C, N] / [R, N] in x's dtype.
     """
+    if gemm is not None:
+        return gemm.mm(x, w, transposed=transposed)
     if _is_quantized(w):
         from . import quant  # local: the quantized path is optional
-        return quant.expert_matmul(x, w)
+        return quant.expert_matmul(x, w).to(x.dtype)
     w = w.to(x.dtype)
-    return expert_mm(x, w, transposed=transposed, rows=rows, exact=exact_rows)
+    return torch.bmm(x, w.transpose(1, 2) if transposed else w)
 
 
-def ffn(params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor] = F.relu,
-        rows: Optional[Tensor] = None, exact_rows: bool = False) -> Tensor:
+def _bias(gemm: Optional[GroupedGemm], b: Tensor, like: Tensor) -> Tensor:
+    return b.to(like.dtype).unsqueeze(1) if gemm is None else gemm.bias(b, like)
+
+
+def ffn(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *,
+        activation: Callable[[Tensor], Tensor] = F.relu) -> Tensor:
     """h = act(x W1^T + b1); y = h W2 + b2 for each expert (Tutel 'ffn').
 
     Args:
         params: ``{"fc1_w": [E, H, M], "fc1_b": [E, H] (optional), "fc2_w": [E, H, O],
             "fc2_b": [E, O] (optional)}``.
-        x: [E, C, M].
-        rows: optional int64 [E] filled rows per expert (``min(counts, C)``):
-            the GEMMs skip the empty rows; the output on rows [0, rows[e]) is
-            unchanged, later rows are not meaningful (0 + bias).
-        exact_rows: see :func:`expert_matmul`.
+        x: the layout's buffer, [E, C, M] or [R, M].
+        gemm: the seam (None: every row of padded buffers).
     Returns:
-        [E, C, O].
+        [E, C, O] or [R, O]. Rows holding no pair are not meaningful (0 + bias).
     """
-    h = expert_matmul(x, params["fc1_w"], transposed=True, rows=rows, exact_rows=exact_rows)
+    h = expert_matmul(x, params["fc1_w"], gemm, transposed=True)
     if params.get("fc1_b") is not None:
-        h = h + params["fc1_b"].to(h.dtype).unsqueeze(1)
+        h = h + _bias(gemm, params["fc1_b"], h)
     h = activation(h)
     w2 = params["fc2_w"]
     # Quantized fc2 is stored out x in ([E, O, H]); float fc2 keeps Tutel's hidden x out.
-    y = expert_matmul(h, w2, transposed=_is_quantized(w2), rows=rows, exact_rows=exact_rows)
+    y = expert_matmul(h, w2, gemm, transposed=_is_quantized(w2))
     if params.get("fc2_b") is not None:
-        y = y + params["fc2_b"].to(y.dtype).unsqueeze(1)
+        y = y + _bias(gemm, params["fc2_b"], y)
     return y
 
 
-def gated_ffn(params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor] = F.silu,
-              rows: Optional[Tensor] = None, exact_rows: bool = False) -> Tensor:
+def gated_ffn(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *,
+              activation: Callable[[Tensor], Tensor] = F.silu) -> Tensor:
     """SwiGLU: y = (act(x A) * (x B)) Cm per expert (Tutel 'llama_ffn').
 
     Args:
         params: ``{"gate_w": [E, M, H], "up_w": [E, M, H], "down_w": [E, H, M]}``
             (quantized weights: [E, H, M], [E, H, M], [E, M, H], out x in).
-        x: [E, C, M].
-        rows: optional int64 [E] filled rows per expert; see :func:`ffn`.
-        exact_rows: see :func:`expert_matmul`.
+        x: the layout's buffer. gemm: the seam.
     Returns:
-        [E, C, M_out].
+        [E, C, M_out] or [R, M_out].
     """
     def mm(inp, w):
-        return expert_matmul(inp, w, transposed=_is_quantized(w), rows=rows, exact_rows=exact_rows)
+        return expert_matmul(inp, w, gemm, transposed=_is_quantized(w))
 
-    h = activation(mm(x, params["gate_w"])) * mm(x, params["up_w"])
-    return mm(h, params["down_w"])
+    return mm(activation(mm(x, params["gate_w"])) * mm(x, params["up_w"]), params["down_w"])
 
 
-def apply_experts(spec: ExpertSpec, params, x: Tensor, *, rows: Optional[Tensor] = None,
-                  exact_rows: bool = False) -> Tensor:
-    """Run the experts described by ``spec`` on buffers x [E, C, M] -> [E, C, O].
+def swiglu(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *,
+           activation: Callable[[Tensor], Tensor] = F.silu) -> Tensor:
+    """y_e = D_e (act(G_e x) * (U_e x)), no biases, in x's dtype (transformers' fused experts).
 
-    ``rows`` (int64 [E], filled rows per expert) lets ffn/gated_ffn skip empty
-    rows; custom experts ignore it. ``exact_rows``: see :func:`expert_matmul`.
+    Args:
+        params: ``{"gate_up_proj": [E, 2I, M], "down_proj": [E, M, I]}`` (gate rows first) or
+            ``{"gate_proj": [E, I, M], "up_proj": [E, I, M], "down_proj": [E, M, I]}``; out x in.
+        x: the layout's buffer. gemm: the seam.
+    Returns:
+        [E, C, M] or [R, M]. Rows holding no pair are 0.
+    """
+    if "gate_up_proj" in params:
+        gate, up = expert_matmul(x, params["gate_up_proj"], gemm, transposed=True).chunk(2, dim=-1)
+    else:
+        gate = expert_matmul(x, params["gate_proj"], gemm, transposed=True)
+        up = expert_matmul(x, params["up_proj"], gemm, transposed=True)
+    return expert_matmul(activation(gate) * up, params["down_proj"], gemm, transposed=True)
+
+
+def gpt_oss(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *, alpha: float = 1.702,
+            limit: float = 7.0) -> Tensor:
+    """GPT-OSS clamped SwiGLU (architectures.md §7), including the down bias.
+
+        z = x A_e + a_e;  gate = z[..., 0::2], up = z[..., 1::2]
+        gate = min(gate, limit); up = clamp(up, -limit, limit)
+        y = ((up + 1) * gate * σ(alpha * gate)) D_e + d_e
+
+    Args:
+        params: float ``{"gate_up_proj": [E, M, 2I], "down_proj": [E, I, M]}`` (in x out) or
+            quantized [E, 2I, M] / [E, M, I] (out x in); biases [E, 2I], [E, M].
+        x: the layout's buffer. gemm: the seam.
+    Returns:
+        [E, C, M] or [R, M]. Rows holding no pair give d_e, not 0; they are never combined.
+    """
+    w1, w2 = params["gate_up_proj"], params["down_proj"]
+    z = expert_matmul(x, w1, gemm, transposed=_is_quantized(w1))
+    z = z + _bias(gemm, params["gate_up_proj_bias"], z)
+    gate, up = z[..., 0::2], z[..., 1::2]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    h = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    y = expert_matmul(h, w2, gemm, transposed=_is_quantized(w2))
+    return y + _bias(gemm, params["down_proj_bias"], y)
+
+
+def apply_experts(spec: ExpertSpec, params, x: Tensor, gemm: Optional[GroupedGemm] = None) -> Tensor:
+    """Run the experts described by ``spec`` on the layout's buffer x through the seam ``gemm``.
+
+    Custom experts are called as ``spec.fn(params, x)`` on padded buffers [E, C, M].
     """
     if spec.type == "ffn":
-        return ffn(params, x, activation=spec.act(), rows=rows, exact_rows=exact_rows)
+        return ffn(params, x, gemm, activation=spec.act())
     if spec.type == "gated_ffn":
-        return gated_ffn(params, x, activation=spec.act(), rows=rows, exact_rows=exact_rows)
+        return gated_ffn(params, x, gemm, activation=spec.act())
+    if spec.type == "swiglu":
+        return swiglu(params, x, gemm, activation=spec.act())
+    if spec.type == "gpt_oss":
+        return gpt_oss(params, x, gemm, alpha=spec.alpha, limit=spec.limit)
+    if gemm is not None and gemm.layout.kind != "padded":
+        raise ValueError("custom experts take padded buffers [E, C, M]; route them with layout='padded'")
     return spec.fn(params, x)
 
 
@@ -181,7 +290,8 @@ def init_experts(spec: ExpertSpec, num_experts: int, model_dim: int, *, generato
     """Initial parameters for ``num_experts`` experts.
 
     ffn follows Tutel: W1 ~ U(+-1/sqrt(M)), W2 ~ U(+-1/sqrt(H)), drawn in float32
-    expert by expert and then cast; biases zero. gated_ffn: N(0, 0.01).
+    expert by expert and then cast; biases zero. gated_ffn: N(0, 0.01). swiglu / gpt_oss
+    (architectures whose weights come from checkpoints): N(0, 0.02) weights, zero biases.
     """
     E, M, H = num_experts, model_dim, spec.hidden_size
     O = spec.output_dim or model_dim
@@ -197,7 +307,54 @@ def init_experts(spec: ExpertSpec, num_experts: int, model_dim: int, *, generato
             p["fc2_b"] = torch.zeros(E, O, dtype=dtype)
         return p
 
-    def normal(shape):
-        return (torch.randn(shape, generator=generator, dtype=torch.float32) * 0.01).to(dtype)
+    def normal(shape, std):
+        return (torch.randn(shape, generator=generator, dtype=torch.float32) * std).to(dtype)
 
-    return {"gate_w": normal((E, M, H)), "up_w": normal((E, M, H)), "down_w": normal((E, H, O))}
+    if spec.type == "gated_ffn":
+        return {"gate_w": normal((E, M, H), 0.01), "up_w": normal((E, M, H), 0.01), "down_w": normal((E, H, O), 0.01)}
+    if spec.type == "swiglu":
+        return {"gate_up_proj": normal((E, 2 * H, M), 0.02), "down_proj": normal((E, O, H), 0.02)}
+    return {"gate_up_proj": normal((E, M, 2 * H), 0.02), "gate_up_proj_bias": torch.zeros(E, 2 * H, dtype=dtype),
+            "down_proj": normal((E, H, O), 0.02), "down_proj_bias": torch.zeros(E, O, dtype=dtype)}
+
+
+# --------------------------------------------------------------------------- shared experts
+
+def _linear(x: Tensor, w, bias: Optional[Tensor] = None) -> Tensor:
+    """nn.Linear on tokens x [T, K] with W [N, K] float or quantized; result in x's dtype."""
+    if _is_quantized(w):
+        w = w.dequantize(x.dtype)
+    return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def swiglu_mlp(params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor] = F.silu) -> Tensor:
+    """Dense SwiGLU on tokens (DeepSeek ``shared_experts``, Qwen2 ``shared_expert``).
+
+    Args:
+        params: ``{"gate_proj": [Is, M], "up_proj": [Is, M], "down_proj": [M, Is]}`` (float or quantized).
+        x: [T, M] in dt.
+    Returns:
+        [T, M] in dt.
+    """
+    return _linear(activation(_linear(x, params["gate_proj"])) * _linear(x, params["up_proj"]), params["down_proj"])
+
+
+def shared_experts(kind: str, params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor] = F.silu
+                   ) -> tuple[Tensor, Optional[Tensor]]:
+    """The shared (always-on) experts of a block, on tokens x [T, M] in dt.
+
+    Args:
+        kind: 'swiglu' (DeepSeek family: ``params["shared"]``) or 'gated_swiglu' (Qwen2-MoE /
+            Qwen3-Next: σ(x · w_sgᵀ) * swiglu, ``params["shared_gate"]["weight"]`` [1, M]).
+        params: the layer's pytree.
+    Returns:
+        (output [T, M] dt, gate [T, 1] dt or None).
+    """
+    y = swiglu_mlp(params["shared"], x, activation=activation)
+    if kind == "swiglu":
+        return y, None
+    w = params["shared_gate"]["weight"]
+    if _is_quantized(w):
+        raise TypeError("shared_expert_gate weight must be a float tensor")
+    g = torch.sigmoid(_linear(x, w))
+    return g * y, g

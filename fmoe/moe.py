@@ -1,11 +1,15 @@
-"""``moe()``: gate -> route -> dispatch -> experts -> combine, as one pure function.
+"""``moe()``: the one MoE pipeline, route -> layout -> dispatch -> (all-to-all) -> experts ->
+(all-to-all) -> combine (+ shared experts), as one pure function.
 
     params = fmoe.init_params(spec, generator=g)
     y, aux = fmoe.moe(params, x, spec)
 
-``spec`` (a frozen, hashable :class:`MoESpec`) holds every static setting; the
-parameter pytree holds every tensor; nothing else carries state. To change a
-setting for one call, pass ``dataclasses.replace(spec, ...)`` — nothing sticks.
+Every router (:mod:`fmoe.routers`), both layouts (:mod:`fmoe.layout`), every expert type
+(:mod:`fmoe.experts`, through one grouped-GEMM seam) and every expert-parallel mode
+(:mod:`fmoe.parallel`) meet here; the architecture blocks of :mod:`fmoe.models` are
+configurations of this function. ``spec`` (a frozen, hashable :class:`MoESpec`) holds every
+static setting; the parameter pytree holds every tensor; nothing else carries state. To change
+a setting for one call, pass ``dataclasses.replace(spec, ...)`` — nothing sticks.
 """
 from __future__ import annotations
 
@@ -16,52 +20,20 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from . import gates as _gates
 from .comm import resolve
-from .experts import ExpertSpec, apply_experts, init_experts
+from .experts import ExpertSpec, apply_experts, init_experts, shared_experts
+from .layout import LAYOUTS, make_layout
 from .losses import gshard_loss, load_importance_loss
 from .ops import combine, dispatch
-from .ops.grouped import filled_rows
-from .routing import Routing, top_k_routing
+from .ops.grouped import GroupedGemm, _batched_under_vmap
+from .ops.orders import COMBINES, eager_combine, grouped_combine
+from .routers import GateSpec, RouterOutput, check_router_params, init_router
+from .routers import route as _router_route
+from .routing import Routing
 
 __all__ = ["GateSpec", "MoESpec", "MoEAux", "init_params", "moe", "check_params", "route"]
 
-GATE_TYPES = ("top", "cosine_top")
-
-
-@dataclasses.dataclass(frozen=True)
-class GateSpec:
-    """Static gate settings (Tutel's gate dict).
-
-    Attributes:
-        type: 'top' (linear) or 'cosine_top'.
-        k: experts per token (>= 1; clipped to E).
-        capacity_factor: > 0 padded, 0 dropless, < 0 capped dropless.
-        gate_noise: Tutel noise scale (training only); std is gate_noise / E.
-        fp32_gate: keep gate parameters and logits in float32.
-        score_fn: 'softmax' (Tutel) or 'sigmoid'.
-        proj_dim, init_t: cosine gate projection size and initial temperature.
-    """
-
-    type: str = "top"
-    k: int = 1
-    capacity_factor: float = 1.0
-    gate_noise: float = 0.0
-    fp32_gate: bool = True
-    score_fn: str = "softmax"
-    proj_dim: int = 256
-    init_t: float = 0.5
-
-    def __post_init__(self):
-        if self.type not in GATE_TYPES:
-            raise ValueError(f"unknown gate type {self.type!r}; expected one of {GATE_TYPES}")
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"gate k must be an int >= 1, got {self.k!r} (a negative k does not shard "
-                             "experts; use a negative num_experts_per_device)")
-        if self.score_fn not in _gates.SCORE_FNS:
-            raise ValueError(f"unknown score_fn {self.score_fn!r}; expected one of {_gates.SCORE_FNS}")
-        if self.gate_noise < 0:
-            raise ValueError(f"gate_noise must be >= 0, got {self.gate_noise}")
+SHARED = ("swiglu", "gated_swiglu")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,13 +43,22 @@ class MoESpec:
     Attributes:
         model_dim: M, token feature size.
         num_experts: E, global experts.
-        gate: :class:`GateSpec`.
+        gate: :class:`~fmoe.routers.GateSpec` (selects the router).
         experts: :class:`~fmoe.experts.ExpertSpec`.
         is_postscore: gates scale expert outputs (True) or inputs (False).
         batch_prioritized: place important tokens first within each slot.
-        normalize_gate: normalise the k gates (k > 1) before dropping.
+        normalize_gate: normalise the k gates (k > 1) before dropping, with the router's formula.
         is_gshard_loss: GShard loss (True) or Tutel's load/importance loss.
         alignment: capacity is rounded up to a multiple of this.
+        layout: 'auto' (ragged for dropless routing, ``capacity_factor == 0``, padded
+            otherwise), 'padded' (Tutel's [E, C, M], bit-exact) or 'ragged' (pairs sorted by
+            expert, no padding rows; honours a finite capacity by dropping like padded).
+        combine: the order of the final weighted sum: 'fmoe' (:func:`fmoe.combine`: fp32
+            accumulation over the k slots, one cast), 'eager' (transformers' eager expert
+            loop, bit for bit) or 'grouped' (transformers' grouped_mm/batched_mm order).
+        shared: shared experts run on every token and added to the routed output: None,
+            'swiglu' (DeepSeek: params["shared"]) or 'gated_swiglu' (Qwen2-MoE: sigmoid gate
+            params["shared_gate"]["weight"] [1, M]).
     """
 
     model_dim: int
@@ -89,6 +70,9 @@ class MoESpec:
     normalize_gate: bool = True
     is_gshard_loss: bool = True
     alignment: int = 1
+    layout: str = "auto"
+    combine: str = "fmoe"
+    shared: Optional[str] = None
 
     def __post_init__(self):
         for name in ("model_dim", "num_experts", "alignment"):
@@ -97,10 +81,28 @@ class MoESpec:
                 raise ValueError(f"MoESpec.{name} must be a positive int, got {v!r}")
         if not self.is_gshard_loss and self.gate.gate_noise <= 0:
             raise ValueError("is_gshard_loss=False (load/importance loss) needs gate.gate_noise > 0")
+        if self.layout not in ("auto",) + LAYOUTS:
+            raise ValueError(f"MoESpec.layout must be 'auto', 'padded' or 'ragged', got {self.layout!r}")
+        if self.layout == "ragged" and not self.experts.layout_aware:
+            raise ValueError("MoESpec.layout='ragged' needs built-in experts; custom experts take padded buffers")
+        if self.combine not in COMBINES:
+            raise ValueError(f"MoESpec.combine must be one of {COMBINES}, got {self.combine!r}")
+        if self.shared is not None and self.shared not in SHARED:
+            raise ValueError(f"MoESpec.shared must be None or one of {SHARED}, got {self.shared!r}")
+        if self.combine != "fmoe" and not self.is_postscore:
+            raise ValueError(f"MoESpec.combine={self.combine!r} applies the gates to the outputs; it needs "
+                             "is_postscore=True")
 
     @property
     def output_dim(self) -> int:
         return self.experts.output_dim or self.model_dim
+
+    def layout_kind(self) -> str:
+        """'padded' or 'ragged': the layout this spec routes into."""
+        if self.layout != "auto":
+            return self.layout
+        dropless = self.gate.capacity_factor == 0 and self.gate.type != "expert_choice"
+        return "ragged" if dropless and self.experts.layout_aware else "padded"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -112,9 +114,14 @@ class MoEAux:
         counts: int64 [E] pairs routed to each expert before dropping.
         dropped: int64 [] (token, expert) pairs lost to capacity.
         routing: the :class:`~fmoe.Routing` used (replayable).
-        capacity: C.
-        scores: [T, E] routing scores (softmax/sigmoid of the noisy logits);
-            None when a recorded routing was replayed.
+        capacity: C (dropless: the largest load over the group, as Tutel reports it). The
+            ragged layout never depends on it; under vmap / torch.compile ragged dropless
+            routing reports the static bound C = T instead (no host sync).
+        scores: [T, E] routing scores (the probabilities the balance losses use); None when a
+            recorded routing was replayed.
+        logits: [T, E] router logits as the router computes them (z-loss, HF load balancing);
+            None when a routing was replayed.
+        shared_gate: Qwen2-MoE's sigmoid shared-expert gate [T, 1], else None.
     """
 
     l_aux: Tensor
@@ -123,12 +130,15 @@ class MoEAux:
     routing: Routing
     capacity: int
     scores: Optional[Tensor] = None
+    logits: Optional[Tensor] = None
+    shared_gate: Optional[Tensor] = None
 
 
 pytree.register_pytree_node(
     MoEAux,
-    lambda a: ([a.l_aux, a.counts, a.dropped, a.routing, a.scores], a.capacity),
-    lambda leaves, cap: MoEAux(*leaves[:4], capacity=cap, scores=leaves[4]),
+    lambda a: ([a.l_aux, a.counts, a.dropped, a.routing, a.scores, a.logits, a.shared_gate], a.capacity),
+    lambda leaves, cap: MoEAux(*leaves[:4], capacity=cap, scores=leaves[4], logits=leaves[5],
+                               shared_gate=leaves[6]),
     serialized_type_name="fmoe.moe.MoEAux",
 )
 
@@ -138,10 +148,10 @@ pytree.register_pytree_node(
 def init_params(spec: MoESpec, *, generator: Optional[torch.Generator] = None,
                 dtype: torch.dtype = torch.float32, num_local_experts: Optional[int] = None,
                 comm=None) -> dict:
-    """A fresh parameter pytree ``{"gate": {...}, "experts": {...}}``.
+    """A fresh parameter pytree ``{"gate": {...}, "experts": {...}}`` (+ "shared", "shared_gate").
 
-    Experts are drawn first, then the gate (Tutel's order). With ``fp32_gate``
-    the gate is float32 whatever ``dtype`` is.
+    Experts are drawn first, then the gate (Tutel's order), then shared experts. With
+    ``fp32_gate`` the gate is float32 whatever ``dtype`` is.
 
     Args:
         spec: the layer.
@@ -161,12 +171,18 @@ def init_params(spec: MoESpec, *, generator: Optional[torch.Generator] = None,
         from .parallel import shard_experts
         experts = shard_experts(spec.experts.type, experts, spec.num_experts, comm.rank, comm.size)
     gate_dtype = torch.float32 if spec.gate.fp32_gate else dtype
-    if spec.gate.type == "top":
-        gate = _gates.init_linear_gate(spec.num_experts, spec.model_dim, generator=generator, dtype=gate_dtype)
-    else:
-        gate = _gates.init_cosine_gate(spec.num_experts, spec.model_dim, proj_dim=spec.gate.proj_dim,
-                                       init_t=spec.gate.init_t, generator=generator, dtype=gate_dtype)
-    return {"gate": gate, "experts": experts}
+    gate = init_router(spec.gate, spec.num_experts, spec.model_dim, generator=generator, dtype=gate_dtype)
+    params = {"gate": gate, "experts": experts}
+    if spec.shared is not None:
+        M, H = spec.model_dim, spec.experts.hidden_size
+
+        def normal(shape):
+            return (torch.randn(shape, generator=generator, dtype=torch.float32) * 0.02).to(dtype)
+
+        params["shared"] = {"gate_proj": normal((H, M)), "up_proj": normal((H, M)), "down_proj": normal((M, H))}
+        if spec.shared == "gated_swiglu":
+            params["shared_gate"] = {"weight": normal((1, M))}
+    return params
 
 
 def _expect(cond: bool, msg: str) -> None:
@@ -178,43 +194,47 @@ def _shape(t) -> tuple:
     return tuple(getattr(t, "logical_shape", None) or t.shape)
 
 
+_EXPERT_KEYS = {"ffn": ("fc1_w", "fc2_w"), "gated_ffn": ("gate_w", "up_w", "down_w"),
+                "gpt_oss": ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+
+
 def check_params(params, spec: MoESpec, num_local_experts: Optional[int] = None) -> None:
     """Raise ValueError naming the first key or shape that does not fit ``spec``."""
     _expect(isinstance(params, dict) and "gate" in params and "experts" in params,
             f"expected a dict with keys 'gate' and 'experts', got "
             f"{sorted(params) if isinstance(params, dict) else type(params).__name__}")
-    E, M, O = spec.num_experts, spec.model_dim, spec.output_dim
-    g = params["gate"]
-    if spec.gate.type == "top":
-        _expect("wg" in g, f"linear gate needs 'wg', got keys {sorted(g)}")
-        _expect(tuple(g["wg"].shape) == (E, M), f"gate.wg must be [E, M] = [{E}, {M}], got {tuple(g['wg'].shape)}")
-    else:
-        need = {"proj_w", "proj_b", "sim_matrix", "temperature"}
-        _expect(need <= set(g), f"cosine gate needs {sorted(need)}, got keys {sorted(g)}")
-        _expect(g["proj_w"].shape[1] == M, f"gate.proj_w must be [Pd, {M}], got {tuple(g['proj_w'].shape)}")
-        _expect(g["sim_matrix"].shape[1] == E,
-                f"gate.sim_matrix must be [Pd, {E}], got {tuple(g['sim_matrix'].shape)}")
+    M = spec.model_dim
+    try:
+        check_router_params(params["gate"], spec.gate, spec.num_experts, M)
+    except ValueError as e:
+        raise ValueError(f"parameter pytree does not match the MoESpec: {e}") from None
     ex, es = params["experts"], spec.experts
+    if spec.shared is not None:
+        _expect("shared" in params, f"shared={spec.shared!r} needs params['shared'], got keys {sorted(params)}")
+        if spec.shared == "gated_swiglu":
+            _expect("shared_gate" in params, "shared='gated_swiglu' needs params['shared_gate']['weight'] [1, M]")
     if es.type == "custom":
         return
+    _expect(isinstance(ex, dict), f"experts must be a dict, got {type(ex).__name__}")
+    if es.type == "swiglu":
+        _expect("down_proj" in ex and ("gate_up_proj" in ex or {"gate_proj", "up_proj"} <= set(ex)),
+                f"swiglu experts need 'down_proj' and 'gate_up_proj' (or 'gate_proj' + 'up_proj'), "
+                f"got keys {sorted(ex)}")
+        return
+    for key in _EXPERT_KEYS[es.type]:
+        _expect(key in ex, f"{es.type} experts need '{key}', got keys {sorted(ex)}")
+    if es.type != "ffn":
+        return
     n = num_local_experts
-    if es.type == "ffn":
-        for key in ("fc1_w", "fc2_w"):
-            _expect(key in ex, f"ffn experts need '{key}', got keys {sorted(ex)}")
-        H = es.hidden_size
-        w1, w2 = _shape(ex["fc1_w"]), _shape(ex["fc2_w"])
-        n = n or w1[0]
-        _expect(len(w1) == 3 and w1[0] == n and w1[2] == M,
-                f"experts.fc1_w must be [n, H, M] with n={n}, M={M}, got {w1}")
-        _expect(len(w2) == 3 and w2[0] == n, f"experts.fc2_w must be [n, H, O] with n={n}, got {w2}")
-        if es.has_fc1_bias:
-            _expect(ex.get("fc1_b") is not None, "ffn has_fc1_bias=True but 'fc1_b' is missing")
-        if es.has_fc2_bias:
-            _expect(ex.get("fc2_b") is not None, "ffn has_fc2_bias=True but 'fc2_b' is missing")
-        del H
-    else:
-        for key in ("gate_w", "up_w", "down_w"):
-            _expect(key in ex, f"gated_ffn experts need '{key}', got keys {sorted(ex)}")
+    w1, w2 = _shape(ex["fc1_w"]), _shape(ex["fc2_w"])
+    n = n or w1[0]
+    _expect(len(w1) == 3 and w1[0] == n and w1[2] == M,
+            f"experts.fc1_w must be [n, H, M] with n={n}, M={M}, got {w1}")
+    _expect(len(w2) == 3 and w2[0] == n, f"experts.fc2_w must be [n, H, O] with n={n}, got {w2}")
+    if es.has_fc1_bias:
+        _expect(ex.get("fc1_b") is not None, "ffn has_fc1_bias=True but 'fc1_b' is missing")
+    if es.has_fc2_bias:
+        _expect(ex.get("fc2_b") is not None, "ffn has_fc2_bias=True but 'fc2_b' is missing")
 
 
 # --------------------------------------------------------------------------- forward
@@ -224,26 +244,33 @@ def route(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator=None, 
     """Gate and route tokens x [T, M]; returns the Routing and the unweighted l_aux.
 
     ``alignment`` overrides ``spec.alignment`` (expert parallel needs C % (s*d) == 0)."""
-    routing, l_aux, _ = _route(params, x, spec, comm=comm, generator=generator, noise=noise, training=training,
-                               alignment=alignment)
+    routing, out, l_aux = _route(params, x, spec, comm=comm, generator=generator, noise=noise, training=training,
+                                 alignment=alignment)
     return routing, l_aux
 
 
-def _route(params, x, spec, *, comm, generator, noise, training, alignment):
+def _route(params, x, spec: MoESpec, *, comm, generator, noise, training, alignment
+           ) -> tuple[Routing, RouterOutput, Tensor]:
     gs = spec.gate
-    logits = _gates.gate_logits(gs.type, params["gate"], x, fp32=gs.fp32_gate)
-    noisy = logits
-    if training and gs.gate_noise > 0:
-        noisy = _gates.add_gate_noise(logits, gs.gate_noise, generator=generator, noise=noise)
-    scores = _gates.scores_from_logits(noisy, gs.score_fn)
-    routing = top_k_routing(scores, gs.k, gs.capacity_factor, normalize=spec.normalize_gate,
-                            batch_prioritized=spec.batch_prioritized,
-                            alignment=spec.alignment if alignment is None else alignment, comm=comm)
-    if spec.is_gshard_loss:
-        l_aux = gshard_loss(scores, routing.expert_ids[0])
+    capacity = None
+    if (spec.layout_kind() == "ragged" and gs.capacity_factor == 0
+            and (torch.compiler.is_compiling() or _batched_under_vmap(x, *pytree.tree_leaves(params["gate"])))):
+        # Dropless ragged buffers hold k*T rows whatever the loads, so the layout never needs
+        # the max load; where it cannot be read (vmap, compile) report the static bound C = T
+        # (a token picks an expert at most once) instead of Tutel's max-load capacity.
+        capacity = x.shape[0]
+    routing, out = _router_route(params["gate"], x, gs, num_experts=spec.num_experts,
+                                 normalize=spec.normalize_gate, batch_prioritized=spec.batch_prioritized,
+                                 training=training, generator=generator, noise=noise,
+                                 alignment=spec.alignment if alignment is None else alignment, comm=comm,
+                                 capacity=capacity)
+    if gs.type == "expert_choice":  # every expert takes exactly C tokens: balanced by construction
+        l_aux = out.scores.new_zeros(())
+    elif spec.is_gshard_loss:
+        l_aux = gshard_loss(out.scores, routing.expert_ids[0])
     else:
-        l_aux = load_importance_loss(logits, noisy, gs.k, gs.gate_noise)
-    return routing, l_aux, scores
+        l_aux = load_importance_loss(out.logits, out.noisy_logits, gs.k, gs.gate_noise)
+    return routing, out, l_aux
 
 
 def _check_input(x, spec: MoESpec) -> None:
@@ -257,11 +284,23 @@ def _check_input(x, spec: MoESpec) -> None:
         raise ValueError(f"moe: x's last dim must be model_dim={spec.model_dim}, got shape {tuple(x.shape)}")
 
 
+_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _expert_dtype(experts, fallback: torch.dtype) -> torch.dtype:
-    for leaf in pytree.tree_leaves(experts):
-        if isinstance(leaf, Tensor) and leaf.is_floating_point():
+    """dtype of the first float expert leaf; packed (quantized) weights are not compute dtypes."""
+    for leaf in pytree.tree_leaves(experts, is_leaf=lambda t: not isinstance(t, (dict, list, tuple))):
+        if isinstance(leaf, Tensor) and leaf.dtype in _COMPUTE_DTYPES:
             return leaf.dtype
     return fallback
+
+
+def _combine(spec: MoESpec, y: Tensor, routing: Routing, layout, out_dtype: torch.dtype) -> Tensor:
+    if spec.combine == "eager":
+        return eager_combine(y, routing, layout, out_dtype)
+    if spec.combine == "grouped":
+        return grouped_combine(y, routing, layout, out_dtype)
+    return combine(y, routing, weighted=spec.is_postscore, layout=layout)
 
 
 def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optional[torch.Generator] = None,
@@ -270,23 +309,25 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     """One MoE layer forward.
 
     Args:
-        params: ``{"gate": ..., "experts": ...}`` from :func:`init_params`.
+        params: ``{"gate": ..., "experts": ...}`` (+ "shared", "shared_gate") from :func:`init_params`.
         x: float [..., M]; all leading dims are tokens.
         spec: static settings.
         comm: communicator (None = one process).
-        generator, noise: gate-noise randomness (training only).
-        training: enables gate noise.
-        routing: a recorded :class:`Routing` to replay instead of gating
-            (then ``l_aux`` is 0 and no gradient reaches the gate).
+        generator, noise: router randomness (Tutel gate noise, Mixtral jitter; training only)
+            and the quantized-training recipe's stochastic rounding.
+        training: enables gate noise / jitter.
+        routing: a recorded :class:`Routing` to replay instead of routing (then ``l_aux`` is 0
+            and no gradient reaches the gate).
         parallel: :class:`fmoe.parallel.ParallelSpec` for this call only (mode
-            'data'/'model'/'adaptive:r', overlap degree, 2DH local size);
-            used when ``comm.size > 1``. Capacity is aligned to s*d.
+            'data'/'model'/'adaptive:r', overlap degree, 2DH local size, wire precision);
+            used when ``comm.size > 1``. Padded capacity is aligned to s*d.
 
     Returns:
         y with x's leading dims, last dim O, x's dtype; and :class:`MoEAux`.
     """
     comm = resolve(comm)
     alignment = spec.alignment
+    kind = spec.layout_kind()
     if comm.size == 1:
         _check_input(x, spec)
         check_params(params, spec)
@@ -298,27 +339,34 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
                             lambda: (_check_input(x, spec), check_params(params, spec)))
         alignment = _par.capacity_alignment(spec.num_experts, comm.size, parallel, spec.alignment)
     tokens = x.reshape(-1, spec.model_dim)
+    out = None
     if routing is None:
-        routing, l_aux, scores = _route(params, tokens, spec, comm=comm, generator=generator, noise=noise,
-                                        training=training, alignment=alignment)
+        routing, out, l_aux = _route(params, tokens, spec, comm=comm, generator=generator, noise=noise,
+                                     training=training, alignment=alignment)
     else:
         if routing.num_tokens != tokens.shape[0] or routing.num_experts != spec.num_experts:
             raise ValueError(f"moe: injected routing is for T={routing.num_tokens}, E={routing.num_experts}; "
                              f"this call has T={tokens.shape[0]}, E={spec.num_experts}")
-        l_aux, scores = x.new_zeros(()), None
-    compute = tokens.to(_expert_dtype(params["experts"], x.dtype))
-    pos = routing.positions()  # computed once for dispatch and combine
-    buffers = dispatch(compute, routing, weighted=not spec.is_postscore, positions=pos)
+        l_aux = x.new_zeros(())
+    seen = tokens if out is None or out.tokens is None else out.tokens  # Mixtral jitter: experts see it too
+    compute = seen.to(_expert_dtype(params["experts"], x.dtype))
+    layout = make_layout(routing, kind)
+    buffers = dispatch(compute, routing, weighted=not spec.is_postscore, layout=layout)
     if comm.size == 1:
-        # Only the first min(count, C) rows of each buffer hold tokens; skip the rest
-        # (bit-identical to the padded GEMMs unless spec.experts.exact_rows asks for speed).
-        out_buffers = apply_experts(spec.experts, params["experts"], buffers,
-                                    rows=filled_rows(routing.counts, routing.capacity),
-                                    exact_rows=spec.experts.exact_rows)
+        gemm = GroupedGemm(layout, exact=spec.experts.exact_rows, precision=spec.experts.precision,
+                           generator=generator)
+        out_buffers = apply_experts(spec.experts, params["experts"], buffers, gemm)
     else:
-        out_buffers = _par.expert_parallel(spec, params["experts"], buffers, comm,
-                                           dataclasses.replace(parallel, check=False))
-    y = combine(out_buffers, routing, weighted=spec.is_postscore, positions=pos)
+        out_buffers = _par.expert_parallel(spec.experts, params["experts"], buffers, comm,
+                                           dataclasses.replace(parallel, check=False), layout=layout,
+                                           num_experts=spec.num_experts, output_dim=spec.output_dim,
+                                           generator=generator)
+    y = _combine(spec, out_buffers, routing, layout, compute.dtype)
     y = y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
-    aux = MoEAux(l_aux, routing.counts, routing.num_dropped(), routing, routing.capacity, scores)
+    shared_gate = None
+    if spec.shared is not None:
+        s, shared_gate = shared_experts(spec.shared, params, seen.to(x.dtype), activation=spec.experts.act())
+        y = y + s.reshape(y.shape)
+    aux = MoEAux(l_aux, routing.counts, routing.num_dropped(), routing, routing.capacity,
+                 None if out is None else out.scores, None if out is None else out.logits, shared_gate)
     return y, aux

@@ -1,6 +1,7 @@
 """Expert parallelism: the expert stage of :func:`fmoe.moe` across ranks (spec §12).
 
-    out = expert_parallel(spec, local_expert_params, buffers [E, C, M], comm, parallel)  # [E, C, O]
+    out = expert_parallel(spec.experts, local_expert_params, buffers, comm, parallel,
+                          layout=layout, num_experts=E, output_dim=O)    # buffers' layout, O features
 
 Placement (spec §12.1): with E >= W rank w owns experts [w*n, (w+1)*n), n = E/W.
 With E < W, s = W/E ranks share one expert: rank w holds shard j = w % s of
@@ -22,13 +23,15 @@ parameters (spec §12.3):
 Overlap degree d chunks the capacity axis (each chunk: all-to-all, experts,
 all-to-all back); ``local_size`` routes every all-to-all through the two-level
 (2DH) exchange. Both give the same bytes as the plain path.
+
+Ragged buffers (dropless, :mod:`fmoe.layout`) travel by all-to-all-v: rank w's experts own a
+contiguous run of rows, so exactly the kept rows are sent (E >= W; r in {0, 1}; d = 1).
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
-import struct
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -37,18 +40,12 @@ from torch.utils import _pytree as pytree
 
 from .comm.collectives import all_gather, all_to_all, all_to_all_v
 from .comm.hierarchical import Hierarchical2DComm
-from .experts import apply_experts
+from .experts import apply_experts, shard_axes
+from .layout import Layout
+from .ops.grouped import GroupedGemm
 
 __all__ = ["ParallelSpec", "sharding", "shard_experts", "capacity_alignment", "expert_parallel",
-           "expert_parallel_dropless", "agree_across_ranks", "InconsistentRanksError", "SHARD_AXES"]
-
-# Axis of each expert parameter (in the [n, ...] local layout) that is cut
-# when s ranks share an expert. fc2_b is cut along O with zero padding.
-SHARD_AXES = {
-    "ffn": {"fc1_w": 1, "fc1_b": 1, "fc2_w": 1, "fc2_b": 1},
-    "gated_ffn": {"gate_w": 2, "up_w": 2, "down_w": 1},
-}
-_PADDED = {"fc2_b"}
+           "agree_across_ranks", "InconsistentRanksError"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,14 +138,15 @@ def shard_experts(expert_type: str, params: dict, num_experts: int, rank: int, w
         return pytree.tree_map(lambda t: t[rank * n:(rank + 1) * n].clone(), params)
     axes = _axes(expert_type, params)
     e, j = divmod(rank, s)
-    return {k: None if v is None else _shard_leaf(v[e:e + 1], axes[k], s, j, k in _PADDED).clone()
+    return {k: None if v is None else _shard_leaf(v[e:e + 1], axes[k].shard_axis, s, j, axes[k].padded).clone()
             for k, v in params.items()}
 
 
 def _axes(expert_type: str, params: dict) -> dict:
-    axes = SHARD_AXES.get(expert_type)
+    axes = shard_axes(expert_type)
     if axes is None:
-        raise ValueError(f"expert type {expert_type!r} cannot be sharded (E < W); only {sorted(SHARD_AXES)} can")
+        raise ValueError(f"expert type {expert_type!r} cannot be sharded (E < W); only 'ffn' and 'gated_ffn' "
+                         "can (fmoe.experts.EXPERT_PARAMS)")
     unknown = [k for k, v in params.items() if v is not None and k not in axes]
     bad = [k for k, v in params.items() if v is not None and not isinstance(v, Tensor)]
     if unknown or bad:
@@ -180,27 +178,34 @@ def parallel_fields(spec, parallel: ParallelSpec, world: int, dtype, expert_para
 
 # --------------------------------------------------------------------------- sub-communicators
 
-def _sub(comm, tag: str, color: int):
-    """comm.split(color), memoised on ``comm`` under ``tag``.
+# Derived communicators (splits, 2DH wrappers) per base communicator, kept here — never as
+# attributes on the communicator the user passed in. Weak keys: a closed, dropped communicator
+# takes its derived ones with it.
+_DERIVED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-    ``tag`` must name the whole partition (e.g. "groups of 2 consecutive
-    ranks"), not this rank's part of it: a split is a collective, so every rank
-    must miss the cache together. The fingerprint check guarantees that all
-    ranks run the same mode, hence reach the same tags in the same order.
+
+def _derived(comm, tag, make):
+    """``make()`` memoised per (comm, tag).
+
+    ``tag`` must name the whole partition (e.g. "groups of 2 consecutive ranks"), not this
+    rank's part of it: a split is a collective, so every rank must miss the cache together.
+    The agreement check guarantees that all ranks run the same mode, hence reach the same
+    tags in the same order.
     """
-    cache = comm.__dict__.setdefault("_fmoe_subcomms", {})
+    cache = _DERIVED.setdefault(comm, {})
     if tag not in cache:
-        cache[tag] = comm.split(color)
+        cache[tag] = make()
     return cache[tag]
+
+
+def _sub(comm, tag: str, color: int):
+    return _derived(comm, tag, lambda: comm.split(color))
 
 
 def _a2a_comm(comm, local_size: Optional[int]):
     if local_size is None or local_size in (1, comm.size):
         return comm
-    cache = comm.__dict__.setdefault("_fmoe_subcomms", {})
-    if ("2dh", local_size) not in cache:
-        cache[("2dh", local_size)] = Hierarchical2DComm(comm, local_size)
-    return cache[("2dh", local_size)]
+    return _derived(comm, ("2dh", local_size), lambda: Hierarchical2DComm(comm, local_size))
 
 
 # --------------------------------------------------------------------------- parameter gathers
@@ -216,10 +221,10 @@ def _gather_all(expert_type: str, params: dict, comm, num_experts: int, s: int, 
             full[k] = None
             continue
         g = all_gather(v, comm, 0)                       # [W, *rest] = [E*s, *rest]
-        a = axes[k]
+        a = axes[k].shard_axis
         g = g.reshape(num_experts, s, *g.shape[1:]).movedim(1, a)
         g = g.reshape(*g.shape[:a], s * g.shape[a + 1], *g.shape[a + 2:])
-        full[k] = g[..., :out_dim] if k in _PADDED else g
+        full[k] = g[..., :out_dim] if axes[k].padded else g
     return full
 
 
@@ -233,138 +238,141 @@ def _gather_group(expert_type: str, params: dict, comm, s: int, r: int, out_dim:
     for k, v in params.items():
         if v is None:
             out[k] = None
-        elif k in _PADDED:
-            out[k] = all_gather(v, shard, axes[k])[..., :out_dim] / r
+        elif axes[k].padded:
+            out[k] = all_gather(v, shard, axes[k].shard_axis)[..., :out_dim] / r
         else:
-            out[k] = v if group is None else all_gather(v, group, axes[k])
+            out[k] = v if group is None else all_gather(v, group, axes[k].shard_axis)
     return out
 
 
 # --------------------------------------------------------------------------- expert stage
 
-def expert_parallel(spec, expert_params, buffers: Tensor, comm, parallel: Optional[ParallelSpec] = None,
-                    ) -> Tensor:
-    """Run the experts of all ranks on capacity buffers.
+def _full_rows_gemm(E: int, C: int, device, precision, generator) -> GroupedGemm:
+    """The seam over received padded buffers [E, C, M] whose fill is not known here: every row."""
+    starts = torch.arange(E, device=device, dtype=torch.int64) * C
+    lay = Layout(torch.empty(0, 0, dtype=torch.int64, device=device), starts,
+                 torch.full((E,), C, dtype=torch.int64, device=device), "padded", E * C, E, C)
+    return GroupedGemm(lay, precision=precision, generator=generator)
+
+
+def _ragged_gemm(sizes: Tensor, num_rows: int, precision, generator) -> GroupedGemm:
+    starts = torch.cumsum(sizes, 0) - sizes
+    lay = Layout(torch.empty(0, 0, dtype=torch.int64, device=sizes.device), starts, sizes, "ragged", num_rows,
+                 sizes.shape[0], num_rows)
+    return GroupedGemm(lay, precision=precision, generator=generator)
+
+
+def expert_parallel(experts, expert_params, buffers: Tensor, comm, parallel: Optional[ParallelSpec] = None,
+                    *, layout: Layout, num_experts: int, output_dim: int, generator=None) -> Tensor:
+    """Run the experts of all ranks on this rank's dispatch buffers.
 
     Args:
-        spec: the layer's :class:`~fmoe.MoESpec` (E, experts, output_dim).
+        experts: the :class:`~fmoe.ExpertSpec` (its function, parameter layout and precision).
         expert_params: this rank's expert pytree (:func:`shard_experts` layout).
-        buffers: [E, C, M] dispatch buffers of this rank's tokens; C must be
-            divisible by s * d (use :func:`capacity_alignment`) and equal on
-            every rank.
+        buffers: this rank's dispatch buffers in ``layout``: padded [E, C, M] (C divisible by
+            s * d, use :func:`capacity_alignment`, and equal on every rank) or ragged [R, M].
         comm: communicator of the expert-parallel group (size W).
         parallel: per-call :class:`ParallelSpec` (default 'adaptive:1', d = 1, flat).
+        layout: the dispatch layout. Ragged buffers travel by all-to-all-v (exactly the kept
+            rows, no padding; E >= W, r in {0, 1}, d = 1).
+        num_experts: E. output_dim: O.
+        generator: RNG of the experts' quantized-training recipe, if any.
 
     Returns:
-        [E, C, O] expert outputs for this rank's buffers, in buffers' dtype.
+        Expert outputs for this rank's buffers in the same layout ([E, C, O] or [R, O]).
     """
     parallel = parallel or ParallelSpec()
     W = comm.size
-    E, C, M = buffers.shape
-    if E != spec.num_experts:
-        raise ValueError(f"expert_parallel: buffers have {E} experts, spec says {spec.num_experts}")
+    E = num_experts
+    if layout.num_experts != E:
+        raise ValueError(f"expert_parallel: layout has {layout.num_experts} experts, num_experts={E}")
     n, s = sharding(E, W)
     r = parallel.degree(s)
     d = parallel.overlap_degree
     if parallel.check:
-        fields = parallel_fields(spec, parallel, W, buffers.dtype, expert_params)
-        fields["capacity"] = C
+        fields = {"world_size": W, "num_experts": E, "output_dim": output_dim, "experts": experts,
+                  "parallel": dataclasses.replace(parallel, check=True), "layout": layout.kind,
+                  "dtype": str(buffers.dtype), "expert_params": _leaf_sig(expert_params)}
+        if layout.kind == "padded":
+            fields["capacity"] = layout.capacity
         agree_across_ranks(comm, fields)
-    O = spec.output_dim
-    et = spec.experts.type
+    if layout.kind == "ragged":
+        return _ragged_expert_parallel(experts, expert_params, buffers, comm, parallel, layout, r, d, generator)
+    _, C, M = buffers.shape
+    et = experts.type
     if r == 0:
-        full = _gather_all(et, expert_params, comm, E, s, O)
-        return apply_experts(spec.experts, full, buffers)
+        full = _gather_all(et, expert_params, comm, E, s, output_dim)
+        return apply_experts(experts, full, buffers, _full_rows_gemm(E, C, buffers.device, experts.precision,
+                                                                     generator))
     if C % (s * d):
         raise ValueError(f"expert_parallel: capacity {C} must be divisible by s*d = {s}*{d}; route with "
                          f"alignment=capacity_alignment(E, W, parallel)")
-    local = expert_params if s == 1 else _gather_group(et, expert_params, comm, s, r, O)
+    local = expert_params if s == 1 else _gather_group(et, expert_params, comm, s, r, output_dim)
     xcomm = _a2a_comm(comm, parallel.local_size)
     step = C // d
     outs = []
     for i in range(d):
         chunk = buffers if d == 1 else buffers[:, i * step:(i + 1) * step]
-        outs.append(_expert_chunk(spec, local, chunk, xcomm, s, r))
+        outs.append(_expert_chunk(experts, local, chunk, xcomm, s, r, generator))
     return outs[0] if d == 1 else torch.cat(outs, dim=1)
 
 
-def _expert_chunk(spec, local, chunk: Tensor, comm, s: int, r: int) -> Tensor:
+def _expert_chunk(experts, local, chunk: Tensor, comm, s: int, r: int, generator) -> Tensor:
     """One capacity chunk [E, c, M] -> [E, c, O] through all-to-all, experts, all-to-all."""
     E, c, M = chunk.shape
     if s == 1:
         x = all_to_all(chunk, comm, 1, 0)                      # [n, W*c, M]
-        y = apply_experts(spec.experts, local, x)
+        y = apply_experts(experts, local, x, _full_rows_gemm(x.shape[0], x.shape[1], x.device, experts.precision,
+                                                             generator))
         return all_to_all(y, comm, 0, 1)                       # [E, c, O]
     W = comm.size
     rep = chunk.repeat(1, r, 1) if r > 1 else chunk            # [E, r*c, M]: r copies of every row
     x = all_to_all(rep.reshape(W, r * c // s, M), comm, 1, 0)  # [1, W*r*c/s, M]
-    y = apply_experts(spec.experts, local, x)                  # partial sums over this group's hidden slice
+    # partial sums over this group's hidden slice
+    y = apply_experts(experts, local, x, _full_rows_gemm(1, x.shape[1], x.device, experts.precision, generator))
     y = all_to_all(y, comm, 0, 1)                              # [W, r*c/s, O]
     return y.reshape(E, r, c, y.shape[-1]).sum(1)              # sum the r partial outputs
 
 
-# --------------------------------------------------------------------------- dropless (all-to-all-v)
+def _ragged_expert_parallel(experts, expert_params, rows: Tensor, comm, parallel: ParallelSpec, layout: Layout,
+                            r: int, d: int, generator) -> Tensor:
+    """Ragged rows [R, M] (sorted by global expert) through all-to-all-v, experts, all-to-all-v.
 
-def expert_parallel_dropless(expert_spec, expert_params, tokens: Tensor, expert_ids: Tensor, weights: Tensor,
-                             comm, *, num_experts: int, postscore: bool = True) -> Tensor:
-    """Dropless expert parallel without capacity padding (variable all-to-all).
-
-    Every valid (slot, token) pair is sent to the rank owning its expert, the
-    experts run on exactly the rows they received, and the outputs come back and
-    are summed per token with the gates. For architecture adapters (DeepSeek,
-    Qwen3, ...) whose routers pick experts themselves.
-
-    Args:
-        expert_spec: :class:`~fmoe.ExpertSpec`.
-        expert_params: this rank's n = E/W experts (E >= W; no sharding).
-        tokens: float [T, M].
-        expert_ids: int [k, T]; negative ids are masked pairs.
-        weights: float [k, T] gates (differentiable).
-        comm: communicator.
-        num_experts: E.
-        postscore: gates scale outputs (True) or inputs (False).
-
-    Returns:
-        [T, O] in tokens' dtype. Synchronises with the host (counts set shapes).
+    Rank w owns experts [w*n, (w+1)*n), whose rows are contiguous in the ragged buffer, so the
+    send buffer is the buffer itself: exactly the kept rows travel, no padding. Received rows
+    are source-major; they are regrouped by local expert for the seam and put back after.
     """
-    W = comm.size
-    n, s = sharding(num_experts, W)
+    W, E = comm.size, layout.num_experts
+    n, s = sharding(E, W)
     if s != 1:
-        raise ValueError("expert_parallel_dropless needs E >= W (no sharded experts)")
-    k, T = expert_ids.shape
-    ids = expert_ids.reshape(-1).to(torch.int64)
-    tok = torch.arange(T, device=ids.device).repeat(k)
-    w = weights.reshape(-1)
-    valid = ids >= 0
-    ids, tok, w = ids[valid], tok[valid], w[valid]
-    order = torch.argsort(ids, stable=True)                    # pairs grouped by expert, then (slot, token)
-    ids, tok, w = ids[order], tok[order], w[order]
-    counts = torch.bincount(ids, minlength=num_experts)        # [E]
-    recv_matrix = comm.all_to_all(counts, 0, 0).reshape(W, n)  # [source, local expert]
-    send = counts.reshape(W, n).sum(1).tolist()
+        raise ValueError(f"the ragged layout needs E >= W (whole experts per rank); E={E}, W={W}: route with "
+                         "MoESpec(layout='padded') to share experts across ranks")
+    if d != 1:
+        raise ValueError(f"the ragged layout runs with overlap_degree=1 (got {d}); overlap chunks the padded "
+                         "capacity axis: use MoESpec(layout='padded') with a finite capacity_factor")
+    R = rows.shape[0]
+    sizes = layout.sizes
+    N = int(sizes.sum())                                        # host sync: all-to-all-v needs counts
+    if r == 0:                                                  # every expert on every rank, no exchange
+        full = _gather_all(experts.type, expert_params, comm, E, s, 0)
+        return apply_experts(experts, full, rows, GroupedGemm(layout, precision=experts.precision,
+                                                              generator=generator))
+    xcomm = _a2a_comm(comm, parallel.local_size)
+    recv_matrix = comm.all_to_all(sizes, 0, 0).reshape(W, n)  # [source, local expert]
+    send = sizes.reshape(W, n).sum(1).tolist()
     recv = recv_matrix.sum(1).tolist()
-    rows = tokens[tok]
-    if not postscore:
-        rows = rows * w.unsqueeze(1).to(rows.dtype)
-    got = all_to_all_v(rows, comm, send, recv)                 # [sum recv, M], source-major
-    local_id = torch.repeat_interleave(torch.arange(n).repeat(W), recv_matrix.reshape(-1))
+    got = all_to_all_v(rows[:N], xcomm, send, recv)           # [sum recv, M], source-major
+    local_id = torch.repeat_interleave(torch.arange(n, device=rows.device).repeat(W), recv_matrix.reshape(-1))
     by_expert = torch.argsort(local_id, stable=True)
-    per_expert = recv_matrix.sum(0).tolist()
-    xs = got[by_expert]
-    outs, start = [], 0
-    for e in range(n):
-        rows_e = xs[start:start + per_expert[e]].unsqueeze(0)
-        p_e = pytree.tree_map(lambda t: t[e:e + 1] if isinstance(t, Tensor) else t, expert_params)
-        outs.append(apply_experts(expert_spec, p_e, rows_e)[0])
-        start += per_expert[e]
-    ys = torch.cat(outs, 0) if outs else got.new_zeros(0, tokens.shape[1])
+    local_sizes = recv_matrix.sum(0)
+    y = apply_experts(experts, expert_params, got[by_expert],
+                      _ragged_gemm(local_sizes, got.shape[0], experts.precision, generator))
     back = torch.empty_like(by_expert)
-    back[by_expert] = torch.arange(by_expert.numel())
-    ret = all_to_all_v(ys[back], comm, recv, send)             # [pairs, O] in sorted pair order
-    if postscore:
-        ret = ret * w.unsqueeze(1).to(ret.dtype)
-    out = ret.new_zeros(T, ret.shape[1])
-    return out.index_add(0, tok, ret).to(tokens.dtype)
+    back[by_expert] = torch.arange(by_expert.numel(), device=rows.device)
+    ret = all_to_all_v(y[back], xcomm, recv, send)              # [N, O] in this rank's row order
+    if N == R:
+        return ret
+    return torch.cat([ret, ret.new_zeros(R - N, ret.shape[1])])
 
 
 def check_moe_call(comm, spec, parallel: ParallelSpec, x, params, routing, local_check: Callable[[], None]) -> None:

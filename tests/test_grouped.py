@@ -1,12 +1,20 @@
-"""Grouped expert GEMMs on filled rows (fmoe.ops.grouped, experts rows=)."""
+"""Grouped expert GEMMs on filled rows (fmoe.ops.grouped: the padded layout's seam)."""
 import pytest
 import torch
 
 from fmoe.experts import ExpertSpec, ffn, gated_ffn, init_experts
-from fmoe.ops.grouped import filled_rows, grouped_mm, grouped_wgrad
+from fmoe.layout import Layout
+from fmoe.ops.grouped import GroupedGemm, filled_rows, grouped_mm, grouped_wgrad
 
 ROWS = [64, 10, 0, 33, 1, 5, 12, 4]  # full, small (MKL's odd small-M kernel), empty
 SPARSE = [0, 10, 0, 0, 1, 0, 0, 64]  # few busy experts: the per-expert path
+
+
+def _seam(rows, C):
+    """The padded layout's seam with ``rows`` filled rows per expert buffer of C rows."""
+    E = rows.shape[0]
+    lay = Layout(torch.empty(0, 0, dtype=torch.int64), torch.arange(E) * C, rows, "padded", E * C, E, C)
+    return GroupedGemm(lay)
 
 
 def _buffers(E=8, C=64, M=48, seed=0, rows=ROWS):
@@ -24,12 +32,12 @@ def _buffers(E=8, C=64, M=48, seed=0, rows=ROWS):
 def test_filled_rows_equal_padded_forward_and_grad(typ, fn, row_counts):
     g, x, mask, rows = _buffers(rows=row_counts)
     p = init_experts(ExpertSpec(type=typ, hidden_size=80), 8, 48, generator=g)
-    y_pad, y_grp = fn(p, x), fn(p, x, rows=rows)
+    y_pad, y_grp = fn(p, x), fn(p, x, _seam(rows, x.shape[1]))
     # Every row that combine reads is bit-identical to the padded computation.
     assert torch.equal(y_pad * mask, y_grp * mask)
 
     def loss(p, x, rows=None):  # only combined rows reach the loss, as in moe()
-        return (fn(p, x, rows=rows) * mask).square().sum()
+        return (fn(p, x, None if rows is None else _seam(rows, x.shape[1])) * mask).square().sum()
 
     gp_pad, gx_pad = torch.func.grad(loss, argnums=(0, 1))(p, x)
     gp_grp, gx_grp = torch.func.grad(loss, argnums=(0, 1))(p, x, rows)
@@ -42,7 +50,7 @@ def test_vmap_falls_back_to_padded():
     g, x, mask, rows = _buffers()
     p = init_experts(ExpertSpec(type="ffn", hidden_size=16), 8, 48, generator=g)
     xs = torch.stack([x, 2 * x])
-    ys = torch.func.vmap(lambda xx: ffn(p, xx, rows=rows))(xs)
+    ys = torch.func.vmap(lambda xx: ffn(p, xx, _seam(rows, x.shape[1])))(xs)
     assert torch.equal(ys[1], ffn(p, 2 * x))
 
 

@@ -230,18 +230,20 @@ def test_forward_only_fast_path_is_the_function_path():
 def test_grouped_combine_shortcut_bit_exact(ydt, wdt):
     # models.common.grouped_combine skips the weighted [E, C, H] copy when combine's own
     # weighted sum forms the same products; must equal the explicit per-row product path.
-    from fmoe.models.common import grouped_combine, to_routing
+    from fmoe.layout import padded_layout
+    from fmoe.ops.orders import grouped_combine
+    from fmoe.routing import make_routing
     g = torch.Generator().manual_seed(4)
     T, E, k, H = 13, 6, 3, 17
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     w = torch.rand(T, k, generator=g).to(wdt)
-    r = to_routing(ids, w, E)
+    r = make_routing(ids.t().contiguous(), w.t().contiguous(), E, 0.0)
     y = torch.randn(E, r.capacity, H, generator=g).to(ydt)
     pos = r.positions().reshape(-1)
     w_rows = torch.zeros(E * r.capacity, dtype=wdt)
     w_rows[pos[pos >= 0]] = r.weights.reshape(-1)[pos >= 0]
     want = fmoe.combine(y * w_rows.reshape(E, r.capacity, 1), r, weighted=False).to(ydt)
-    got = grouped_combine(y, r, ydt)
+    got = grouped_combine(y, r, padded_layout(r), ydt)
     assert got.dtype == ydt and torch.equal(got, want)
 
 

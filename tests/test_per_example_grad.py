@@ -34,11 +34,22 @@ def test_per_example_grads_equal_loop():
     assert batch_aux.capacity == 2 * int(0.5 * 15) and fmoe.moe(params, x[0], spec)[1].capacity == 2 * int(0.5 * 3)
 
 
-def test_dropless_needs_static_capacity_under_vmap():
+def test_dropless_ragged_runs_under_vmap_padded_needs_static_capacity():
+    # The ragged layout (dropless default) has a static size k*T: per-example gradients work
+    # and equal the loop. The padded dropless layout sizes C by the max load: a host sync
+    # that vmap cannot do, so it raises and says how to fix it.
+    import dataclasses
     spec, params, x, y = _setup(cf=0.0)
+    assert spec.layout_kind() == "ragged"
 
-    def loss(p, xb, yb):
-        return (fmoe.moe(p, xb, spec)[0] - yb).square().mean()
+    def loss(p, xb, yb, s=spec):
+        return (fmoe.moe(p, xb, s)[0] - yb).square().mean()
 
-    with pytest.raises(RuntimeError):
-        ablate.per_example_grads(loss, params, x, y)
+    grads = ablate.per_example_grads(loss, params, x, y)
+    for i in range(x.shape[0]):
+        gi = torch.func.grad(loss)(params, x[i], y[i])
+        for (path, a), b in zip(pytree.tree_leaves_with_path(grads), pytree.tree_leaves(gi)):
+            torch.testing.assert_close(a[i], b, rtol=1e-5, atol=1e-7, msg=pytree.keystr(path))
+    padded = dataclasses.replace(spec, layout="padded")
+    with pytest.raises(RuntimeError, match="static capacity"):
+        ablate.per_example_grads(lambda p, xb, yb: loss(p, xb, yb, padded), params, x, y)

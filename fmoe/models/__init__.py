@@ -8,7 +8,7 @@ Architectures (``ARCHS``): qwen3_moe, qwen2_moe, deepseek_v3 (also deepseek_v32,
 glm4_moe, glm4_moe_lite, glm_moe_dsa), gpt_oss, mixtral. The math is spec/architectures.md;
 combine orders are explained in :mod:`fmoe.models.common`.
 """
-from . import common, deepseek_v3, experts, gpt_oss, mixtral, qwen2_moe, qwen3_moe
+from . import common, deepseek_v3, gpt_oss, mixtral, qwen2_moe, qwen3_moe
 from .common import BlockAux
 from .deepseek_v3 import DeepseekV3BlockConfig
 from .gpt_oss import GptOssBlockConfig

@@ -1,7 +1,12 @@
-"""Machinery shared by the architecture adapters: config access, matmuls over float or
-quantized expert weights, the dropless routed path, and the two combine orders.
+"""What the architecture adapters share: config access, activations, the block runner, and
+the transformers-module -> pytree converters.
 
-Combine orders (spec architectures.md §1.3, §11):
+Each architecture block is a configuration of the one pipeline, :func:`fmoe.moe`: a router
+(:mod:`fmoe.routers`), an expert type (:mod:`fmoe.experts`), optional shared experts and a
+combine order; :func:`block_spec` builds that :class:`fmoe.MoESpec` and :func:`run_block`
+runs it.
+
+Combine orders (spec architectures.md §1.3, §11; :mod:`fmoe.ops.orders`):
 
 * ``"eager"`` reproduces transformers' eager expert loop bit for bit: each (token, slot)
   product ``y * w`` is formed with torch type promotion (dt x dt -> dt for Qwen/GPT-OSS,
@@ -23,16 +28,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from ..comm import resolve
-from ..ops import combine as _fmoe_combine
-from ..ops import dispatch as _fmoe_dispatch
-from ..ops.reference import compute_dtype as _compute_dtype
-from ..ops.grouped import expert_mm as _grouped_expert_mm
-from ..ops.grouped import filled_rows
-from ..routing import Routing, make_routing
+from ..experts import ExpertSpec
+from ..moe import MoESpec, moe
+from ..routers import GateSpec
+from ..routing import Routing
 
-__all__ = ["BlockAux", "COMBINES", "ACTIVATIONS", "activation", "cfg_get", "is_quantized", "expert_mm",
-           "linear", "to_routing", "routed_experts", "eager_combine", "grouped_combine"]
+__all__ = ["BlockAux", "COMBINES", "ACTIVATIONS", "activation", "cfg_get", "text_config", "block_spec", "run_block",
+           "check_tokens", "experts_from_module", "mlp_from_module"]
 
 COMBINES = ("eager", "grouped")
 
@@ -77,66 +79,6 @@ def text_config(cfg: Any) -> Any:
     return sub if sub is not None else cfg
 
 
-def is_quantized(w: Any) -> bool:
-    """True for a :class:`fmoe.quant.QuantizedTensor` (anything that is not a plain tensor)."""
-    return w is not None and not isinstance(w, Tensor)
-
-
-def _dequantized(w, dtype: torch.dtype) -> Tensor:
-    # Exact decode (formats.md §7): MXFP4/NVFP4 are bf16-representable; FP8 blocks are formed
-    # in fp32 and rounded once, as transformers' dequantize=True loaders do.
-    return w.dequantize(dtype)
-
-
-def expert_mm(x: Tensor, w, *, layout: str, rows: Optional[Tensor] = None) -> Tensor:
-    """Per-expert matmul ``x[e] @ W[e]`` with ``torch.bmm``.
-
-    Args:
-        x: [E, C, K] in the compute dtype dt.
-        w: float [E, N, K] when ``layout == "out_in"`` (nn.Linear / transformers fused layout),
-            float [E, K, N] when ``layout == "in_out"`` (GPT-OSS float layout), or a
-            QuantizedTensor of logical shape [E, N, K] whatever ``layout`` says (quantized
-            checkpoints always store out x in).
-        rows: optional int64 [E] filled rows per expert (dropless: the counts); float weights
-            then multiply exactly those rows, like transformers' per-expert loop
-            (``grouped_mm(exact=True)``: equal to the padded GEMM within float rounding,
-            not bit for bit); later rows are 0.
-    Returns:
-        [E, C, N] in x's dtype.
-    """
-    if is_quantized(w):
-        from .. import quant
-        mm = getattr(quant, "expert_matmul", None)
-        if mm is not None:
-            return mm(x, w).to(x.dtype)
-        return torch.bmm(x, _dequantized(w, x.dtype).transpose(1, 2))
-    w = w.to(x.dtype)
-    # Decode buffers are mostly empty experts; the grouped GEMM skips them (and runs one
-    # torch.mm per filled expert, like transformers' per-expert loop).
-    return _grouped_expert_mm(x, w, transposed=layout == "out_in", rows=rows, exact=True)
-
-
-def linear(x: Tensor, w, bias: Optional[Tensor] = None) -> Tensor:
-    """nn.Linear on tokens x [T, K] with W [N, K] float or quantized; result in x's dtype."""
-    if is_quantized(w):
-        w = _dequantized(w, x.dtype)
-    return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
-
-
-def to_routing(ids: Tensor, weights: Tensor, num_experts: int, *, comm=None) -> Routing:
-    """Dropless :class:`fmoe.Routing` from router output in transformers' layout.
-
-    Args:
-        ids: int64 [T, k] expert of each (token, slot).
-        weights: float [T, k] routing weights exactly as fed to the experts (dtype kept).
-        num_experts: E.
-        comm: ranks agree on the dropless capacity (MAX of the per-expert loads, spec §12.9).
-    Returns:
-        Routing with [k, T] leaves and capacity = max per-expert load (no drops).
-    """
-    return make_routing(ids.t().contiguous(), weights.t().contiguous(), num_experts, 0.0, comm=comm)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class BlockAux:
     """Auxiliary outputs of an adapter's ``moe_block`` (a pytree).
@@ -173,109 +115,28 @@ def _aux_unflatten(leaves, has_sg) -> BlockAux:
 pytree.register_pytree_node(BlockAux, _aux_flatten, _aux_unflatten, serialized_type_name="fmoe.models.BlockAux")
 
 
-def eager_combine(y: Tensor, routing: Routing, out_dtype: torch.dtype, *, positions: Optional[Tensor] = None
-                  ) -> Tensor:
-    """transformers' eager accumulation order, vectorised.
-
-    The eager loop visits experts in ascending id and index_adds ``(y * w).to(dt)``; a token
-    never meets the same expert twice, so its output is the dt running sum of its k
-    contributions sorted by expert id. Masked pairs (negative ids) contribute nothing.
+def run_block(params: dict, x: Tensor, spec: MoESpec, *, comm=None, training: bool = False,
+              generator: Optional[torch.Generator] = None) -> tuple[Tensor, "BlockAux"]:
+    """One architecture block = :func:`fmoe.moe` with the block's spec; aux in the blocks' form.
 
     Args:
-        y: [E, C, H] expert outputs (dt). routing: the routing that filled the buffers.
-        out_dtype: dt.
+        params: the pipeline pytree ``{"gate": {"wg", ...}, "experts", "shared"?, "shared_gate"?}``.
+        x: [..., H] in dt. spec: the block's :class:`fmoe.MoESpec`. comm: expert-parallel
+            communicator (None = local). training, generator: Mixtral jitter.
     Returns:
-        [T, H] in out_dtype.
+        y with x's shape and dtype; :class:`BlockAux`.
     """
-    E, C, H = y.shape
-    pos = routing.positions() if positions is None else positions  # [k, T], -1 when masked
-    rows = y.reshape(E * C, H)[pos.clamp(min=0)]     # [k, T, H]
-    # Promotion as in transformers: dt*dt stays dt, dt*fp32 becomes fp32, then one cast.
-    contrib = (rows * routing.weights.unsqueeze(-1)).to(out_dtype)
-    contrib = torch.where((pos >= 0).unsqueeze(-1), contrib, torch.zeros((), dtype=out_dtype, device=y.device))
-    key = torch.where(routing.expert_ids >= 0, routing.expert_ids, torch.full_like(routing.expert_ids, -1))
-    order = torch.argsort(key, dim=0, stable=True)   # [k, T]
-    contrib = contrib.gather(0, order.unsqueeze(-1).expand_as(contrib))
-    out = contrib[0]
-    for j in range(1, contrib.shape[0]):
-        out = out + contrib[j]   # one dt rounding per expert, like index_add_
-    return out
+    y, aux = moe(params, x, spec, comm=comm, training=training, generator=generator)
+    return y, BlockAux(aux.logits, aux.routing, aux.shared_gate)
 
 
-def grouped_combine(y: Tensor, routing: Routing, out_dtype: torch.dtype, *, positions: Optional[Tensor] = None
-                    ) -> Tensor:
-    """transformers' grouped_mm / batched_mm order through :func:`fmoe.combine`.
-
-    Each buffer row holds exactly one (token, slot) pair, so the routing weight is applied
-    per row with torch promotion first (a bf16 x bf16 product is rounded to bf16, as those
-    back-ends do), then fmoe's combine sums the k slots in fp32 and the result is cast once.
-
-    Args:
-        y: [E, C, H] expert outputs (dt). routing: dropless routing. out_dtype: dt.
-    Returns:
-        [T, H] in out_dtype.
-    """
-    E, C, H = y.shape
-    w = routing.weights
-    if (w.dtype in (torch.float32, torch.float64) and out_dtype == y.dtype
-            and torch.promote_types(y.dtype, w.dtype) == w.dtype == _compute_dtype(y.dtype)):
-        # The per-row product y * w is formed in w's dtype, which is also combine's compute
-        # dtype: combine's weighted sum forms the same products and sums them in the same
-        # order, then casts once to dt (fp32 experts; fp32 weights on bf16 experts): the same
-        # result without the [E, C, H] weighted copy.
-        return _fmoe_combine(y, routing, weighted=True, positions=positions)
-    pos = (routing.positions() if positions is None else positions).reshape(-1)
-    w = w.reshape(-1)
-    # Row E*C is a bin for masked pairs; kept positions are unique so index_copy is a scatter.
-    w_rows = torch.zeros(E * C + 1, dtype=w.dtype, device=w.device).index_copy(
-        0, torch.where(pos >= 0, pos, torch.full_like(pos, E * C)), w)[: E * C]
-    weighted = y * w_rows.reshape(E, C, 1)
-    return _fmoe_combine(weighted, routing, weighted=False, positions=positions).to(out_dtype)
-
-
-def _no_init(*args, **kwargs):
-    raise RuntimeError("adapter experts are loaded from checkpoints, not initialised")
-
-
-def routed_experts(expert_params: dict, tokens: Tensor, routing: Routing, expert_fn: Callable,
-                   *, combine: str = "eager", comm=None) -> Tensor:
-    """dispatch -> experts -> combine over a dropless routing.
-
-    Args:
-        expert_params: the experts' pytree (float or quantized leaves).
-        tokens: [T, H] in dt.
-        routing: dropless routing over the T tokens (weights as fed to the experts).
-        expert_fn: ``fn(params, x[E, C, H], *, rows=None) -> [E, C, H]``; locally it is given
-            ``rows`` (filled rows per expert) so empty buffer rows are skipped.
-        combine: "eager" or "grouped" (module docstring).
-        comm: None / a size-1 communicator runs locally; a larger one goes through
-            ``fmoe.parallel.expert_parallel`` (no silent single-process fallback).
-    Returns:
-        [T, H] routed output in dt.
-    """
+def block_spec(hidden_size: int, num_experts: int, gate: GateSpec, experts: ExpertSpec, *, normalize: bool,
+               combine: str, layout: str, shared: Optional[str] = None) -> MoESpec:
+    """The MoESpec of an architecture block (post-scored, dropless unless the gate says otherwise)."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
-    pos = routing.positions()  # once for dispatch and combine
-    buffers = _fmoe_dispatch(tokens, routing, positions=pos)
-    c = resolve(comm)
-    if c.size == 1:
-        out = expert_fn(expert_params, buffers, rows=filled_rows(routing.counts, routing.capacity))
-    else:
-        try:
-            from ..parallel import expert_parallel
-        except ImportError as e:
-            raise NotImplementedError(
-                f"moe_block with a communicator of size {c.size} needs fmoe.parallel.expert_parallel("
-                "spec, expert_params, buffers, comm), which is not available in this build "
-                f"({e}); refusing to fall back to a single process") from e
-        from ..experts import ExpertSpec
-        from ..moe import MoESpec
-        spec = MoESpec(model_dim=tokens.shape[1], num_experts=routing.num_experts,
-                       experts=ExpertSpec(type="custom", fn=expert_fn, init=_no_init))
-        out = expert_parallel(spec, expert_params, buffers, c)
-    if combine == "grouped":
-        return grouped_combine(out, routing, tokens.dtype, positions=pos)
-    return eager_combine(out, routing, tokens.dtype, positions=pos)
+    return MoESpec(model_dim=hidden_size, num_experts=num_experts, gate=gate, experts=experts,
+                   normalize_gate=normalize, combine=combine, layout=layout, shared=shared)
 
 
 def check_tokens(x: Tensor, hidden_size: int, where: str) -> None:

@@ -17,9 +17,9 @@ from typing import Any
 
 from torch import Tensor
 
-from .common import BlockAux, cfg_get, check_tokens, routed_experts, text_config, to_routing
-from .experts import swiglu_experts, swiglu_mlp
-from ..routers import deepseek_topk
+from ..experts import ExpertSpec
+from ..routers import GateSpec
+from .common import BlockAux, activation, block_spec, cfg_get, check_tokens, run_block, text_config
 
 __all__ = ["DeepseekV3BlockConfig", "moe_block", "is_moe_layer", "params_from_module"]
 
@@ -47,6 +47,8 @@ class DeepseekV3BlockConfig:
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 1
     hidden_act: str = "silu"
+    capacity_factor: float = 0.0
+    layout: str = "auto"
 
     def __post_init__(self):
         for n in ("hidden_size", "num_experts", "top_k", "moe_intermediate_size", "n_group", "topk_group"):
@@ -98,6 +100,19 @@ def is_moe_layer(cfg: Any, layer: int) -> bool:
     return layer >= int(cfg_get(c, "first_k_dense_replace", default=0))
 
 
+@functools.lru_cache(maxsize=64)
+def moe_spec(config: DeepseekV3BlockConfig, combine: str = "eager"):
+    """The :class:`fmoe.MoESpec`: deepseek router, swiglu experts, shared SwiGLU (if any)."""
+    gate = GateSpec(type="deepseek", k=config.top_k, capacity_factor=config.capacity_factor,
+                    n_group=config.n_group, topk_group=config.topk_group,
+                    routed_scaling_factor=config.routed_scaling_factor)
+    return block_spec(config.hidden_size, config.num_experts, gate,
+                      ExpertSpec(type="swiglu", hidden_size=config.moe_intermediate_size,
+                                 activation=activation(config.hidden_act)),
+                      normalize=config.norm_topk_prob, combine=combine, layout=config.layout,
+                      shared="swiglu" if config.n_shared_experts > 0 else None)
+
+
 def moe_block(params: dict, x: Tensor, config: DeepseekV3BlockConfig, *, comm=None, combine: str = "eager"
               ) -> tuple[Tensor, BlockAux]:
     """DeepSeek-family block: y = experts(x, idx, w) + shared_experts(x).
@@ -110,19 +125,12 @@ def moe_block(params: dict, x: Tensor, config: DeepseekV3BlockConfig, *, comm=No
         :class:`BlockAux` with fp32 router_logits [T, E].
     """
     check_tokens(x, config.hidden_size, "deepseek_v3.moe_block")
-    t = x.reshape(-1, config.hidden_size)
     r = params["router"]
-    logits, w, ids = deepseek_topk(t, r["weight"], r.get("e_score_correction_bias"), config.top_k,
-                                   n_group=config.n_group, topk_group=config.topk_group,
-                                   norm_topk_prob=config.norm_topk_prob,
-                                   routed_scaling_factor=config.routed_scaling_factor)
-    routing = to_routing(ids, w, config.num_experts, comm=comm)
-    fn = functools.partial(swiglu_experts, act=config.hidden_act)
-    y = routed_experts(params["experts"], t, routing, fn, combine=combine, comm=comm)
+    p = {"gate": {"wg": r["weight"], "correction_bias": r.get("e_score_correction_bias")},
+         "experts": params["experts"]}
     if config.n_shared_experts > 0:
-        y = y + swiglu_mlp(params["shared"], t, act=config.hidden_act)
-    return y.reshape(x.shape), BlockAux(logits, routing)
-
+        p["shared"] = params["shared"]
+    return run_block(p, x, moe_spec(config, combine), comm=comm)
 
 def params_from_module(block) -> dict:
     """The fmoe pytree of a transformers ``DeepseekV3MoE`` / ``DeepseekV32MoE`` / ``Glm4MoeMoE`` /

@@ -17,9 +17,9 @@ from typing import Any
 
 from torch import Tensor
 
-from .common import BlockAux, cfg_get, check_tokens, routed_experts, text_config, to_routing
-from .experts import gpt_oss_experts
-from ..routers import gpt_oss_topk
+from ..experts import ExpertSpec
+from ..routers import GateSpec
+from .common import BlockAux, block_spec, cfg_get, check_tokens, run_block, text_config
 
 __all__ = ["GptOssBlockConfig", "moe_block", "params_from_module"]
 
@@ -35,6 +35,8 @@ class GptOssBlockConfig:
     intermediate_size: int
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    capacity_factor: float = 0.0
+    layout: str = "auto"
 
     def __post_init__(self):
         for n in ("hidden_size", "num_experts", "top_k", "intermediate_size"):
@@ -55,20 +57,25 @@ class GptOssBlockConfig:
                    swiglu_limit=float(cfg_get(c, "swiglu_limit", default=7.0)))
 
 
+@functools.lru_cache(maxsize=64)
+def moe_spec(config: GptOssBlockConfig, combine: str = "eager"):
+    """The :class:`fmoe.MoESpec`: gpt_oss router, clamped-SwiGLU experts with biases."""
+    return block_spec(config.hidden_size, config.num_experts,
+                      GateSpec(type="gpt_oss", k=config.top_k, capacity_factor=config.capacity_factor),
+                      ExpertSpec(type="gpt_oss", hidden_size=config.intermediate_size, alpha=config.swiglu_alpha,
+                                 limit=config.swiglu_limit),
+                      normalize=True, combine=combine, layout=config.layout)
+
+
 def moe_block(params: dict, x: Tensor, config: GptOssBlockConfig, *, comm=None, combine: str = "eager"
               ) -> tuple[Tensor, BlockAux]:
     """GPT-OSS MoE block. Args/returns as :func:`fmoe.models.qwen3_moe.moe_block`; the routing
     weights are dt. transformers' ``GptOssMLP`` also returns the [T, k] weights: they are
     ``aux.topk()[1]``."""
     check_tokens(x, config.hidden_size, "gpt_oss.moe_block")
-    t = x.reshape(-1, config.hidden_size)
     r = params["router"]
-    logits, w, ids = gpt_oss_topk(t, r["weight"], r.get("bias"), config.top_k)
-    routing = to_routing(ids, w, config.num_experts, comm=comm)
-    fn = functools.partial(gpt_oss_experts, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
-    y = routed_experts(params["experts"], t, routing, fn, combine=combine, comm=comm)
-    return y.reshape(x.shape), BlockAux(logits, routing)
-
+    return run_block({"gate": {"wg": r["weight"], "bias": r.get("bias")}, "experts": params["experts"]}, x,
+                     moe_spec(config, combine), comm=comm)
 
 def params_from_module(block) -> dict:
     """The fmoe pytree of a transformers ``GptOssMLP`` with float experts (tensors shared)."""

@@ -12,9 +12,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .common import BlockAux, cfg_get, check_tokens, routed_experts, text_config, to_routing
-from .experts import swiglu_experts
-from ..routers import mixtral_jitter, mixtral_topk
+from ..experts import ExpertSpec
+from ..routers import GateSpec
+from .common import BlockAux, activation, block_spec, cfg_get, check_tokens, run_block, text_config
 
 __all__ = ["MixtralBlockConfig", "moe_block", "params_from_module"]
 
@@ -30,6 +30,8 @@ class MixtralBlockConfig:
     intermediate_size: int
     router_jitter_noise: float = 0.0
     hidden_act: str = "silu"
+    capacity_factor: float = 0.0
+    layout: str = "auto"
 
     def __post_init__(self):
         for n in ("hidden_size", "num_experts", "top_k", "intermediate_size"):
@@ -52,6 +54,17 @@ class MixtralBlockConfig:
                    hidden_act=str(cfg_get(c, "hidden_act", default="silu")))
 
 
+@functools.lru_cache(maxsize=64)
+def moe_spec(config: MixtralBlockConfig, combine: str = "eager"):
+    """The :class:`fmoe.MoESpec`: mixtral router (with jitter), swiglu experts."""
+    gate = GateSpec(type="mixtral", k=config.top_k, capacity_factor=config.capacity_factor,
+                    jitter_eps=config.router_jitter_noise)
+    return block_spec(config.hidden_size, config.num_experts, gate,
+                      ExpertSpec(type="swiglu", hidden_size=config.intermediate_size,
+                                 activation=activation(config.hidden_act)),
+                      normalize=True, combine=combine, layout=config.layout)
+
+
 def moe_block(params: dict, x: Tensor, config: MixtralBlockConfig, *, comm=None, combine: str = "eager",
               training: bool = False, generator: Optional[torch.Generator] = None) -> tuple[Tensor, BlockAux]:
     """Mixtral sparse block.
@@ -65,15 +78,8 @@ def moe_block(params: dict, x: Tensor, config: MixtralBlockConfig, *, comm=None,
         y with x's shape and dtype; :class:`BlockAux` (router_logits [T, E] dt).
     """
     check_tokens(x, config.hidden_size, "mixtral.moe_block")
-    if training:
-        x = mixtral_jitter(x, config.router_jitter_noise, generator=generator)
-    t = x.reshape(-1, config.hidden_size)
-    logits, w, ids = mixtral_topk(t, params["router"]["weight"], config.top_k)
-    routing = to_routing(ids, w, config.num_experts, comm=comm)
-    fn = functools.partial(swiglu_experts, act=config.hidden_act)
-    y = routed_experts(params["experts"], t, routing, fn, combine=combine, comm=comm)
-    return y.reshape(x.shape), BlockAux(logits, routing)
-
+    return run_block({"gate": {"wg": params["router"]["weight"]}, "experts": params["experts"]}, x,
+                     moe_spec(config, combine), comm=comm, training=training, generator=generator)
 
 def params_from_module(block) -> dict:
     """The fmoe pytree of a transformers ``MixtralSparseMoeBlock`` (tensors shared)."""

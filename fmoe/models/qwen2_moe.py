@@ -12,10 +12,10 @@ from typing import Any
 
 from torch import Tensor
 
-from .common import BlockAux, cfg_get, check_tokens, routed_experts, text_config, to_routing
-from .experts import gated_shared_mlp, swiglu_experts
+from ..experts import ExpertSpec
+from ..routers import GateSpec
+from .common import BlockAux, activation, block_spec, cfg_get, check_tokens, run_block, text_config
 from .qwen3_moe import Qwen3MoeBlockConfig, is_moe_layer
-from ..routers import qwen_topk
 
 __all__ = ["Qwen2MoeBlockConfig", "moe_block", "is_moe_layer", "params_from_module"]
 
@@ -40,6 +40,16 @@ class Qwen2MoeBlockConfig(Qwen3MoeBlockConfig):
                    shared_expert_intermediate_size=int(cfg_get(c, "shared_expert_intermediate_size")))
 
 
+@functools.lru_cache(maxsize=64)
+def moe_spec(config: Qwen2MoeBlockConfig, combine: str = "eager"):
+    """The :class:`fmoe.MoESpec`: qwen router, swiglu experts, sigmoid-gated shared SwiGLU."""
+    return block_spec(config.hidden_size, config.num_experts,
+                      GateSpec(type="qwen", k=config.top_k, capacity_factor=config.capacity_factor),
+                      ExpertSpec(type="swiglu", hidden_size=config.moe_intermediate_size,
+                                 activation=activation(config.hidden_act)),
+                      normalize=config.norm_topk_prob, combine=combine, layout=config.layout, shared="gated_swiglu")
+
+
 def moe_block(params: dict, x: Tensor, config: Qwen2MoeBlockConfig, *, comm=None, combine: str = "eager"
               ) -> tuple[Tensor, BlockAux]:
     """Qwen2-MoE block: y = routed(x) + σ(x · w_sgᵀ) · shared(x), every term and the sum in dt.
@@ -47,14 +57,9 @@ def moe_block(params: dict, x: Tensor, config: Qwen2MoeBlockConfig, *, comm=None
     Args and returns as :func:`fmoe.models.qwen3_moe.moe_block`; ``aux.shared_gate`` is [T, 1].
     """
     check_tokens(x, config.hidden_size, "qwen2_moe.moe_block")
-    t = x.reshape(-1, config.hidden_size)
-    logits, w, ids = qwen_topk(t, params["router"]["weight"], config.top_k, norm_topk_prob=config.norm_topk_prob)
-    routing = to_routing(ids, w, config.num_experts, comm=comm)
-    fn = functools.partial(swiglu_experts, act=config.hidden_act)
-    routed = routed_experts(params["experts"], t, routing, fn, combine=combine, comm=comm)
-    shared, gate = gated_shared_mlp(params["shared"], params["shared_gate"]["weight"], t, act=config.hidden_act)
-    return (routed + shared).reshape(x.shape), BlockAux(logits, routing, gate)
-
+    p = {"gate": {"wg": params["router"]["weight"]}, "experts": params["experts"], "shared": params["shared"],
+         "shared_gate": params["shared_gate"]}
+    return run_block(p, x, moe_spec(config, combine), comm=comm)
 
 def params_from_module(block) -> dict:
     """The fmoe pytree of a transformers ``Qwen2MoeSparseMoeBlock`` (tensors shared)."""

@@ -15,9 +15,9 @@ from typing import Any
 
 from torch import Tensor
 
-from .common import BlockAux, cfg_get, check_tokens, routed_experts, text_config, to_routing
-from .experts import swiglu_experts
-from ..routers import qwen_topk
+from ..experts import ExpertSpec
+from ..routers import GateSpec
+from .common import BlockAux, activation, block_spec, cfg_get, check_tokens, run_block, text_config
 
 __all__ = ["Qwen3MoeBlockConfig", "moe_block", "is_moe_layer", "params_from_module"]
 
@@ -39,6 +39,8 @@ class Qwen3MoeBlockConfig:
     moe_intermediate_size: int
     norm_topk_prob: bool = False
     hidden_act: str = "silu"
+    capacity_factor: float = 0.0
+    layout: str = "auto"
 
     def __post_init__(self):
         for n in ("hidden_size", "num_experts", "top_k", "moe_intermediate_size"):
@@ -69,6 +71,16 @@ def is_moe_layer(cfg: Any, layer: int) -> bool:
             and (layer + 1) % step == 0)
 
 
+@functools.lru_cache(maxsize=64)
+def moe_spec(config: Qwen3MoeBlockConfig, combine: str = "eager"):
+    """The :class:`fmoe.MoESpec` of this block: qwen router, swiglu experts, no shared expert."""
+    return block_spec(config.hidden_size, config.num_experts,
+                      GateSpec(type="qwen", k=config.top_k, capacity_factor=config.capacity_factor),
+                      ExpertSpec(type="swiglu", hidden_size=config.moe_intermediate_size,
+                                 activation=activation(config.hidden_act)),
+                      normalize=config.norm_topk_prob, combine=combine, layout=config.layout)
+
+
 def moe_block(params: dict, x: Tensor, config: Qwen3MoeBlockConfig, *, comm=None, combine: str = "eager"
               ) -> tuple[Tensor, BlockAux]:
     """Qwen3-MoE sparse block forward (no residual; input already normalised).
@@ -82,13 +94,8 @@ def moe_block(params: dict, x: Tensor, config: Qwen3MoeBlockConfig, *, comm=None
         y with x's shape and dtype; :class:`BlockAux` (router_logits [T, E] dt, routing).
     """
     check_tokens(x, config.hidden_size, "qwen3_moe.moe_block")
-    t = x.reshape(-1, config.hidden_size)
-    logits, w, ids = qwen_topk(t, params["router"]["weight"], config.top_k, norm_topk_prob=config.norm_topk_prob)
-    routing = to_routing(ids, w, config.num_experts, comm=comm)
-    fn = functools.partial(swiglu_experts, act=config.hidden_act)
-    y = routed_experts(params["experts"], t, routing, fn, combine=combine, comm=comm)
-    return y.reshape(x.shape), BlockAux(logits, routing)
-
+    return run_block({"gate": {"wg": params["router"]["weight"]}, "experts": params["experts"]}, x,
+                     moe_spec(config, combine), comm=comm)
 
 def params_from_module(block) -> dict:
     """The fmoe pytree of a transformers ``Qwen3MoeSparseMoeBlock`` (tensors shared, not copied)."""

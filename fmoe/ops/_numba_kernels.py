@@ -208,7 +208,6 @@ def rows_matvec_kn(x, w, ns, C, zero, y):
                     y[r, n] += a * w[e, k, n]
 
 
-@njit(**_FLAGS)
 def signatures():
     """(name, kernel, example args) for every compiled signature, used by warm-up."""
     out = []

@@ -1,4 +1,5 @@
-"""Grouped (ragged) expert GEMMs: multiply only the filled rows of each expert buffer.
+"""Grouped expert GEMMs: the :class:`GroupedGemm` seam over both layouts, and the padded
+layout's filled-rows GEMMs (multiply only the filled rows of each expert buffer).
 
 With capacity factor 2 about half of every [E, C, M] buffer is empty, yet a
 batched matmul multiplies those zero rows anyway. Here expert e multiplies only
@@ -21,15 +22,18 @@ the filled rows).
 """
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
+from ..layout import Layout
 from . import numba_cpu as _numba_cpu
+from . import ragged as _ragged
 from .primitives import forward_only
 
-__all__ = ["grouped_mm", "grouped_wgrad", "expert_mm", "filled_rows"]
+__all__ = ["GroupedGemm", "grouped_mm", "grouped_wgrad", "expert_mm", "filled_rows"]
 
 
 def filled_rows(counts: Tensor, capacity: int) -> Tensor:
@@ -278,3 +282,101 @@ def expert_mm(x: Tensor, w: Tensor, *, transposed: bool, rows: Optional[Tensor] 
             not torch.compiler.is_compiling() and not _batched_under_vmap(x, w, rows))):
         return grouped_mm(x, w, rows, transposed=transposed, exact=exact)
     return torch.bmm(x, w.transpose(1, 2) if transposed else w)
+
+
+# --------------------------------------------------------------------------- the seam
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GroupedGemm:
+    """The one expert-GEMM seam: per-expert matmuls over a :class:`~fmoe.Layout`'s row buffer.
+
+    Every expert function (ffn, SwiGLU, GPT-OSS, fused layouts, custom ones that want it)
+    multiplies through this object, so a faster kernel, a quantized recipe or another layout
+    is added here once for every router and architecture. Override it by subclassing and
+    passing the instance to the expert function.
+
+    Layouts:
+        padded: x [E, C, K]; expert e multiplies its filled rows ``[0, sizes[e])`` (the rest of
+            the output is 0). ``exact=False`` keeps the C-row GEMM's summation order bit for
+            bit; ``exact=True`` multiplies exactly the filled rows (faster at decode, equal
+            within float rounding). Under vmap/compile: the padded ``bmm``.
+        ragged: x [R, K]; expert e multiplies rows ``offsets[e]:offsets[e+1]``
+            (:func:`fmoe.ops.ragged.ragged_mm`, a custom op closed under differentiation).
+
+    Weights: float [E, K, N], or [E, N, K] with ``transposed=True`` (nn.Linear's out x in);
+    or a :class:`fmoe.quant.QuantizedTensor` of logical shape [E, N, K] (always out x in).
+    ``precision`` (a :class:`fmoe.quant.training.TrainPrecision`) runs float master weights
+    through the quantized-training recipe (forward and backward GEMMs on quantized operands,
+    gradients on the master weights); ``generator`` feeds its stochastic rounding.
+
+    Attributes:
+        layout: the dispatch layout.
+        exact: padded layout only, see above.
+        precision: None (compute in x's dtype) or a quantized-training recipe.
+        generator: RNG for the recipe's stochastic rounding / random Hadamard signs.
+    """
+
+    layout: Layout
+    exact: bool = False
+    precision: Any = None
+    generator: Optional[torch.Generator] = None
+
+    # ---- float kernels over the layout
+    def _float_mm(self, x: Tensor, w: Tensor, transposed: bool) -> Tensor:
+        lay = self.layout
+        if lay.kind == "ragged":
+            return _ragged.ragged_mm(x, w, lay.offsets, transposed=transposed)
+        return expert_mm(x, w, transposed=transposed, rows=lay.sizes, exact=self.exact)
+
+    def wgrad(self, a: Tensor, b: Tensor) -> Tensor:
+        """Per-expert ``a_e^T b_e`` over the layout's rows: [E, P, Q] from a [.., P], b [.., Q]."""
+        lay = self.layout
+        if lay.kind == "ragged":
+            return _ragged.ragged_wgrad(a, b, lay.offsets)
+        return grouped_wgrad(a, b, lay.sizes)
+
+    def mm(self, x: Tensor, w, *, transposed: bool = False) -> Tensor:
+        """``x_e @ op(w[e])`` for every expert e over the layout's rows; result in x's dtype.
+
+        Args:
+            x: [E, C, K] (padded) or [R, K] (ragged).
+            w: float [E, K, N] (``transposed=False``) or [E, N, K] (``transposed=True``),
+                or a QuantizedTensor [E, N, K] (``transposed`` is then ignored).
+        Returns:
+            [E, C, N] or [R, N]; rows that hold no pair are 0.
+        """
+        if not isinstance(w, Tensor):
+            return self._quantized_mm(x, w)
+        w = w.to(x.dtype)
+        if self.precision is not None:
+            from ..quant import training as _qt  # optional: quantized training recipes
+            return _qt.quantized_mm(x, w, self.precision, transposed=transposed, mm=self._float_mm,
+                                    wgrad=self.wgrad, generator=self.generator)
+        return self._float_mm(x, w, transposed)
+
+    def _quantized_mm(self, x: Tensor, w) -> Tensor:
+        from .. import quant  # optional: low-precision weights
+        lay = self.layout
+        if lay.kind == "padded":
+            return quant.expert_matmul(x, w).to(x.dtype)
+        # Ragged rows: one fused low-precision call per busy expert on its row slice.
+        out = x.new_zeros(x.shape[0], w.logical_shape[1])
+        starts, sizes = lay.starts.tolist(), lay.sizes.tolist()
+        for e, (s, n) in enumerate(zip(starts, sizes)):
+            if n:
+                out[s:s + n] = quant.expert_matmul(x[s:s + n].unsqueeze(0), w[e:e + 1])[0].to(x.dtype)
+        return out
+
+    def bias(self, b: Tensor, like: Tensor) -> Tensor:
+        """Per-expert bias b [E, N] shaped to add to a ``mm`` output ``like`` (in its dtype)."""
+        b = b.to(like.dtype)
+        if self.layout.kind == "padded":
+            return b.unsqueeze(1)
+        return b.index_select(0, self.row_experts())
+
+    def row_experts(self) -> Tensor:
+        """int64 [R]: expert owning each ragged row (rows past the last group map to E-1)."""
+        lay = self.layout
+        ends = (lay.starts + lay.sizes).contiguous()
+        rows = torch.arange(lay.num_rows, device=ends.device)
+        return torch.searchsorted(ends, rows, right=True).clamp(max=lay.num_experts - 1)

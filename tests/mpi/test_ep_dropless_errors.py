@@ -8,7 +8,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import fmoe
-from fmoe.parallel import InconsistentRanksError, expert_parallel_dropless, shard_experts
+from fmoe.parallel import InconsistentRanksError, shard_experts
 from _helpers import M, allclose, full_params, local_batch, local_params, make_spec
 
 
@@ -17,10 +17,13 @@ def _global(comm, T=16):
     return torch.cat(xs), slice(comm.rank * T, (comm.rank + 1) * T)
 
 
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
 @pytest.mark.parametrize("k", [1, 2])
-def test_dropless_padded_and_a2av_equal_global_batch(comm, k):
+def test_dropless_padded_and_a2av_equal_global_batch(comm, k, layout):
+    """Dropless through moe(): padded (capacity = group max load, all-to-all) and ragged
+    (no padding rows, all-to-all-v) equal one process on the global batch, values and grads."""
     E = 2 * comm.size
-    spec = make_spec(E, k, 0.0)
+    spec = dataclasses.replace(make_spec(E, k, 0.0), layout=layout)
     full = full_params(spec)
     X, mine = _global(comm)
     ref = pytree.tree_map(lambda t: t.clone().requires_grad_(True), full)
@@ -30,24 +33,16 @@ def test_dropless_padded_and_a2av_equal_global_batch(comm, k):
     assert aux_all.dropped.item() == 0
 
     local = local_params(spec, full, comm)
-    x = X[mine]
-    # padded dropless (cf = 0) through moe()
-    p = pytree.tree_map(lambda t: t.clone().requires_grad_(True), local)
-    y, aux = fmoe.moe(p, x, spec, comm=comm)
-    allclose(y, y_all[mine].detach(), f"moe cf=0 k={k}")
-    assert aux.dropped.item() == 0
-    # all-to-all-v without padding, as an architecture adapter would call it
     q = pytree.tree_map(lambda t: t.clone().requires_grad_(True), local)
-    routing, _ = fmoe.route(q, x, spec, comm=comm)
-    y_v = expert_parallel_dropless(spec.experts, q["experts"], x, routing.expert_ids, routing.weights, comm,
-                                   num_experts=E)
-    allclose(y_v, y_all[mine].detach(), f"a2av k={k}")
-    (y_v * cot_all[mine]).sum().backward()
+    y, aux = fmoe.moe(q, X[mine], spec, comm=comm)
+    allclose(y, y_all[mine].detach(), f"moe cf=0 k={k} {layout}")
+    assert aux.dropped.item() == 0
+    (y * cot_all[mine]).sum().backward()
     want = shard_experts("ffn", {kk: g.grad for kk, g in ref["experts"].items()}, E, comm.rank, comm.size)
     for kk in want:
-        allclose(q["experts"][kk].grad, want[kk], f"a2av grad {kk}")
+        allclose(q["experts"][kk].grad, want[kk], f"{layout} grad {kk}")
     gate_sum = comm.all_reduce(q["gate"]["wg"].grad, "sum")
-    allclose(gate_sum, ref["gate"]["wg"].grad, "a2av gate grad summed over ranks", atol=1e-5)  # fp32 gate
+    allclose(gate_sum, ref["gate"]["wg"].grad, f"{layout} gate grad summed over ranks", atol=1e-5)  # fp32 gate
 
 
 def test_unequal_token_counts_agree_on_capacity(comm):
