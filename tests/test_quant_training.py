@@ -101,6 +101,38 @@ def test_sr_e2m1_codes_and_errors():
         QT.quantize_sr(torch.randn(2, 32), "mxfp8", generator=g)
 
 
+def _fq_cases():
+    g = torch.Generator().manual_seed(0)
+    yield torch.randn(3, 40, 64, generator=g)
+    yield torch.randn(2, 130, 160, generator=g) * 1e-3          # ragged 128-blocks, two 128-row tiles
+    t = torch.randn(2, 16, 64, generator=g)
+    t[0, 3] = 0
+    t[1, :, :16] = 0                                            # zero rows and blocks
+    yield t
+    yield torch.randint(-60, 60, (4, 8, 64), generator=g).float() * 0.25   # E2M1/E4M3 ties
+    yield torch.randn(1, 32, 256, generator=g) * 1e-30          # subnormal scales and codes
+    yield torch.randn(2, 7, 96, generator=g) * 1e5
+
+
+@pytest.mark.parametrize("fmt", QFORMATS)
+def test_numba_fake_quantize_is_bit_exact_with_the_spec_codecs(fmt):
+    for t in _fq_cases():
+        if fmt in ("mxfp8", "mxfp4") and t.shape[-1] % 32:
+            continue
+        for role in ("weight", "act"):
+            a = QT.fake_quantize(t, fmt, role, impl="torch")
+            b = QT.fake_quantize(t, fmt, role, impl="numba")
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (fmt, role, tuple(t.shape))
+        if fmt in ("mxfp4", "nvfp4"):  # the same uniforms in the same order: the same SR codes
+            a = QT.fake_quantize(t, fmt, "act", sr=True, generator=torch.Generator().manual_seed(3), impl="torch")
+            b = QT.fake_quantize(t, fmt, "act", sr=True, generator=torch.Generator().manual_seed(3), impl="numba")
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    bad = torch.randn(2, 4, 64)
+    bad[1, 2, 3] = float("inf")
+    with pytest.raises(ValueError, match="inf or NaN"):
+        QT.fake_quantize(bad, fmt, "act", impl="numba")
+
+
 def test_hadamard_is_orthogonal():
     signs = torch.randint(0, 2, (16,), generator=torch.Generator().manual_seed(1)).float() * 2 - 1
     R = QT._hadamard_matrix(signs)
@@ -125,6 +157,11 @@ def test_dgrad_wgrad_equal_dequantize_then_matmul(fmt, transposed):
     # same decoded operands, same torch.bmm: bit-exact
     assert torch.equal(y, y_h) and torch.equal(dx, dx_h) and torch.equal(dw, dw_h)
     assert dw.shape == w.shape
+    # "auto" (numba quantize-dequantize, then the same bmm): bit-exact as well
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ya = quantized_mm(xa, wa, r, transposed=transposed, mm=MM, wgrad=WGRAD, path="auto")
+    for a, b in zip((ya,) + torch.autograd.grad(ya, (xa, wa), gy), (y, dx, dw)):
+        assert torch.equal(a, b)
     # the fused numba kernels decode the same values; only the summation order differs
     xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
     yf = quantized_mm(xf, wf, r, transposed=transposed, mm=MM, wgrad=WGRAD, path="fused")

@@ -13,6 +13,8 @@ typing widened the int32 version to 8 x int64 lanes, about 1.6x slower per weigh
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -427,3 +429,225 @@ def fp4_dequant(data, scales, scale_table, gscale, out):
                 b = _i32(row[j])
                 orow[2 * j] = _f32(_e2m1_twice(b & _I15)) * s * gscale
                 orow[2 * j + 1] = _f32(_e2m1_twice(b >> _I4)) * s * gscale
+
+
+# --- quantize-dequantize ("fake quantization") for quantized training ------------------------
+# One pass per block: scale, element encode and decode, bit-exact with
+# formats.dequantize(formats.quantize(...)) (tests/test_quant_training.py compares every
+# format, including ties and subnormal codes). No fastmath anywhere: the pinned formulas use
+# IEEE float32 division and a fixed order of products. Element rounding works on float64
+# copies where that is exact (power-of-two scalings and np.rint, which rounds half to even).
+
+_F448 = np.float32(448.0)
+_FINF = np.float32(np.inf)
+_F2688 = np.float32(6.0 * 448.0)
+_F6f = np.float32(6.0)
+_F1f = np.float32(1.0)
+_E4M3_MIN_NORMAL = 2.0 ** -6
+# E2M1 magnitudes by code 0..7 and the RNE thresholds between them (> strict when the lower
+# code is even, >= when odd: ties go to the even code).
+_E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+
+
+@njit(inline="always", cache=True)
+def _e4m3_rne(v):
+    """float32 v (|v| <= 448, finite) -> the E4M3FN value it rounds to (RNE), as float32."""
+    a = abs(np.float64(v))
+    if a < _E4M3_MIN_NORMAL:
+        q = np.rint(a * 512.0) / 512.0  # subnormal quantum 2^-9
+    else:
+        m, e = math.frexp(a)  # a = m 2^e, m in [0.5, 1): 3 mantissa bits -> quantum 2^(e-4)
+        quantum = math.ldexp(1.0, e - 4)
+        q = np.rint(a / quantum) * quantum
+    return np.float32(math.copysign(q, v))
+
+
+@njit(inline="always", cache=True)
+def _e2m1_rne(a):
+    """|v| (float32 or float64, finite) -> E2M1 magnitude index 0..7 (RNE, saturating)."""
+    i = 0
+    if a > 0.25:
+        i += 1
+    if a >= 0.75:
+        i += 1
+    if a > 1.25:
+        i += 1
+    if a >= 1.75:
+        i += 1
+    if a > 2.5:
+        i += 1
+    if a >= 3.5:
+        i += 1
+    if a > 5.0:
+        i += 1
+    return i
+
+
+@njit(inline="always", cache=True)
+def _e2m1_sr(v, u, grid):
+    """Stochastic E2M1 magnitude index of float32 v with uniform u in [0, 1) (as
+    training._sr_e2m1): up with probability (|v| - lo) / (hi - lo)."""
+    a = min(abs(v), _F6f)
+    lo = 0
+    for j in range(1, 8):
+        if grid[j] <= a:
+            lo = j
+    hi = min(lo + 1, 7)
+    gap = grid[hi] - grid[lo]
+    p = (a - grid[lo]) / gap if gap > 0 else np.float32(0.0)
+    return hi if u < p else lo
+
+
+@njit(inline="always", cache=True)
+def _signed(mag, v):
+    return np.float32(math.copysign(np.float64(mag), np.float64(v)))
+
+
+@njit(parallel=True, cache=True)
+def fq_fp8_rows(x, out, bk, amax_floor):
+    """FP8 E4M3 with one FP32 scale per bk-wide block of each row (bk = K: per row), the
+    pinned s = max(amax, amax_floor) / 448 (s = 1 where that is 0). x, out float32 [R, K];
+    ragged last block allowed. Returns the number of non-finite inputs (nothing is written
+    for their rows' blocks beyond a NaN-free placeholder; the caller raises)."""
+    R, K = x.shape
+    nb = (K + bk - 1) // bk
+    bad = 0
+    for r in prange(R):
+        for b in range(nb):
+            k0 = b * bk
+            k1 = min(K, k0 + bk)
+            amax = np.float32(0.0)
+            for k in range(k0, k1):
+                a = abs(x[r, k])
+                if not (a < _FINF):
+                    bad += 1
+                amax = max(amax, a)
+            amax = max(amax, amax_floor)
+            s = amax / _F448
+            if s == 0:
+                s = _F1f
+            for k in range(k0, k1):
+                q = x[r, k] / s
+                q = min(max(q, -_F448), _F448)
+                out[r, k] = _e4m3_rne(q) * s
+    return bad
+
+
+@njit(parallel=True, cache=True)
+def fq_fp8_block2d(x, out, bn, bk):
+    """DeepSeek 128x128-style FP8 weight blocks on x, out float32 [B, N, K]: s = amax/448
+    (1 for a zero block), q = E4M3(clamp(x / s)), out = q * s. Returns the non-finite count."""
+    B, N, K = x.shape
+    nbn = (N + bn - 1) // bn
+    nbk = (K + bk - 1) // bk
+    bad = 0
+    for t in prange(B * nbn):
+        bb = t // nbn
+        n0 = (t % nbn) * bn
+        n1 = min(N, n0 + bn)
+        for j in range(nbk):
+            k0 = j * bk
+            k1 = min(K, k0 + bk)
+            amax = np.float32(0.0)
+            for n in range(n0, n1):
+                for k in range(k0, k1):
+                    a = abs(x[bb, n, k])
+                    if not (a < _FINF):
+                        bad += 1
+                    amax = max(amax, a)
+            s = amax / _F448
+            if amax == 0:
+                s = _F1f
+            for n in range(n0, n1):
+                for k in range(k0, k1):
+                    q = min(max(x[bb, n, k] / s, -_F448), _F448)
+                    out[bb, n, k] = _e4m3_rne(q) * s
+    return bad
+
+
+@njit(parallel=True, cache=True)
+def fq_mx(x, out, fp4, u, use_sr):
+    """OCP MX with FLOOR scales over 32-element blocks of each row: MXFP8 (fp4 False, E4M3,
+    emax 8) or MXFP4 (fp4 True, E2M1, emax 2). x, out float32 [R, K], K % 32 == 0.
+    u float32 [R, K] uniforms for stochastic E2M1 rounding when use_sr (else unused).
+    Returns the non-finite count."""
+    R, K = x.shape
+    nb = K // 32
+    emax = 2 if fp4 else 8
+    grid = _E2M1_GRID
+    bad = 0
+    for r in prange(R):
+        for b in range(nb):
+            k0 = b * 32
+            amax = np.float32(0.0)
+            for k in range(k0, k0 + 32):
+                a = abs(x[r, k])
+                if not (a < _FINF):
+                    bad += 1
+                amax = max(amax, a)
+            if amax > 0:
+                m, e = math.frexp(np.float64(amax))
+                se = max(e - 1 - emax, -127)
+            else:
+                se = -127
+            inv = math.ldexp(1.0, -se)         # exact division by 2^se, in float64
+            scale = np.float32(math.ldexp(1.0, se))  # the E8M0 value as float32 (2^-127 is subnormal)
+            for k in range(k0, k0 + 32):
+                q = np.float64(x[r, k]) * inv
+                if fp4:
+                    if use_sr:
+                        qf = np.float32(q)
+                        mag = grid[_e2m1_sr(qf, u[r, k], grid)]
+                        out[r, k] = _signed(mag, qf) * scale
+                    else:
+                        mag = grid[_e2m1_rne(abs(q))]
+                        out[r, k] = _signed(mag, q) * scale
+                else:
+                    qf = np.float32(q)
+                    qf = min(max(qf, -_F448), _F448)
+                    out[r, k] = _e4m3_rne(qf) * scale
+    return bad
+
+
+@njit(parallel=True, cache=True)
+def fq_nvfp4(x, out, u, use_sr):
+    """NVFP4 in the ModelOpt form (formats.quantize_nvfp4) on x, out float32 [B, N, K]
+    (K % 16 == 0): one FP32 global scale per [N, K] matrix, UE4M3 scales per 16 elements,
+    decoded as (e2m1 * s_block) * s_global. u, use_sr: stochastic E2M1 rounding. Returns the
+    non-finite count."""
+    B, N, K = x.shape
+    nb = K // 16
+    grid = _E2M1_GRID
+    bad = 0
+    for bb in range(B):
+        gmax = np.float32(0.0)
+        for n in range(N):
+            for k in range(K):
+                a = abs(x[bb, n, k])
+                if not (a < _FINF):
+                    bad += 1
+                gmax = max(gmax, a)
+        sf2 = gmax / _F2688
+        if not (sf2 > 0):
+            sf2 = _F1f
+        six_sf2 = _F6f * sf2
+        for n in prange(N):
+            for b in range(nb):
+                k0 = b * 16
+                amax = np.float32(0.0)
+                for k in range(k0, k0 + 16):
+                    amax = max(amax, abs(x[bb, n, k]))
+                if amax == 0:
+                    s = _F1f
+                else:
+                    s = max(amax / six_sf2, np.float32(2.0 ** -9))
+                s8 = _e4m3_rne(min(s, _F448))
+                divisor = s8 * sf2
+                for k in range(k0, k0 + 16):
+                    q = x[bb, n, k] / divisor
+                    if use_sr:
+                        mag = grid[_e2m1_sr(q, u[bb, n, k], grid)]
+                    else:
+                        mag = grid[_e2m1_rne(abs(q))]
+                    out[bb, n, k] = (_signed(mag, q) * s8) * sf2
+    return bad

@@ -45,11 +45,16 @@ in; a recipe that needs it raises without one.
 
 Compute: quantized operands are decoded to FP32 and multiplied in FP32 (the exact products
 a tensor core forms, FP32 accumulation); y and dx come back in x's dtype, dw in w's dtype.
-``path="fused"`` multiplies padded [E, C, K] buffers with the numba kernels of
-:mod:`fmoe.quant.matmul` (weights decoded in registers, no dequantized copy) for forward,
-dgrad and (when x is quantized) wgrad; ``"reference"`` always dequantizes then calls the
-given mm / wgrad; ``"auto"`` takes the fused kernels on CPU [E, C, K] inputs when C is at
-most the measured crossover of the format.
+Paths (all give the same decoded operands; only the GEMM summation order may differ):
+  "auto"       quantize-dequantize each operand in one pass with the numba kernels of
+               :mod:`fmoe.quant._cpu_kernels` (CPU; the torch codecs on other devices and
+               under torch.func), then the layout's float mm / wgrad
+  "reference"  the spec quantizers of :mod:`fmoe.quant.formats`, dequantize, mm / wgrad
+  "fused"      padded CPU [E, C, K] buffers: operands packed by the spec quantizers and
+               multiplied by the fused kernels of :mod:`fmoe.quant.matmul` (weights decoded
+               in registers) in forward, dgrad and (x quantized) wgrad: the W4A16 / W8A16
+               inference kernels reused for training; slower than "auto" here because
+               packing runs in torch
 """
 from __future__ import annotations
 
@@ -57,6 +62,7 @@ import dataclasses
 import math
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -219,15 +225,73 @@ def quantize_operand(t: Tensor, fmt: str, role: str, *, sr: bool = False,
     return _act_quantizer(fmt, t, sr and fmt in FP4_FORMATS, generator)
 
 
+FAKE_QUANT_IMPLS = ("auto", "numba", "torch")
+
+
 def fake_quantize(t: Tensor, fmt: str, role: str, *, sr: bool = False,
-                  generator: Optional[torch.Generator] = None) -> Tensor:
+                  generator: Optional[torch.Generator] = None, impl: str = "auto") -> Tensor:
     """dequantize(quantize_operand(t, ...)) as float32 [t.shape]; "bf16" rounds to bfloat16,
-    "fp32" only converts."""
+    "fp32" only converts.
+
+    impl "torch": the spec quantizers of :mod:`fmoe.quant.formats`, then dequantize;
+    "numba": one-pass numba kernels (CPU), bit-exact with "torch" (the same stochastic
+    draws too); "auto": numba for plain CPU tensors, torch otherwise (GPU, torch.func).
+    """
     if fmt == "fp32":
         return t.float()
     if fmt == "bf16":
         return t.to(torch.bfloat16).float()
+    if impl not in FAKE_QUANT_IMPLS:
+        raise ValueError(f"fake_quantize: impl must be one of {FAKE_QUANT_IMPLS}, got {impl!r}")
+    if impl == "numba" or (impl == "auto" and t.device.type == "cpu" and not _wrapped(t) and t.dim() >= 2):
+        return _fake_quantize_numba(t, fmt, role, sr and fmt in FP4_FORMATS, generator)
     return F.dequantize(quantize_operand(t, fmt, role, sr=sr, generator=generator))
+
+
+def _fake_quantize_numba(t: Tensor, fmt: str, role: str, sr: bool, generator) -> Tensor:
+    from .. import _numba
+    from . import _cpu_kernels as K
+
+    if fmt not in TRAIN_FORMATS or fmt in _FLOAT_FORMATS:
+        raise ValueError(f"fake_quantize: fmt must be one of {TRAIN_FORMATS}, got {fmt!r}")
+    if role not in ("weight", "act"):
+        raise ValueError(f"fake_quantize: role must be 'weight' or 'act', got {role!r}")
+    if t.device.type != "cpu" or t.dim() < 2:
+        raise ValueError(f"fake_quantize: the numba kernels take CPU tensors [..., N, K], got "
+                         f"{tuple(t.shape)} on {t.device}")
+    if not torch.is_floating_point(t):
+        raise TypeError(f"fake_quantize: expected a float tensor, got {t.dtype}")
+    if sr and not isinstance(generator, torch.Generator):
+        raise TypeError("fake_quantize: stochastic rounding needs an explicit torch.Generator")
+    x = t.detach().float().contiguous()
+    kdim = x.shape[-1]
+    if fmt in _AXIS_BLOCK and kdim % _AXIS_BLOCK[fmt]:
+        raise ValueError(f"fake_quantize: K = {kdim} (shape {tuple(x.shape)}) is not a multiple of "
+                         f"the block size {_AXIS_BLOCK[fmt]}; pad K to a multiple of "
+                         f"{_AXIS_BLOCK[fmt]} first")
+    out = torch.empty_like(x)
+    x2, o2 = x.view(-1, kdim), out.view(-1, kdim)
+    u = torch.rand(x.shape, generator=generator, dtype=torch.float32) if sr else x2[:1, :1]
+    floor = np.float32(F.ACT_AMAX_FLOOR)
+    with _numba.kernel_call():
+        if fmt == "fp8_row":
+            bad = K.fq_fp8_rows(x2.numpy(), o2.numpy(), kdim, floor)
+        elif fmt == "fp8_block" and role == "act":
+            bad = K.fq_fp8_rows(x2.numpy(), o2.numpy(), 128, floor)
+        elif fmt == "fp8_block":
+            n = x.shape[-2]
+            bn, bk = F.FP8_WEIGHT_BLOCK
+            bad = K.fq_fp8_block2d(x.view(-1, n, kdim).numpy(), out.view(-1, n, kdim).numpy(), bn, bk)
+        elif fmt in ("mxfp8", "mxfp4"):
+            bad = K.fq_mx(x2.numpy(), o2.numpy(), fmt == "mxfp4", u.view(-1, u.shape[-1]).numpy(), sr)
+        else:  # nvfp4: one global scale per [N, K] matrix
+            n = x.shape[-2]
+            bad = K.fq_nvfp4(x.view(-1, n, kdim).numpy(), out.view(-1, n, kdim).numpy(),
+                             u.reshape(-1, n, kdim).numpy() if sr else u.view(1, 1, 1).numpy(), sr)
+    if bad:
+        raise ValueError(f"fake_quantize: input contains inf or NaN ({bad} values); block quantizers "
+                         f"never encode non-finite values silently (spec §6.3)")
+    return out
 
 
 def _pad_rows(t: Tensor, multiple: int) -> Tensor:
@@ -252,7 +316,7 @@ def hadamard_along_tokens(tT: Tensor, signs: Tensor) -> Tensor:
 
 
 def _token_operand(t: Tensor, fmt: Optional[str], sr: bool, generator, signs: Optional[Tensor],
-                   want_qt: bool):
+                   want_qt: bool, impl: str = "auto"):
     """Operand t [..., T, P] of a wgrad, quantized along the token axis T.
 
     Returns (float32 [..., P, T_padded] transposed values or None, QuantizedTensor of logical
@@ -271,8 +335,10 @@ def _token_operand(t: Tensor, fmt: Optional[str], sr: bool, generator, signs: Op
         tT = hadamard_along_tokens(tT, signs)
     if fmt is None or fmt in _FLOAT_FORMATS:
         return fake_quantize(tT, fmt or "fp32", "act"), None, T
+    if not want_qt:
+        return fake_quantize(tT.contiguous(), fmt, "act", sr=sr, generator=generator, impl=impl), None, T
     qt = quantize_operand(tT.contiguous(), fmt, "act", sr=sr, generator=generator)
-    return (None if want_qt else F.dequantize(qt)), qt, T
+    return None, qt, T
 
 
 # --- layout helpers --------------------------------------------------------------------------
@@ -305,8 +371,7 @@ def _fused_ok(x: Tensor, fmt: str, path: str, rows: int, *others: Tensor) -> boo
             raise ValueError(f"quantized_mm: path 'fused' needs CPU [E, C, K] buffers, got "
                              f"{tuple(x.shape)} on {x.device}")
         return True
-    from .matmul import crossover
-    return ok and rows <= crossover(fmt)
+    return False  # "auto": numba fake quantization + the layout's float GEMMs
 
 
 def _fused(a: Tensor, qt: QuantizedTensor) -> Tensor:
@@ -326,43 +391,48 @@ def _weight_qts(w: Tensor, recipe: TrainPrecision, transposed: bool, which: str)
     return quantize_operand(src.float().contiguous(), recipe.weights, "weight")
 
 
-def _weight_values(w: Tensor, recipe: TrainPrecision, transposed: bool, which: str):
-    """(float32 weight in w's own orientation for mm, QuantizedTensor or None)."""
+def _impl(path: str) -> str:
+    return "torch" if path == "reference" else "auto"
+
+
+def _weight_values(w: Tensor, recipe: TrainPrecision, transposed: bool, which: str, impl: str):
+    """float32 quantized-dequantized weight in w's own orientation, for mm."""
     if recipe.weights in _FLOAT_FORMATS:
-        return fake_quantize(w, recipe.weights, "weight"), None
-    qt = _weight_qts(w, recipe, transposed, which)
-    vals = F.dequantize(qt)  # [E, N, K] ("fwd") or [E, K, N] ("dgrad")
+        return fake_quantize(w, recipe.weights, "weight")
+    w_nk = w if transposed else w.transpose(-1, -2)
+    src = w_nk if which == "fwd" else w_nk.transpose(-1, -2)
+    vals = fake_quantize(src.contiguous(), recipe.weights, "weight", impl=impl)
+    # vals is [E, N, K] ("fwd") or [E, K, N] ("dgrad")
     if which == "fwd":
-        return (vals if transposed else vals.transpose(-1, -2)), qt
-    return (vals.transpose(-1, -2) if transposed else vals), qt
+        return vals if transposed else vals.transpose(-1, -2)
+    return vals.transpose(-1, -2) if transposed else vals
 
 
-def _x_operand(x: Tensor, recipe: TrainPrecision) -> Tensor:
+def _x_operand(x: Tensor, recipe: TrainPrecision, impl: str) -> Tensor:
     if not recipe.activations:
         return x.float()
-    return fake_quantize(x, recipe.weights, "act")
+    return fake_quantize(x, recipe.weights, "act", impl=impl)
 
 
 def _forward(x, w, recipe, transposed, mm, path):
-    xq = _x_operand(x, recipe)
+    xq = _x_operand(x, recipe, _impl(path))
     if _fused_ok(x, recipe.weights, path, x.shape[-2] if x.dim() == 3 else 0, w):
         y = _fused(xq, _weight_qts(w, recipe, transposed, "fwd"))
     else:
-        wv, _ = _weight_values(w, recipe, transposed, "fwd")
-        y = mm(xq, wv, transposed)
+        y = mm(xq, _weight_values(w, recipe, transposed, "fwd", _impl(path)), transposed)
     return y.to(x.dtype)
 
 
 def _dgrad(gy, w, recipe, transposed, mm, path, generator, x_dtype):
     if recipe.grads:
-        gq = fake_quantize(gy, recipe.weights, "act", sr=recipe.uses_sr, generator=generator)
+        gq = fake_quantize(gy, recipe.weights, "act", sr=recipe.uses_sr, generator=generator,
+                           impl=_impl(path))
     else:
         gq = gy.float()
     if _fused_ok(gy, recipe.weights, path, gy.shape[-2] if gy.dim() == 3 else 0, w):
         dx = _fused(gq, _weight_qts(w, recipe, transposed, "dgrad"))
     else:
-        wv, _ = _weight_values(w, recipe, transposed, "dgrad")
-        dx = mm(gq, wv, not transposed)
+        dx = mm(gq, _weight_values(w, recipe, transposed, "dgrad", _impl(path)), not transposed)
     return dx.to(x_dtype)
 
 
@@ -377,8 +447,8 @@ def _wgrad(x, gy, w, recipe, transposed, wgrad, path, generator):
     g_fmt = fmt if recipe.grads else None
     fused = (x_fmt is not None and fmt not in _FLOAT_FORMATS and x.dim() == 3 and
              _fused_ok(gy, fmt, path, gy.shape[-1], x))
-    gT, _, T = _token_operand(gy, g_fmt, recipe.uses_sr, generator, signs, False)
-    xT, x_qt, _ = _token_operand(x, x_fmt, False, generator, signs, fused)
+    gT, _, T = _token_operand(gy, g_fmt, recipe.uses_sr, generator, signs, False, _impl(path))
+    xT, x_qt, _ = _token_operand(x, x_fmt, False, generator, signs, fused, _impl(path))
     if fused:
         # dw_nk[e] = gT[e] @ dequant(x_qt[e])^T over the padded token axis (zero padding
         # adds nothing); the x operand is decoded in registers.
@@ -519,12 +589,12 @@ def quantized_mm_reference(x: Tensor, w: Tensor, recipe: TrainPrecision, *, tran
     """
     w_nk = (w if transposed else w.transpose(1, 2)).float()
     fmt = recipe.weights
-    xq = fake_quantize(x, fmt, "act") if recipe.activations else x.float()
-    wf = fake_quantize(w_nk.contiguous(), fmt, "weight")            # [E, N, K] along K
+    xq = fake_quantize(x, fmt, "act", impl="torch") if recipe.activations else x.float()
+    wf = fake_quantize(w_nk.contiguous(), fmt, "weight", impl="torch")            # [E, N, K] along K
     y = torch.bmm(xq, wf.transpose(1, 2))
     sr = recipe.uses_sr
-    gq = fake_quantize(gy, fmt, "act", sr=sr, generator=generator) if recipe.grads else gy.float()
-    wd = fake_quantize(w_nk.transpose(1, 2).contiguous(), fmt, "weight")  # [E, K, N] along N
+    gq = fake_quantize(gy, fmt, "act", sr=sr, generator=generator, impl="torch") if recipe.grads else gy.float()
+    wd = fake_quantize(w_nk.transpose(1, 2).contiguous(), fmt, "weight", impl="torch")  # [E, K, N] along N
     dx = torch.bmm(gq, wd.transpose(1, 2))
     signs = None
     if recipe.uses_hadamard:
@@ -538,7 +608,7 @@ def quantized_mm_reference(x: Tensor, w: Tensor, recipe: TrainPrecision, *, tran
         if signs is not None:
             tT = hadamard_along_tokens(tT, signs)
         if on:
-            tT = fake_quantize(tT.contiguous(), fmt, "act", sr=use_sr, generator=generator)
+            tT = fake_quantize(tT.contiguous(), fmt, "act", sr=use_sr, generator=generator, impl="torch")
         return tT
 
     gT = tok(gy, recipe.grads, sr)
