@@ -27,6 +27,19 @@ sinkhorn       wg [E, M]                   top-k on a Sinkhorn-balanced assignme
                                            weights = the unbalanced scores (S-BASE style)
 =============  ==========================  ===================================================
 
+Expert choice (Zhou et al. 2022, "Mixture-of-Experts with Expert Choice Routing"):
+scores = score_fn(noisy logits) [T, E]; expert e takes the C tokens with the largest
+scores[:, e] (C = :func:`expert_choice_capacity`, ranked best first); its weight for token t
+is scores[t, e] (not renormalised). A token may be taken by several experts or by none
+(then its routed output is 0). Balanced by construction; the batch decides who gets what.
+
+Sinkhorn (S-BASE style, Clark et al. 2022): P = :func:`sinkhorn_balance` (noisy logits)
+(``sinkhorn_iters`` Sinkhorn-Knopp iterations in fp32, log domain, rows -> 1, columns ->
+T/E; no gradient flows through P); ids = top-k of each row of P (slot 0 = largest P);
+weights = scores[t, ids] with scores = score_fn(noisy logits) *unbalanced*, renormalised
+like Tutel's for k > 1. The balancing runs in eval mode too (a pure function of the batch);
+for batch-independent inference route the same ``wg`` with type 'top'.
+
 Token-choice routers produce ``expert_ids``/``weights`` [k, T] and go through
 :func:`fmoe.routing.make_routing`, so Tutel's three capacity-factor modes, alignment and
 batch-prioritized placement apply to all of them (``capacity_factor=0`` is dropless).
