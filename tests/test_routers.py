@@ -664,6 +664,27 @@ def test_vmap_over_gate_weights():
             torch.testing.assert_close(vw[s], w, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("spec,capacity", [
+    (GateSpec(k=2, capacity_factor=0.0), 2 * T),                 # dropless needs a static capacity under vmap
+    (GateSpec(type="deepseek", k=2, n_group=3, topk_group=2, capacity_factor=1.0), None),
+    (GateSpec(type="expert_choice", k=2), 10),
+])
+def test_vmap_route_over_gate_weights(spec, capacity):
+    E = 6
+    x = torch.randn(T, M, generator=_gen(37))
+    base = _params(spec, E, M)
+
+    def f(wg):
+        r, _ = route({**base, "wg": wg}, x, spec, num_experts=E, capacity=capacity)
+        return r.expert_ids, r.slots, r.weights, r.counts
+
+    stacked = torch.randn(3, E, M, generator=_gen(38))
+    batched = torch.func.vmap(f)(stacked)
+    for s in range(3):
+        for b, one in zip(batched, f(stacked[s])):
+            assert torch.equal(b[s], one)
+
+
 def test_router_output_is_a_pytree():
     spec = GateSpec(type="expert_choice", k=2)
     p = _params(spec, 4, M)
