@@ -393,3 +393,9 @@ def test_nn_load_still_accepts_flat_and_tutel_bias_layouts():
     b.load_state_dict(sd)
     assert torch.equal(b.experts.batched_fc1_bias, torch.arange(8.0).view(2, 4))
     assert torch.equal(b.experts.batched_fc2_w, a.experts.batched_fc2_w)
+
+
+def test_load_importance_loss_needs_noise_at_construction():
+    with pytest.raises(ValueError, match=r"is_gshard_loss=False .* needs gate_noise > 0; gate\(s\) \[0\] have none"):
+        _layer(is_gshard_loss=False)
+    assert _layer(is_gshard_loss=False, gate_type={"type": "top", "k": 2, "gate_noise": 0.5}).is_gshard_loss is False

@@ -238,6 +238,11 @@ class MOELayer(nn.Module):
                 torch.manual_seed(seeds[0] + gi)
             gates.append(self._build_gate(cfg, E))
         self.gates = nn.ModuleList(gates)
+        if not is_gshard_loss:
+            quiet = [i for i, g in enumerate(gates) if isinstance(g, (_TopGate, _CosineGate)) and g.gate_noise <= 0]
+            if quiet:
+                raise ValueError(f"is_gshard_loss=False (Tutel's load/importance loss) needs gate_noise > 0; gate(s) "
+                                 f"{quiet} have none")
         if seeds is not None and len(seeds) > 2 and seeds[2] is not None:
             torch.manual_seed(seeds[2])
 
