@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from . import _codecs as C
-from .tensor import FP4_FORMATS, QuantizedTensor
+# dequantize and its block helpers live with the type (fmoe.quant.tensor), so the type never imports
+# this module (no formats <-> tensor cycle); re-exported here.
+from .tensor import FP4_FORMATS, MX_BLOCK, NVFP4_BLOCK, QuantizedTensor, _blocks, _expand_block_scales, dequantize  # noqa: F401
 
-MX_BLOCK = 32
-NVFP4_BLOCK = 16
 FP8_WEIGHT_BLOCK = (128, 128)
 ACT_AMAX_FLOOR = 1e-4  # DeepSeek act_quant clamp (spec §4.2); avoids 0/0 on zero tiles
 
@@ -34,10 +34,6 @@ def _check_input(x: torch.Tensor, name: str, block_k: int | None = None) -> None
     if not torch.isfinite(x).all():
         raise ValueError(f"{name}: input contains inf or NaN; block quantizers never encode "
                          f"non-finite values silently (spec §6.3)")
-
-
-def _blocks(x: torch.Tensor, bk: int) -> torch.Tensor:
-    return x.reshape(*x.shape[:-1], x.shape[-1] // bk, bk)
 
 
 # --- MX ------------------------------------------------------------------------------------
@@ -138,10 +134,6 @@ def _block_amax(x: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     return xb.abs().amax(dim=(-3, -1))
 
 
-def _expand_block_scales(s: torch.Tensor, bn: int, bk: int, n: int, k: int) -> torch.Tensor:
-    return s.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
-
-
 def quantize_fp8_block(w: torch.Tensor, block: tuple = FP8_WEIGHT_BLOCK) -> QuantizedTensor:
     """DeepSeek FP8 blockwise weight quantization (spec §4.1): s = amax_block / 448 (FP32),
     q = E4M3(clamp(W / s, +-448)), weight_scale_inv = s.
@@ -212,34 +204,3 @@ def quantize(x: torch.Tensor, fmt: str, **kwargs) -> QuantizedTensor:
     except KeyError:
         raise ValueError(f"unknown format {fmt!r}; expected one of {tuple(_QUANTIZERS)}") from None
     return fn(x, **kwargs)
-
-
-# --- dequantization ------------------------------------------------------------------------
-
-def dequantize(qt: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Exact decode of qt to a [..., N, K] tensor: products formed in FP32, then cast to dtype.
-
-    MX formats refuse float16: e2m1 * 2^k overflows/underflows FP16 for most k (spec §7).
-    """
-    if not isinstance(qt, QuantizedTensor):
-        raise TypeError(f"dequantize expects a QuantizedTensor, got {type(qt).__name__}")
-    if dtype == torch.float16 and qt.fmt in ("mxfp4", "mxfp8"):
-        raise ValueError(f"{qt.fmt} is never dequantized to float16 (not exact, spec §7); "
-                         f"use bfloat16 or float32")
-    fmt = qt.fmt
-    if fmt in FP4_FORMATS:
-        vals = C.decode_e2m1(C.unpack_fp4(qt.data))
-    else:
-        vals = C.decode_e4m3(qt.data)
-    k = qt.shape[-1]
-    if fmt in ("mxfp4", "mxfp8"):
-        out = _blocks(vals, MX_BLOCK) * C.decode_e8m0(qt.scales).unsqueeze(-1)
-    elif fmt == "nvfp4":
-        out = _blocks(vals, NVFP4_BLOCK) * C.decode_e4m3(qt.scales).unsqueeze(-1)
-        out = out * qt.global_scale.float()[..., None, None, None]
-    elif fmt == "fp8_row":
-        out = vals * qt.scales.float()
-    else:  # fp8_block
-        bn, bk = qt.block
-        out = vals * _expand_block_scales(qt.scales.float(), bn, bk, vals.shape[-2], k)
-    return out.reshape(*vals.shape[:-1], k).to(dtype)
