@@ -97,12 +97,17 @@ class MoESpec:
     def output_dim(self) -> int:
         return self.experts.output_dim or self.model_dim
 
-    def layout_kind(self) -> str:
-        """'padded' or 'ragged': the layout this spec routes into."""
+    def layout_kind(self, world: int = 1, overlap_degree: int = 1) -> str:
+        """'padded' or 'ragged': the layout this spec routes into on ``world`` ranks.
+
+        'auto' picks ragged for dropless token-choice routing with built-in experts, unless
+        the expert-parallel setting needs the padded capacity axis (experts shared by several
+        ranks, E < W, or an overlap degree > 1)."""
         if self.layout != "auto":
             return self.layout
         dropless = self.gate.capacity_factor == 0 and self.gate.type != "expert_choice"
-        return "ragged" if dropless and self.experts.layout_aware else "padded"
+        ragged_ep = world == 1 or (self.num_experts >= world and overlap_degree == 1)
+        return "ragged" if dropless and self.experts.layout_aware and ragged_ep else "padded"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -244,16 +249,17 @@ def route(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator=None, 
     """Gate and route tokens x [T, M]; returns the Routing and the unweighted l_aux.
 
     ``alignment`` overrides ``spec.alignment`` (expert parallel needs C % (s*d) == 0)."""
-    routing, out, l_aux = _route(params, x, spec, comm=comm, generator=generator, noise=noise, training=training,
-                                 alignment=alignment)
+    kind = spec.layout_kind(1 if comm is None else comm.size)
+    routing, out, l_aux = _route(params, x, spec, kind, comm=comm, generator=generator, noise=noise,
+                                 training=training, alignment=alignment)
     return routing, l_aux
 
 
-def _route(params, x, spec: MoESpec, *, comm, generator, noise, training, alignment
+def _route(params, x, spec: MoESpec, kind: str, *, comm, generator, noise, training, alignment
            ) -> tuple[Routing, RouterOutput, Tensor]:
     gs = spec.gate
     capacity = None
-    if (spec.layout_kind() == "ragged" and gs.capacity_factor == 0
+    if (kind == "ragged" and gs.capacity_factor == 0
             and (torch.compiler.is_compiling() or _batched_under_vmap(x, *pytree.tree_leaves(params["gate"])))):
         # Dropless ragged buffers hold k*T rows whatever the loads, so the layout never needs
         # the max load; where it cannot be read (vmap, compile) report the static bound C = T
@@ -327,7 +333,6 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     """
     comm = resolve(comm)
     alignment = spec.alignment
-    kind = spec.layout_kind()
     if comm.size == 1:
         _check_input(x, spec)
         check_params(params, spec)
@@ -338,10 +343,11 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
         _par.check_moe_call(comm, spec, parallel, x, params, routing,
                             lambda: (_check_input(x, spec), check_params(params, spec)))
         alignment = _par.capacity_alignment(spec.num_experts, comm.size, parallel, spec.alignment)
+    kind = spec.layout_kind(comm.size, parallel.overlap_degree if comm.size > 1 else 1)
     tokens = x.reshape(-1, spec.model_dim)
     out = None
     if routing is None:
-        routing, out, l_aux = _route(params, tokens, spec, comm=comm, generator=generator, noise=noise,
+        routing, out, l_aux = _route(params, tokens, spec, kind, comm=comm, generator=generator, noise=noise,
                                      training=training, alignment=alignment)
     else:
         if routing.num_tokens != tokens.shape[0] or routing.num_experts != spec.num_experts:
