@@ -27,11 +27,13 @@ _FLAGS = dict(cache=True, nogil=True)
 _FAST = {"reassoc", "contract"}
 
 # Output columns per parallel work item: enough work to amortise a task's start,
-# small enough that 2-16 threads get balanced shares of one expert's matrix. The x w
-# layout reads [K, chunk] column blocks, so it takes wider chunks (longer contiguous
-# runs per weight row); measured 1.3-1.7x faster at 256 than 128 for 4-8 rows.
+# small enough that several threads share one expert's matrix. The nn.Linear layout
+# reads NK_CHUNK whole (contiguous) weight rows per task. The x w layout reads a
+# [K, chunk] column block, contiguous only along a row, so it takes whole rows up to
+# KN_CHUNK: 32 experts x 1-16 rows, K = N = 768, 2 threads took 16-77 ms at 768 wide
+# against 18-82 ms at 256 and 29-127 ms at 64 (bench run 2026-12-01, shared machine).
 NK_CHUNK = 128
-KN_CHUNK = 256
+KN_CHUNK = 1024
 
 
 @njit(fastmath=_FAST, **_FLAGS)

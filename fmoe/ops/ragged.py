@@ -63,10 +63,11 @@ __all__ = ["ragged_mm", "ragged_wgrad", "ragged_mm_reference", "ragged_wgrad_ref
 # Groups with at most this many rows run in the numba streaming kernel instead of one
 # torch.mm each (float32/64 on CPU). Single-threaded the two were level at 1-8 rows
 # (numba 0.9-1.1x MKL's time, both 1.0-2.5x the time to read the weights once) and MKL
-# won from 16 rows (numba 1.2-1.5x, 2.1-2.4x at 32). With torch's 2 threads MKL's
-# small GEMMs stalled on the shared machine (135 ms-2.3 s for the 32 groups, against
-# 28-99 ms for numba at 1-8 rows).
-SMALL_ROWS = 8
+# won from 16 rows (numba 1.2-1.5x; 2.1-2.4x at 32). With torch's 2 threads, the
+# default, MKL's small GEMMs stalled on the shared machine (135 ms-2.3 s for the 32
+# groups of 1-16 rows, against 28-129 ms for numba: 0.02-0.76x), and decode_64 (groups
+# of up to 11 rows) ran 1.75-2.2x the weight-read time with its >8-row groups on BLAS.
+SMALL_ROWS = 16
 
 # Below this many weight bytes streamed by the small groups the serial numba twin
 # runs: a TBB parallel region costs ~20-50 us, more than reading 1 MiB on one core.
