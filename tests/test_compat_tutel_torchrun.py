@@ -1,4 +1,4 @@
-"""fmoe.compat.tutel under ``torchrun --nproc_per_node=2`` (gloo): expert parallel for real.
+"""fmoe.compat.tutel under ``torchrun --nproc_per_node=2`` (gloo) and ``mpiexec -n 2``: expert parallel for real.
 
 The pytest side launches this file as the torchrun worker (``__main__`` below) once and checks:
 * sharded experts (num_experts_per_device=-2: one expert shared by both ranks): 'data', 'model' and
@@ -9,6 +9,7 @@ The pytest side launches this file as the torchrun worker (``__main__`` below) o
 * a layer built without ``group=`` uses the world (E = 2 x local experts), expert parallel over 2
   ranks, the TutelDistributedOptimizer path, a custom sharded expert and the from-scratch
   primitives all reproduce Tutel's 2-rank numbers;
+* a layer on an explicit sub-group (``create_groups_from_world(group_count=2).model_group``) is local;
 * ``fmoe.nn.MoELayer`` without ``comm=`` under the initialised 2-rank job raises with its message.
 
 Golden values: Tutel commit ac0e51b (CPU build, ``NO_CUDA=1 pip install --no-build-isolation .``), via
@@ -39,6 +40,7 @@ TUTEL_2RANK = {
     "switch": {"losses": [1.563947, 1.027041, 0.7177203, 0.5216072, 0.392671, 0.3046891], "init": "987aeb8f3e6ee638"},
     "custom_sharded": {"losses": [3.044195, 1.993096, 1.251929], "init": "5b56c395a8e1aaac"},
     "from_scratch": {"losses": [2.758479, 2.753642, 2.748796]},
+    "subgroup": {"losses": [0.007836409844458103]},
 }
 
 
@@ -51,17 +53,29 @@ def _close(a, b, rtol=1e-5):
     return len(a) == len(b) and all(math.isclose(x, y, rel_tol=rtol, abs_tol=1e-7) for x, y in zip(a, b))
 
 
-@pytest.fixture(scope="module")
-def results():
-    if _tool("torchrun") is None:
-        pytest.skip("torchrun not found")
+def _launch(launcher: str):
+    tool = _tool(launcher)
+    if tool is None:
+        pytest.skip(f"{launcher} not found")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run([_tool("torchrun"), "--standalone", "--nproc_per_node=2", __file__, "fmoe"],
-                          capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    if launcher == "torchrun":
+        cmd = [tool, "--standalone", "--nproc_per_node=2", __file__, "fmoe"]
+    else:
+        cmd = [tool, "-n", "2", sys.executable, __file__, "fmoe-mpi"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert len(lines) == 1, proc.stdout[-3000:]
     return json.loads(lines[0][7:])
+
+
+# torchrun (gloo) is the case the issue names; mpiexec runs the same worker over mpi4py
+# (system.init_data_model_parallel picks the launcher), checked against the same Tutel numbers.
+@pytest.fixture(scope="module", params=["torchrun", "mpiexec"])
+def results(request):
+    res = _launch(request.param)
+    res["launcher"] = request.param
+    return res
 
 
 def test_sharded_expert_modes_agree_and_are_really_sharded(results):
@@ -87,12 +101,19 @@ def test_default_group_is_the_world(results):
     assert results["hw_n1"]["local_count"] == 16 * 32 * 2 + 32 + 16  # one whole expert per rank
 
 
+def test_explicit_subgroup(results):
+    assert results["subgroup"]["E"] == 2 and results["subgroup"]["world"] == 1  # 2 local experts, one rank
+
+
 def test_no_communicator_under_distributed_raises(results):
+    if results["launcher"] == "torchrun":
+        what, fix = "torch.distributed", "comm=fmoe.comm.TorchDistComm() (or TorchDistComm(group) for a sub-group)"
+    else:
+        what, fix = "MPI", "comm=mpi_backend.MPIComm()"
     assert results["no_comm_error"] == (
-        "MoELayer: torch.distributed is initialised with 2 ranks but no comm= was given, so every rank would "
-        "run every expert locally (no expert parallelism). Pass comm=fmoe.comm.TorchDistComm() (or "
-        "TorchDistComm(group) for a sub-group), or fmoe.comm.from_env(); pass comm=fmoe.comm.LocalComm() to "
-        "run this layer on each rank independently on purpose.")
+        f"MoELayer: {what} is initialised with 2 ranks but no comm= was given, so every rank would run every "
+        f"expert locally (no expert parallelism). Pass {fix}, or fmoe.comm.from_env(); pass "
+        "comm=fmoe.comm.LocalComm() to run this layer on each rank independently on purpose.")
     assert results["with_comm_experts"] == 2
 
 
@@ -109,6 +130,7 @@ def test_two_rank_trajectories_equal_tutel(results, name):
 def _worker(which: str) -> None:
     sys.path.insert(0, ROOT)
     import torch
+    import torch.nn.functional as F
     torch.set_num_threads(1)
     from tests.test_compat_tutel_scenarios import custom_expert_sharded, from_scratch, helloworld, switch
     if which == "tutel":
@@ -130,7 +152,15 @@ def _worker(which: str) -> None:
     res["switch_fixed"] = helloworld(T, n=-2, k=2, steps=6, parallel_type="adaptive:1")
     res["custom_sharded"] = custom_expert_sharded(T, n=-2, steps=3)
     res["from_scratch"] = from_scratch(T, n=1, steps=3)
-    if which == "fmoe":
+    # An explicit sub-group: group_count=2 splits the 2 ranks into two model groups of one rank each.
+    single = T.net.create_groups_from_world(group_count=2).model_group
+    torch.manual_seed(5)
+    sub = T.moe.moe_layer(gate_type={"type": "top", "k": 1}, model_dim=8, group=single,
+                          experts={"type": "ffn", "num_experts_per_device": 2, "hidden_size_per_expert": 8,
+                                   "activation_fn": F.relu})
+    res["subgroup"] = {"E": sub.num_global_experts, "world": T.net.get_world_size(single),
+                       "losses": [float(sub(torch.randn(4, 8)).square().mean())]}
+    if which.startswith("fmoe"):
         import fmoe
         from fmoe.nn import MoELayer
         cfg = dict(gate_type={"type": "top", "k": 1}, model_dim=8,
@@ -140,8 +170,13 @@ def _worker(which: str) -> None:
             res["no_comm_error"] = None
         except RuntimeError as e:
             res["no_comm_error"] = str(e)
-        res["with_comm_experts"] = MoELayer(**cfg, comm=fmoe.comm.TorchDistComm()).num_global_experts
-    if int(os.environ.get("RANK", "0")) == 0:
+        if which == "fmoe-mpi":
+            from mpi_backend import MPIComm
+            comm = MPIComm()
+        else:
+            comm = fmoe.comm.TorchDistComm()
+        res["with_comm_experts"] = MoELayer(**cfg, comm=comm).num_global_experts
+    if T.net.get_world_rank() == 0:
         print("RESULT " + json.dumps(res), flush=True)
 
 
