@@ -69,8 +69,8 @@ def atomic_write_text(path, text: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode()))
 
 
-def replace_all(items: list) -> None:
-    """Write several files all or none: ``items`` is ``[(path, write), ...]``.
+def replace_all(items) -> None:
+    """Write several files all or none: ``items`` is an iterable of ``(path, write)`` pairs.
 
     Every file is first written to a temporary file beside its destination; only
     when all are complete are they renamed into place. If writing any of them

@@ -82,11 +82,23 @@ def _checkpoint_files(path: str) -> tuple[dict[str, str], Optional[str]]:
             index = json.load(f)
         if "weight_map" not in index:
             raise ValueError(f"{path} has no 'weight_map' (not a safetensors index)")
-        base = os.path.dirname(path)
-        return {k: os.path.join(base, v) for k, v in index["weight_map"].items()}, None
+        base = os.path.dirname(os.path.abspath(path))
+        return {k: _inside(base, v, path) for k, v in index["weight_map"].items()}, None
     if path.endswith(".safetensors"):
         return {}, path
     raise FileNotFoundError(f"{path}: not a directory, a .safetensors file or a safetensors index .json")
+
+
+def _inside(base: str, name, index_path: str) -> str:
+    """The shard file ``name`` of an index, refused unless it lies inside the checkpoint folder."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{index_path}: weight_map entry {name!r} is not a file name")
+    real_base = os.path.realpath(base)
+    full = os.path.realpath(os.path.join(base, name))
+    if os.path.isabs(name) or os.path.commonpath([real_base, full]) != real_base:
+        raise ValueError(f"{index_path}: shard {name!r} lies outside the checkpoint folder {base}; "
+                         "refusing to follow it")
+    return full
 
 
 def read_tensors(path: str, want, *, progress: Optional[bool] = None) -> dict[str, Tensor]:
@@ -110,7 +122,15 @@ def read_tensors(path: str, want, *, progress: Optional[bool] = None) -> dict[st
                 by_file.setdefault(fn, []).append(k)
     sizes: dict[tuple[str, str], int] = {}
     for fn, keys in by_file.items():
+        if not os.path.exists(fn):
+            raise FileNotFoundError(f"{path}: the index names shard {fn}, which does not exist "
+                                    f"(it should hold {keys[:3]}{' ...' if len(keys) > 3 else ''})")
         with safe_open(fn, framework="pt") as f:
+            present = set(f.keys())
+            lacking = [k for k in keys if k not in present]
+            if lacking:
+                raise KeyError(f"{path}: shard {fn} lacks {len(lacking)} tensor(s) its index places there, "
+                               f"e.g. {lacking[:3]}")
             for k in keys:
                 sl = f.get_slice(k)
                 n = _DTYPE_BYTES.get(sl.get_dtype(), 4)
@@ -148,7 +168,19 @@ def _read_config(path: str) -> Optional[dict]:
 
 # --------------------------------------------------------------------------- assembling
 
-def _stack(ts: list[Tensor]) -> Tensor:
+def _stack(ts: list[Tensor], what: str = "expert tensors") -> Tensor:
+    # torch.stack would promote mixed dtypes (one fp16 expert among bf16 ones -> all fp32) and
+    # fail with a bare size error on unequal shapes: refuse both, naming the experts.
+    dtypes = sorted({str(t.dtype) for t in ts})
+    if len(dtypes) > 1:
+        odd = [m for m, t in enumerate(ts) if t.dtype != ts[0].dtype]
+        raise ValueError(f"{what}: experts have different dtypes {dtypes} (expert 0 is {ts[0].dtype}, experts "
+                         f"{odd[:8]} differ); every expert must be stored in one dtype")
+    shapes = {tuple(t.shape) for t in ts}
+    if len(shapes) > 1:
+        odd = [m for m, t in enumerate(ts) if t.shape != ts[0].shape]
+        raise ValueError(f"{what}: experts have different shapes (expert 0 is {list(ts[0].shape)}, expert "
+                         f"{odd[0]} is {list(ts[odd[0]].shape)}); every expert must have the same shape")
     # torch.stack has no float8 kernels on CPU: stack the bytes.
     if ts[0].dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return torch.stack([t.view(torch.uint8) for t in ts]).view(ts[0].dtype)
@@ -200,8 +232,11 @@ def _block_of(w: Tensor, s: Tensor) -> tuple[int, int]:
     n, k = w.shape[-2:]
     sn, sk = s.shape[-2:]
     # The block is the smallest size giving this many scale rows/cols (128 in every release).
-    bn = next(b for b in (128, 64, 32, 16, 256, n) if -(-n // b) == sn)
-    bk = next(b for b in (128, 64, 32, 16, 256, k) if -(-k // b) == sk)
+    bn = next((b for b in (128, 64, 32, 16, 256, n) if -(-n // b) == sn), None)
+    bk = next((b for b in (128, 64, 32, 16, 256, k) if -(-k // b) == sk), None)
+    if bn is None or bk is None:
+        raise ValueError(f"FP8 scale shape {list(s.shape)} fits no block size for weight {list(w.shape)}: "
+                         f"ceil(N/b) = {sn} and ceil(K/b) = {sk} need b in (16, 32, 64, 128, 256) or the whole dim")
     return bn, bk
 
 
@@ -217,9 +252,16 @@ def _per_expert(keys: _Keys, E: int, names: tuple[str, str, str]) -> dict:
     gate = [_linear_weight(keys, f"experts.{m}.{g}") for m in range(E)]
     up = [_linear_weight(keys, f"experts.{m}.{u}") for m in range(E)]
     down = [_linear_weight(keys, f"experts.{m}.{d}") for m in range(E)]
+    kinds = {type(t).__name__ for t in gate + up + down}
+    if len(kinds) > 1:
+        raise ValueError(f"{keys.where}: experts mix float and quantized weights ({sorted(kinds)})")
     if isinstance(gate[0], Tensor):
         # Fused as transformers does: rows of gate_proj, then rows of up_proj.
-        return {"gate_up_proj": torch.cat([_stack(gate), _stack(up)], dim=1), "down_proj": _stack(down)}
+        gs, us = _stack(gate, f"{keys.where}: {g}"), _stack(up, f"{keys.where}: {u}")
+        if gs.dtype != us.dtype or gs.shape != us.shape:
+            raise ValueError(f"{keys.where}: {g} is {gs.dtype} {list(gs.shape[1:])} but {u} is {us.dtype} "
+                             f"{list(us.shape[1:])}; they must match to be fused")
+        return {"gate_up_proj": torch.cat([gs, us], dim=1), "down_proj": _stack(down, f"{keys.where}: {d}")}
     return {"gate_proj": _stack_linear(gate), "up_proj": _stack_linear(up), "down_proj": _stack_linear(down)}
 
 
@@ -230,6 +272,14 @@ def _fused(keys: _Keys, name: str):
             from ..quant import from_deepseek_fp8
             s = keys.get(f"experts.{name}{suffix}")
             return from_deepseek_fp8(w, s, block=_block_of(w, s))
+    return _float_weight(keys, f"experts.{name}", w)
+
+
+def _float_weight(keys: _Keys, name: str, w: Tensor) -> Tensor:
+    """An unquantized weight must be a (non-FP8) float tensor: integer bytes are not weights."""
+    if not w.is_floating_point() or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"{keys.where}: '{name}' is {w.dtype} but no scale tensor sits next to it; an "
+                         "unquantized weight must be float16/bfloat16/float32/float64")
     return w
 
 
@@ -247,7 +297,7 @@ def _gpt_oss_experts(keys: _Keys) -> dict:
             from ..quant import from_gpt_oss
             p[name] = from_gpt_oss(keys.get(f"experts.{name}_blocks"), keys.get(f"experts.{name}_scales"))
         else:
-            p[name] = keys.get(f"experts.{name}")
+            p[name] = _float_weight(keys, f"experts.{name}", keys.get(f"experts.{name}"))
         p[name + "_bias"] = keys.get(f"experts.{name}_bias")
     return p
 
