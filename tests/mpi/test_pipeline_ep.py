@@ -49,7 +49,7 @@ def test_every_router_and_layout_equals_one_process(comm, gate, cf, layout):
 
 def test_ragged_needs_whole_experts_per_rank(comm):
     spec = fmoe.MoESpec(model_dim=M, num_experts=1, gate=fmoe.GateSpec(k=1, capacity_factor=0.0),
-                        experts=fmoe.ExpertSpec(hidden_size=6), layout="ragged")
+                        experts=fmoe.ExpertSpec(hidden_size=12), layout="ragged")
     full = full_params(spec)
     with pytest.raises(ValueError, match="ragged layout needs E >= W"):
         distributed(spec, local_params(spec, full, comm), local_batch(comm.rank), comm)
