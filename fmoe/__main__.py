@@ -23,12 +23,6 @@ def _warmup(args) -> int:
         print(f"  {msg}", flush=True)
 
     times = numba_cpu.warmup(line)
-    try:
-        from .quant import warmup as quant_warmup  # optional: the quant kernels, when that module offers it
-    except ImportError:
-        quant_warmup = None
-    if quant_warmup is not None:
-        quant_warmup(line)
     print(f"fmoe warmup: {len(times)} kernels in {time.perf_counter() - t0:.2f} s; "
           f"threading layer: {_numba.threading_layer()}", flush=True)
     return 0

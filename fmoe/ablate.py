@@ -653,7 +653,7 @@ def record_layers(model):
 
     Yields a dict ``{module name: Routing}`` that fills in as the model runs
     (a layer called twice keeps its last call). The layers behave as usual;
-    their forward is wrapped on the instance for the duration only.
+    for the duration only, module hooks (removed on exit) collect the routings.
 
         with fmoe.ablate.record_layers(model) as routings:
             out = model(x)
@@ -661,26 +661,34 @@ def record_layers(model):
     """
     recorded: dict = {}
     layers = _moe_layers(model)
+    wanted: dict = {}   # id(layer) -> whether its caller asked for (y, aux) itself
 
-    def wrap(name, layer, orig):
-        def forward(*args, return_aux=False, **kwargs):
-            y, aux = orig(*args, return_aux=True, **kwargs)
+    def ask_for_aux(layer, args, kwargs):
+        wanted[id(layer)] = kwargs.get("return_aux", False)
+        return args, {**kwargs, "return_aux": True}
+
+    def keep_routing(name):
+        def hook(layer, args, kwargs, output):
+            y, aux = output
             recorded[name] = aux.routing
-            if return_aux:
+            if wanted.pop(id(layer)):
                 return y, aux
             if layer.result_func is not None:
                 return layer.result_func(y)
             y.l_aux = aux.l_aux
             return y
-        return forward
+        return hook
 
+    # Module hooks (PyTorch's own mechanism), removed on exit: the layers' forward is untouched.
+    handles = []
     try:
         for name, layer in layers.items():
-            layer.forward = wrap(name, layer, layer.forward)
+            handles.append(layer.register_forward_pre_hook(ask_for_aux, with_kwargs=True))
+            handles.append(layer.register_forward_hook(keep_routing(name), with_kwargs=True))
         yield recorded
     finally:
-        for layer in layers.values():
-            layer.__dict__.pop("forward", None)
+        for h in handles:
+            h.remove()
 
 
 @contextlib.contextmanager
@@ -698,16 +706,16 @@ def replay_layers(model, routings: dict):
     if missing:
         raise KeyError(f"replay_layers: no recorded routing for layers {missing}")
 
-    def wrap(r, orig):
-        def forward(*args, **kwargs):
-            kwargs["routing"] = r
-            return orig(*args, **kwargs)
-        return forward
+    def with_routing(r):
+        def hook(layer, args, kwargs):
+            return args, {**kwargs, "routing": r}
+        return hook
 
+    handles = []
     try:
         for name, layer in layers.items():
-            layer.forward = wrap(routings[name], layer.forward)
+            handles.append(layer.register_forward_pre_hook(with_routing(routings[name]), with_kwargs=True))
         yield
     finally:
-        for layer in layers.values():
-            layer.__dict__.pop("forward", None)
+        for h in handles:
+            h.remove()

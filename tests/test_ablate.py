@@ -1,4 +1,6 @@
 """fmoe.ablate: a vmapped sweep equals the separate runs it replaces."""
+import dataclasses
+
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -102,10 +104,13 @@ def test_masked_route_matches_static_routing():
 def test_static_run_is_the_library_forward():
     for cf in (1.0, 0.0, -0.5):
         spec, params, x, _, _ = _setup(cf=cf)
-        y, aux = fmoe.moe(params, x, spec)
+        # the sweeps run padded buffers: bit for bit equal to moe()'s padded layout
+        y, aux = fmoe.moe(params, x, dataclasses.replace(spec, layout="padded"))
         y2, aux2 = ablate.static_moe(params, x, spec, ablate.resolve(ablate.Point(), spec, T))
         y3, aux3 = ablate.masked_moe(params, x, spec, *_one(spec))
         assert torch.equal(y, y2) and torch.equal(y, y3)
+        # and to the default layout (ragged when dropless) within float rounding
+        torch.testing.assert_close(fmoe.moe(params, x, spec)[0], y, rtol=1e-5, atol=1e-6)
         assert torch.equal(aux.l_aux, aux2.l_aux) and torch.equal(aux.l_aux, aux3.l_aux)
         assert torch.equal(aux.dropped, aux3.routing.num_dropped())
 
