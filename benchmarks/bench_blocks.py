@@ -238,20 +238,32 @@ def targets(res: dict) -> list[dict]:
                 worst[f"{a}/{impl}"] = p["speedup_vs_hf"][impl]
         if worst:
             w = min(worst, key=worst.get)
+            a, impl = w.split("/")
+            p = archs[a]["phases"][phase]["variants"]
             out.append(bc.status(f"T4 blocks {phase} >= {thr}x transformers", worst[w], thr, True,
-                                 "slowest-peer ratio per arch: " + ", ".join(f"{n} {v:.2f}" for n, v in worst.items())))
+                                 "slowest-peer ratio per arch: " + ", ".join(f"{n} {v:.2f}" for n, v in worst.items()),
+                                 f"Worst: {a} fmoe {p['fmoe']['seconds'] * 1e3:.1f} ms vs hf {impl} "
+                                 f"{p['hf_' + impl]['seconds'] * 1e3:.1f} ms."))
     train = {a: r["phases"]["train"]["fmoe_vs_dense"] for a, r in archs.items()
              if "fmoe_vs_dense" in r["phases"].get("train", {})}
     if train:
         w = min(train, key=train.get)
+        r = archs[w]["phases"]["train"]
+        t_f, t_d = r["variants"]["fmoe"]["seconds"], r["useful_gflop"] / r["dense_gflops"]
         out.append(bc.status("T1 blocks training >= 0.90 of dense", train[w], 0.90, True,
-                             ", ".join(f"{a} {v:.2f}" for a, v in train.items())))
+                             ", ".join(f"{a} {v:.2f}" for a, v in train.items()),
+                             f"Bound: {w}'s step takes {t_f * 1e3:.0f} ms, its useful GEMMs at the dense rate "
+                             f"{t_d * 1e3:.0f} ms."))
     dec = {a: r["phases"]["decode"]["fmoe_vs_stream"] for a, r in archs.items()
            if "fmoe_vs_stream" in r["phases"].get("decode", {})}
     if dec:
         w = max(dec, key=dec.get)
+        r = archs[w]["phases"]["decode"]
         out.append(bc.status("T2 blocks decode <= 1.2x weight stream", dec[w], 1.2, False,
-                             ", ".join(f"{a} {v:.2f}x" for a, v in dec.items())))
+                             ", ".join(f"{a} {v:.2f}x" for a, v in dec.items()),
+                             f"Bound: {w} takes {r['variants']['fmoe']['seconds'] * 1e3:.1f} ms; reading its "
+                             f"{r['busy_experts']} busy experts once {r['stream_bound_seconds'] * 1e3:.1f} ms at "
+                             f"{r['read_gb_per_s']:.1f} GB/s."))
     mem = {}
     for a, r in archs.items():
         m = r["phases"].get("train", {}).get("fmoe_mem_vs_hf")

@@ -233,13 +233,23 @@ def targets(res: dict) -> list[dict]:
     train = {n: r["fmoe_vs_dense"] for n, r in cf.items() if "fmoe_vs_dense" in r}
     if train:
         worst = min(train, key=train.get)
+        r = cf[worst]
+        t_f, t_d = r["variants"]["fmoe"]["seconds"], r["useful_gflop"] / r["dense_gflops"]
         out.append(bc.status("T1 layer training >= 0.90 of dense", train[worst], 0.90, True,
-                             "worst " + worst + "; " + ", ".join(f"{n} {v:.2f}" for n, v in train.items())))
+                             "worst " + worst + "; " + ", ".join(f"{n} {v:.2f}" for n, v in train.items()),
+                             f"Bound: {worst}'s step takes {t_f * 1e3:.0f} ms where its useful GEMMs at the dense "
+                             f"rate take {t_d * 1e3:.0f} ms: {(t_f - t_d) * 1e3:.0f} ms go outside the GEMM "
+                             "roofline (suite profile splits it)."))
     dec = {n: r["fmoe_vs_stream"] for n, r in cf.items() if "fmoe_vs_stream" in r}
     if dec:
         worst = max(dec, key=dec.get)
+        r = cf[worst]
         out.append(bc.status("T2 layer decode <= 1.2x weight stream", dec[worst], 1.2, False,
-                             "worst " + worst + "; " + ", ".join(f"{n} {v:.2f}x" for n, v in dec.items())))
+                             "worst " + worst + "; " + ", ".join(f"{n} {v:.2f}x" for n, v in dec.items()),
+                             f"Bound: {worst} takes {r['variants']['fmoe']['seconds'] * 1e3:.1f} ms; reading its "
+                             f"{r['busy_experts']} busy experts' {r['weight_bytes_busy'] / bc.MIB:.0f} MiB once takes "
+                             f"{r['stream_bound_seconds'] * 1e3:.1f} ms at the {r['read_gb_per_s']:.1f} GB/s a sum "
+                             "reaches on the same tensors."))
     tut = {n: cf[n]["fmoe_time_vs_tutel"] for n in TUTEL_GEOMEAN if n in cf and "fmoe_time_vs_tutel" in cf[n]}
     if tut:
         detail = ", ".join(f"{n} {v:.2f}" for n, v in tut.items())
@@ -256,8 +266,12 @@ def targets(res: dict) -> list[dict]:
     mem = {n: cf[n]["fmoe_mem_vs_tutel"] for n in MEMORY_VS_TUTEL if n in cf and "fmoe_mem_vs_tutel" in cf[n]}
     if mem:
         worst = max(mem, key=mem.get)
+        m = cf[worst]["memory"]
         out.append(bc.status("T5 layer training peak memory <= 0.5x Tutel", mem[worst], 0.5, False,
-                             "peak above rest; " + ", ".join(f"{n} {v:.2f}" for n, v in mem.items())))
+                             "peak above rest; " + ", ".join(f"{n} {v:.2f}" for n, v in mem.items()),
+                             f"Bound: {worst}: fmoe +{m['fmoe']['above_rest_mib']:.0f} MiB vs Tutel "
+                             f"+{m['tutel']['above_rest_mib']:.0f} MiB above the resting set (suite profile lists "
+                             "the saved tensors)."))
     return out
 
 

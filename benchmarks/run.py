@@ -11,7 +11,8 @@ Default suites (issue 11; everything side by side in one run, medians and ratios
   training, prefill and decode.
 
 Peak resident memory of every variant is measured in its own subprocess (``--no-memory``
-skips it). Older suites run only when named: ``--only core|layouts|routing``.
+skips it). Other suites run only when named: ``--only core|layouts|routing|profile``
+(``profile``: where fine_cf125's and dropless's step time and memory go, benchmarks/bench_profile.py).
 ``--only`` also takes one layer config or one arch name. Writes ``<out>/results.json``
 (atomically), ``<out>/results.md`` (the tables) and PNG plots; prints the tables and one
 status line per target.
@@ -30,10 +31,11 @@ import torch
 
 from fmoe import _numba
 
-from . import bench_blocks, bench_common, bench_core, bench_cpu_layouts, bench_cpu_routing, bench_layer
+from . import bench_blocks, bench_common, bench_core, bench_cpu_layouts, bench_cpu_routing, bench_layer, bench_profile
 
 DEFAULT_SUITES = {"layer": bench_layer, "blocks": bench_blocks}
-EXTRA_SUITES = {"core": bench_core, "layouts": bench_cpu_layouts, "routing": bench_cpu_routing}
+EXTRA_SUITES = {"core": bench_core, "layouts": bench_cpu_layouts, "routing": bench_cpu_routing,
+                "profile": bench_profile}
 # Issue 11's thresholds; each suite's targets() turns its results into status lines against them.
 TARGETS = {
     "T1 training useful GFLOP/s / dense GEMM rate of the same shapes": ">= 0.90",
@@ -137,6 +139,25 @@ def block_tables(bl: dict) -> list[str]:
     return L
 
 
+def profile_tables(pr: dict) -> list[str]:
+    cats = [c for c, _ in bench_profile.CATEGORIES] + ["other"]
+    L = ["| config | variant | T | profiled step ms | " + " | ".join(f"{c} ms" for c in cats)
+         + " | fresh pages MiB (fault ms) | saved for bwd MiB | RSS fwd end / fwd peak / bwd peak, MiB above rest |",
+         "|" + "---|" * (len(cats) + 7)]
+    for cfg, vs in pr.items():
+        for v, r in vs.items():
+            if "time" not in r:
+                L.append(f"| {cfg} | {v} | {r.get('skipped') or r.get('error')} |")
+                continue
+            t, f, sv, rs = r["time"], r["faults"], r["saved"], r["rss"]
+            L.append(f"| {cfg} | {v} | {r['tokens']} | {t['wall_seconds_profiled'] * 1e3:.0f} | "
+                     + " | ".join(f"{t['by_category'].get(c, 0) * 1e3:.0f}" for c in cats)
+                     + f" | {f['fault_bytes_per_step'] / 2**20:.0f} ({f['fault_seconds_per_step'] * 1e3:.0f}) | "
+                     f"{sv['graph_saved_unique_bytes'] / 2**20:.0f} | {rs['forward_end_above_rest_mib']:.0f} / "
+                     f"{rs['forward_peak_above_rest_mib']:.0f} / {rs['backward_peak_above_rest_mib']:.0f} |")
+    return L
+
+
 def table(results: dict) -> str:
     lines = []
     s = results["suites"]
@@ -144,6 +165,8 @@ def table(results: dict) -> str:
         lines += ["### MoELayer vs Tutel, dense roofline, stream bound (suite `layer`)", ""] + layer_tables(s["layer"])
     if "blocks" in s:
         lines += ["", "### Architecture blocks vs transformers (suite `blocks`)", ""] + block_tables(s["blocks"])
+    if "profile" in s:
+        lines += ["", "### Where the step goes (suite `profile`)", ""] + profile_tables(s["profile"])
     legacy = legacy_tables(results)
     if legacy:
         lines += ["", legacy]
