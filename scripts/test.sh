@@ -6,6 +6,10 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=.venv/bin/python
 export PATH="$PWD/.venv/bin:$PATH"
+if command -v nvcc >/dev/null 2>&1; then
+  echo "[test] building native/ (CUDA kernels) with $(nvcc --version | tail -1)"
+  bash native/build.sh
+fi
 echo "[test] single-process suite"
 "$PY" -m pytest -q tests "$@"
 if [ -d tests/mpi ] && ls tests/mpi/test_*.py >/dev/null 2>&1; then

@@ -22,6 +22,7 @@ from ..routing import Routing
 from . import reference
 from .primitives import combine_raw, dispatch_raw, gate_grad_raw
 from . import numba_cpu  # registers the numba kernels as the ops' CPU implementation
+from . import cuda  # registers the native kernels as the ops' CUDA implementation
 
 __all__ = ["dispatch", "combine", "gate_grad", "reference", "numba_cpu", "dispatch_raw", "combine_raw", "gate_grad_raw"]
 
