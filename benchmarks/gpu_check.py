@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import fmoe.quant as Q  # noqa: E402
+from fmoe import _native  # noqa: E402
 from fmoe.quant import native  # noqa: E402
 
 
@@ -79,13 +80,13 @@ def check_correctness(dev):
         for j in range(k):
             keep = pos[j] >= 0
             D_ref[pos[j][keep]] = w[j][keep, None] * x.float()[keep]
-        D = native.dispatch(x.to(dev), pos.to(dev), w.to(dev), R)
+        D = _native.dispatch(x.to(dev), pos.to(dev), w.to(dev), R)
         Y = torch.randn(R, M, generator=g).to(dt)
         y_ref = torch.zeros(T, M)
         for j in range(k):
             keep = (pos[j] >= 0).float()[:, None]
             y_ref += keep * w[j][:, None] * Y.float()[pos[j].clamp(min=0)]
-        y = native.combine(Y.to(dev), pos.to(dev), w.to(dev))
+        y = _native.combine(Y.to(dev), pos.to(dev), w.to(dev))
         torch.cuda.synchronize()
         tol = 0 if dt == torch.float32 else 1e-2
         e1, e2 = _rel_err(D, D_ref), _rel_err(y, y_ref)
@@ -104,9 +105,9 @@ def bench(dev, quick):
         x = torch.randn(T, M, device=dev, dtype=torch.bfloat16)
         pos = torch.randperm(R, device=dev)[: k * T].reshape(k, T)
         w = torch.rand(k, T, device=dev)
-        D = native.dispatch(x, pos, w, R)
-        t_d = _time_cuda(lambda: native.dispatch(x, pos, w, R), iters)
-        t_c = _time_cuda(lambda: native.combine(D, pos, w), iters)
+        D = _native.dispatch(x, pos, w, R)
+        t_d = _time_cuda(lambda: _native.dispatch(x, pos, w, R), iters)
+        t_c = _time_cuda(lambda: _native.combine(D, pos, w), iters)
         idx = pos.flatten()
         t_torch = _time_cuda(lambda: D.index_copy_(0, idx, x.repeat(k, 1)), iters)
         nbytes = 2 * k * T * M * 2
@@ -114,7 +115,7 @@ def bench(dev, quick):
             "T": T, "M": M, "k": k, "dispatch_GBps": nbytes / t_d / 1e9,
             "combine_GBps": (k * T * M * 2 + T * M * 2) / t_c / 1e9,
             "torch_index_copy_GBps": nbytes / t_torch / 1e9,
-            "note": "dispatch time includes zero-filling D (R*M*2 bytes) in native.dispatch"})
+            "note": "dispatch time includes zero-filling D (R*M*2 bytes) in _native.dispatch"})
     # W4A16 decode GEMV, gpt-oss-120b-like expert: N = 2*2880, K = 2880 (K%32 == 0).
     E, N, K = (4, 5760, 2880)
     for fmt in ("mxfp4", "nvfp4"):
