@@ -29,11 +29,23 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
+def _mode_for(path: str) -> int:
+    """The permissions a plain open() would give (mkstemp makes files 0600): keep an existing
+    file's mode, else 0666 minus the umask."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except FileNotFoundError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
+
+
 @contextlib.contextmanager
 def _temp_beside(path: str) -> Iterator[tuple]:
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
     try:
+        os.chmod(tmp, _mode_for(path))
         with os.fdopen(fd, "wb") as f:
             yield f, tmp, folder
     except BaseException:
