@@ -399,3 +399,17 @@ def test_load_importance_loss_needs_noise_at_construction():
     with pytest.raises(ValueError, match=r"is_gshard_loss=False .* needs gate_noise > 0; gate\(s\) \[0\] have none"):
         _layer(is_gshard_loss=False)
     assert _layer(is_gshard_loss=False, gate_type={"type": "top", "k": 2, "gate_noise": 0.5}).is_gshard_loss is False
+
+
+def test_fast_cumsum_sub_one_gives_slots_of_a_one_hot_mask():
+    mask = torch.tensor([[1, 0], [0, 1], [1, 0], [1, 0]])
+    assert moe.fast_cumsum_sub_one(mask).tolist() == [[0, -1], [0, 0], [1, 0], [2, 0]]
+    with pytest.raises(ValueError, match="only dim=0"):
+        moe.fast_cumsum_sub_one(mask, dim=1)
+
+
+def test_nccl_backend_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(RuntimeError, match="backend='nccl' needs CUDA"):
+        net.create_groups_from_world(group_count=1, include_init="nccl")

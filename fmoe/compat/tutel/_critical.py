@@ -17,13 +17,20 @@ from ...ops import combine, dispatch
 from ...routing import Routing, top_k_routing
 from ._groups import comm_of
 
-__all__ = ["extract_critical", "routing_of", "critical_of", "fast_encode", "fast_decode",
+__all__ = ["fast_cumsum_sub_one", "extract_critical", "routing_of", "critical_of", "fast_encode", "fast_decode",
            "get_reversed_sample_ids", "get_topk_selection", "get_dispatch_count", "gshard_loss"]
 
 
 def gshard_loss(scores: Tensor, topk_ids: Tensor) -> Tensor:
     """Tutel's default ``loss_fn(scores [T, E], topk_ids [T, k])``: GShard loss of the top-1 ids."""
     return _losses.gshard_loss(scores, topk_ids[:, 0])
+
+
+def fast_cumsum_sub_one(data: Tensor, dim: int = 0) -> Tensor:
+    """Inclusive cumulative sum along dim 0, minus one: the slot of each 1 in a one-hot mask column."""
+    if dim != 0:
+        raise ValueError(f"fast_cumsum_sub_one: only dim=0 is supported (as in Tutel), got {dim}")
+    return torch.cumsum(data, dim=0) - 1
 
 
 def critical_of(routing: Routing) -> tuple:

@@ -260,7 +260,13 @@ def create_groups_from_world(group_count: int, include_init: Optional[str] = Non
         parent = comm_of(parent_group).size
         if 1 < parent < comm_of(None).size:
             raise ValueError("create_groups_from_world: splitting a sub-group is not supported (as in Tutel)")
+    if include_init == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("backend='nccl' needs CUDA, which this torch build or machine lacks; use "
+                           "backend='gloo' (torchrun) or 'mpi' (mpiexec) on CPU")
     if include_init:
+        if "" in _GROUPING and _GROUPING[""][0] != include_init:
+            raise ValueError(f"create_groups_from_world: the session already uses backend "
+                             f"{_GROUPING[''][0]!r}, got {include_init!r} (one backend per process, as in Tutel)")
         kind = _init_world(include_init)
         _GROUPING.setdefault("", (include_init, kind))
     if group_count in _GROUPING:
