@@ -71,7 +71,7 @@ def helloworld(T, *, steps=4, k=2, n=2, cf=1.0, l_aux_wt=0.0, d=1, expert_type="
                     p.grad = T.net.simple_all_reduce(p.grad)
             opt.step()
             losses.append(float(loss.detach()))
-            laux.append(float(layer.l_aux))
+            laux.append(float(layer.l_aux.detach()))
         E = T.moe.moe_layer.global_expert_count(n, group=T.system.get_local_session().model_group)
         return {"init": init, "losses": _rounded(losses), "l_aux": _rounded(laux), "local_count": local,
                 "shared_count": shared, "num_global_experts": E,

@@ -46,8 +46,11 @@ def _torch_ready() -> bool:
 
 
 def set_world(comm) -> None:
-    """Make ``comm`` the world of ``group=None`` when torch.distributed is not in use (MPI sessions)."""
-    _WORLD[:] = [comm]
+    """Make ``comm`` (the world communicator the session started) the one ``group=None`` resolves to."""
+    if _torch_ready() and comm.size == _dist().get_world_size():
+        _BY_GROUP["WORLD"] = comm
+    else:
+        _WORLD[:] = [comm]
 
 
 def _is_comm(obj) -> bool:

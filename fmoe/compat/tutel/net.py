@@ -222,27 +222,28 @@ def spatial_split(input: Tensor, dim: int, group=None) -> Tensor:
 _GROUPING: dict = {}  # Tutel caches one grouping per group_count for the whole process
 
 
-def _launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or all(v in os.environ for v in ("MASTER_ADDR", "RANK", "WORLD_SIZE"))
-
-
-def _init_world(backend: str):
-    """Start the job's world once: torch.distributed under torchrun, mpi4py under mpiexec, else one process."""
+def _init_world(backend: str) -> str:
+    """Start the job's world once (fmoe.comm.from_env picks the launcher): torch.distributed under torchrun,
+    mpi4py under mpiexec, else one process. Returns 'torch', 'mpi' or 'local'."""
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
-        return "torch"
-    if backend != "mpi" and _launched_by_torchrun():
-        from ...comm import TorchDistComm
-        TorchDistComm.from_env(backend=backend)
+        return "torch"  # started by the script itself; it also shuts it down
+    if backend == "mpi" and not _mpi_launched():
+        return "local"
+    from ...comm import LocalComm, from_env
+    comm = from_env("mpi" if backend == "mpi" else "auto", backend="gloo" if backend == "mpi" else backend)
+    if isinstance(comm, LocalComm):
+        return "local"
+    set_world(comm)
+    if dist.is_available() and dist.is_initialized():
         OWNED[:] = [True]
         return "torch"
+    return "mpi"
+
+
+def _mpi_launched() -> bool:
     from mpi_backend.comm import mpi_launched
-    if backend == "mpi" or mpi_launched():
-        if mpi_launched():
-            from mpi_backend import MPIComm
-            set_world(MPIComm())
-            return "mpi"
-    return "local"
+    return mpi_launched()
 
 
 def create_groups_from_world(group_count: int, include_init: Optional[str] = None, parent_group=None):
