@@ -10,9 +10,13 @@ take a ``comm`` argument implementing :class:`Communicator`; ``None`` or
   :func:`reduce_scatter`, :func:`all_to_all_v` (torch.func and torch.compile safe).
 * Launch helpers: :func:`from_env`, :func:`abort_on_error`, :func:`install_excepthook`,
   :func:`get_logger`.
+* Fault handling: every distributed call agrees on its step and settings first
+  (:mod:`.agreement`), every collective of MPIComm/TorchDistComm is matched by a header
+  (:mod:`.matching`); mismatches raise :class:`StepMismatchError` / :class:`CollectiveMismatchError`.
 """
 from __future__ import annotations
 
+from .agreement import CollectiveMismatchError, InconsistentRanksError, StepMismatchError
 from .base import Communicator, LocalComm, resolve
 from .collectives import all_gather, all_to_all, all_to_all_v, reduce_scatter
 from .hierarchical import Hierarchical2DComm
@@ -31,4 +35,4 @@ def __getattr__(name):
 __all__ = ["Communicator", "LocalComm", "TorchDistComm", "Hierarchical2DComm", "resolve",
            "all_to_all", "all_gather", "reduce_scatter", "all_to_all_v",
            "from_env", "abort", "abort_on_error", "install_excepthook", "get_logger",
-           "handle_of", "forget"]
+           "handle_of", "forget", "InconsistentRanksError", "StepMismatchError", "CollectiveMismatchError"]
