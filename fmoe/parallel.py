@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from .comm.collectives import all_gather, all_to_all, all_to_all_v
+from .comm import compress as _compress
 from .comm.hierarchical import Hierarchical2DComm
 from .experts import apply_experts, shard_axes
 from .layout import Layout
@@ -59,12 +60,19 @@ class ParallelSpec:
         local_size: ranks per node for the 2DH all-to-all (None: flat).
         check: all-gather a fingerprint of the static settings first and raise
             :class:`InconsistentRanksError` on every rank if they differ.
+        wire: payload format of the dispatch and combine all-to-alls (and all-to-all-v for
+            ragged rows): 'fp32' (the compute dtype, uncompressed), 'bf16', 'fp8' (E4M3 with
+            per-row scales), 'fp8_block' (per-128 scales) or 'mxfp8'; scales travel with the
+            data (:mod:`fmoe.comm.compress`).
+        grad_wire: the backward all-to-alls' format (None: same as ``wire``).
     """
 
     mode: str = "adaptive:1"
     overlap_degree: int = 1
     local_size: Optional[int] = None
     check: bool = True
+    wire: str = "fp32"
+    grad_wire: Optional[str] = None
 
     def __post_init__(self):
         _parse_mode(self.mode)
@@ -73,6 +81,13 @@ class ParallelSpec:
             raise ValueError(f"overlap_degree must be an int in [1, 32], got {d!r}")
         if self.local_size is not None and (not isinstance(self.local_size, int) or self.local_size < 1):
             raise ValueError(f"local_size must be a positive int or None, got {self.local_size!r}")
+        object.__setattr__(self, "wire", _compress.wire_from_name(self.wire))
+        if self.grad_wire is not None:
+            object.__setattr__(self, "grad_wire", _compress.wire_from_name(self.grad_wire))
+
+    @property
+    def compressed(self) -> bool:
+        return self.wire != "fp32" or self.grad_wire not in (None, "fp32")
 
     def degree(self, s: int) -> int:
         """The parallel degree r for sharding count s (validated)."""
@@ -247,6 +262,19 @@ def _gather_group(expert_type: str, params: dict, comm, s: int, r: int, out_dim:
 
 # --------------------------------------------------------------------------- expert stage
 
+def _a2a(x: Tensor, comm, concat_axis: int, split_axis: int, parallel: ParallelSpec) -> Tensor:
+    if parallel.compressed:
+        return _compress.all_to_all(x, comm, concat_axis, split_axis, wire=parallel.wire,
+                                    grad_wire=parallel.grad_wire)
+    return all_to_all(x, comm, concat_axis, split_axis)
+
+
+def _a2av(x: Tensor, comm, send: list, recv: list, parallel: ParallelSpec) -> Tensor:
+    if parallel.compressed:
+        return _compress.all_to_all_v(x, comm, send, recv, wire=parallel.wire, grad_wire=parallel.grad_wire)
+    return all_to_all_v(x, comm, send, recv)
+
+
 def _full_rows_gemm(E: int, C: int, device, precision, generator) -> GroupedGemm:
     """The seam over received padded buffers [E, C, M] whose fill is not known here: every row."""
     starts = torch.arange(E, device=device, dtype=torch.int64) * C
@@ -313,24 +341,24 @@ def expert_parallel(experts, expert_params, buffers: Tensor, comm, parallel: Opt
     outs = []
     for i in range(d):
         chunk = buffers if d == 1 else buffers[:, i * step:(i + 1) * step]
-        outs.append(_expert_chunk(experts, local, chunk, xcomm, s, r, generator))
+        outs.append(_expert_chunk(experts, local, chunk, xcomm, s, r, generator, parallel))
     return outs[0] if d == 1 else torch.cat(outs, dim=1)
 
 
-def _expert_chunk(experts, local, chunk: Tensor, comm, s: int, r: int, generator) -> Tensor:
+def _expert_chunk(experts, local, chunk: Tensor, comm, s: int, r: int, generator, parallel: ParallelSpec) -> Tensor:
     """One capacity chunk [E, c, M] -> [E, c, O] through all-to-all, experts, all-to-all."""
     E, c, M = chunk.shape
     if s == 1:
-        x = all_to_all(chunk, comm, 1, 0)                      # [n, W*c, M]
+        x = _a2a(chunk, comm, 1, 0, parallel)                  # [n, W*c, M]
         y = apply_experts(experts, local, x, _full_rows_gemm(x.shape[0], x.shape[1], x.device, experts.precision,
                                                              generator))
-        return all_to_all(y, comm, 0, 1)                       # [E, c, O]
+        return _a2a(y, comm, 0, 1, parallel)                   # [E, c, O]
     W = comm.size
     rep = chunk.repeat(1, r, 1) if r > 1 else chunk            # [E, r*c, M]: r copies of every row
-    x = all_to_all(rep.reshape(W, r * c // s, M), comm, 1, 0)  # [1, W*r*c/s, M]
+    x = _a2a(rep.reshape(W, r * c // s, M), comm, 1, 0, parallel)  # [1, W*r*c/s, M]
     # partial sums over this group's hidden slice
     y = apply_experts(experts, local, x, _full_rows_gemm(1, x.shape[1], x.device, experts.precision, generator))
-    y = all_to_all(y, comm, 0, 1)                              # [W, r*c/s, O]
+    y = _a2a(y, comm, 0, 1, parallel)                          # [W, r*c/s, O]
     return y.reshape(E, r, c, y.shape[-1]).sum(1)              # sum the r partial outputs
 
 
@@ -361,7 +389,7 @@ def _ragged_expert_parallel(experts, expert_params, rows: Tensor, comm, parallel
     recv_matrix = comm.all_to_all(sizes, 0, 0).reshape(W, n)  # [source, local expert]
     send = sizes.reshape(W, n).sum(1).tolist()
     recv = recv_matrix.sum(1).tolist()
-    got = all_to_all_v(rows[:N], xcomm, send, recv)           # [sum recv, M], source-major
+    got = _a2av(rows[:N], xcomm, send, recv, parallel)        # [sum recv, M], source-major
     local_id = torch.repeat_interleave(torch.arange(n, device=rows.device).repeat(W), recv_matrix.reshape(-1))
     by_expert = torch.argsort(local_id, stable=True)
     local_sizes = recv_matrix.sum(0)
@@ -369,7 +397,7 @@ def _ragged_expert_parallel(experts, expert_params, rows: Tensor, comm, parallel
                       _ragged_gemm(local_sizes, got.shape[0], experts.precision, generator))
     back = torch.empty_like(by_expert)
     back[by_expert] = torch.arange(by_expert.numel(), device=rows.device)
-    ret = all_to_all_v(y[back], xcomm, recv, send)              # [N, O] in this rank's row order
+    ret = _a2av(y[back], xcomm, recv, send, parallel)          # [N, O] in this rank's row order
     if N == R:
         return ret
     return torch.cat([ret, ret.new_zeros(R - N, ret.shape[1])])
