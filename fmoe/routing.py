@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from typing import Any, Optional
 
@@ -361,6 +362,17 @@ def assign_slots_torch(expert_ids: Tensor, num_experts: int, *, order: Optional[
 
 # --------------------------------------------------------------------------- capacity
 
+def _capacity_factor(capacity_factor) -> float:
+    """``capacity_factor`` as a float, refusing strings, bools, inf and NaN with a clear error."""
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real):
+        raise TypeError(f"capacity_factor must be a real number (> 0 padded, 0 dropless, < 0 capped dropless), "
+                        f"got {type(capacity_factor).__name__} {capacity_factor!r}")
+    cf = float(capacity_factor)
+    if not math.isfinite(cf):
+        raise ValueError(f"capacity_factor must be finite, got {cf} (use 0 for dropless routing)")
+    return cf
+
+
 def capacity_for(capacity_factor: float, *, num_tokens: int, num_experts: int, k: int,
                  max_load: Optional[int] = None, alignment: int = 1) -> int:
     """Capacity C from the three capacity-factor modes and alignment (§7).
@@ -376,12 +388,7 @@ def capacity_for(capacity_factor: float, *, num_tokens: int, num_experts: int, k
     """
     if not isinstance(alignment, int) or alignment < 1:
         raise ValueError(f"alignment must be an int >= 1, got {alignment!r}")
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
-        raise TypeError(f"capacity_factor must be a real number (> 0 padded, 0 dropless, < 0 capped dropless), "
-                        f"got {type(capacity_factor).__name__} {capacity_factor!r}")
-    cf = float(capacity_factor)
-    if not math.isfinite(cf):
-        raise ValueError(f"capacity_factor must be finite, got {cf} (use 0 for dropless routing)")
+    cf = _capacity_factor(capacity_factor)
     for name, v in (("num_tokens", num_tokens), ("num_experts", num_experts), ("k", k)):
         if not _int_like(v) or v < (1 if name != "num_tokens" else 0):
             raise ValueError(f"capacity_for: {name} must be an int >= {1 if name != 'num_tokens' else 0}, got {v!r}")
@@ -451,7 +458,7 @@ def make_routing(expert_ids: Tensor, weights: Tensor, num_experts: int, capacity
         order = torch.argsort(-importance, stable=True)
     slots, counts = assign_slots(expert_ids, num_experts, order=order)
     if capacity is None:
-        cf = float(capacity_factor)
+        cf = _capacity_factor(capacity_factor)
         t_star = _group_max(T, comm, expert_ids.device) if cf > 0 else T
         max_load = None
         if cf <= 0:

@@ -180,3 +180,15 @@ def test_validation_cost_is_small():
     per = (time.perf_counter() - t0) / 50
     print(f"Routing validation: {per * 1e6:.1f} us per construction (T=4096, k=2, E=64)")
     assert per < 0.05
+
+
+@pytest.mark.parametrize("cf,match", [("abc", "capacity_factor must be a real number"),
+                                      (float("inf"), "capacity_factor must be finite"),
+                                      (1e6, "exceeds the bound")])
+def test_bad_capacity_factor_through_moe(cf, match):
+    import fmoe
+    spec = fmoe.MoESpec(model_dim=4, num_experts=2, gate=fmoe.GateSpec(k=1, capacity_factor=cf),
+                        experts=fmoe.ExpertSpec(type="ffn", hidden_size=4))
+    p = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))
+    with pytest.raises((TypeError, ValueError), match=match):
+        fmoe.moe(p, torch.randn(8, 4), spec)
