@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sysconfig
 import time
 from pathlib import Path
@@ -31,10 +32,13 @@ from torch import Tensor, nn
 from fmoe.nn import MoELayer
 
 VOCAB = 256  # bytes
+PRECISIONS = ("fp32", "bf16", "fp8_row", "fp8_block", "mxfp8", "mxfp4", "nvfp4")
+A2A_PRECISIONS = ("fp32", "bf16", "fp8", "mxfp8")
 
 
-def load_corpus(max_bytes: int = 4_000_000, root: Optional[str] = None) -> Tensor:
-    """uint8 [N] bytes of stdlib ``.py`` files, in sorted path order (deterministic)."""
+def load_files(max_bytes: int = 4_000_000, root: Optional[str] = None) -> list[bytes]:
+    """Contents of stdlib ``.py`` files in sorted path order (deterministic), stopping once
+    ``max_bytes`` are read (the last file is cut to the budget)."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
     for path in sorted(root.rglob("*.py")):
@@ -50,13 +54,48 @@ def load_corpus(max_bytes: int = 4_000_000, root: Optional[str] = None) -> Tenso
             break
     if not chunks:
         raise FileNotFoundError(f"no .py files found under {root}")
-    blob = b"\n".join(chunks)[:max_bytes]
-    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    over = total - max_bytes
+    if over > 0:
+        chunks[-1] = chunks[-1][:len(chunks[-1]) - over]
+    return chunks
+
+
+def _as_tensor(chunks: list[bytes]) -> Tensor:
+    return torch.frombuffer(bytearray(b"\n".join(chunks)), dtype=torch.uint8)
+
+
+def load_corpus(max_bytes: int = 4_000_000, root: Optional[str] = None) -> Tensor:
+    """uint8 [N] bytes of stdlib ``.py`` files, in sorted path order (deterministic)."""
+    return _as_tensor(load_files(max_bytes, root))[:max_bytes]
 
 
 def split(data: Tensor, val_fraction: float = 0.05) -> tuple[Tensor, Tensor]:
+    """Tail split of one byte stream (the last ``val_fraction`` of the bytes). The stdlib's
+    sorted tail (``xml``, ``zipfile``, ...) reads easier than the rest: prefer
+    :func:`split_by_file` for an honest validation loss."""
     n = int(len(data) * (1 - val_fraction))
     return data[:n], data[n:]
+
+
+def split_by_file(files: list[bytes], val_fraction: float = 0.05, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Honest train / validation split: files are shuffled with a seeded permutation and the
+    first ones, until at least ``val_fraction`` of the bytes, form the validation set; the rest
+    (in path order) train. Both sets then come from the same distribution of files.
+    Returns (train uint8 [N_train], val uint8 [N_val]).
+    """
+    if len(files) < 2:
+        raise ValueError(f"split_by_file needs at least 2 files, got {len(files)}")
+    order = torch.randperm(len(files), generator=torch.Generator().manual_seed(seed)).tolist()
+    total = sum(len(f) for f in files)
+    val_idx, got = set(), 0
+    for i in order:
+        if got >= val_fraction * total or len(val_idx) == len(files) - 1:
+            break
+        val_idx.add(i)
+        got += len(files[i])
+    train = [f for i, f in enumerate(files) if i not in val_idx]
+    val = [files[i] for i in sorted(val_idx)]
+    return _as_tensor(train), _as_tensor(val)
 
 
 def batches(data: Tensor, batch_size: int, context: int, generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor]]:
@@ -81,8 +120,14 @@ class CharLMConfig:
     aux_weight: float = 0.01
 
 
+def _set_precision(layer: MoELayer, precision) -> None:
+    """Run the layer's expert GEMMs under ``precision`` (ExpertSpec.precision)."""
+    layer.specs = tuple(dataclasses.replace(s, experts=dataclasses.replace(s.experts, precision=precision))
+                        for s in layer.specs)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: CharLMConfig, seed: int, comm=None):
+    def __init__(self, cfg: CharLMConfig, seed: int, comm=None, precision=None):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.model_dim)
         self.qkv = nn.Linear(cfg.model_dim, 3 * cfg.model_dim)
@@ -96,6 +141,11 @@ class Block(nn.Module):
                      "hidden_size_per_expert": cfg.hidden_size, "activation_fn": F.gelu},
             comm=comm, seeds=(seed, seed + 1 + (0 if comm is None else comm.rank), seed),
         )
+        if precision is not None:
+            _set_precision(self.moe, precision)
+        # Stochastic rounding / Hadamard signs of the quantized expert GEMMs draw from this
+        # block's own generator (never the global RNG); the gate has no noise to draw.
+        self.rng = torch.Generator().manual_seed(10_000 + seed + (0 if comm is None else comm.rank))
         self.num_heads = cfg.num_heads
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -104,20 +154,25 @@ class Block(nn.Module):
         att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(B, L, M))
-        y, aux = self.moe(self.norm2(x), return_aux=True)
+        y, aux = self.moe(self.norm2(x), return_aux=True, generator=self.rng)
         return x + y, aux.l_aux
 
 
 class CharLM(nn.Module):
     """Byte-level causal LM with MoE feed-forward blocks."""
 
-    def __init__(self, cfg: CharLMConfig, seed: int = 0, comm=None):
+    def __init__(self, cfg: CharLMConfig, seed: int = 0, comm=None, precision=None):
+        """precision: None or a :class:`fmoe.quant.training.TrainPrecision` (or its name) for
+        the expert GEMMs (quantized training with float master weights)."""
         super().__init__()
         torch.manual_seed(seed)  # embedding/attention init; MoE layers use their own seeds
         self.cfg = cfg
         self.embed = nn.Embedding(VOCAB, cfg.model_dim)
         self.pos = nn.Parameter(torch.randn(cfg.context, cfg.model_dim) * 0.02)
-        self.blocks = nn.ModuleList(Block(cfg, seed + 10 * i, comm) for i in range(cfg.num_layers))
+        if isinstance(precision, str):
+            from fmoe.quant.training import recipe_from_name
+            precision = recipe_from_name(precision)
+        self.blocks = nn.ModuleList(Block(cfg, seed + 10 * i, comm, precision) for i in range(cfg.num_layers))
         self.norm = nn.LayerNorm(cfg.model_dim)
         self.head = nn.Linear(cfg.model_dim, VOCAB)
 
@@ -168,6 +223,43 @@ def sync_and_clip(model: nn.Module, comm, max_norm: float) -> None:
                 p.grad.mul_(scale)
 
 
+class SavedBytes:
+    """Context manager counting the bytes autograd saves for backward (distinct storages), i.e.
+    the activation memory a training step holds between forward and backward."""
+
+    def __enter__(self):
+        self.total, self._seen = 0, set()
+
+        def pack(t):
+            try:
+                key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            except (RuntimeError, NotImplementedError):  # wrapped tensors: count their size
+                key = (id(t), t.numel() * t.element_size())
+            if key not in self._seen:
+                self._seen.add(key)
+                self.total += key[1]
+            return t
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        return False
+
+
+def peak_rss_bytes() -> Optional[int]:
+    """Peak resident set size of this process (Linux/macOS), or None where unknown."""
+    try:
+        import resource
+        import sys
+        r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(r) if sys.platform == "darwin" else int(r) * 1024
+    except (ImportError, OSError):
+        return None
+
+
 @torch.no_grad()
 def evaluate(model: CharLM, data: Tensor, batch_size: int, steps: int, seed: int = 1234) -> float:
     model.eval()
@@ -211,9 +303,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus_bytes", type=int, default=4_000_000)
     p.add_argument("--eval_every", type=int, default=200)
+    p.add_argument("--eval_batches", type=int, default=16, help="validation batches per evaluation")
     p.add_argument("--out", default="runs/charlm")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--no_progress", action="store_true")
+    p.add_argument("--no_plot", action="store_true", help="skip the loss-curve PNG")
+    p.add_argument("--expert_precision", default="fp32", choices=PRECISIONS,
+                   help="quantized training of the expert GEMMs (weights, activations and output "
+                        "gradients in this format; FP32 master weights)")
+    p.add_argument("--save_activations", default=None, choices=(None, "fp8"),
+                   help="store the expert GEMM inputs saved for backward in FP8 (activation compression)")
+    p.add_argument("--a2a_precision", default="fp32", choices=A2A_PRECISIONS,
+                   help="wire format of the dispatch/combine all-to-alls (under mpiexec / torchrun)")
     return p.parse_args(argv)
 
 
@@ -223,39 +324,59 @@ def main(argv=None, comm=None) -> dict:
         torch.set_num_threads(args.threads)
     rank = 0 if comm is None else comm.rank
     cfg = CharLMConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(CharLMConfig)})
-    data = load_corpus(args.corpus_bytes)
-    train_data, val_data = split(data)
-    model = CharLM(cfg, seed=args.seed, comm=comm)
+    files = load_files(args.corpus_bytes)
+    train_data, val_data = split_by_file(files, 0.05, seed=args.seed)
+    from fmoe.quant.training import recipe_from_name
+    precision = recipe_from_name(args.expert_precision, save_activations=args.save_activations)
+    model = CharLM(cfg, seed=args.seed, comm=comm, precision=precision)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
     it = batches(train_data, args.batch_size, cfg.context, torch.Generator().manual_seed(args.seed + rank))
     if rank == 0:
-        print(f"corpus: {len(data):,} bytes of stdlib source; model: {n_params:,} parameters, "
-              f"{cfg.num_layers} MoE layers x {cfg.num_experts} experts (top-{cfg.top_k})")
+        print(f"corpus: {len(train_data):,} train / {len(val_data):,} validation bytes of stdlib source "
+              f"(split by file); model: {n_params:,} parameters, {cfg.num_layers} MoE layers x "
+              f"{cfg.num_experts} experts (top-{cfg.top_k}); expert precision {args.expert_precision}"
+              + (f", a2a {args.a2a_precision}" if comm is not None and comm.size > 1 else ""))
     try:
         from tqdm import tqdm
         bar = tqdm(range(args.steps), disable=args.no_progress or rank != 0, unit="step")
     except ImportError:
         bar = range(args.steps)
-    steps, train_curve, val_curve = [], [], []
+    steps, train_curve, val_curve, step_times = [], [], [], []
+    saved_bytes = None
     tokens_seen, t0 = 0, time.perf_counter()
     for step in bar:
         inputs, targets = next(it)
-        loss, l_aux = model.loss(inputs, targets)
+        ts = time.perf_counter()
+        if saved_bytes is None:  # measure the activation memory of one step, then train as usual
+            with SavedBytes() as sb:
+                loss, l_aux = model.loss(inputs, targets)
+            saved_bytes = sb.total
+        else:
+            loss, l_aux = model.loss(inputs, targets)
         opt.zero_grad(set_to_none=True)
         (loss + cfg.aux_weight * l_aux).backward()
         sync_and_clip(model, comm, 1.0)
         opt.step()
         sched.step()
+        step_times.append(time.perf_counter() - ts)
         tokens_seen += inputs.numel()
         steps.append(step)
         train_curve.append(loss.item())
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(loss=f"{loss.item():.3f}", aux=f"{l_aux.item():.3f}")
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            val_curve.append((step, evaluate(model, val_data, args.batch_size, 8)))
+            val_curve.append((step, evaluate(model, val_data, args.batch_size, args.eval_batches)))
     elapsed = time.perf_counter() - t0
+    world = 1 if comm is None else comm.size
+    tokens_per_rank = args.batch_size * cfg.context
+    from fmoe.comm.compress import wire_bytes, wire_from_name
+    from fmoe.routing import capacity_for
+    cap = capacity_for(cfg.capacity_factor, num_tokens=tokens_per_rank, num_experts=cfg.num_experts,
+                       k=cfg.top_k)
+    dispatch_shape = (cfg.num_experts, cap, cfg.model_dim)  # one rank's dispatch buffer [E, C, M]
+    wire = wire_from_name(args.a2a_precision)
     summary = {
         "steps": args.steps,
         "final_train_loss": sum(train_curve[-20:]) / len(train_curve[-20:]),
@@ -265,14 +386,26 @@ def main(argv=None, comm=None) -> dict:
         "tokens_per_second": tokens_seen / elapsed,
         "seconds": elapsed,
         "parameters": n_params,
-        "ranks": 1 if comm is None else comm.size,
+        "ranks": world,
         "config": dataclasses.asdict(cfg),
+        "expert_precision": args.expert_precision,
+        "save_activations": args.save_activations,
+        "a2a_precision": args.a2a_precision if world > 1 else None,
+        # median over the steps after the first 10 (numba compilation and warmup excluded)
+        "step_seconds": statistics.median(step_times[10:] or step_times),
+        "saved_activation_bytes": saved_bytes,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "dispatch_buffer_shape": list(dispatch_shape),
+        "a2a_bytes_per_call": wire_bytes(dispatch_shape, wire),
+        "a2a_bytes_per_call_fp32": wire_bytes(dispatch_shape, "fp32"),
+        "train_curve": train_curve,
+        "val_curve": val_curve,
     }
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         png = out / "loss.png"
-        if plot_losses(png, steps, train_curve, val_curve):
+        if not args.no_plot and plot_losses(png, steps, train_curve, val_curve):
             summary["plot"] = str(png)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"done: {args.steps} steps in {elapsed:.1f} s ({summary['tokens_per_second']:,.0f} tokens/s); "
