@@ -7,8 +7,9 @@ The pytest side launches this file as the torchrun worker (``__main__`` below) o
 * helloworld_switch's per-step adaptive r / overlap degree switching on sharded experts equals the
   fixed-r run and Tutel's;
 * a layer built without ``group=`` uses the world (E = 2 x local experts), expert parallel over 2
-  ranks, the TutelDistributedOptimizer path, a custom sharded expert and the from-scratch
-  primitives all reproduce Tutel's 2-rank numbers;
+  ranks, the TutelDistributedOptimizer path, custom gate/expert modules, a custom sharded expert,
+  the README options (cosine gate, gate list, pre-score, batch-prioritized, load/importance loss)
+  and the from-scratch primitives all reproduce Tutel's 2-rank numbers;
 * a layer on an explicit sub-group (``create_groups_from_world(group_count=2).model_group``) is local;
 * ``fmoe.nn.MoELayer`` without ``comm=`` under the initialised 2-rank job raises with its message.
 
@@ -41,6 +42,8 @@ TUTEL_2RANK = {
     "custom_sharded": {"losses": [3.044195, 1.993096, 1.251929], "init": "5b56c395a8e1aaac"},
     "from_scratch": {"losses": [2.758479, 2.753642, 2.748796]},
     "subgroup": {"losses": [0.007836409844458103]},
+    "custom_gate_expert": {"losses": [3.053932, 2.583919, 1.708441], "init": "a52686ee65124dd0"},
+    "options": {"losses": [0.002479829, 0.02813538, 0.4024484], "init": "3e3818a0fb19315e"},
 }
 
 
@@ -132,7 +135,8 @@ def _worker(which: str) -> None:
     import torch
     import torch.nn.functional as F
     torch.set_num_threads(1)
-    from tests.test_compat_tutel_scenarios import custom_expert_sharded, from_scratch, helloworld, switch
+    from tests.test_compat_tutel_scenarios import (custom_expert_sharded, custom_gate_expert, from_scratch, helloworld,
+                                                   options, switch)
     if which == "tutel":
         import tutel as T
         from tutel import moe, net, system  # noqa: F401 - loads the submodules as Tutel scripts do
@@ -152,6 +156,8 @@ def _worker(which: str) -> None:
     res["switch_fixed"] = helloworld(T, n=-2, k=2, steps=6, parallel_type="adaptive:1")
     res["custom_sharded"] = custom_expert_sharded(T, n=-2, steps=3)
     res["from_scratch"] = from_scratch(T, n=1, steps=3)
+    res["custom_gate_expert"] = custom_gate_expert(T, steps=3)
+    res["options"] = options(T)
     # An explicit sub-group: group_count=2 splits the 2 ranks into two model groups of one rank each.
     single = T.net.create_groups_from_world(group_count=2).model_group
     torch.manual_seed(5)
