@@ -49,8 +49,9 @@ CATEGORIES = [  # (category, substrings of op names); first match wins
 
 
 def category(name: str) -> str:
+    low = name.lower()  # Tutel's ops are GatingEncoder / GatingDecoder
     for cat, keys in CATEGORIES:
-        if any(k in name for k in keys):
+        if any(k in low for k in keys):
             return cat
     return "other"
 

@@ -62,7 +62,27 @@ def machine() -> dict:
         load = None
     return {"cpu": model, "logical_cpus": cores, "torch": torch.__version__, "numba": numba.__version__,
             "torch_threads": torch.get_num_threads(), "threading_layer": _numba.threading_layer(),
-            "python": platform.python_version(), "loadavg_start": load}
+            "python": platform.python_version(), "loadavg_start": load, "commit": commit()}
+
+
+def commit() -> str:
+    """The fmoe commit measured: git's HEAD (+ "-dirty" when fmoe/ has uncommitted changes), or the
+    first line of ``.bench_commit`` in a snapshot without .git (git archive), else "unknown"."""
+    repo = bench_common.REPO
+    try:
+        head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--", "fmoe"], capture_output=True,
+                                   text=True, timeout=10).stdout.strip()
+            return head.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        with open(os.path.join(repo, ".bench_commit")) as f:
+            return f.readline().strip() + " (snapshot)"
+    except OSError:
+        return "unknown"
 
 
 def _fmt(v, spec=".2f"):
@@ -372,7 +392,10 @@ def main(argv=None) -> int:
     md = os.path.join(args.out, "results.md")
     tmp = md + ".tmp"
     with open(tmp, "w") as f:
-        f.write(f"Command: `{results['command']}` ({results['date_utc']}, {results['seconds']:.0f} s)\n\n{text}\n")
+        mach = results["machine"]
+        f.write(f"Command: `{results['command']}` ({results['date_utc']}, {results['seconds']:.0f} s, fmoe "
+                f"{mach['commit']}, load average {_fmt(mach['loadavg_start'] and mach['loadavg_start'][0], '.1f')} "
+                f"at start, {_fmt(mach.get('loadavg_end') and mach['loadavg_end'][0], '.1f')} at end)\n\n{text}\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, md)
