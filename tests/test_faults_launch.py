@@ -1,7 +1,7 @@
 """Injected faults under real launchers end in an error naming the problem and a non-zero exit, never a hang.
 
-Each run is a subprocess in its own session, bounded by a timeout; on timeout the whole process group is
-killed (no rank is left behind) and the test fails. The program is tests/_fault_prog.py.
+Each run is a subprocess bounded by a timeout; every process it starts carries a marker in its
+environment and is killed afterwards (no rank is left behind), and a run that times out fails the test. The program is tests/_fault_prog.py.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -24,8 +25,26 @@ def _tool(name):
     return path if os.path.exists(path) else shutil.which(name)
 
 
+def _marked(token: str) -> list[int]:
+    """Pids whose environment carries ``token`` (every process a run started, wherever it re-parented)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    if token.encode() in f.read():
+                        pids.append(int(d))
+            except OSError:
+                pass
+    return pids
+
+
 def _run(cmd) -> tuple[int, str]:
-    env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""), OMP_NUM_THREADS="1")
+    # torchrun and hydra start ranks in sessions of their own, so a process-group kill could miss
+    # them: every process of the run carries a marker in its environment and is killed by it.
+    token = f"FMOE_FAULT_RUN={uuid.uuid4().hex}"
+    name, value = token.split("=")
+    env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""), OMP_NUM_THREADS="1", **{name: value})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=env)
     try:
@@ -33,12 +52,13 @@ def _run(cmd) -> tuple[int, str]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} hung for {LIMIT_S} s (process group killed); output:\n{out[-3000:]}")
+        pytest.fail(f"{' '.join(cmd)} hung for {LIMIT_S} s (all its processes killed); output:\n{out[-3000:]}")
     finally:
-        try:  # a launcher that exited may have left a rank: end the whole group
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pid in _marked(token):  # no rank is left behind, finished or not
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     return proc.returncode, out
 
 
