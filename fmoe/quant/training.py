@@ -50,6 +50,10 @@ Paths (all give the same decoded operands; only the GEMM summation order may dif
                :mod:`fmoe.quant._cpu_kernels` (CPU; the torch codecs on other devices and
                under torch.func), then the layout's float mm / wgrad
   "reference"  the spec quantizers of :mod:`fmoe.quant.formats`, dequantize, mm / wgrad
+  "native"     CUDA: the forward through the native W4A16 / FP8 block kernels (FP4 weights;
+               fp8_block with quantized activations), bf16 outputs; backward as "auto".
+               "auto" on CUDA does the same where a kernel fits and the library is built,
+               the torch codecs and the layout's mm otherwise
   "fused"      padded CPU [E, C, K] buffers: operands packed by the spec quantizers and
                multiplied by the fused kernels of :mod:`fmoe.quant.matmul` (weights decoded
                in registers) in forward, dgrad and (x quantized) wgrad: the W4A16 / W8A16
@@ -78,7 +82,7 @@ TRAIN_FORMATS = ("fp32", "bf16", "fp8_row", "fp8_block", "mxfp8", "mxfp4", "nvfp
 PRECISION_NAMES = TRAIN_FORMATS
 _FLOAT_FORMATS = ("fp32", "bf16")  # rounding only, no block scales
 SAVE_FORMATS = (None, "fp8")
-PATHS = ("auto", "fused", "reference")
+PATHS = ("auto", "fused", "reference", "native")
 HADAMARD_SIZE = 16
 
 # Block length along the quantized axis that the token axis must be padded to.
@@ -301,7 +305,7 @@ def _pad_rows(t: Tensor, multiple: int) -> Tensor:
 
 def _hadamard_matrix(signs: Tensor) -> Tensor:
     """diag(signs) @ H16 / 4: orthogonal, float32 [16, 16]."""
-    h = torch.ones(1, 1)
+    h = torch.ones(1, 1, device=signs.device)
     while h.shape[0] < HADAMARD_SIZE:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return signs.float()[:, None] * h / math.sqrt(HADAMARD_SIZE)
@@ -414,7 +418,41 @@ def _x_operand(x: Tensor, recipe: TrainPrecision, impl: str) -> Tensor:
     return fake_quantize(x, recipe.weights, "act", impl=impl)
 
 
+def _native_forward(x, w, recipe, transposed, path):
+    """CUDA forward through the native kernels where one fits (None otherwise): FP4 weights
+    as W4A16 (the activation operand rounded to bf16, as the A16 kernel takes it: exact for
+    MXFP4-quantized activations, a bf16 rounding otherwise), FP8 128x128 weights with 1x128
+    FP8 activation tiles as the FP8 block GEMM (exactly the recipe's operands). Outputs are
+    bf16 (the kernels' epilogue). path "native" raises where no kernel fits."""
+    fmt = recipe.weights
+    fits = x.is_cuda and x.dim() == 3 and not _wrapped(x, w) and (
+        fmt in FP4_FORMATS or (fmt == "fp8_block" and recipe.activations))
+    if not fits:
+        if path == "native":
+            raise ValueError(f"quantized_mm: path 'native' needs CUDA [E, C, K] buffers and FP4 "
+                             f"weights or fp8_block with quantized activations; got {fmt} "
+                             f"(activations={recipe.activations}) {tuple(x.shape)} on {x.device}")
+        return None
+    from . import native
+    try:
+        native.lib()
+    except RuntimeError:
+        if path == "native":
+            raise
+        return None  # library not built: the torch reference path below
+    w_nk = (w if transposed else w.transpose(-1, -2)).detach().float().contiguous()
+    if fmt in FP4_FORMATS:
+        xq = _x_operand(x.detach(), recipe, "torch")
+        return native.w4a16_matmul(xq.to(torch.bfloat16).contiguous(), F.quantize(w_nk, fmt))
+    a = F.quantize_fp8_act_tiles(x.detach().float().contiguous(), 128)
+    return native.fp8_block_matmul(a, F.quantize_fp8_block(w_nk))
+
+
 def _forward(x, w, recipe, transposed, mm, path):
+    if path in ("auto", "native") and x.is_cuda:
+        y = _native_forward(x, w, recipe, transposed, path)
+        if y is not None:
+            return y.to(x.dtype)
     xq = _x_operand(x, recipe, _impl(path))
     if _fused_ok(x, recipe.weights, path, x.shape[-2] if x.dim() == 3 else 0, w):
         y = _fused(xq, _weight_qts(w, recipe, transposed, "fwd"))
@@ -536,6 +574,8 @@ def _check_call(x, w, recipe, transposed, generator, path):
                          f"(transposed={transposed}) has K = {k_w}")
     if path not in PATHS:
         raise ValueError(f"quantized_mm: path must be one of {PATHS}, got {path!r}")
+    if path == "native" and not x.is_cuda:
+        raise ValueError(f"quantized_mm: path 'native' runs the CUDA kernels; x is on {x.device}")
     if recipe.needs_generator and not isinstance(generator, torch.Generator):
         raise ValueError("quantized_mm: this recipe uses stochastic rounding or a random Hadamard "
                          "transform; pass generator=torch.Generator() (fmoe never draws from the "
@@ -598,7 +638,9 @@ def quantized_mm_reference(x: Tensor, w: Tensor, recipe: TrainPrecision, *, tran
     dx = torch.bmm(gq, wd.transpose(1, 2))
     signs = None
     if recipe.uses_hadamard:
-        signs = torch.randint(0, 2, (HADAMARD_SIZE,), generator=generator).float() * 2 - 1
+        signs = torch.randint(0, 2, (HADAMARD_SIZE,), generator=generator,
+                              device=generator.device).float() * 2 - 1
+
     def tok(t, on, use_sr):
         tT = t.float().transpose(1, 2)
         mult = HADAMARD_SIZE if signs is not None else 1
