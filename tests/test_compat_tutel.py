@@ -42,7 +42,7 @@ GOLDEN = {
     "helloworld_capped": {"init": "e420f7a0f4635f77", "losses": [1.932765, 1.727417, 1.545771, 1.385785], "l_aux": [0.9998487, 0.9999009, 1.000011, 1.000169], "local_count": 4288, "shared_count": 64, "num_global_experts": 4, "dispatch_count": [7, 7, 7, 11]},
     "helloworld_fp64": {"init": "422e5f07c598878f", "losses": [2.349922, 2.158892, 1.982784, 1.819708], "l_aux": [1.025888, 1.025433, 1.024966, 1.02448], "local_count": 2144, "shared_count": 32, "num_global_experts": 2, "dispatch_count": [16, 16]},
     "ddp_tutel_auto": {"init": "889de584584e6943", "losses": [2.309614, 2.119357, 1.946152, 1.787181], "l_aux": [0.9999999, 1.0, 1.0, 1.0], "local_count": 2144, "shared_count": 32, "num_global_experts": 2, "dispatch_count": [16, 16]},
-    "llama": {"init": "ac855067bfc640e7", "losses": [2.079448, 2.079443, 2.079438], "l_aux": [0.9999999, 1.0, 1.0], "local_count": 768, "shared_count": 32, "num_global_experts": 2, "dispatch_count": [16, 16]},
+    "llama": {"init": "ac855067bfc640e7", "losses": [2.079448, 2.078505, 1.95665], "l_aux": [0.9999999, 1.0, 1.0], "local_count": 768, "shared_count": 32, "num_global_experts": 2, "dispatch_count": [16, 16]},
     "switch": {"init": "889de584584e6943", "losses": [2.309614, 2.119357, 1.946152, 1.787181, 1.639861, 1.502273], "r_o": [[1, 8], [0, 1], [0, 2], [0, 3], [0, 4], [0, 5]], "valid_rs": [0, 1]},
     "custom_gate_expert": {"init": "d6a557b7a4261076", "losses": [2.818203, 2.57861, 2.357446, 2.154496], "keys": ["_num_global_experts", "experts.W", "gates.0.proj.weight"]},
     "custom_expert_sharded": {"init": "39645de74377faa1", "losses": [2.808203, 2.56861, 2.347446, 2.144496], "local_count": 512},
@@ -280,7 +280,7 @@ def test_checkpoints_round_trip_and_legacy_checkpoint_loads(caplog):
         _layer(experts={"type": "ffn", "num_experts_per_device": 2, "hidden_size_per_expert": 8}).load_state_dict(sd)
 
 
-def test_llama_ffn_layout_and_llama_sharding_is_refused():
+def test_llama_ffn_layout_equals_a_loop_reference():
     layer = _layer(experts={"type": "llama_ffn", "num_experts_per_device": 2, "hidden_size_per_expert": 4})
     assert {k: tuple(v.shape) for k, v in layer.state_dict().items() if k.startswith("experts.")} == {
         "experts.W_fc1": (64,), "experts.W_fc2": (64,), "experts.W_fc3": (64,)}

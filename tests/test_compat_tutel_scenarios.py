@@ -329,10 +329,10 @@ def options(T, *, steps=3, M=16, H=8, B=2, S=8, lr=1e-2):
     return out
 
 
-def llama(T, *, steps=3, M=16, H=8, B=2, S=8, lr=1e-1):
+def llama(T, *, steps=3, M=16, H=8, B=2, S=8, lr=20.0, n=2, parallel_type="adaptive:1"):
     """experts type 'llama_ffn' (flat W_fc1/W_fc2/W_fc3) under helloworld's loop."""
-    r = helloworld(T, steps=steps, expert_type="llama_ffn", M=M, H=H, B=B, S=S, lr=lr)
-    return r
+    return helloworld(T, steps=steps, expert_type="llama_ffn", M=M, H=H, B=B, S=S, lr=lr, n=n,
+                      parallel_type=parallel_type)
 
 
 SCENARIOS = {

@@ -42,6 +42,7 @@ TUTEL_2RANK = {
     "custom_sharded": {"losses": [3.044195, 1.993096, 1.251929], "init": "5b56c395a8e1aaac"},
     "from_scratch": {"losses": [2.758479, 2.753642, 2.748796]},
     "subgroup": {"losses": [0.007836409844458103]},
+    "llama_sharded": {"losses": [2.079549, 2.079398, 1.953168], "init": "1c3fb1dd600d86be"},
     "custom_gate_expert": {"losses": [3.053932, 2.583919, 1.708441], "init": "a52686ee65124dd0"},
     "options": {"losses": [0.002479829, 0.02813538, 0.4024484], "init": "3e3818a0fb19315e"},
 }
@@ -99,6 +100,12 @@ def test_adaptive_r_switching_matches_fixed_r(results):
     assert _close(sw["losses"], results["switch_fixed"]["losses"], 1e-6)
 
 
+def test_sharded_llama_honours_every_parallel_degree(results):
+    # Tutel's per-rank flat shards (local count = 3 x ceil(16 * 8 / 2)); 'model' (r = 2) equals 'data' (r = 1).
+    assert results["llama_sharded"]["local_count"] == 3 * 64
+    assert _close(results["llama_sharded_model"]["losses"], results["llama_sharded"]["losses"], 1e-6)
+
+
 def test_default_group_is_the_world(results):
     assert results["hw_n1"]["num_global_experts"] == 2
     assert results["hw_n1"]["local_count"] == 16 * 32 * 2 + 32 + 16  # one whole expert per rank
@@ -136,7 +143,7 @@ def _worker(which: str) -> None:
     import torch.nn.functional as F
     torch.set_num_threads(1)
     from tests.test_compat_tutel_scenarios import (custom_expert_sharded, custom_gate_expert, from_scratch, helloworld,
-                                                   options, switch)
+                                                   llama, options, switch)
     if which == "tutel":
         import tutel as T
         from tutel import moe, net, system  # noqa: F401 - loads the submodules as Tutel scripts do
@@ -157,6 +164,9 @@ def _worker(which: str) -> None:
     res["custom_sharded"] = custom_expert_sharded(T, n=-2, steps=3)
     res["from_scratch"] = from_scratch(T, n=1, steps=3)
     res["custom_gate_expert"] = custom_gate_expert(T, steps=3)
+    res["llama_sharded"] = llama(T, n=-2, parallel_type="data", lr=10.0)
+    if which != "tutel":  # Tutel's llama ignores r: r = s = 2 doubles its output (fmoe honours r)
+        res["llama_sharded_model"] = llama(T, n=-2, parallel_type="model", lr=10.0)
     res["options"] = options(T)
     # An explicit sub-group: group_count=2 splits the 2 ranks into two model groups of one rank each.
     single = T.net.create_groups_from_world(group_count=2).model_group

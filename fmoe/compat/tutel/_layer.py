@@ -121,6 +121,41 @@ def _llama_params(n: int, M: int, H: int, dtype) -> dict:
     return {"gate_w": flat[0].view(n, M, H), "up_w": flat[1].view(n, M, H), "down_w": flat[2].view(n, H, M)}
 
 
+class _FlatLlamaShards(nn.Module):
+    """A llama_ffn expert shared by s ranks, stored as Tutel does: each rank holds a flat chunk of
+    ceil(M*H/s) elements of every flattened weight (W_fc1, W_fc2 [1, M, H]; W_fc3 [1, H, M]), drawn
+    on that rank from the global RNG.
+
+    :meth:`params` gathers the chunks over this rank's group of s consecutive ranks (differentiable:
+    the backward reduce-scatters) and returns this rank's hidden slice in fmoe's sharded layout
+    (gate_w/up_w [1, M, H/s], down_w [1, H/s, M]), so fmoe's expert parallel runs every parallel
+    degree r correctly (Tutel's llama ignores r and multiplies its output by r for r > 1).
+    """
+
+    def __init__(self, M: int, H: int, s: int, dtype):
+        super().__init__()
+        self.M, self.H, self.s = M, H, s
+        chunk = -(-M * H // s)
+        for name in ("W_fc1", "W_fc2", "W_fc3"):  # Tutel's registration and draw order
+            self.register_parameter(name, nn.Parameter(torch.empty(chunk, dtype=dtype).normal_(0, 0.01)))
+
+    def params(self) -> dict:
+        from . import net
+        group = net.create_groups_from_world(group_count=-self.s).model_group
+        j, h = net.get_world_rank(group), self.H // self.s
+
+        def full(w, shape):
+            return net.zero_gather(w, group=group).reshape(-1)[:self.M * self.H].view(shape)
+
+        gate, up = full(self.W_fc1, (1, self.M, self.H)), full(self.W_fc2, (1, self.M, self.H))
+        down = full(self.W_fc3, (1, self.H, self.M))
+        return {"gate_w": gate[:, :, j * h:(j + 1) * h], "up_w": up[:, :, j * h:(j + 1) * h],
+                "down_w": down[:, j * h:(j + 1) * h]}
+
+    def extra_repr(self) -> str:
+        return f"llama_ffn shard 1/{self.s} of [1, {self.M}, {self.H}]"
+
+
 def _no_init(num_experts, model_dim, spec, generator, dtype):
     return {}
 
@@ -296,14 +331,18 @@ class MOELayer(nn.Module):
             if unknown:
                 raise ValueError(f"unknown keys {sorted(unknown)} for experts type {etype!r}; accepted: "
                                  f"{sorted(_LLAMA_KEYS | {'type', 'num_experts_per_device', 'count_per_node'})}")
-            if s > 1:
-                raise ValueError("llama_ffn experts shared by several ranks (E < W) are not supported by the "
-                                 "Tutel compat layer; use fmoe.nn.MoELayer(experts={'type': 'gated_ffn', ...})")
             H = cfg.get("hidden_size_per_expert")
-            if not isinstance(H, int) or H < 1:
-                raise ValueError(f"hidden_size_per_expert must be a positive int, got {H!r}")
+            if not isinstance(H, int) or H < 1 or H % s:
+                raise ValueError(f"hidden_size_per_expert must be a positive int divisible by the sharding "
+                                 f"count {s}, got {H!r}")
             spec = ExpertSpec(type="gated_ffn", hidden_size=H, activation=cfg.get("activation_fn") or F.silu)
-            self.experts = _Experts(spec, _llama_params(n, M, H, dtype))
+            if s == 1:
+                self.experts = _Experts(spec, _llama_params(n, M, H, dtype))
+            else:
+                if self.comm.size != comm_of(None).size:
+                    raise ValueError("llama_ffn experts shared by several ranks need the world group (Tutel "
+                                     "gathers their flat shards over groups of the world)")
+                self.experts = _FlatLlamaShards(M, H, s, dtype)
             return spec
         raise ValueError(f"unknown experts type {etype!r}; expected 'ffn', 'llama_ffn' or 'custom'")
 
@@ -371,7 +410,7 @@ class MOELayer(nn.Module):
     # ----------------------------------------------------------------------- forward
 
     def _expert_params(self):
-        if isinstance(self.experts, _Experts):
+        if isinstance(self.experts, (_Experts, _FlatLlamaShards)):
             return self.experts.params()
         return dict(self.experts.named_parameters())
 
