@@ -4,6 +4,7 @@
     python -m benchmarks.bench_precision --steps 200 --model_dim 64 --hidden_size 128 \
         --out runs/precision                                  # smaller, same comparison
     python -m benchmarks.bench_precision --ranks 2 --a2a_only # a2a wire formats under mpiexec
+    python -m benchmarks.bench_precision --timing_only --threads 1   # round-robin step times
 
 Every run is its own subprocess (``python -m fmoe.examples.charlm``, same seed and data, so
 the precision is the only difference); its peak RSS is that process's own. Reported per run:
@@ -105,6 +106,48 @@ def plot(rows: list, path: Path) -> bool:
     return True
 
 
+def time_round_robin(precisions, cfg_args: dict, rounds: int = 5, steps: int = 4, batch_size: int = 32,
+                     save_fp8: bool = False) -> dict:
+    """Training-step time per precision, measured round-robin in one process (every round times
+    ``steps`` full steps of every model in turn, so load bursts of a shared machine hit all of
+    them alike). Returns name -> {"median_s", "all_s"} (per-step medians of each round)."""
+    import statistics
+
+    import torch
+
+    from fmoe.examples import charlm
+    from fmoe.quant.training import recipe_from_name
+
+    cfg = charlm.CharLMConfig(**cfg_args)
+    data = charlm.load_corpus(1_000_000)
+    names = list(precisions) + (["fp32+save_fp8", "fp8_block+save_fp8"] if save_fp8 else [])
+    models, opts, its = {}, {}, {}
+    for name in names:
+        prec, _, save = name.partition("+save_")
+        models[name] = charlm.CharLM(cfg, seed=0, precision=recipe_from_name(prec, save_activations=save or None))
+        opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-3)
+        its[name] = charlm.batches(data, batch_size, cfg.context, torch.Generator().manual_seed(0))
+
+    def step(name):
+        inputs, targets = next(its[name])
+        loss, l_aux = models[name].loss(inputs, targets)
+        opts[name].zero_grad(set_to_none=True)
+        (loss + cfg.aux_weight * l_aux).backward()
+        opts[name].step()
+
+    for name in names:  # warmup: numba kernels load, allocator settles
+        step(name)
+        step(name)
+    per = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(name)
+            per[name].append((time.perf_counter() - t0) / steps)
+    return {name: {"median_s": statistics.median(v), "all_s": v} for name, v in per.items()}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
@@ -114,7 +157,12 @@ def main(argv=None) -> dict:
     p.add_argument("--a2a_only", action="store_true", help="with --ranks: only the a2a runs")
     p.add_argument("--out", default="runs/bench_precision")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    p.add_argument("--timing_only", action="store_true",
+                   help="only the round-robin step timing (in this process), no training runs")
+    p.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds")
     args, charlm_args = p.parse_known_args(argv)
+    if args.timing_only:
+        return timing_main(args, charlm_args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = []
@@ -149,6 +197,33 @@ def main(argv=None) -> dict:
     if plot(single or multi, out / "loss_curves.png"):
         print(f"wrote {out / 'loss_curves.png'}")
     return {"runs": results}
+
+
+def timing_main(args, charlm_args: list) -> dict:
+    import dataclasses
+
+    import torch
+
+    from fmoe.examples import charlm
+    ns = charlm.parse_args(charlm_args)
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    cfg_args = {f.name: getattr(ns, f.name) for f in dataclasses.fields(charlm.CharLMConfig)}
+    res = time_round_robin(args.precisions, cfg_args, rounds=args.rounds, batch_size=ns.batch_size,
+                           save_fp8=args.save_fp8)
+    ref = res.get("fp32", next(iter(res.values())))["median_s"]
+    lines = ["| run | step time (s, median of round medians) | x fp32 | round medians (s) |", "|---|---|---|---|"]
+    for name, r in res.items():
+        lines.append(f"| {name} | {r['median_s']:.3f} | {r['median_s'] / ref:.2f} | "
+                     + ", ".join(f"{t:.3f}" for t in r["all_s"]) + " |")
+    text = "\n".join(lines)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out / "timing.json", json.dumps({"argv": charlm_args, "config": cfg_args,
+                                                   "threads": torch.get_num_threads(), "timing": res}, indent=1))
+    _write_atomic(out / "timing.md", text + "\n")
+    print(text)
+    return res
 
 
 if __name__ == "__main__":

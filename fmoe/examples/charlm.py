@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import fmoe
 from fmoe.nn import MoELayer
 
 VOCAB = 256  # bytes
@@ -120,14 +121,8 @@ class CharLMConfig:
     aux_weight: float = 0.01
 
 
-def _set_precision(layer: MoELayer, precision) -> None:
-    """Run the layer's expert GEMMs under ``precision`` (ExpertSpec.precision)."""
-    layer.specs = tuple(dataclasses.replace(s, experts=dataclasses.replace(s.experts, precision=precision))
-                        for s in layer.specs)
-
-
 class Block(nn.Module):
-    def __init__(self, cfg: CharLMConfig, seed: int, comm=None, precision=None):
+    def __init__(self, cfg: CharLMConfig, seed: int, comm=None, precision=None, a2a_wire: str = "fp32"):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.model_dim)
         self.qkv = nn.Linear(cfg.model_dim, 3 * cfg.model_dim)
@@ -141,8 +136,8 @@ class Block(nn.Module):
                      "hidden_size_per_expert": cfg.hidden_size, "activation_fn": F.gelu},
             comm=comm, seeds=(seed, seed + 1 + (0 if comm is None else comm.rank), seed),
         )
-        if precision is not None:
-            _set_precision(self.moe, precision)
+        self.precision = precision  # fmoe.quant.training.TrainPrecision or None (static)
+        self.a2a_wire = a2a_wire    # dispatch/combine all-to-all wire format (static)
         # Stochastic rounding / Hadamard signs of the quantized expert GEMMs draw from this
         # block's own generator (never the global RNG); the gate has no noise to draw.
         self.rng = torch.Generator().manual_seed(10_000 + seed + (0 if comm is None else comm.rank))
@@ -154,16 +149,30 @@ class Block(nn.Module):
         att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(B, L, M))
-        y, aux = self.moe(self.norm2(x), return_aux=True, generator=self.rng)
+        h = self.norm2(x)
+        if self.precision is None and self.a2a_wire == "fp32":
+            y, aux = self.moe(h, return_aux=True, generator=self.rng)
+        else:
+            # The layer's own spec and parameters through the functional call, with the expert
+            # precision (ExpertSpec.precision) and the a2a wire (ParallelSpec.wire) of this model.
+            spec = self.moe.spec()
+            spec = dataclasses.replace(spec, experts=dataclasses.replace(spec.experts, precision=self.precision))
+            parallel = self.moe.parallel_spec()
+            if parallel is not None and self.a2a_wire != "fp32":
+                parallel = dataclasses.replace(parallel, wire=self.a2a_wire)
+            y, aux = fmoe.moe(self.moe.params(), h, spec, comm=self.moe.comm, generator=self.rng,
+                              training=self.training, parallel=parallel)
         return x + y, aux.l_aux
 
 
 class CharLM(nn.Module):
     """Byte-level causal LM with MoE feed-forward blocks."""
 
-    def __init__(self, cfg: CharLMConfig, seed: int = 0, comm=None, precision=None):
+    def __init__(self, cfg: CharLMConfig, seed: int = 0, comm=None, precision=None, a2a_wire: str = "fp32"):
         """precision: None or a :class:`fmoe.quant.training.TrainPrecision` (or its name) for
-        the expert GEMMs (quantized training with float master weights)."""
+        the expert GEMMs (quantized training with float master weights). a2a_wire: wire
+        format of the dispatch/combine all-to-alls under expert parallelism
+        (:data:`fmoe.comm.compress.WIRE_FORMATS`; "fp32" = uncompressed)."""
         super().__init__()
         torch.manual_seed(seed)  # embedding/attention init; MoE layers use their own seeds
         self.cfg = cfg
@@ -172,7 +181,8 @@ class CharLM(nn.Module):
         if isinstance(precision, str):
             from fmoe.quant.training import recipe_from_name
             precision = recipe_from_name(precision)
-        self.blocks = nn.ModuleList(Block(cfg, seed + 10 * i, comm, precision) for i in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(Block(cfg, seed + 10 * i, comm, precision, a2a_wire)
+                                    for i in range(cfg.num_layers))
         self.norm = nn.LayerNorm(cfg.model_dim)
         self.head = nn.Linear(cfg.model_dim, VOCAB)
 
@@ -328,7 +338,9 @@ def main(argv=None, comm=None) -> dict:
     train_data, val_data = split_by_file(files, 0.05, seed=args.seed)
     from fmoe.quant.training import recipe_from_name
     precision = recipe_from_name(args.expert_precision, save_activations=args.save_activations)
-    model = CharLM(cfg, seed=args.seed, comm=comm, precision=precision)
+    from fmoe.comm.compress import wire_from_name
+    model = CharLM(cfg, seed=args.seed, comm=comm, precision=precision,
+                   a2a_wire=wire_from_name(args.a2a_precision))
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
@@ -371,7 +383,7 @@ def main(argv=None, comm=None) -> dict:
     elapsed = time.perf_counter() - t0
     world = 1 if comm is None else comm.size
     tokens_per_rank = args.batch_size * cfg.context
-    from fmoe.comm.compress import wire_bytes, wire_from_name
+    from fmoe.comm.compress import wire_bytes
     from fmoe.routing import capacity_for
     cap = capacity_for(cfg.capacity_factor, num_tokens=tokens_per_rank, num_experts=cfg.num_experts,
                        k=cfg.top_k)
