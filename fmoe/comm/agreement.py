@@ -26,6 +26,7 @@ Cost: one all-gather of ``8 * (6 + FIELDS)`` bytes per rank per call (see
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import struct
 from typing import Callable, Optional
@@ -68,10 +69,33 @@ def _h64(text: str) -> int:
     return struct.unpack("<q", hashlib.blake2b(text.encode(), digest_size=8).digest())[0]
 
 
+@functools.lru_cache(maxsize=512)
+def _h64_of_hashable(kind: type, v) -> int:
+    return _h64(_stable(v))
+
+
+def _cacheable(v) -> bool:
+    """Values compared by content (strings, frozen eq-dataclasses): never identity-hashed objects,
+    whose id may be reused by a different object later."""
+    if isinstance(v, str):
+        return True
+    params = getattr(type(v), "__dataclass_params__", None)
+    return params is not None and params.frozen and params.eq
+
+
 def _fingerprint(fields: dict) -> list[int]:
     out = []
     for v in fields.values():
-        out.append(v if isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2 ** 62 else _h64(_stable(v)))
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2 ** 62:
+            out.append(v)
+            continue
+        if _cacheable(v):  # frozen specs repeat every call: describing them dominated the check's cost
+            try:
+                out.append(_h64_of_hashable(type(v), v))
+                continue
+            except TypeError:  # a field that is not hashable
+                pass
+        out.append(_h64(_stable(v)))
     return out
 
 
@@ -141,37 +165,39 @@ def agree_across_ranks(comm, fields: dict, local_check: Optional[Callable[[], No
     if table.shape != (comm.size, mine.numel()) or table.dtype != torch.int64:
         raise CollectiveMismatchError(f"agreement exchange returned {tuple(table.shape)} {table.dtype}, "
                                       f"expected ({comm.size}, {mine.numel()}) int64")
-    bad = (table[:, 0] != MAGIC).nonzero().flatten().tolist()
+    rows = table.tolist()  # every decision below is taken from this table, identical on all ranks
+    bad = [r for r, row in enumerate(rows) if row[0] != MAGIC]
     if bad:
         raise CollectiveMismatchError(
             f"rank(s) {bad} answered the agreement exchange of call #{call} with data that is not an agreement "
             "record: they were in a different collective (mismatched program order)")
-    if (table[:, 1:3] != table[:1, 1:3]).any():
+    if any(row[1:3] != rows[0][1:3] for row in rows):
         raise StepMismatchError(
-            f"ranks are at different steps: " + "; ".join(f"rank {r} is in {_describe(row)}"
-                                                          for r, row in enumerate(table.tolist()))
+            "ranks are at different steps: " + "; ".join(f"rank {r} is in {_describe(row)}"
+                                                         for r, row in enumerate(rows))
             + ". A rank skipped, repeated or reordered a step (every rank must make the same fmoe calls in the "
             "same order on this communicator).")
-    failed = table[:, 3].nonzero().flatten().tolist()
+    failed = [r for r, row in enumerate(rows) if row[3]]
     if failed:
         msg = _gather_text(comm, "" if err is None else f"{type(err).__name__}: {err}")
         if err is not None:
             raise err
         raise InconsistentRanksError("invalid input on rank(s) " + "; ".join(f"{r}: {msg[r]}" for r in failed))
+    if all(row[4:] == rows[0][4:] for row in rows):
+        return
     names = list(fields)
-    if (table[:, 5] != table[0, 5]).any():
-        counts = table[:, 5].tolist()
-        raise InconsistentRanksError(f"ranks passed different numbers of settings ({counts}) in {_describe(mine)}")
-    diff = (table[:, _HEAD:] != table[:1, _HEAD:]).any(0).nonzero().flatten().tolist()
-    if diff or (table[:, 4] != table[0, 4]).any():
-        diff_names = [names[i] if i < FIELDS - 1 else "the settings after " + names[FIELDS - 2] for i in diff]
-        name = names[diff[0]] if diff and diff[0] < len(names) else None
-        values = _gather_text(comm, _stable(fields[name])[:200] if name else "")
-        per_rank = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values)) if name else ""
-        raise InconsistentRanksError(
-            f"ranks disagree on {', '.join(diff_names) or 'the settings digest'}"
-            + (f"; {name} per rank: {per_rank}" if name else "")
-            + ". Every rank must call with the same static settings.")
+    if any(row[5] != rows[0][5] for row in rows):
+        raise InconsistentRanksError(f"ranks passed different numbers of settings ({[row[5] for row in rows]}) "
+                                     f"in {_describe(rows[0])}")
+    diff = [i for i in range(FIELDS) if any(row[_HEAD + i] != rows[0][_HEAD + i] for row in rows)]
+    diff_names = [names[i] if i < FIELDS - 1 else "the settings after " + names[FIELDS - 2] for i in diff]
+    name = names[diff[0]] if diff and diff[0] < len(names) else None
+    values = _gather_text(comm, _stable(fields[name])[:200] if name else "")
+    per_rank = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values)) if name else ""
+    raise InconsistentRanksError(
+        f"ranks disagree on {', '.join(diff_names) or 'the settings digest'}"
+        + (f"; {name} per rank: {per_rank}" if name else "")
+        + ". Every rank must call with the same static settings.")
 
 
 def end_of_job_check(comm) -> None:
