@@ -31,7 +31,7 @@ import fmoe
 import fmoe.compat.tutel as tutel
 from fmoe.compat.tutel import moe, net, system
 from fmoe.nn import MoELayer
-from tests.test_compat_tutel_scenarios import SCENARIOS, from_scratch, state_hash
+from tests.test_compat_tutel_scenarios import SCENARIOS, from_scratch
 
 GOLDEN = {
     "helloworld": {"init": "889de584584e6943", "losses": [2.309614, 2.119357, 1.946152, 1.787181], "l_aux": [0.9999999, 1.0, 1.0, 1.0], "local_count": 2144, "shared_count": 32, "num_global_experts": 2, "dispatch_count": [16, 16]},

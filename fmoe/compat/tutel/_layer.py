@@ -17,10 +17,8 @@ Tutel conventions kept here, and nowhere else in fmoe:
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
