@@ -1,4 +1,5 @@
-"""fmoe.quant: low-precision expert weights (FP8 row/block, MXFP4, MXFP8, NVFP4).
+"""fmoe.quant: low-precision expert weights (FP8 row/block, MXFP4, MXFP8, NVFP4), and
+quantized training of float master weights (:mod:`fmoe.quant.training`).
 
 See spec/formats.md for the bit-level rules; QuantizedTensor for the packed layout.
 """
@@ -31,4 +32,11 @@ from .layouts import (
     to_gpt_oss,
     to_modelopt_nvfp4,
     unswizzle_scales,
+)
+from .training import (
+    TrainPrecision,
+    fake_quantize,
+    quantized_mm,
+    quantized_mm_reference,
+    recipe_from_name,
 )
