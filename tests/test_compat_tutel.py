@@ -413,3 +413,10 @@ def test_nccl_backend_without_cuda_is_a_clear_error():
         pytest.skip("CUDA present")
     with pytest.raises(RuntimeError, match="backend='nccl' needs CUDA"):
         net.create_groups_from_world(group_count=1, include_init="nccl")
+
+
+def test_deprecated_gate_type_string():
+    a, b = _layer(gate_type="Top2Gate"), _layer(gate_type={"type": "top", "k": 2})
+    assert a.gates[0].top_k == 2 and torch.equal(a.gates[0].wg.weight, b.gates[0].wg.weight)
+    with pytest.raises(ValueError, match="gate_type string must look like 'Top2Gate'"):
+        _layer(gate_type="Switch")

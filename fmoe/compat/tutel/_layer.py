@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -261,6 +262,12 @@ class MOELayer(nn.Module):
         for _, p in self.experts.named_parameters():
             p._tutel_expert = True
 
+        if isinstance(gate_type, str):  # Tutel's deprecated spelling, e.g. 'Top2Gate'
+            m = re.fullmatch(r"Top([0-9]+)Gate", gate_type)
+            if m is None:
+                raise ValueError(f"gate_type string must look like 'Top2Gate', got {gate_type!r}")
+            logging.warning("gate_type %r is deprecated in Tutel; use {'type': 'top', 'k': %s}", gate_type, m[1])
+            gate_type = {"type": "top", "k": int(m[1])}
         if isinstance(gate_type, dict):
             gate_type = [gate_type]
         if not isinstance(gate_type, (list, tuple)) or not gate_type:
