@@ -225,16 +225,21 @@ def validate_routing(r: "Routing", *, values: bool = True) -> None:
                          f"k={k}, T={T} (a pair fills at most one row; such buffers would be almost all padding)")
     if not values or ids.numel() == 0 or not all(_plain_tensor(v) for v in (ids, slots, counts)):
         return
-    valid = ids >= 0
-    stats = torch.stack([ids.max(), torch.where(valid, slots, 0).min(), torch.where(valid, slots, -1).max(),
+    # slot + 1 where the pair is masked: a valid pair's slot must be >= 0, a masked one's >= -1
+    shifted = slots + (ids < 0).to(slots.dtype)
+    stats = torch.stack([ids.max(), slots.max(), shifted.min(),
                          counts.min() if counts.numel() else ids.new_zeros(()), counts.sum()]).tolist()
-    id_max, slot_min, slot_max, count_min, count_sum = stats
+    id_max, slot_max, shifted_min, count_min, count_sum = stats
     if id_max >= r.num_experts:
         raise ValueError(f"Routing.expert_ids has id {id_max}, outside [-1, E) = [-1, {r.num_experts})")
-    if slot_min < 0 or slot_max >= k * T:
-        bad = slot_min if slot_min < 0 else slot_max
-        raise ValueError(f"Routing.slots has {bad} for a valid pair; slots lie in [0, k*T) = [0, {k * T}) "
-                         "(-1 only where expert_ids is negative)")
+    if shifted_min < 0 or slot_max >= k * T:
+        if slot_max >= k * T:
+            bad, which = slot_max, "a"
+        else:
+            low = int(torch.where(ids >= 0, slots, 0).min())
+            bad, which = (low, "a valid") if low < 0 else (int(slots.min()), "a masked")
+        raise ValueError(f"Routing.slots has {bad} for {which} pair; slots of valid pairs lie in [0, k*T) = "
+                         f"[0, {k * T}), masked pairs (negative expert_ids) have -1")
     if count_min < 0 or count_sum > k * T:
         raise ValueError(f"Routing.counts must be >= 0 with sum <= k*T = {k * T}; got min {count_min}, "
                          f"sum {count_sum}")
