@@ -2,11 +2,12 @@
 
 * :func:`round_robin` times several step functions one step each per repeat (a shared
   2-core machine has load bursts; interleaving makes them hit every variant alike).
-* :func:`dense_ffn_rates` times the roofline of an expert FFN: the 9 float32 GEMMs of a
+* :func:`dense_ffn_steps` gives the roofline of an expert FFN: the 9 float32 GEMMs of a
   SwiGLU FFN forward + backward (3 forward, 6 backward) on the same [rows, M] x [M, H]
-  shapes, once as one flat matrix and once batched per expert; no routing, no activation.
-* :func:`read_bandwidth` measures how fast the weight tensors themselves stream (a sum
-  reads each byte once), giving the decode bound "busy experts' weights read once".
+  shapes, batched per expert (the target's denominator) and as one flat matrix; no
+  routing, no activation. The suites time them inside the same round-robin.
+* The decode bound ("busy experts' weights read once") is timed by the suites the same way:
+  a sum over the weight tensors themselves reads each byte once.
 * :func:`isolated_peak` runs one training step in a fresh subprocess
   (``python -m benchmarks.bench_common CASE_JSON``): warm-up step, free grads, gc,
   ``malloc_trim(0)`` so RSS is the live set, reset VmHWM (write "5" to
@@ -37,14 +38,22 @@ MIB = 2 ** 20
 
 # --------------------------------------------------------------------------- timing
 
-def round_robin(steps: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
-    """Per-step wall times (s) of each step function, interleaved one step each per repeat."""
+def round_robin(steps: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
+                max_seconds: Optional[float] = None) -> dict[str, list[float]]:
+    """Per-step wall times (s) of each step function, interleaved one step each per repeat.
+
+    ``max_seconds``: a variant whose timed steps already add up to this stops being timed
+    (it keeps at least one step), so that one very slow peer (transformers' eager loop at
+    30 s a step under load) does not stretch the run; the number of steps is in the result.
+    """
     for _ in range(warmup):
         for fn in steps.values():
             fn()
     times = {name: [] for name in steps}
     for _ in range(repeats):
         for name, fn in steps.items():
+            if max_seconds is not None and times[name] and sum(times[name]) >= max_seconds:
+                continue
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -52,7 +61,7 @@ def round_robin(steps: dict[str, Callable[[], object]], repeats: int, warmup: in
 
 
 def summarize(times: list[float]) -> dict:
-    return {"seconds": statistics.median(times), "all_seconds": times}
+    return {"seconds": statistics.median(times), "all_seconds": times, "steps": len(times)}
 
 
 def geomean(xs) -> Optional[float]:
@@ -95,20 +104,6 @@ def dense_ffn_steps(rows: int, model_dim: int, hidden: int, experts: int) -> tup
     steps["dense_batched"] = make(ab, w1b, w2b, w3b, hb, gyb, ghb, torch.bmm, lambda t: t.transpose(1, 2))
     flops["dense_batched"] = 3 * experts * c * 6 * M * H
     return steps, flops
-
-
-def read_bandwidth(tensors: list[torch.Tensor], repeats: int) -> dict:
-    """Bytes per second at which ``tensors`` stream through a reduction (each byte read once)."""
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-
-    def step():
-        for t in tensors:
-            t.sum()
-
-    ts = round_robin({"read": step}, repeats)["read"]
-    best = min(ts)
-    return {"bytes": nbytes, "seconds_best": best, "seconds_median": statistics.median(ts),
-            "gb_per_s": nbytes / best / 1e9}
 
 
 # --------------------------------------------------------------------------- memory

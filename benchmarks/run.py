@@ -91,7 +91,7 @@ def _fmt(v, spec=".2f"):
 
 def _ms(m: dict) -> str:
     if "seconds" in m:
-        return f"{m['seconds'] * 1e3:.1f}"
+        return f"{m['seconds'] * 1e3:.1f}" + (" (1 step)" if m.get("steps") == 1 else "")
     return "skipped" if "skipped" in m else ("error" if "error" in m else "-")
 
 
@@ -111,15 +111,16 @@ def layer_tables(lay: dict) -> list[str]:
     dec = {n: r for n, r in lay["configs"].items() if not r["config"]["train"]}
     if train:
         L += ["| config | T | M | H | E | k | cf | kept pairs | fmoe ms | tutel ms | fmoe/tutel time | "
-              "dense GF/s flat / batched | fmoe GF/s | fmoe vs dense | tutel vs dense | fmoe mem MiB | "
+              "dense GF/s batched / flat | fmoe GF/s | fmoe vs dense (vs flat) | tutel vs dense | fmoe mem MiB | "
               "tutel mem MiB | fmoe/tutel mem |",
               "|" + "---|" * 18]
         for n, r in train.items():
             c, v = r["config"], r["variants"]
             L.append(f"| {n} | {r['tokens']} | {c['model_dim']} | {c['hidden']} | {c['experts']} | {c['k']} | "
                      f"{c['cf']:g} | {r['kept_pairs']} | {_ms(v['fmoe'])} | {_ms(v.get('tutel', {}))} | "
-                     f"{_fmt(r.get('fmoe_time_vs_tutel'))} | {v['dense_flat']['gflops']:.0f} / "
-                     f"{v['dense_batched']['gflops']:.0f} | {v['fmoe']['gflops']:.0f} | {r['fmoe_vs_dense']:.2f} | "
+                     f"{_fmt(r.get('fmoe_time_vs_tutel'))} | {v['dense_batched']['gflops']:.0f} / "
+                     f"{v['dense_flat']['gflops']:.0f} | {v['fmoe']['gflops']:.0f} | {r['fmoe_vs_dense']:.2f} "
+                     f"({_fmt(r.get('fmoe_vs_dense_flat'))}) | "
                      f"{_fmt(r.get('tutel_vs_dense'))} | {_mem(r['memory'].get('fmoe'))} | "
                      f"{_mem(r['memory'].get('tutel'))} | {_fmt(r.get('fmoe_mem_vs_tutel'))} |")
     if dec:
@@ -143,7 +144,7 @@ def block_tables(bl: dict) -> list[str]:
     L = [f"transformers {bl['transformers']}; {bl['repeats']} repeats, medians; speed-up = transformers time / "
          "fmoe (default) time; memory = MiB above the resting set / absolute VmHWM, own process each", "",
          "| arch | phase | T | fmoe ms | fmoe_grouped ms | hf_eager ms | hf_grouped_mm ms | speed-up vs eager | "
-         "vs grouped_mm | dense GF/s | fmoe vs dense | stream bound ms | fmoe x bound | fmoe mem MiB | "
+         "vs grouped_mm | dense GF/s (batched) | fmoe vs dense (vs flat) | stream bound ms | fmoe x bound | fmoe mem MiB | "
          "hf_eager mem MiB | hf_grouped_mm mem MiB |",
          "|" + "---|" * 16]
     for a, r in bl["archs"].items():
@@ -152,7 +153,7 @@ def block_tables(bl: dict) -> list[str]:
             L.append(f"| {a} | {ph} | {p['tokens']} | {_ms(v['fmoe'])} | {_ms(v.get('fmoe_grouped', {}))} | "
                      f"{_ms(v.get('hf_eager', {}))} | {_ms(v.get('hf_grouped_mm', {}))} | {_fmt(s.get('eager'))} | "
                      f"{_fmt(s.get('grouped_mm'))} | {_fmt(p.get('dense_gflops'), '.0f')} | "
-                     f"{_fmt(p.get('fmoe_vs_dense'))} | "
+                     f"{_fmt(p.get('fmoe_vs_dense'))}{'' if 'fmoe_vs_dense_flat' not in p else ' (' + _fmt(p['fmoe_vs_dense_flat']) + ')'} | "
                      f"{_fmt(p['stream_bound_seconds'] * 1e3 if 'stream_bound_seconds' in p else None, '.1f')} | "
                      f"{_fmt(p.get('fmoe_vs_stream'))} | {_mem(m.get('fmoe'))} | {_mem(m.get('hf_eager'))} | "
                      f"{_mem(m.get('hf_grouped_mm'))} |")
