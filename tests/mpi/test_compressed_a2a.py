@@ -95,3 +95,49 @@ def test_wire_bytes_per_call(comm):
     x = _x(comm)
     assert CC.wire_bytes(x.shape, "fp32") / CC.wire_bytes(x.shape, "fp8") >= 3.5
     assert CC.wire_bytes(x.shape, "fp8") == CC.encode_wire(x, "fp8").numel()
+
+
+# --- quantized expert training and compressed exchanges inside expert-parallel moe() ---------
+
+def _ep_spec(precision, E):
+    import fmoe
+    return fmoe.MoESpec(model_dim=32, num_experts=E, gate=fmoe.GateSpec(k=2, capacity_factor=1.5),
+                        experts=fmoe.ExpertSpec(type="ffn", hidden_size=64, precision=precision))
+
+
+@pytest.mark.parametrize("fmt", ("fp8_row", "fp8_block", "mxfp8", "mxfp4", "nvfp4"))
+def test_weight_quantized_training_under_expert_parallel_equals_one_process(comm, fmt):
+    # Weight-only recipes are layout independent (each expert's weight is quantized on its own),
+    # so expert parallel == one process: outputs per rank, expert grads summed over ranks.
+    from fmoe.parallel import shard_experts
+    from fmoe.quant.training import TrainPrecision
+    from _helpers import distributed, full_params, local_params, reference
+    W = comm.size
+    spec = _ep_spec(TrainPrecision(weights=fmt), 2 * W)
+    full = full_params(spec)
+    full = {k: {n: t.float() for n, t in v.items()} for k, v in full.items()}
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 + comm.rank))
+    cot = torch.randn(16, 32, generator=torch.Generator().manual_seed(7 + comm.rank))
+    yd, gd = distributed(spec, local_params(spec, full, comm), x, comm, None, cot)
+    yr, gr = reference(spec, full, x, W, None, cot)
+    torch.testing.assert_close(yd, yr, rtol=1e-5, atol=1e-5)
+    y_float, _ = distributed(_ep_spec(None, 2 * W), local_params(spec, full, comm), x, comm, None, None)
+    assert (yd - y_float).norm() > 1e-3 * y_float.norm()  # the quantization really ran
+    summed = {k: comm.all_reduce(v, "sum") for k, v in gr["experts"].items()}
+    mine = shard_experts("ffn", summed, spec.num_experts, comm.rank, W)
+    for k in mine:
+        torch.testing.assert_close(gd["experts"][k], mine[k], rtol=1e-4, atol=1e-5)
+
+
+def test_moe_with_a_compressed_wire_is_close_to_uncompressed(comm):
+    import fmoe
+    from fmoe.parallel import ParallelSpec
+    from _helpers import full_params, local_params
+    spec = _ep_spec(None, 2 * comm.size)
+    p = local_params(spec, {k: {n: t.float() for n, t in v.items()} for k, v in full_params(spec).items()}, comm)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3 + comm.rank))
+    plain = fmoe.moe(p, x, spec, comm=comm)[0]
+    for wire, tol in (("bf16", 2e-2), ("fp8", 1e-1), ("mxfp8", 1e-1)):
+        y = fmoe.moe(p, x, spec, comm=comm, parallel=ParallelSpec(wire=wire))[0]
+        rel = ((y - plain).norm() / plain.norm()).item()
+        assert 0 < rel < tol, (wire, rel)
