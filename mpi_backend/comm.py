@@ -106,10 +106,9 @@ class MPIComm:
         self._calls += 1
         call = self._calls
         hdr = matching.header(kind, call, x, op=op, failed=error is not None)
-        table = torch.empty(self.size, matching.HEADER, dtype=torch.int64)
-        s, r = _bytes(hdr), _bytes(table)
-        self._run(f"{kind} #{call} (header)", lambda: self.mpi_comm.Allgather(s, r),
-                  lambda: self.mpi_comm.Iallgather(s, r))
+        table = np.empty((self.size, matching.HEADER), dtype=np.int64)
+        self._run(f"{kind} #{call} (header)", lambda: self.mpi_comm.Allgather(hdr, table),
+                  lambda: self.mpi_comm.Iallgather(hdr, table))
         matching.check(table, self.rank, kind, error, self._gather_text)
         return call
 

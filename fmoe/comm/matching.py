@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -42,12 +43,14 @@ _OPS = ("", "sum", "max", "min")
 _SAME_SHAPE = {"all_to_all", "all_gather", "all_reduce"}
 
 
-def header(kind: str, call: int, x: Optional[Tensor] = None, *, op: str = "", failed: bool = False) -> Tensor:
-    """This rank's header (int64 [HEADER]) for collective number ``call`` of ``kind`` on ``x``."""
+def header(kind: str, call: int, x: Optional[Tensor] = None, *, op: str = "", failed: bool = False) -> np.ndarray:
+    """This rank's header (numpy int64 [HEADER]: cheaper to build than a tensor, and MPI sends it as
+    is) for collective number ``call`` of ``kind`` on ``x``."""
     h = [0] * HEADER
     h[0], h[1], h[2], h[3] = MAGIC, _CODE[kind], call, int(failed)
     if x is not None:
-        h[4] = _DCODE.get(x.dtype, len(_DTYPES) + (_h64(str(x.dtype)) & 0xFFFF))
+        code = _DCODE.get(x.dtype)
+        h[4] = code if code is not None else len(_DTYPES) + (_h64(str(x.dtype)) & 0xFFFF)
         shape = list(x.shape)
         if kind == "all_to_all_v" and shape:
             shape[0] = 0  # rows differ per rank; the counts are checked separately
@@ -55,7 +58,7 @@ def header(kind: str, call: int, x: Optional[Tensor] = None, *, op: str = "", fa
         dims = shape[:_DIMS - 1] + ([_h64(repr(shape[_DIMS - 1:]))] if len(shape) >= _DIMS else [])
         h[6:6 + len(dims)] = dims
     h[14] = _OPS.index(op) if op in _OPS else 0
-    return torch.tensor(h, dtype=torch.int64)
+    return np.array(h, dtype=np.int64)
 
 
 def _describe(row: Sequence[int]) -> str:
@@ -71,9 +74,9 @@ def _describe(row: Sequence[int]) -> str:
     return text
 
 
-def check(table: Tensor, rank: int, kind: str, error: Optional[BaseException],
+def check(table, rank: int, kind: str, error: Optional[BaseException],
           gather_text: Callable[[str], list]) -> None:
-    """Compare the gathered headers [W, HEADER]; raise on every rank unless all match.
+    """Compare the gathered headers [W, HEADER] (tensor or array); raise on every rank unless all match.
 
     ``error`` is this rank's own argument error (re-raised here after its peers
     have been told); ``gather_text`` all-gathers one string per rank (run only

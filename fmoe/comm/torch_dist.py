@@ -94,7 +94,7 @@ class TorchDistComm:
         """Header exchange of the next collective; returns its call number, raises on a mismatch."""
         self._calls += 1
         call = self._calls
-        hdr = matching.header(kind, call, x, op=op, failed=error is not None)
+        hdr = torch.from_numpy(matching.header(kind, call, x, op=op, failed=error is not None))
         table = torch.empty(self.size * matching.HEADER, dtype=torch.int64)
         self._do(f"{kind} #{call} (header)", lambda: dist.all_gather_into_tensor(table, hdr, group=self.group))
         matching.check(table.reshape(self.size, matching.HEADER), self.rank, kind, error, self._gather_text)
