@@ -66,9 +66,8 @@ class TorchDistComm:
             end_of_job_check(self)
             dist.barrier()
             dist.destroy_process_group()
-        # Sub-groups made for sharded experts / 2DH live in the split cache and the handle
-        # registry; freed at interpreter teardown, their gloo threads abort the process.
-        self.__dict__.pop("_fmoe_subcomms", None)
+        # Sub-groups made for sharded experts / 2DH live in the handle registry and its per-comm
+        # caches (registry.cache_of); freed at interpreter teardown, their gloo threads abort the process.
         forget_all()
         mark_closed(self)
         gc.collect()
