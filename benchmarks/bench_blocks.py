@@ -182,13 +182,14 @@ def bench_arch(arch: str, shape: dict, phases: dict, repeats: int, memory_phases
                 log(f"  {arch} {phase} {v}: error {exc}")
                 del steps[v]
         block.train(train)
-        for v, ts in bc.round_robin(steps, repeats, warmup=0, max_seconds=MAX_SECONDS).items():
-            m = bc.summarize(ts)
+        for v, m in bc.round_robin(steps, repeats, warmup=0, max_seconds=MAX_SECONDS).items():
             m["gflops"] = flops[v] / m["seconds"] / 1e9 if v in flops else None
             res["variants"][v] = m
         vv = res["variants"]
         tf = vv["fmoe"]["seconds"]
         res["speedup_vs_hf"] = {i: vv["hf_" + i]["seconds"] / tf for i in HF_IMPLS if "seconds" in vv.get("hf_" + i, {})}
+        res["cpu_speedup_vs_hf"] = {i: vv["hf_" + i]["cpu_seconds"] / vv["fmoe"]["cpu_seconds"] for i in HF_IMPLS
+                                    if "cpu_seconds" in vv.get("hf_" + i, {})}
         if "seconds" in vv.get("fmoe_grouped", {}):
             res["grouped_speedup_vs_hf"] = {i: vv["hf_" + i]["seconds"] / vv["fmoe_grouped"]["seconds"]
                                             for i in HF_IMPLS if "seconds" in vv.get("hf_" + i, {})}

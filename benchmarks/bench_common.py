@@ -39,29 +39,31 @@ MIB = 2 ** 20
 # --------------------------------------------------------------------------- timing
 
 def round_robin(steps: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
-                max_seconds: Optional[float] = None) -> dict[str, list[float]]:
-    """Per-step wall times (s) of each step function, interleaved one step each per repeat.
+                max_seconds: Optional[float] = None) -> dict[str, dict]:
+    """Time each step function, interleaved one step each per repeat; per variant
+    {"seconds": median wall, "all_seconds", "steps", "cpu_seconds": median process CPU time}.
 
+    CPU time counts all threads of this process: under heavy load the wall time is mostly
+    waiting for a core, the CPU time much less so (it still includes spin-waiting).
     ``max_seconds``: a variant whose timed steps already add up to this stops being timed
-    (it keeps at least one step), so that one very slow peer (transformers' eager loop at
-    30 s a step under load) does not stretch the run; the number of steps is in the result.
+    (it keeps at least one step), so that one very slow peer (transformers' eager training
+    loop, 30 s a step under load) does not stretch the run.
     """
     for _ in range(warmup):
         for fn in steps.values():
             fn()
-    times = {name: [] for name in steps}
+    wall = {name: [] for name in steps}
+    cpu = {name: [] for name in steps}
     for _ in range(repeats):
         for name, fn in steps.items():
-            if max_seconds is not None and times[name] and sum(times[name]) >= max_seconds:
+            if max_seconds is not None and wall[name] and sum(wall[name]) >= max_seconds:
                 continue
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - t0)
-    return times
-
-
-def summarize(times: list[float]) -> dict:
-    return {"seconds": statistics.median(times), "all_seconds": times, "steps": len(times)}
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    return {name: {"seconds": statistics.median(wall[name]), "all_seconds": wall[name], "steps": len(wall[name]),
+                   "cpu_seconds": statistics.median(cpu[name])} for name in steps}
 
 
 def geomean(xs) -> Optional[float]:

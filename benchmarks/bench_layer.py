@@ -34,7 +34,7 @@ import fmoe.nn
 from . import bench_common as bc
 
 MODULE = "benchmarks.bench_layer"
-MAX_SECONDS = 15.0   # a variant stops being timed once its steps add up to this (>= 1 step each)
+MAX_SECONDS = 12.0   # a variant stops being timed once its steps add up to this (>= 1 step each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,9 +173,7 @@ def bench_config(c: LayerConfig, tokens: int, repeats: int, memory: bool, log: C
         all_bytes = sum(w.numel() * w.element_size() for w in weights)
         res["weight_bytes_all"] = all_bytes
         res["weight_bytes_busy"] = all_bytes * busy // c.experts
-    times = bc.round_robin(steps, repeats, max_seconds=MAX_SECONDS)
-    for name, ts in times.items():
-        m = bc.summarize(ts)
+    for name, m in bc.round_robin(steps, repeats, max_seconds=MAX_SECONDS).items():
         if name in flops:
             m["gflops"] = flops[name] / m["seconds"] / 1e9
         res["variants"][name] = m
@@ -199,6 +197,7 @@ def bench_config(c: LayerConfig, tokens: int, repeats: int, memory: bool, log: C
             res["tutel_vs_stream"] = v["tutel"]["seconds"] / res["stream_bound_seconds"]
     if "seconds" in v.get("tutel", {}):
         res["fmoe_time_vs_tutel"] = t_f / v["tutel"]["seconds"]
+        res["fmoe_cpu_vs_tutel"] = v["fmoe"]["cpu_seconds"] / v["tutel"]["cpu_seconds"]
     del fm, steps
     if memory:
         for variant in ("fmoe", "tutel"):
@@ -282,7 +281,7 @@ def targets(res: dict) -> list[dict]:
 
 def run(quick: bool, only: Optional[str], log: Callable[[str], None] = print, memory: bool = True) -> dict:
     """Run the layer suite; returns a JSON-able dict (configs, targets)."""
-    repeats = 2 if quick else 5
+    repeats = 2 if quick else 4
     names = [only] if only in BY_NAME else (list(QUICK) if quick else [c.name for c in CONFIGS])
     try:
         from fmoe.ops import numba_cpu

@@ -204,13 +204,15 @@ def main(argv=None) -> int:
            "input_bytes": x.numel() * x.element_size()}
     res["time"] = profile_time(step, args.steps)
     res["faults"] = page_faults(step)
-    res["saved"] = saved_tensors(forward)
-    reset()
-    res["rss"] = rss_timeline(forward, reset)
+    if c.train:
+        res["saved"] = saved_tensors(forward)
+        reset()
+        res["rss"] = rss_timeline(forward, reset)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"profile_{args.config}_{args.variant}.json")
     bc.write_json(path, res)
-    t, f, s, r = res["time"], res["faults"], res["saved"], res["rss"]
+    t, f = res["time"], res["faults"]
+    s, r = res.get("saved"), res.get("rss")
     print(f"{args.config} {args.variant} T={tokens}: profiled step {t['wall_seconds_profiled'] * 1e3:.0f} ms, "
           f"self CPU sum {t['self_seconds_total'] * 1e3:.0f} ms")
     for k, v in t["by_category"].items():
@@ -219,6 +221,9 @@ def main(argv=None) -> int:
     print(f"  page faults: {f['minor_faults_per_step']} / step = {f['fault_bytes_per_step'] / bc.MIB:.0f} MiB "
           f"fresh, ~{f['fault_seconds_per_step'] * 1e3:.1f} ms at {f['seconds_per_fault'] * 1e6:.2f} us/fault "
           f"(unprofiled step {f['step_seconds'] * 1e3:.0f} ms)")
+    if not c.train:
+        print(f"wrote {path}")
+        return 0
     print(f"  saved for backward: {s['graph_saved_unique_bytes'] / bc.MIB:.1f} MiB unique in {s['graph_saved_count']}"
           f" tensors (hooks: {s['hook_packed_count']} packs, {s['hook_packed_unique_bytes'] / bc.MIB:.1f} MiB);"
           f" params {res['param_bytes'] / bc.MIB:.0f} MiB, input {res['input_bytes'] / bc.MIB:.1f} MiB")

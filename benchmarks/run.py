@@ -110,7 +110,7 @@ def layer_tables(lay: dict) -> list[str]:
     train = {n: r for n, r in lay["configs"].items() if r["config"]["train"]}
     dec = {n: r for n, r in lay["configs"].items() if not r["config"]["train"]}
     if train:
-        L += ["| config | T | M | H | E | k | cf | kept pairs | fmoe ms | tutel ms | fmoe/tutel time | "
+        L += ["| config | T | M | H | E | k | cf | kept pairs | fmoe ms | tutel ms | fmoe/tutel time (CPU time) | "
               "dense GF/s batched / flat | fmoe GF/s | fmoe vs dense (vs flat) | tutel vs dense | fmoe mem MiB | "
               "tutel mem MiB | fmoe/tutel mem |",
               "|" + "---|" * 18]
@@ -118,14 +118,14 @@ def layer_tables(lay: dict) -> list[str]:
             c, v = r["config"], r["variants"]
             L.append(f"| {n} | {r['tokens']} | {c['model_dim']} | {c['hidden']} | {c['experts']} | {c['k']} | "
                      f"{c['cf']:g} | {r['kept_pairs']} | {_ms(v['fmoe'])} | {_ms(v.get('tutel', {}))} | "
-                     f"{_fmt(r.get('fmoe_time_vs_tutel'))} | {v['dense_batched']['gflops']:.0f} / "
+                     f"{_fmt(r.get('fmoe_time_vs_tutel'))} ({_fmt(r.get('fmoe_cpu_vs_tutel'))}) | {v['dense_batched']['gflops']:.0f} / "
                      f"{v['dense_flat']['gflops']:.0f} | {v['fmoe']['gflops']:.0f} | {r['fmoe_vs_dense']:.2f} "
                      f"({_fmt(r.get('fmoe_vs_dense_flat'))}) | "
                      f"{_fmt(r.get('tutel_vs_dense'))} | {_mem(r['memory'].get('fmoe'))} | "
                      f"{_mem(r['memory'].get('tutel'))} | {_fmt(r.get('fmoe_mem_vs_tutel'))} |")
     if dec:
         L += ["", "| config | T | M | H | E | k | busy experts | busy weights MiB | read GB/s | stream bound ms | "
-              "fmoe ms | fmoe x bound | tutel ms | tutel x bound | fmoe/tutel time | fmoe mem MiB | tutel mem MiB |",
+              "fmoe ms | fmoe x bound | tutel ms | tutel x bound | fmoe/tutel time (CPU time) | fmoe mem MiB | tutel mem MiB |",
               "|" + "---|" * 17]
         for n, r in dec.items():
             c, v = r["config"], r["variants"]
@@ -133,7 +133,7 @@ def layer_tables(lay: dict) -> list[str]:
                      f"{r['busy_experts']} | {r['weight_bytes_busy'] / 2**20:.0f} | {r['read_gb_per_s']:.1f} | "
                      f"{r['stream_bound_seconds'] * 1e3:.1f} | {_ms(v['fmoe'])} | {r['fmoe_vs_stream']:.2f} | "
                      f"{_ms(v.get('tutel', {}))} | {_fmt(r.get('tutel_vs_stream'))} | "
-                     f"{_fmt(r.get('fmoe_time_vs_tutel'))} | {_mem(r['memory'].get('fmoe'))} | "
+                     f"{_fmt(r.get('fmoe_time_vs_tutel'))} ({_fmt(r.get('fmoe_cpu_vs_tutel'))}) | {_mem(r['memory'].get('fmoe'))} | "
                      f"{_mem(r['memory'].get('tutel'))} |")
     return L
 
@@ -143,16 +143,16 @@ def block_tables(bl: dict) -> list[str]:
         return [f"transformers: {bl['skipped']}"]
     L = [f"transformers {bl['transformers']}; {bl['repeats']} repeats, medians; speed-up = transformers time / "
          "fmoe (default) time; memory = MiB above the resting set / absolute VmHWM, own process each", "",
-         "| arch | phase | T | fmoe ms | fmoe_grouped ms | hf_eager ms | hf_grouped_mm ms | speed-up vs eager | "
-         "vs grouped_mm | dense GF/s (batched) | fmoe vs dense (vs flat) | stream bound ms | fmoe x bound | fmoe mem MiB | "
+         "| arch | phase | T | fmoe ms | fmoe_grouped ms | hf_eager ms | hf_grouped_mm ms | speed-up vs eager (CPU) | "
+         "vs grouped_mm (CPU) | dense GF/s (batched) | fmoe vs dense (vs flat) | stream bound ms | fmoe x bound | fmoe mem MiB | "
          "hf_eager mem MiB | hf_grouped_mm mem MiB |",
          "|" + "---|" * 16]
     for a, r in bl["archs"].items():
         for ph, p in r["phases"].items():
-            v, s, m = p["variants"], p["speedup_vs_hf"], p["memory"]
+            v, s, m, sc = p["variants"], p["speedup_vs_hf"], p["memory"], p.get("cpu_speedup_vs_hf", {})
             L.append(f"| {a} | {ph} | {p['tokens']} | {_ms(v['fmoe'])} | {_ms(v.get('fmoe_grouped', {}))} | "
-                     f"{_ms(v.get('hf_eager', {}))} | {_ms(v.get('hf_grouped_mm', {}))} | {_fmt(s.get('eager'))} | "
-                     f"{_fmt(s.get('grouped_mm'))} | {_fmt(p.get('dense_gflops'), '.0f')} | "
+                     f"{_ms(v.get('hf_eager', {}))} | {_ms(v.get('hf_grouped_mm', {}))} | {_fmt(s.get('eager'))} "
+                     f"({_fmt(sc.get('eager'))}) | {_fmt(s.get('grouped_mm'))} ({_fmt(sc.get('grouped_mm'))}) | {_fmt(p.get('dense_gflops'), '.0f')} | "
                      f"{_fmt(p.get('fmoe_vs_dense'))}{'' if 'fmoe_vs_dense_flat' not in p else ' (' + _fmt(p['fmoe_vs_dense_flat']) + ')'} | "
                      f"{_fmt(p['stream_bound_seconds'] * 1e3 if 'stream_bound_seconds' in p else None, '.1f')} | "
                      f"{_fmt(p.get('fmoe_vs_stream'))} | {_mem(m.get('fmoe'))} | {_mem(m.get('hf_eager'))} | "
@@ -170,7 +170,9 @@ def profile_tables(pr: dict) -> list[str]:
             if "time" not in r:
                 L.append(f"| {cfg} | {v} | {r.get('skipped') or r.get('error')} |")
                 continue
-            t, f, sv, rs = r["time"], r["faults"], r["saved"], r["rss"]
+            t, f, sv, rs = r["time"], r["faults"], r.get("saved"), r.get("rss")
+            if sv is None:
+                continue
             L.append(f"| {cfg} | {v} | {r['tokens']} | {t['wall_seconds_profiled'] * 1e3:.0f} | "
                      + " | ".join(f"{t['by_category'].get(c, 0) * 1e3:.0f}" for c in cats)
                      + f" | {f['fault_bytes_per_step'] / 2**20:.0f} ({f['fault_seconds_per_step'] * 1e3:.0f}) | "
