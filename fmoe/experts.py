@@ -282,15 +282,17 @@ def apply_experts(spec: ExpertSpec, params, x: Tensor, gemm: Optional[GroupedGem
 
 
 def _uniform(shape, bound: float, generator) -> Tensor:
-    return (torch.rand(shape, generator=generator, dtype=torch.float32) * 2 - 1).mul_(bound)
+    # Tutel's expression (rand * 2b - b), so the same seed draws Tutel's weights bit for bit
+    return torch.rand(shape, generator=generator, dtype=torch.float32) * (bound + bound) - bound
 
 
 def init_experts(spec: ExpertSpec, num_experts: int, model_dim: int, *, generator=None,
                  dtype=torch.float32) -> dict:
     """Initial parameters for ``num_experts`` experts.
 
-    ffn follows Tutel: W1 ~ U(+-1/sqrt(M)), W2 ~ U(+-1/sqrt(H)), drawn in float32
-    expert by expert and then cast; biases zero. gated_ffn: N(0, 0.01). swiglu / gpt_oss
+    ffn follows Tutel: W1 ~ U(+-1/sqrt(M)), W2 ~ U(+-1/sqrt(H)), drawn in float32 expert by
+    expert (fc1 then fc2 of each, Tutel's order and formula: the same seed gives Tutel's
+    weights) and then cast; biases zero. gated_ffn: N(0, 0.01). swiglu / gpt_oss
     (architectures whose weights come from checkpoints): N(0, 0.02) weights, zero biases.
     """
     E, M, H = num_experts, model_dim, spec.hidden_size
@@ -298,8 +300,10 @@ def init_experts(spec: ExpertSpec, num_experts: int, model_dim: int, *, generato
     if spec.type == "custom":
         return spec.init(num_experts, model_dim, spec, generator, dtype)
     if spec.type == "ffn":
-        w1 = torch.stack([_uniform((H, M), 1 / math.sqrt(M), generator) for _ in range(E)])
-        w2 = torch.stack([_uniform((H, O), 1 / math.sqrt(H), generator) for _ in range(E)])
+        pairs = [(_uniform((H, M), 1 / math.sqrt(M), generator), _uniform((H, O), 1 / math.sqrt(H), generator))
+                 for _ in range(E)]
+        w1 = torch.stack([a for a, _ in pairs])
+        w2 = torch.stack([b for _, b in pairs])
         p = {"fc1_w": w1.to(dtype), "fc2_w": w2.to(dtype)}
         if spec.has_fc1_bias:
             p["fc1_b"] = torch.zeros(E, H, dtype=dtype)

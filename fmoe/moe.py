@@ -203,16 +203,20 @@ _EXPERT_KEYS = {"ffn": ("fc1_w", "fc2_w"), "gated_ffn": ("gate_w", "up_w", "down
                 "gpt_oss": ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
 
 
-def check_params(params, spec: MoESpec, num_local_experts: Optional[int] = None) -> None:
-    """Raise ValueError naming the first key or shape that does not fit ``spec``."""
-    _expect(isinstance(params, dict) and "gate" in params and "experts" in params,
-            f"expected a dict with keys 'gate' and 'experts', got "
+def check_params(params, spec: MoESpec, num_local_experts: Optional[int] = None, *, gate: bool = True) -> None:
+    """Raise ValueError naming the first key or shape that does not fit ``spec``.
+
+    ``gate=False`` skips the router parameters (a replayed routing never reads them)."""
+    need = ("gate", "experts") if gate else ("experts",)
+    _expect(isinstance(params, dict) and all(k in params for k in need),
+            f"expected a dict with keys {' and '.join(repr(k) for k in need)}, got "
             f"{sorted(params) if isinstance(params, dict) else type(params).__name__}")
     M = spec.model_dim
-    try:
-        check_router_params(params["gate"], spec.gate, spec.num_experts, M)
-    except ValueError as e:
-        raise ValueError(f"parameter pytree does not match the MoESpec: {e}") from None
+    if gate:
+        try:
+            check_router_params(params["gate"], spec.gate, spec.num_experts, M)
+        except ValueError as e:
+            raise ValueError(f"parameter pytree does not match the MoESpec: {e}") from None
     ex, es = params["experts"], spec.experts
     if spec.shared is not None:
         _expect("shared" in params, f"shared={spec.shared!r} needs params['shared'], got keys {sorted(params)}")
@@ -335,13 +339,13 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     alignment = spec.alignment
     if comm.size == 1:
         _check_input(x, spec)
-        check_params(params, spec)
+        check_params(params, spec, gate=routing is None)
     else:
         from . import parallel as _par  # distributed path lives in its own module
         parallel = parallel or _par.ParallelSpec()
         # Before any other collective: bad input or ranks that disagree raise everywhere, never hang.
         _par.check_moe_call(comm, spec, parallel, x, params, routing,
-                            lambda: (_check_input(x, spec), check_params(params, spec)))
+                            lambda: (_check_input(x, spec), check_params(params, spec, gate=routing is None)))
         alignment = _par.capacity_alignment(spec.num_experts, comm.size, parallel, spec.alignment)
     kind = spec.layout_kind(comm.size, parallel.overlap_degree if comm.size > 1 else 1)
     tokens = x.reshape(-1, spec.model_dim)

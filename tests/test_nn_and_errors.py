@@ -215,3 +215,19 @@ def test_error_bad_layer_config():
         _layer(parallel_type="auto")
     with pytest.raises(ValueError, match="unknown expert type"):
         _layer(experts={"type": "moe", "num_experts_per_device": 1, "hidden_size_per_expert": 4})
+
+
+def test_moelayer_seeds_draw_the_compat_layers_tutel_weights():
+    # fmoe.init_experts draws Tutel's ffn weights expert by expert (fc1 then fc2 of each, Tutel's
+    # formula): MoELayer(seeds=) equals the compat layer, whose weights are Tutel's bit for bit
+    # (tests/test_compat_tutel.py checks those against Tutel's own hashes).
+    from fmoe.compat.tutel import moe as tmoe
+    from fmoe.nn import MoELayer
+    kw = dict(gate_type={"type": "top", "k": 2}, model_dim=16,
+              experts={"type": "ffn", "count_per_node": 3, "hidden_size_per_expert": 8}, seeds=(1, 2, 3))
+    ours = MoELayer(gate_type=kw["gate_type"], model_dim=16, seeds=(1, 2, 3),
+                    experts={"type": "ffn", "num_experts_per_device": 3, "hidden_size_per_expert": 8})
+    theirs = tmoe.moe_layer(**kw)
+    a, b = ours.state_dict(), theirs.state_dict()
+    for key in ("experts.batched_fc1_w", "experts.batched_fc2_w"):
+        assert torch.equal(a[key], b[key]), key
