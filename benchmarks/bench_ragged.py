@@ -8,7 +8,9 @@ train   One expert linear layer forward + backward (y = ragged_mm(x, w, offsets)
           dense     torch.mm of the same total rows and shapes, forward + backward
                     (the machine's rate for these GEMMs: the denominator of T1);
           bmm@cf    torch.bmm on padded [E, C, K] buffers, C = ceil(cf * rows / E),
-                    cf 1.0 / 1.25 / 2.0, forward + backward.
+                    cf 1.0 / 1.25 / 2.0, forward + backward;
+          ragged_via_padded_bmm  the ragged product as copy into [E, max rows, K], one
+                    bmm, copy back (an alternative kernel, for comparison).
         Reported as useful GFLOP/s (3 GEMMs of 2 * rows * K * N FLOPs) and ratios.
 decode  Forward only (no grad) at T <= 64 tokens, 128 experts, top-8, against
           stream    one read of as many bytes as the busy experts' weights (torch.sum
@@ -91,7 +93,19 @@ def bench_train(name, T, M, H, E, k, transposed, repeats, g):
         y = x @ (wd.t() if transposed else wd)
         torch.autograd.grad(y, (x, wd), gy)
 
-    fns = {"ragged": ragged, "dense": dense}
+    # The same ragged product through one padded bmm: rows copied into [E, max rows, K]
+    # (index_copy_), one batched GEMM, copied back (index_select). One threaded region per
+    # GEMM instead of one per group, at the price of two copies and the padding FLOPs.
+    Cmax = max(counts)
+    dest = torch.cat([torch.arange(n) + e * Cmax for e, n in enumerate(counts)])
+
+    def ragged_bmm():
+        xp = x.new_zeros(E * Cmax, K).index_copy(0, dest, x)
+        y = torch.bmm(xp.view(E, Cmax, K), w.transpose(1, 2) if transposed else w)
+        y = y.view(E * Cmax, N).index_select(0, dest)
+        torch.autograd.grad(y, (x, w), gy)
+
+    fns = {"ragged": ragged, "dense": dense, "ragged_via_padded_bmm": ragged_bmm}
     for cf in (1.0, 1.25, 2.0):
         C = math.ceil(cf * R / E)
         xb = torch.randn(E, C, K, generator=g).requires_grad_()
@@ -107,7 +121,8 @@ def bench_train(name, T, M, H, E, k, transposed, repeats, g):
     out = {"suite": "train", "config": name, "T": T, "M": M, "H": H, "E": E, "k": k, "transposed": transposed,
            "rows": R, "max_rows": max(counts), "min_rows": min(counts), "seconds": t,
            "useful_gflops": {v: flop / s / 1e9 for v, s in t.items()},
-           "ratio_vs_dense": t["dense"] / t["ragged"]}
+           "ratio_vs_dense": t["dense"] / t["ragged"],
+           "ratio_padded_bmm_vs_dense": t["dense"] / t["ragged_via_padded_bmm"]}
     for cf in (1.0, 1.25, 2.0):
         out[f"speedup_vs_bmm_cf{cf}"] = t[f"bmm_cf{cf}"] / t["ragged"]
     return out
