@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .experts import ExpertSpec
+from .experts import EXPERT_PARAMS, ExpertSpec
 from .moe import GateSpec, MoEAux, MoESpec, init_params, moe
 
 __all__ = ["MoELayer", "moe_layer", "check_not_silently_local"]
@@ -115,9 +115,9 @@ class _Experts(nn.Module):
     Custom experts: the pytree's leaves under their own (dotted) names.
     """
 
-    _FFN = {"fc1_w": "batched_fc1_w", "fc2_w": "batched_fc2_w", "fc1_b": "batched_fc1_bias",
-            "fc2_b": "batched_fc2_bias"}
-    _GATED = {"gate_w": "W_fc1", "up_w": "W_fc2", "down_w": "W_fc3"}
+    # pytree key -> Tutel's state-dict name, from the one parameter-layout table
+    _FFN = {p.name: p.tutel_name for p in EXPERT_PARAMS["ffn"]}
+    _GATED = {p.name: p.tutel_name for p in EXPERT_PARAMS["gated_ffn"]}
 
     def __init__(self, spec: ExpertSpec, p: dict):
         super().__init__()
