@@ -462,6 +462,33 @@ def _e4m3_rne(v):
     return np.float32(math.copysign(q, v))
 
 
+_U_MIN_NORMAL = np.uint32(0x3C800000)   # float32 bits of 2^-6, E4M3's smallest normal
+_U_ABS = np.uint32(0x7FFFFFFF)
+_U_SIGN = np.uint32(0x80000000)
+_U_KEEP = np.uint32(0xFFF00000)           # sign, exponent and the top 3 mantissa bits
+_U_HALF = np.uint32(0x7FFFF)
+_F_SUB_MAGIC = np.float32(2.0 ** 14)       # ulp(2^14) = 2^-9, E4M3's subnormal quantum
+
+
+@njit(inline="always", cache=True)
+def _e4m3_round_span(vals, bits, k0, k1):
+    """Round vals[k0:k1] (float32, |v| <= 448, finite) to E4M3 in place, RNE, sign of zero
+    kept. bits is the same memory viewed as uint32. Normals drop 20 mantissa bits with a
+    round-half-even carry on the bit pattern; subnormals (quantum 2^-9) round by adding and
+    subtracting 2^14 in float32 (exact RNE at that ulp; no fastmath in this module)."""
+    for k in range(k0, k1):
+        b = bits[k]
+        a = b & _U_ABS
+        if a >= _U_MIN_NORMAL:
+            a = (a + _U_HALF + ((a >> np.uint32(20)) & np.uint32(1))) & _U_KEEP
+            bits[k] = a | (b & _U_SIGN)
+    for k in range(k0, k1):
+        if (bits[k] & _U_ABS) < _U_MIN_NORMAL:
+            v = vals[k]
+            r = (abs(v) + _F_SUB_MAGIC) - _F_SUB_MAGIC
+            vals[k] = np.float32(math.copysign(np.float64(r), np.float64(v)))
+
+
 @njit(inline="always", cache=True)
 def _e2m1_rne(a):
     """|v| (float32 or float64, finite) -> E2M1 magnitude index 0..7 (RNE, saturating)."""
@@ -526,10 +553,12 @@ def fq_fp8_rows(x, out, bk, amax_floor):
             s = amax / _F448
             if s == 0:
                 s = _F1f
+            orow = out[r]
             for k in range(k0, k1):
-                q = x[r, k] / s
-                q = min(max(q, -_F448), _F448)
-                out[r, k] = _e4m3_rne(q) * s
+                orow[k] = min(max(x[r, k] / s, -_F448), _F448)
+            _e4m3_round_span(orow, orow.view(np.uint32), k0, k1)
+            for k in range(k0, k1):
+                orow[k] = orow[k] * s
     return bad
 
 
@@ -559,9 +588,12 @@ def fq_fp8_block2d(x, out, bn, bk):
             if amax == 0:
                 s = _F1f
             for n in range(n0, n1):
+                orow = out[bb, n]
                 for k in range(k0, k1):
-                    q = min(max(x[bb, n, k] / s, -_F448), _F448)
-                    out[bb, n, k] = _e4m3_rne(q) * s
+                    orow[k] = min(max(x[bb, n, k] / s, -_F448), _F448)
+                _e4m3_round_span(orow, orow.view(np.uint32), k0, k1)
+                for k in range(k0, k1):
+                    orow[k] = orow[k] * s
     return bad
 
 
@@ -592,9 +624,9 @@ def fq_mx(x, out, fp4, u, use_sr):
                 se = -127
             inv = math.ldexp(1.0, -se)         # exact division by 2^se, in float64
             scale = np.float32(math.ldexp(1.0, se))  # the E8M0 value as float32 (2^-127 is subnormal)
-            for k in range(k0, k0 + 32):
-                q = np.float64(x[r, k]) * inv
-                if fp4:
+            if fp4:
+                for k in range(k0, k0 + 32):
+                    q = np.float64(x[r, k]) * inv
                     if use_sr:
                         qf = np.float32(q)
                         mag = grid[_e2m1_sr(qf, u[r, k], grid)]
@@ -602,10 +634,14 @@ def fq_mx(x, out, fp4, u, use_sr):
                     else:
                         mag = grid[_e2m1_rne(abs(q))]
                         out[r, k] = _signed(mag, q) * scale
-                else:
-                    qf = np.float32(q)
-                    qf = min(max(qf, -_F448), _F448)
-                    out[r, k] = _e4m3_rne(qf) * scale
+            else:
+                orow = out[r]
+                for k in range(k0, k0 + 32):
+                    qf = np.float32(np.float64(x[r, k]) * inv)
+                    orow[k] = min(max(qf, -_F448), _F448)
+                _e4m3_round_span(orow, orow.view(np.uint32), k0, k0 + 32)
+                for k in range(k0, k0 + 32):
+                    orow[k] = orow[k] * scale
     return bad
 
 
