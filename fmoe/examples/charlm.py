@@ -310,7 +310,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch_size", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="initialisation, batches and quantizer randomness")
+    p.add_argument("--split_seed", type=int, default=0, help="the train/validation file shuffle")
     p.add_argument("--corpus_bytes", type=int, default=4_000_000)
     p.add_argument("--eval_every", type=int, default=200)
     p.add_argument("--eval_batches", type=int, default=16, help="validation batches per evaluation")
@@ -335,7 +336,7 @@ def main(argv=None, comm=None) -> dict:
     rank = 0 if comm is None else comm.rank
     cfg = CharLMConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(CharLMConfig)})
     files = load_files(args.corpus_bytes)
-    train_data, val_data = split_by_file(files, 0.05, seed=args.seed)
+    train_data, val_data = split_by_file(files, 0.05, seed=args.split_seed)
     from fmoe.quant.training import recipe_from_name
     precision = recipe_from_name(args.expert_precision, save_activations=args.save_activations)
     from fmoe.comm.compress import wire_from_name
