@@ -19,8 +19,9 @@ along that GEMM's reduction axis, as a low-precision tensor core needs them:
 (spec/formats.md); the quantizer is a straight-through estimator, so dw lands on the master
 weight as is. Which operands are quantized is a :class:`TrainPrecision` recipe:
 
-    weights       the weight format: "fp32" (no rounding), "bf16", "fp8_row", "fp8_block" (128x128 weight blocks,
-                  1x128 activation/gradient tiles, DeepSeek-V3), "mxfp8", "mxfp4", "nvfp4"
+    weights       the weight format: "fp32" (no rounding), "bf16", "fp8_row", "fp8_block"
+                  (128x128 weight blocks, 1x128 activation/gradient tiles, DeepSeek-V3),
+                  "mxfp8", "mxfp4", "nvfp4"
     activations   also quantize x (forward and wgrad) in the matching activation format
     grads         also quantize gy (dgrad and wgrad); FP4 gradients use stochastic rounding
                   when ``stochastic_rounding`` (unbiased: E[q(g)] = g inside the range)
