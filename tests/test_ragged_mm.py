@@ -109,6 +109,25 @@ def test_mm_edge_layouts(counts, R):
             assert torch.equal(z[e], torch.zeros(6, 4))
 
 
+@pytest.mark.parametrize("rows", [3, RG.SMALL_ROWS + 3])  # numba and BLAS paths
+def test_views_of_larger_buffers_are_read_only_inside_their_rows(rows):
+    g = gen(17)
+    E, K, N = 3, 8, 5
+    big = torch.full((3 * rows + 4, K), float("nan"))
+    big[:3 * rows] = torch.randn(3 * rows, K, generator=g)
+    x = big[:3 * rows]  # R = offsets[E]: the last group ends at the view's last row
+    off = counts_to_offsets([rows] * E)
+    wbig = torch.full((E + 2, K, N), float("nan"))
+    wbig[1:E + 1] = torch.randn(E, K, N, generator=g)
+    w = wbig[1:E + 1]  # weights a view in the middle of a larger buffer
+    y = ragged_mm(x, w, off)
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y, ragged_mm_reference(x, w, off))
+    assert torch.isfinite(ragged_wgrad(x, x, off)).all()
+    with pytest.raises(ValueError, match=re.escape(f"offsets[E] = {3 * rows + 1} exceeds the {3 * rows} rows")):
+        ragged_mm(x, w, counts_to_offsets([rows, rows, rows + 1]))
+
+
 def test_mm_non_contiguous_inputs():
     g = gen(5)
     off_full = torch.stack([counts_to_offsets(BIG), torch.zeros(len(BIG) + 1, dtype=torch.int64)], 1)

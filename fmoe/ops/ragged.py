@@ -70,7 +70,9 @@ __all__ = ["ragged_mm", "ragged_wgrad", "ragged_mm_reference", "ragged_wgrad_ref
 SMALL_ROWS = 16
 
 # Below this many weight bytes streamed by the small groups the serial numba twin
-# runs: a TBB parallel region costs ~20-50 us, more than reading 1 MiB on one core.
+# runs. Not swept: chosen so that a TBB region's start (~50 us, the figure behind
+# numba_cpu.SERIAL_ELEMENTS) stays under about a third of one core's read time of
+# those bytes (1 MiB at the 4-10 GB/s measured here: 100-250 us).
 SERIAL_BYTES = 1 << 20
 
 _NUMBA_DTYPES = (torch.float32, torch.float64)
