@@ -141,3 +141,11 @@ def test_moe_with_a_compressed_wire_is_close_to_uncompressed(comm):
         y = fmoe.moe(p, x, spec, comm=comm, parallel=ParallelSpec(wire=wire))[0]
         rel = ((y - plain).norm() / plain.norm()).item()
         assert 0 < rel < tol, (wire, rel)
+    # overlap chunks and the 2DH exchange move the same rows: the same compressed result
+    fp8 = fmoe.moe(p, x, spec, comm=comm, parallel=ParallelSpec(wire="fp8"))[0]
+    variants = [ParallelSpec(wire="fp8", overlap_degree=2)]
+    if comm.size % 2 == 0:
+        variants.append(ParallelSpec(wire="fp8", local_size=2))
+    for par in variants:
+        y = fmoe.moe(p, x, spec, comm=comm, parallel=par)[0]
+        torch.testing.assert_close(y, fp8, rtol=1e-5, atol=1e-6, msg=str(par))
