@@ -153,6 +153,8 @@ def main(argv=None) -> dict:
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     p.add_argument("--save_fp8", action="store_true",
                    help="also run fp32 and fp8_block with --save_activations fp8 (activation compression)")
+    p.add_argument("--noise_seeds", type=int, nargs="*", default=[],
+                   help="also run fp32 with these training seeds (run-to-run noise)")
     p.add_argument("--ranks", type=int, default=1, help="> 1: also run each a2a wire format under mpiexec")
     p.add_argument("--a2a_only", action="store_true", help="with --ranks: only the a2a runs")
     p.add_argument("--out", default="runs/bench_precision")
@@ -171,6 +173,9 @@ def main(argv=None) -> dict:
         if args.save_fp8:
             plan += [(f"{prec}+save_fp8", ["--expert_precision", prec, "--save_activations", "fp8"])
                      for prec in ("fp32", "fp8_block")]
+        # fp32 again with other training seeds (same validation files): the run-to-run noise
+        # the precision gaps are to be read against
+        plan += [(f"fp32_seed{sd}", ["--expert_precision", "fp32", "--seed", str(sd)]) for sd in args.noise_seeds]
         runs += [(n, a, 1) for n, a in plan]
     if args.ranks > 1:
         runs += [(f"ep{args.ranks}_a2a_{w}", ["--a2a_precision", w], args.ranks) for w in A2A]
