@@ -280,7 +280,9 @@ def targets(res: dict) -> list[dict]:
     return out
 
 
-def run(quick: bool, only: Optional[str], log: Callable[[str], None] = print, memory: bool = True) -> dict:
+def run(quick: bool, only: Optional[str], log: Callable[[str], None] = print, memory: bool = True,
+        checkpoint: Optional[Callable[[dict], None]] = None) -> dict:
+    """Run the blocks suite; ``checkpoint`` gets the partial result after each arch."""
     why = transformers_status()
     if why is not None:
         log(f"  blocks: skipped: {why}")
@@ -294,5 +296,7 @@ def run(quick: bool, only: Optional[str], log: Callable[[str], None] = print, me
     for a in archs:
         mem = () if not memory else (("train",) if quick else MEMORY_PHASES)
         out["archs"][a] = bench_arch(a, shape, phases, repeats, mem, log)
-    out["targets"] = targets(out)
+        out["targets"] = targets(out)
+        if checkpoint is not None:
+            checkpoint(out)
     return out

@@ -279,8 +279,10 @@ def targets(res: dict) -> list[dict]:
     return out
 
 
-def run(quick: bool, only: Optional[str], log: Callable[[str], None] = print, memory: bool = True) -> dict:
-    """Run the layer suite; returns a JSON-able dict (configs, targets)."""
+def run(quick: bool, only: Optional[str], log: Callable[[str], None] = print, memory: bool = True,
+        checkpoint: Optional[Callable[[dict], None]] = None) -> dict:
+    """Run the layer suite; returns a JSON-able dict (configs, targets). ``checkpoint`` gets the
+    partial result after each config (so a run cut short still leaves its numbers on disk)."""
     repeats = 2 if quick else 4
     names = [only] if only in BY_NAME else (list(QUICK) if quick else [c.name for c in CONFIGS])
     try:
@@ -295,5 +297,7 @@ def run(quick: bool, only: Optional[str], log: Callable[[str], None] = print, me
         c = BY_NAME[name]
         tokens = c.quick_tokens if quick and c.quick_tokens else c.tokens
         out["configs"][name] = bench_config(c, tokens, repeats, memory, log)
-    out["targets"] = targets(out)
+        out["targets"] = targets(out)
+        if checkpoint is not None:
+            checkpoint(out)
     return out

@@ -378,30 +378,44 @@ def main(argv=None) -> int:
                                                                                       else sys.argv[1:])]),
                "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "quick": args.quick,
                "memory": not args.no_memory, "target_definitions": TARGETS, "suites": {}, "targets": []}
+    path = os.path.join(args.out, "results.json")
+    md = os.path.join(args.out, "results.md")
+
+    def save(partial: bool) -> str:
+        results["partial"] = partial
+        results["targets"] = [t for n in results["suites"] if n in DEFAULT_SUITES
+                              for t in results["suites"][n].get("targets", [])]
+        results["seconds"] = time.time() - t0
+        try:
+            results["machine"]["loadavg_end"] = os.getloadavg()
+        except OSError:
+            pass
+        bench_common.write_json(path, results)
+        text = table(results)
+        mach = results["machine"]
+        tmp = md + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(f"Command: `{results['command']}` ({results['date_utc']}, {results['seconds']:.0f} s, fmoe "
+                    f"{mach['commit']}, load average {_fmt(mach['loadavg_start'] and mach['loadavg_start'][0], '.1f')} "
+                    f"at start, {_fmt(mach.get('loadavg_end') and mach['loadavg_end'][0], '.1f')} at end"
+                    f"{'; PARTIAL: the run did not finish' if partial else ''})\n\n{text}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, md)
+        return text
+
     for name, (suite, only) in chosen.items():
         print(f"[{name}]", flush=True)
-        kw = {"memory": not args.no_memory} if name in DEFAULT_SUITES else {}
+        if name in DEFAULT_SUITES:
+            def checkpoint(partial_suite, name=name):
+                results["suites"][name] = partial_suite
+                save(True)
+            kw = {"memory": not args.no_memory, "checkpoint": checkpoint}
+        else:
+            kw = {}
         results["suites"][name] = suite.run(args.quick, only, lambda s: print(s, flush=True), **kw)
-        results["targets"] += results["suites"][name].get("targets", []) if name in DEFAULT_SUITES else []
     results["machine"]["threading_layer"] = _numba.threading_layer()
-    try:
-        results["machine"]["loadavg_end"] = os.getloadavg()
-    except OSError:
-        pass
-    results["seconds"] = time.time() - t0
-    path = os.path.join(args.out, "results.json")
-    bench_common.write_json(path, results)
-    text = table(results)
-    md = os.path.join(args.out, "results.md")
-    tmp = md + ".tmp"
-    with open(tmp, "w") as f:
-        mach = results["machine"]
-        f.write(f"Command: `{results['command']}` ({results['date_utc']}, {results['seconds']:.0f} s, fmoe "
-                f"{mach['commit']}, load average {_fmt(mach['loadavg_start'] and mach['loadavg_start'][0], '.1f')} "
-                f"at start, {_fmt(mach.get('loadavg_end') and mach['loadavg_end'][0], '.1f')} at end)\n\n{text}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, md)
+    text = save(False)
     print()
     print(text)
     print()

@@ -24,7 +24,7 @@ def test_run_quick_smoke_writes_json_tables_and_plots(tmp_path):
                        cwd=REPO, capture_output=True, text=True, timeout=600)  # ~20 s quiet, minutes at load 10
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads((out / "results.json").read_text())
-    assert res["quick"] is True and res["memory"] is True
+    assert res["quick"] is True and res["memory"] is True and res["partial"] is False
     assert list(res["suites"]) == ["layer"]
     r = res["suites"]["layer"]["configs"]["smoke"]
     assert r["tokens"] == 256 and r["kept_pairs"] + r["dropped_pairs"] == 256 * 2
