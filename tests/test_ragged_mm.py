@@ -258,6 +258,24 @@ def test_jvp_vjp_grad_jacrev_match_reference():
     torch.testing.assert_close(hvp, rhvp)
 
 
+def test_jacfwd_and_hessian_match_reference():
+    """vmap over jvp (jacfwd) and forward-over-reverse (hessian) through both ops."""
+    from torch.func import hessian, jacfwd
+
+    x, w, off = _f64([2, 0, 10], 14, 3, 4, True, 18)
+    x, w = x.detach(), w.detach()
+    f = lambda x, w: ragged_mm(x, w, off, transposed=True)  # noqa: E731
+    fr = lambda x, w: ragged_mm_reference(x, w, off, transposed=True)  # noqa: E731
+    for got, want in zip(jacfwd(f, argnums=(0, 1))(x, w), torch.autograd.functional.jacobian(fr, (x, w))):
+        torch.testing.assert_close(got, want)
+    h = hessian(lambda w: f(x, w).sin().sum())(w)
+    torch.testing.assert_close(h, torch.autograd.functional.hessian(lambda w: fr(x, w).sin().sum(), w))
+    b = torch.randn(14, 2, generator=gen(19), dtype=torch.float64)
+    jw = jacfwd(lambda a, b: ragged_wgrad(a, b, off), argnums=(0, 1))(x, b)
+    for got, want in zip(jw, torch.autograd.functional.jacobian(lambda a, b: ragged_wgrad_reference(a, b, off), (x, b))):
+        torch.testing.assert_close(got, want)
+
+
 def test_wgrad_jvp_matches_reference():
     g = gen(11)
     off = counts_to_offsets([3, 0, 5])
