@@ -43,8 +43,7 @@ def _cli(*args, fsize=None):
 
 def _scatter8(tmp_path, pattern="r{rank}-of-{size}.pt"):
     torch.save(_full(), tmp_path / "full.pt")
-    r = _cli("scatter", "--input", str(tmp_path / "full.pt"), "--outputs", str(tmp_path / pattern), "--size", "8")
-    assert r.returncode == 0, r.stderr
+    ck.scatter_files(str(tmp_path / "full.pt"), str(tmp_path / pattern), 8, progress=False)
     return str(tmp_path / pattern)
 
 
@@ -53,8 +52,8 @@ def test_gather_refuses_a_size_that_does_not_match_the_rank_files(tmp_path):
     r = _cli("gather", "--inputs", pattern, "--size", "4", "--output", str(tmp_path / "out.pt"))
     assert r.returncode == 2 and "--size is 4 but" in r.stderr and "r4.pt exists" in r.stderr, r.stderr
     os.remove(tmp_path / "r4.pt")  # now only the metadata can tell
-    r = _cli("gather", "--inputs", pattern, "--size", "4", "--output", str(tmp_path / "out.pt"))
-    assert r.returncode == 2 and "belongs to a set of 8 rank files, but --size/len(states) is 4" in r.stderr
+    with pytest.raises(ck.CheckpointError, match="belongs to a set of 8 rank files, but --size/len"):
+        ck.gather_files(pattern, 4, str(tmp_path / "out.pt"), progress=False)
     assert not (tmp_path / "out.pt").exists()
 
 
@@ -76,11 +75,12 @@ def test_flipped_bytes_and_truncation_are_detected(tmp_path):
     assert at > 0
     blob[at + 5] ^= 0x10  # one flipped bit inside an expert tensor's data
     victim.write_bytes(bytes(blob))
-    r = _cli("gather", "--inputs", pattern, "--size", "8", "--output", str(tmp_path / "out.pt"))
-    assert r.returncode == 2 and "r3-of-8.pt" in r.stderr and "corrupt" in r.stderr, r.stderr
+    with pytest.raises(ck.CheckpointError, match=r"r3-of-8.pt is corrupt: the bytes of 1 tensor\(s\) do not match"):
+        ck.gather_files(pattern, 8, str(tmp_path / "out.pt"), progress=False)
     victim.write_bytes(bytes(blob[: len(blob) // 2]))
-    r = _cli("gather", "--inputs", pattern, "--size", "8", "--output", str(tmp_path / "out.pt"))
-    assert r.returncode == 2 and "cannot read" in r.stderr and "truncated or corrupt" in r.stderr, r.stderr
+    with pytest.raises(ck.CheckpointError, match="cannot read .*r3-of-8.pt: it is truncated or corrupt"):
+        ck.gather_files(pattern, 8, str(tmp_path / "out.pt"), progress=False)
+    assert not (tmp_path / "out.pt").exists()
 
 
 def test_replicated_tensors_are_compared():
@@ -117,16 +117,14 @@ def test_failed_gather_leaves_the_old_output_intact(tmp_path):
 def test_failed_scatter_writes_no_partial_rank_set(tmp_path):
     torch.save(_full(), tmp_path / "full.pt")
     args = ("scatter", "--input", str(tmp_path / "full.pt"), "--outputs", str(tmp_path / "s/r{rank}.pt"), "--size", "4")
-    r = _cli(*args, fsize=1000)
-    assert r.returncode == 2 and "error" in r.stderr, r.stderr
-    assert os.listdir(tmp_path / "s") == []  # all or none, and no temporaries
+    os.makedirs(tmp_path / "s")
     for q in range(4):  # an existing set is replaced whole or not at all
         (tmp_path / "s" / f"r{q}.pt").write_bytes(b"old")
     r = _cli(*args, fsize=1000)
-    assert r.returncode == 2
-    assert sorted(os.listdir(tmp_path / "s")) == [f"r{q}.pt" for q in range(4)]
+    assert r.returncode == 2 and "error" in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path / "s")) == [f"r{q}.pt" for q in range(4)]  # no partial file, no temporary
     assert all((tmp_path / "s" / f"r{q}.pt").read_bytes() == b"old" for q in range(4))
-    assert _cli(*args).returncode == 0
+    ck.scatter_files(str(tmp_path / "full.pt"), str(tmp_path / "s/r{rank}.pt"), 4, progress=False)
     assert ck.read_metadata(torch.load(tmp_path / "s" / "r3.pt", weights_only=False))["rank"] == 3
 
 

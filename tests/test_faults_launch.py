@@ -100,7 +100,7 @@ def test_mpiexec_fault_ends_in_a_clear_error(n, fault, args, want):
 @needs_torchrun
 @pytest.mark.parametrize("fault,args,want", [
     ("skip", [], [SKEW, "rank 1 is in end-of-job check #2"]),
-    ("hang", ["--timeout", "5"], ["(header) failed"]),
+    ("hang", ["--timeout", "3"], ["(header) failed"]),
 ])
 def test_torchrun_fault_ends_in_a_clear_error(fault, args, want):
     code, out = _torchrun("--fault", fault, *args)
