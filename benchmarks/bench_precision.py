@@ -74,6 +74,8 @@ def table(rows: list, ref: dict) -> str:
 
 
 def plot(rows: list, path: Path) -> bool:
+    """Left: train loss (running mean, zoomed past the initial drop); right: validation loss
+    of every run relative to the first fp32 run, in percent (the quantity the targets bound)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -81,23 +83,32 @@ def plot(rows: list, path: Path) -> bool:
     except ImportError:
         print("matplotlib is not installed: no PNG")
         return False
-    fig, (ax, axv) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ref = next((r for r in rows if r["name"] == "fp32"), rows[0])
+    ref_val = dict((s, v) for s, v in ref["val_curve"])
+    fig, (ax, axv) = plt.subplots(1, 2, figsize=(13, 4.8))
+    lo, hi = float("inf"), -float("inf")
     for r in rows:
         curve = r["train_curve"]
         w = max(1, len(curve) // 30)  # running mean: single batches are noisy
         smooth = [sum(curve[max(0, i - w + 1):i + 1]) / len(curve[max(0, i - w + 1):i + 1]) for i in range(len(curve))]
-        ax.plot(range(len(curve)), smooth, label=r["name"], lw=1.2)
-        axv.plot([s for s, _ in r["val_curve"]], [v for _, v in r["val_curve"]], "o-", label=r["name"], ms=3)
+        start = len(curve) // 5
+        ax.plot(range(start, len(curve)), smooth[start:], label=r["name"], lw=1.1)
+        lo, hi = min(lo, min(smooth[start:])), max(hi, max(smooth[start:]))
+        pts = [(s, 100 * (v / ref_val[s] - 1)) for s, v in r["val_curve"] if s in ref_val]
+        axv.plot([s for s, _ in pts], [g for _, g in pts], "o-", label=r["name"], ms=3, lw=1.1)
+    ax.set_ylim(lo - 0.02, hi + 0.02)
     ax.set_title(f"train loss (running mean over {w} steps)")
-    axv.set_title("validation loss (files held out)")
+    ax.set_ylabel("nats/char")
+    axv.axhline(0, color="k", lw=0.8)
+    for t, style in ((1, ":"), (3, "--")):
+        axv.axhline(t, color="gray", lw=0.8, ls=style)
+    axv.set_title("validation loss vs fp32 (%); dotted 1%, dashed 3% targets")
+    axv.set_ylabel("gap (%)")
     for a in (ax, axv):
         a.set_xlabel("step")
-        a.set_ylabel("nats/char")
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
-    lo = min(min(v for _, v in r["val_curve"]) for r in rows)
-    axv.set_ylim(lo - 0.05, lo + 0.6)
-    fig.suptitle("fmoe char-LM: expert GEMMs trained in low precision (same seed, same data)")
+        a.legend(fontsize=7, ncol=2)
+    fig.suptitle("fmoe char-LM, expert GEMMs trained in low precision (same seed and data unless named)")
     fig.tight_layout()
     tmp = path.with_name(path.stem + ".tmp.png")
     fig.savefig(tmp, dpi=110)
