@@ -87,6 +87,10 @@ def test_numba_combine_refuses_weights_of_another_shape():
         numba_cpu.combine(y, pos, torch.ones(1, 5))
     with pytest.raises(ValueError, match=r"dispatch: x has 3 rows but the positions are for T=5 tokens"):
         numba_cpu.dispatch(torch.randn(3, 4), pos, None, y.shape[0])
+    with pytest.raises(ValueError, match=r"gate_grad: need a \[T, M\] and b \[R, M\] with T=5 .* got a \[3, 4\]"):
+        numba_cpu.gate_grad(torch.randn(3, 4), y, pos)
+    a = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(numba_cpu.gate_grad(a, y, pos), reference.gate_grad(a, y, pos), atol=1e-5)
 
 
 def test_reference_dispatch_at_zero_tokens():

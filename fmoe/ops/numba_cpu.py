@@ -156,6 +156,10 @@ def gate_grad(a: Tensor, b: Tensor, pos: Tensor) -> Tensor:
     aa = a.detach().to(acc).contiguous()
     ba = b.detach().to(acc).contiguous()
     p = _pos(pos)
+    if aa.dim() != 2 or ba.dim() != 2 or aa.shape[0] != p.shape[1] or aa.shape[1] != ba.shape[1]:
+        # the kernel reads a[t, :M] and b[pos, :M] for every pair
+        raise ValueError(f"gate_grad: need a [T, M] and b [R, M] with T={p.shape[1]} tokens of the positions, "
+                         f"got a {list(aa.shape)} and b {list(ba.shape)}")
     out = torch.empty(p.shape, dtype=acc)
     with _numba.kernel_call():
         _check_rows(_view(p), ba.shape[0], "gate_grad")
