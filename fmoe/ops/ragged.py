@@ -194,7 +194,7 @@ def _check_wgrad_op(a: Tensor, b: Tensor, offsets: Tensor) -> int:
 
 def _small_groups(x: Tensor, w: Tensor, tasks: list, transposed: bool, y: Tensor) -> None:
     """Rows of ``tasks`` (s, e, lo, hi) of y in one numba call (float32/64 CPU, w contiguous)."""
-    xc = x.detach().contiguous()  # decode rows: a copy here is a few KiB at most
+    xc = x.detach().contiguous()  # no copy for the usual contiguous x; a strided one is copied once
     t = np.asarray(tasks, dtype=np.int64)
     per_row = w.shape[2] * w.shape[3] * w.element_size()
     streamed = per_row * len(tasks)
