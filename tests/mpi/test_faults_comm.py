@@ -20,7 +20,9 @@ def _last(comm):
     return comm.rank == comm.size - 1
 
 
-def test_all_reduce_meeting_all_gather_raises_on_every_rank(comm):
+@pytest.mark.parametrize("timeout", [60.0, None])
+def test_all_reduce_meeting_all_gather_raises_on_every_rank(comm, timeout):
+    comm = MPIComm(comm.mpi_comm, timeout=timeout)  # blocking and non-blocking collectives alike
     x = torch.arange(3, dtype=torch.float32)
     with pytest.raises(CollectiveMismatchError) as e:
         comm.all_gather(x, 0) if _last(comm) else comm.all_reduce(x, "sum")
