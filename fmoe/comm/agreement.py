@@ -93,7 +93,7 @@ def _fingerprint(fields: dict) -> list[int]:
             try:
                 out.append(_h64_of_hashable(type(v), v))
                 continue
-            except TypeError:  # a field that is not hashable
+            except (TypeError, RuntimeError):  # an unhashable field, or a tensor field compared on a collision
                 pass
         out.append(_h64(_stable(v)))
     return out
