@@ -5,11 +5,16 @@ A distributed fmoe call starts with one fixed-size int64 all-gather (the
 
     [MAGIC, kind, call number, error flag, settings digest, field count, field 0, ..., field F-1]
 
-* ``call number`` counts agreement calls per communicator object (kept in
-  :mod:`.registry`, never on the communicator). A rank that skipped, repeated
-  or reordered a step sits at a different number, or pairs an fmoe call with
-  the end-of-job check (kind ``end``) of a rank that finished early: every
-  rank raises :class:`StepMismatchError` naming each rank's call.
+* ``kind`` and ``call number``: the number counts agreement calls per
+  communicator object (kept in :mod:`.registry`, never on the communicator).
+  A rank that skipped or repeated a step shifts its calls against its peers';
+  shifted calls whose settings differ raise at once (field mismatch), and at
+  the latest the first rank to finish meets a peer still inside an fmoe call
+  with its end-of-job check (kind ``end``, run by ``close()`` and by
+  :func:`~fmoe.comm.abort_on_error`): every rank raises
+  :class:`StepMismatchError` naming each rank's kind and call number, instead
+  of the peer waiting forever. Ranks that use different communicator objects
+  for the same group sit at different numbers and raise too.
 * ``error flag``: a rank whose local inputs are invalid still joins the
   exchange, so every rank raises (the bad rank its own error, the others
   :class:`InconsistentRanksError` with its message) instead of hanging.
