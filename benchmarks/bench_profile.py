@@ -134,6 +134,11 @@ def saved_tensors(forward) -> dict:
                 found += [("saved_tensors", t) for t in node.saved_tensors if isinstance(t, torch.Tensor)]
             except Exception:
                 pass
+            # tensors a custom Function keeps as plain ctx attributes (invisible to saved_tensors hooks)
+            for attr, v in getattr(node, "__dict__", {}).items():
+                for t in (v if isinstance(v, (tuple, list)) else [v]):
+                    if isinstance(t, torch.Tensor):
+                        found.append(("ctx." + attr, t))
         for attr, t in found:
             key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
             nbytes = t.untyped_storage().nbytes()
