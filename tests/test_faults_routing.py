@@ -198,3 +198,11 @@ def test_bad_capacity_factor_through_moe(cf, match):
     p = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))
     with pytest.raises((TypeError, ValueError), match=match):
         fmoe.moe(p, torch.randn(8, 4), spec)
+
+
+def test_validation_is_compile_and_grad_safe():
+    r = _good()
+    f = torch.compile(lambda w: dataclasses.replace(r, weights=w * 2).weights.sum(), backend="eager", fullgraph=True)
+    assert f(r.weights).item() == pytest.approx(2 * r.weights.sum().item())
+    g = torch.func.grad(lambda w: (dataclasses.replace(r, weights=w).weights ** 2).sum())(r.weights)
+    assert torch.equal(g, 2 * r.weights)
