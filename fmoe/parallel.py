@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from typing import Callable, Optional
 
 import torch
@@ -41,6 +40,7 @@ from torch.utils import _pytree as pytree
 from .comm.collectives import all_gather, all_to_all, all_to_all_v
 from .comm import compress as _compress
 from .comm.hierarchical import Hierarchical2DComm
+from .comm.registry import cache_of
 from .experts import apply_experts, shard_axes
 from .layout import Layout
 from .ops.grouped import GroupedGemm
@@ -193,12 +193,9 @@ def parallel_fields(spec, parallel: ParallelSpec, world: int, dtype, expert_para
 
 # --------------------------------------------------------------------------- sub-communicators
 
-# Derived communicators (splits, 2DH wrappers) per base communicator, kept here — never as
-# attributes on the communicator the user passed in. Weak keys: a closed, dropped communicator
-# takes its derived ones with it.
-_DERIVED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
+# Derived communicators (splits, 2DH wrappers) per base communicator live in the communicator
+# registry (fmoe.comm.registry.cache_of), never as attributes on the communicator the user passed
+# in; the communicators' close() drops them (gloo sub-groups must be freed before exit).
 def _derived(comm, tag, make):
     """``make()`` memoised per (comm, tag).
 
@@ -207,7 +204,7 @@ def _derived(comm, tag, make):
     The agreement check guarantees that all ranks run the same mode, hence reach the same
     tags in the same order.
     """
-    cache = _DERIVED.setdefault(comm, {})
+    cache = cache_of(comm)
     if tag not in cache:
         cache[tag] = make()
     return cache[tag]
