@@ -61,6 +61,7 @@ from torch.utils import _pytree as pytree
 from . import routers as _gates
 from . import stats as _stats
 from .experts import apply_experts
+from ._io import atomic_save
 from .losses import gshard_loss, z_loss
 from .moe import MoESpec, check_params
 from .ops import combine, dispatch
@@ -628,7 +629,7 @@ def save_routings(path, routings: dict) -> None:
         if not isinstance(r, Routing):
             raise TypeError(f"save_routings: {name!r} is a {type(r).__name__}, not a Routing")
         data[str(name)] = {f.name: getattr(r, f.name) for f in dataclasses.fields(Routing)}
-    torch.save({"fmoe_routings": 1, "layers": data}, path)
+    atomic_save({"fmoe_routings": 1, "layers": data}, path)   # temp file + fsync + rename
 
 
 def load_routings(path, map_location=None) -> dict:
