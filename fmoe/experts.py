@@ -201,6 +201,54 @@ def ffn(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *,
     return y
 
 
+# --------------------------------------------------------------------------- fused SwiGLU + down projection
+
+class _SwigluDown(torch.autograd.Function):
+    """y = (silu(gate) * up) @ op(w) over the seam, saving gate, up and w only.
+
+    The unfused autograd graph keeps four [rows, H] tensors (gate, silu(gate), up and their
+    product); this keeps two and recomputes the product and silu in backward (elementwise,
+    cheap). The backward is built from differentiable ops (the seam's GEMMs), so double
+    backward works. Used in plain eager autograd only (see :func:`_fused_swiglu_ok`); under
+    torch.func transforms and torch.compile the unfused composition runs.
+    """
+
+    @staticmethod
+    def forward(ctx, gate, up, w, gemm, transposed):
+        ctx.save_for_backward(gate, up, w)
+        ctx.gemm, ctx.transposed = gemm, transposed
+        return gemm.mm(F.silu(gate) * up, w, transposed=transposed)
+
+    @staticmethod
+    def backward(ctx, gy):
+        gate, up, w = ctx.saved_tensors
+        gemm, t = ctx.gemm, ctx.transposed
+        s = torch.sigmoid(gate)
+        silu = gate * s
+        gh = gemm.mm(gy, w, transposed=not t)                          # dgrad of the down GEMM
+        gw = None
+        if ctx.needs_input_grad[2]:
+            h = silu * up                                               # recomputed, not saved
+            gw = gemm.wgrad(gy, h) if t else gemm.wgrad(h, gy)
+        ggate = gh * up * (s * (1 + gate * (1 - s)))                   # d silu / d gate
+        return ggate, gh * silu, gw, None, None
+
+
+def _fused_swiglu_ok(activation, gemm, *ts) -> bool:
+    """Eager training with SiLU, float weights and the plain seam: the fused path applies."""
+    from .ops.primitives import forward_only
+    return (activation is F.silu and gemm is not None and gemm.precision is None
+            and all(isinstance(t, Tensor) for t in ts)
+            and not torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is None
+            and torch.autograd.forward_ad._current_level < 0 and not forward_only(*ts))
+
+
+def _swiglu_down(gate: Tensor, up: Tensor, w, gemm: Optional[GroupedGemm], activation, transposed: bool) -> Tensor:
+    if _fused_swiglu_ok(activation, gemm, gate, up, w):
+        return _SwigluDown.apply(gate, up, w.to(gate.dtype), gemm, transposed)
+    return expert_matmul(activation(gate) * up, w, gemm, transposed=transposed)
+
+
 def gated_ffn(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *,
               activation: Callable[[Tensor], Tensor] = F.silu) -> Tensor:
     """SwiGLU: y = (act(x A) * (x B)) Cm per expert (Tutel 'llama_ffn').
@@ -215,7 +263,8 @@ def gated_ffn(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *,
     def mm(inp, w):
         return expert_matmul(inp, w, gemm, transposed=_is_quantized(w))
 
-    return mm(activation(mm(x, params["gate_w"])) * mm(x, params["up_w"]), params["down_w"])
+    wd = params["down_w"]
+    return _swiglu_down(mm(x, params["gate_w"]), mm(x, params["up_w"]), wd, gemm, activation, _is_quantized(wd))
 
 
 def swiglu(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *,
@@ -234,7 +283,7 @@ def swiglu(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *,
     else:
         gate = expert_matmul(x, params["gate_proj"], gemm, transposed=True)
         up = expert_matmul(x, params["up_proj"], gemm, transposed=True)
-    return expert_matmul(activation(gate) * up, params["down_proj"], gemm, transposed=True)
+    return _swiglu_down(gate, up, params["down_proj"], gemm, activation, True)
 
 
 def gpt_oss(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *, alpha: float = 1.702,
