@@ -315,7 +315,8 @@ def plots(results: dict, out_dir: str) -> list[str]:
         ax.axhline(1.5, color="r", ls=":", label="target 1.5x (train/prefill)")
         ax.axhline(1.0, color="k", ls="--")
         ax.set_yscale("log")
-        ax.set_xticks([j + 0.5 * w for j in range(len(rows))], [f"{a}\n{ph}" for a, ph, _ in rows], fontsize=7)
+        ax.set_xticks([j + 0.5 * w for j in range(len(rows))], [f"{a} {ph}" for a, ph, _ in rows], fontsize=7,
+                      rotation=60, ha="right")
         ax.set_ylabel("transformers time / fmoe time")
         ax.set_title("architecture blocks")
         ax.legend(fontsize=8)
