@@ -9,7 +9,8 @@
 * The decode bound ("busy experts' weights read once") is timed by the suites the same way:
   a sum over the weight tensors themselves reads each byte once.
 * :func:`isolated_peak` runs one training step in a fresh subprocess
-  (``python -m benchmarks.bench_common CASE_JSON``): warm-up step, free grads, gc,
+  (``python -m benchmarks.bench_common CASE_JSON``; glibc's mmap threshold fixed at 1 MiB so
+  freed large tensors leave RSS, see :func:`_fix_mmap_threshold`): warm-up step, free grads, gc,
   ``malloc_trim(0)`` so RSS is the live set, reset VmHWM (write "5" to
   /proc/self/clear_refs), one step, read VmHWM. Each variant runs alone, so one variant's
   freed-but-resident pages never count for another.
@@ -212,11 +213,30 @@ def status(name: str, measured: Optional[float], threshold: float, higher_is_bet
                     f"{threshold:g}; {detail})" + (f" {why_missing}" if state == "missed" and why_missing else "")}
 
 
+M_MMAP_THRESHOLD = -3   # glibc mallopt parameter number (malloc.h)
+
+
+def _fix_mmap_threshold(nbytes: int = 1 << 20) -> bool:
+    """Serve every allocation >= nbytes by its own mmap, returned to the OS when freed.
+
+    glibc otherwise raises its mmap threshold each time a large block is freed (up to 32 MiB),
+    after which such blocks come from the heap and stay resident once freed; whether they do
+    depends on which thread freed what first, so the same step's VmHWM moved by ~120 MiB between
+    runs (Tutel dropless: +570 and +449 MiB). A fixed threshold makes VmHWM follow the live
+    tensors. Only the memory subprocesses call this; the timed runs keep glibc's defaults.
+    """
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, nbytes))
+    except (OSError, AttributeError):
+        return False
+
+
 def _child(arg: str) -> int:
+    fixed = _fix_mmap_threshold()
     spec = json.loads(arg)
     mod = importlib.import_module(spec["module"])
     step, reset = mod.memory_case(spec["case"])
-    print("PEAK " + json.dumps(measure_peak(step, reset)), flush=True)
+    print("PEAK " + json.dumps(dict(measure_peak(step, reset), mmap_threshold_fixed=fixed)), flush=True)
     return 0
 
 
