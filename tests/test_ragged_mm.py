@@ -1,5 +1,6 @@
 """fmoe::ragged_mm / fmoe::ragged_wgrad: values vs the pure-torch reference, derivatives,
 transforms, torch.compile, and bad input."""
+import itertools
 import re
 
 import pytest
@@ -451,3 +452,37 @@ def test_kernel_signatures_run_and_compute():
         for s, e, lo, hi in tasks:
             op = w[0, e].T if transposed else w[0, e]
             np.testing.assert_allclose(y[0, lo:hi], x[0, lo:hi] @ op, err_msg=name)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_balanced_groups_take_one_batched_gemm_and_equal_the_reference(transposed):
+    # >= BATCHED_MIN_GROUPS busy groups within BATCHED_MAX_PADDING of the largest: one padded
+    # bmm (row gathers in and out) instead of a torch.mm per group; rows past N are NaN and
+    # must never be read, idle experts get zero weight gradient.
+    from fmoe.ops import ragged as RG
+    g = torch.Generator().manual_seed(5)
+    E, K, N = 10, 24, 12
+    sizes = [20, 25, 0, 22, 30, 21, 28, 24, 26, 23]
+    off = torch.tensor([0] + list(itertools.accumulate(sizes)))
+    R = int(off[-1]) + 7
+    assert RG._batched_plan(off.tolist(), E) is not None
+    x = torch.randn(R, K, generator=g, dtype=torch.float64)
+    x[int(off[-1]):] = float("nan")
+    w = torch.randn(E, N, K, generator=g, dtype=torch.float64) if transposed else \
+        torch.randn(E, K, N, generator=g, dtype=torch.float64)
+    y = RG.ragged_mm(x, w, off, transposed=transposed)
+    ref = RG.ragged_mm_reference(x, w, off, transposed=transposed)
+    torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+    assert torch.all(y[int(off[-1]):] == 0)
+    b = torch.randn(R, 5, generator=g, dtype=torch.float64)
+    b[int(off[-1]):] = float("nan")
+    z = RG.ragged_wgrad(x, b, off)
+    torch.testing.assert_close(z, RG.ragged_wgrad_reference(x, b, off), rtol=1e-12, atol=1e-12)
+    assert torch.all(z[2] == 0)
+    small = torch.tensor([0] + list(itertools.accumulate([17, 18, 17, 19, 17, 18, 17, 18])))
+    assert RG._batched_plan(small.tolist(), 8) is not None
+    xs = torch.randn(int(small[-1]), 3, generator=g, dtype=torch.float64, requires_grad=True)
+    ws = torch.randn(8, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, c: RG.ragged_mm(a, c, small, transposed=True), (xs, ws))
+    # a lopsided load keeps the per-group calls
+    assert RG._batched_plan([0, 1, 2, 3, 4, 5, 6, 7, 100], 8) is None

@@ -52,7 +52,7 @@ from . import _ragged_kernels as _RK
 from .primitives import forward_only
 
 __all__ = ["ragged_mm", "ragged_wgrad", "ragged_mm_reference", "ragged_wgrad_reference",
-           "SMALL_ROWS", "SERIAL_BYTES"]
+           "SMALL_ROWS", "SERIAL_BYTES", "BATCHED_MIN_GROUPS", "BATCHED_MAX_PADDING"]
 
 # --------------------------------------------------------------------------- thresholds
 # The one place for the kernel-choice constants. Measured with
@@ -68,6 +68,17 @@ __all__ = ["ragged_mm", "ragged_wgrad", "ragged_mm_reference", "ragged_wgrad_ref
 # groups of 1-16 rows, against 28-129 ms for numba: 0.02-0.76x), and decode_64 (groups
 # of up to 11 rows) ran 1.75-2.2x the weight-read time with its >8-row groups on BLAS.
 SMALL_ROWS = 16
+
+# Balanced groups run as ONE batched GEMM over the groups padded to the largest (a row gather in,
+# a row gather out) instead of one threaded torch.mm per group: on the 2-vCPU machine every
+# threaded MKL call pays a parallel-region start that, with other work on the box, cost more
+# than the GEMM itself — 32 groups of 512 x 768 x 384 took 380-500 ms as 32 calls against
+# 131-180 ms for one bmm of the same shapes and 131 ms for one dense GEMM of all rows (load
+# average 3.5-8, /tmp/mm1.py-style interleaved timing, 2026-12-01). Used when at least
+# BATCHED_MIN_GROUPS groups are busy and padding to the largest adds at most
+# BATCHED_MAX_PADDING x the real rows' work; lopsided loads keep the per-group calls.
+BATCHED_MIN_GROUPS = 8
+BATCHED_MAX_PADDING = 1.5
 
 # Below this many weight bytes streamed by the small groups the serial numba twin
 # runs. Not swept: chosen so that a TBB region's start (~50 us, the figure behind
@@ -203,6 +214,54 @@ def _small_groups(x: Tensor, w: Tensor, tasks: list, transposed: bool, y: Tensor
         kern(xc.numpy(), w.detach().numpy(), t, transposed, _NP_ZERO[x.dtype], y.numpy())
 
 
+def _batched_plan(o: list, E: int):
+    """(sizes, m) when the groups of one segment should run as one padded batched GEMM, else None."""
+    sizes = [o[e + 1] - o[e] for e in range(E)]
+    m = max(sizes) if sizes else 0
+    busy = sum(1 for n in sizes if n)
+    if busy < BATCHED_MIN_GROUPS or m <= SMALL_ROWS or E * m > BATCHED_MAX_PADDING * o[E]:
+        return None
+    return sizes, m
+
+
+def _padded_index(o: list, sizes: list, m: int, device) -> tuple[Tensor, Tensor]:
+    """Row of each padded slot [E*m] (padding slots read row 0) and whether it is real [E*m]."""
+    E = len(sizes)
+    ar = torch.arange(m, device=device)
+    starts = torch.tensor(o[:E], device=device, dtype=torch.int64)
+    n = torch.tensor(sizes, device=device, dtype=torch.int64)
+    valid = ar.unsqueeze(0) < n.unsqueeze(1)
+    idx = torch.where(valid, starts.unsqueeze(1) + ar.unsqueeze(0), torch.zeros((), dtype=torch.int64, device=device))
+    return idx.reshape(-1), valid.reshape(-1)
+
+
+def _real_slots(sizes: list, m: int, device) -> Tensor:
+    """Padded slot of each real row 0..N-1 (the inverse of the gather)."""
+    E = len(sizes)
+    n = torch.tensor(sizes, device=device, dtype=torch.int64)
+    expert = torch.repeat_interleave(torch.arange(E, device=device), n)
+    first = torch.cumsum(n, 0) - n
+    rank = torch.arange(expert.shape[0], device=device) - first.index_select(0, expert)
+    return expert * m + rank
+
+
+def _mm_batched(xs: Tensor, ws: Tensor, o: list, sizes: list, m: int, transposed: bool, ys: Tensor) -> None:
+    E, K = len(sizes), xs.shape[1]
+    idx, _ = _padded_index(o, sizes, m, xs.device)
+    xp = xs.index_select(0, idx).view(E, m, K)            # padding slots hold row 0: outputs unused
+    yp = torch.bmm(xp, ws.transpose(1, 2) if transposed else ws)
+    N = o[E]
+    torch.index_select(yp.view(E * m, -1), 0, _real_slots(sizes, m, xs.device), out=ys[:N])
+
+
+def _wgrad_batched(as_: Tensor, bs: Tensor, o: list, sizes: list, m: int, out: Tensor) -> None:
+    E = len(sizes)
+    idx, valid = _padded_index(o, sizes, m, as_.device)
+    ap = as_.index_select(0, idx).view(E, m, -1)
+    bp = (bs.index_select(0, idx) * valid.unsqueeze(1).to(bs.dtype)).view(E, m, -1)   # padding adds 0
+    torch.bmm(ap.transpose(1, 2), bp, out=out)
+
+
 def _mm_impl(x: Tensor, w: Tensor, offsets: Tensor, transposed: bool) -> Tensor:
     S = _check_mm_op(x, w, offsets, transposed)
     R = x.shape[1]
@@ -218,6 +277,12 @@ def _mm_impl(x: Tensor, w: Tensor, offsets: Tensor, transposed: bool) -> Tensor:
         xs = x[s if x.shape[0] > 1 else 0]
         ws = w[s if w.shape[0] > 1 else 0]
         ys = y[s]
+        plan = _batched_plan(o, E)
+        if plan is not None:
+            _mm_batched(xs, ws, o, plan[0], plan[1], transposed, ys)
+            if o[E] < R:
+                ys[o[E]:].zero_()
+            continue
         for e in range(E):
             lo, hi = o[e], o[e + 1]
             if hi == lo:
@@ -245,6 +310,10 @@ def _wgrad_impl(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
         o = offs[s if len(offs) > 1 else 0]
         as_ = a[s if a.shape[0] > 1 else 0]
         bs = b[s if b.shape[0] > 1 else 0]
+        plan = _batched_plan(o, E)
+        if plan is not None:
+            _wgrad_batched(as_, bs, o, plan[0], plan[1], z[s])
+            continue
         for e in range(E):
             lo, hi = o[e], o[e + 1]
             if hi > lo:
