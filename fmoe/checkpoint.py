@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from . import _io
+from .experts import EXPERT_PARAMS
 
 __all__ = ["gather", "scatter", "gather_files", "scatter_files", "state_dict_from_params",
            "params_from_state_dict", "attach_metadata", "read_metadata", "verify", "CheckpointError", "main"]
@@ -59,11 +60,15 @@ __all__ = ["gather", "scatter", "gather_files", "scatter_files", "state_dict_fro
 MARKER = "_num_global_experts"
 META = "fmoe.checkpoint"
 META_FORMAT = 1
-# shard axis of each expert tensor in the per-rank [n, ...] layout; see fmoe.parallel.SHARD_AXES
-_AXES = {"fc1_w": 1, "fc1_b": 1, "fc2_w": 1, "fc2_b": 1, "gate_w": 2, "up_w": 2, "down_w": 1,
-         "batched_fc1_w": 1, "batched_fc1_bias": 1, "batched_fc2_w": 1, "batched_fc2_bias": 1}
-# padded along O; trimmed to the matching fc2 weight's last dim
-_PADDED = {"fc2_b": "fc2_w", "batched_fc2_bias": "batched_fc2_w"}
+# From the one parameter-layout table (fmoe.experts.EXPERT_PARAMS): shard axis of each expert
+# tensor in the per-rank [n, ...] layout, under fmoe's and Tutel's names (Tutel's gated W_fc*
+# are stored flat and handled apart); padded leaves trimmed to their reference's last dim.
+_SHARDABLE = [p for t in ("ffn", "gated_ffn") for p in EXPERT_PARAMS[t]]
+_AXES = {p.name: p.shard_axis for p in _SHARDABLE}
+_AXES.update({p.tutel_name: p.shard_axis for p in EXPERT_PARAMS["ffn"]})
+_TUTEL = {p.name: p.tutel_name for p in _SHARDABLE}
+_PADDED = {p.name: p.trim_like for p in _SHARDABLE if p.padded}
+_PADDED.update({_TUTEL[p.name]: _TUTEL[p.trim_like] for p in _SHARDABLE if p.padded})
 
 
 # --------------------------------------------------------------------------- functional params

@@ -55,6 +55,7 @@ class ParamLayout:
             this type cannot be sharded).
         padded: cut with zero padding to a multiple of s (fc2 bias along O).
         optional: may be absent (biases).
+        trim_like: for a padded leaf, the parameter whose last dim is its true length (O).
     """
 
     name: str
@@ -62,12 +63,13 @@ class ParamLayout:
     shard_axis: Optional[int] = None
     padded: bool = False
     optional: bool = False
+    trim_like: Optional[str] = None
 
 
 EXPERT_PARAMS: dict[str, tuple[ParamLayout, ...]] = {
     "ffn": (ParamLayout("fc1_w", "batched_fc1_w", 1), ParamLayout("fc1_b", "batched_fc1_bias", 1, optional=True),
             ParamLayout("fc2_w", "batched_fc2_w", 1),
-            ParamLayout("fc2_b", "batched_fc2_bias", 1, padded=True, optional=True)),
+            ParamLayout("fc2_b", "batched_fc2_bias", 1, padded=True, optional=True, trim_like="fc2_w")),
     "gated_ffn": (ParamLayout("gate_w", "W_fc1", 2), ParamLayout("up_w", "W_fc2", 2), ParamLayout("down_w", "W_fc3", 1)),
     # Fused gate/up halves and interleaved columns cannot be cut along the hidden axis by one
     # narrow: these types run with E >= W (whole experts per rank) only.
