@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 
 from .comm.collectives import all_gather, all_to_all, all_to_all_v
 from .comm import compress as _compress
+from .comm.agreement import InconsistentRanksError, agree_across_ranks  # step agreement, re-exported
 from .comm.hierarchical import Hierarchical2DComm
 from .comm.registry import cache_of
 from .experts import apply_experts, shard_axes
@@ -170,12 +171,6 @@ def _axes(expert_type: str, params: dict) -> dict:
 
 
 # --------------------------------------------------------------------------- agreement
-
-# agree_across_ranks, InconsistentRanksError, _gather_text, _stable, _h64, _fingerprint live in
-# fmoe.comm.agreement (step agreement: call counter + settings digest); re-exported here.
-from .comm.agreement import (InconsistentRanksError, _fingerprint, _gather_text, _h64,  # noqa: E402,F401
-                             _stable, agree_across_ranks)
-
 
 def _leaf_sig(params) -> str:
     leaves, spec = pytree.tree_flatten(params)

@@ -6,7 +6,8 @@ import torch
 
 from fmoe.comm import LocalComm, all_gather, all_to_all, all_to_all_v, from_env, handle_of, reduce_scatter
 from fmoe.comm.layout import a2a_out_shape, chunks_to_front, front_to_concat
-from fmoe.parallel import ParallelSpec, _fingerprint, capacity_alignment, sharding
+from fmoe.comm.agreement import _fingerprint
+from fmoe.parallel import ParallelSpec, capacity_alignment, sharding
 
 
 def test_layout_is_the_jax_all_to_all():

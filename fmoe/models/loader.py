@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Any, Mapping, Optional, Union
 
 import torch
 from torch import Tensor
 
-from .common import cfg_get, text_config
 from .registry import arch_module, canonical_arch, config_from_hf
 
 __all__ = ["load_moe_block", "read_tensors", "layer_prefixes"]

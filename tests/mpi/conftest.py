@@ -66,7 +66,7 @@ def _ranks_agree(request):
     if _WORLD is None or not str(request.node.fspath).startswith(_HERE):
         return
     from mpi_backend import MPIComm
-    from fmoe.parallel import _gather_text
+    from fmoe.comm.agreement import _gather_text
     rep = getattr(request.node, "_rep_call", None)
     failed = bool(rep is not None and rep.failed)
     text = ""
