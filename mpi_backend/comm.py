@@ -30,7 +30,8 @@ from torch import Tensor
 
 from fmoe.comm import matching
 from fmoe.comm.agreement import end_of_job_check
-from fmoe.comm.layout import chunks_to_front, front_to_concat, gathered_to_axis, norm_axis, raw_collective
+from fmoe.comm.layout import (a2a_front, a2av_counts, front_to_concat, gathered_to_axis, norm_axis,
+                              raw_collective)
 from fmoe.comm.registry import forget, mark_closed
 
 __all__ = ["MPIComm", "mpi_launched"]
@@ -189,10 +190,7 @@ class MPIComm:
     def all_to_all(self, x: Tensor, concat_axis: int, split_axis: int) -> Tensor:
         """JAX-style all-to-all (see :class:`fmoe.comm.Communicator`); one MPI_Alltoall."""
         try:
-            if x.dim() == 0:
-                raise ValueError("all_to_all needs at least one dimension")
-            concat_axis = norm_axis(concat_axis, x.dim(), "concat_axis")
-            front = chunks_to_front(x, split_axis, self.size)
+            front, concat_axis = a2a_front(x, concat_axis, split_axis, self.size)
         except ValueError as e:  # tell the peers before raising, so they do not wait for data
             self._begin("all_to_all", x, error=e)
             raise AssertionError("unreachable: _begin re-raises")  # pragma: no cover
@@ -202,12 +200,7 @@ class MPIComm:
     def all_to_all_v(self, x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> Tensor:
         """Variable all-to-all of rows (dim 0) with MPI_Alltoallv; rows travel as one derived type."""
         MPI = _mpi()
-        send, recv = [int(c) for c in send_counts], [int(c) for c in recv_counts]
-        err = None
-        if x.dim() == 0 or len(send) != self.size or len(recv) != self.size or sum(send) != x.shape[0] \
-                or min(send + recv) < 0:
-            err = ValueError(f"all_to_all_v: need {self.size} non-negative counts each with sum(send_counts) == "
-                             f"rows; got send={send}, recv={recv}, rows={x.shape[0] if x.dim() else None}")
+        send, recv, err = a2av_counts(x, send_counts, recv_counts, self.size)
         call = self._begin("all_to_all_v", x, error=err)
         table = torch.empty(self.size, 2 * self.size, dtype=torch.int64)
         mine = torch.tensor(send + recv, dtype=torch.int64)

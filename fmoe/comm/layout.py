@@ -96,3 +96,24 @@ def a2a_out_shape(shape, concat_axis: int, split_axis: int, world: int) -> list:
     out[b] //= world
     out[a] *= world
     return out
+
+
+def a2a_front(x: Tensor, concat_axis: int, split_axis: int, world: int) -> tuple[Tensor, int]:
+    """Validated all-to-all arguments of every backend: (chunks moved to the front, concat axis).
+
+    Raises ValueError naming the problem (the backend tells its peers before re-raising)."""
+    if x.dim() == 0:
+        raise ValueError("all_to_all needs at least one dimension")
+    concat_axis = norm_axis(concat_axis, x.dim(), "concat_axis")
+    return chunks_to_front(x, split_axis, world), concat_axis
+
+
+def a2av_counts(x: Tensor, send_counts, recv_counts, world: int):
+    """(send, recv, error or None): all-to-all-v counts as ints, checked against x's rows."""
+    send, recv = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+    err = None
+    if x.dim() == 0 or len(send) != world or len(recv) != world or sum(send) != x.shape[0] \
+            or min(send + recv) < 0:
+        err = ValueError(f"all_to_all_v: need {world} non-negative counts each with sum(send_counts) == "
+                         f"rows; got send={send}, recv={recv}, rows={x.shape[0] if x.dim() else None}")
+    return send, recv, err
