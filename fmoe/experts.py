@@ -36,9 +36,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .ops.grouped import GroupedGemm
+from .ops.streamed import GluWeights
 
 __all__ = ["ExpertSpec", "ParamLayout", "EXPERT_PARAMS", "EXPERT_TYPES", "ffn", "gated_ffn", "swiglu",
-           "gpt_oss", "apply_experts", "init_experts", "expert_matmul", "shard_axes", "swiglu_mlp",
+           "gpt_oss", "apply_experts", "streamed_weights", "init_experts", "expert_matmul", "shard_axes", "swiglu_mlp",
            "shared_experts"]
 
 EXPERT_TYPES = ("ffn", "gated_ffn", "swiglu", "gpt_oss", "custom")
@@ -330,6 +331,27 @@ def apply_experts(spec: ExpertSpec, params, x: Tensor, gemm: Optional[GroupedGem
     if gemm is not None and gemm.layout.kind != "padded":
         raise ValueError("custom experts take padded buffers [E, C, M]; route them with layout='padded'")
     return spec.fn(params, x)
+
+
+def streamed_weights(spec: ExpertSpec, params) -> Optional[tuple[tuple, Tensor, GluWeights]]:
+    """``(w_in, w_out, fmt)`` for :func:`fmoe.ops.streamed.streamed_glu`, or None.
+
+    The streamed op runs SiLU-gated experts with float weights and no quantized-training
+    recipe: gated_ffn (x @ W layouts) and swiglu (fused gate_up_proj or gate_proj/up_proj,
+    out x in). Other types (ffn, gpt_oss, custom), other activations, packed weights and
+    low-precision recipes return None and take the staged pipeline.
+    """
+    if spec.type not in ("gated_ffn", "swiglu") or spec.act() is not F.silu or spec.precision is not None:
+        return None
+    if spec.type == "gated_ffn":
+        out = (params["gate_w"], params["up_w"]), params["down_w"], GluWeights(False, False, False)
+    elif "gate_up_proj" in params:
+        out = (params["gate_up_proj"],), params["down_proj"], GluWeights(True, True, True)
+    else:
+        out = (params["gate_proj"], params["up_proj"]), params["down_proj"], GluWeights(False, True, True)
+    if not all(isinstance(w, Tensor) and w.is_floating_point() for w in (*out[0], out[1])):
+        return None
+    return out
 
 
 def _uniform(shape, bound: float, generator) -> Tensor:

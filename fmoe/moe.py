@@ -21,12 +21,13 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from .comm import resolve
-from .experts import ExpertSpec, apply_experts, init_experts, shared_experts
-from .layout import LAYOUTS, make_layout
+from .experts import ExpertSpec, apply_experts, init_experts, shared_experts, streamed_weights
+from .layout import LAYOUTS, make_layout, ragged_layout
 from .losses import gshard_loss, load_importance_loss
 from .ops import combine, dispatch
 from .ops.grouped import GroupedGemm, _batched_under_vmap
 from .ops.orders import COMBINES, eager_combine, grouped_combine
+from .ops import streamed as _streamed
 from .routers import GateSpec, RouterOutput, check_router_params, init_router
 from .routers import route as _router_route
 from .routing import Routing
@@ -59,6 +60,18 @@ class MoESpec:
         shared: shared experts run on every token and added to the routed output: None,
             'swiglu' (DeepSeek: params["shared"]) or 'gated_swiglu' (Qwen2-MoE: sigmoid gate
             params["shared_gate"]["weight"] [1, M]).
+        streamed: on one process in eager mode, run SiLU-gated float experts (gated_ffn,
+            swiglu) with combine 'fmoe' or 'eager' as one streamed op
+            (:mod:`fmoe.ops.streamed`): rows gathered from x into each expert's GEMMs and
+            added straight into y, only kept pairs multiplied (either layout), the
+            gate-weight gradient without saved expert outputs. Equal to the staged pipeline
+            within float rounding; combine='eager' stays transformers' order bit for bit.
+            False: the staged pipeline (dispatch -> seam -> combine; with the padded layout
+            Tutel's arithmetic bit for bit). Under torch.func / torch.compile, with expert
+            parallelism, other expert types or quantized weights the staged pipeline runs.
+        remat: with ``streamed``, backward recomputes each expert's gate/up projection from
+            the regathered rows instead of saving it ([N, 2H] for N kept pairs): one more
+            forward GEMM pair for the least training memory.
     """
 
     model_dim: int
@@ -73,6 +86,8 @@ class MoESpec:
     layout: str = "auto"
     combine: str = "fmoe"
     shared: Optional[str] = None
+    streamed: bool = True
+    remat: bool = True
 
     def __post_init__(self):
         for name in ("model_dim", "num_experts", "alignment"):
@@ -360,6 +375,9 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
         l_aux = x.new_zeros(())
     seen = tokens if out is None or out.tokens is None else out.tokens  # Mixtral jitter: experts see it too
     compute = seen.to(_expert_dtype(params["experts"], x.dtype))
+    y = _streamed_experts(spec, params["experts"], compute, routing) if comm.size == 1 else None
+    if y is not None:
+        return _finish(spec, params, x, y, routing, out, l_aux, seen)
     layout = make_layout(routing, kind)
     buffers = dispatch(compute, routing, weighted=not spec.is_postscore, layout=layout)
     if comm.size == 1:
@@ -372,6 +390,23 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
                                            num_experts=spec.num_experts, output_dim=spec.output_dim,
                                            generator=generator)
     y = _combine(spec, out_buffers, routing, layout, compute.dtype)
+    return _finish(spec, params, x, y, routing, out, l_aux, seen)
+
+
+def _streamed_experts(spec: MoESpec, experts, compute: Tensor, routing: Routing) -> Optional[Tensor]:
+    """[T, O] from the streamed op where it applies (see ``MoESpec.streamed``), else None."""
+    if not (spec.streamed and spec.is_postscore and spec.combine in _streamed.ORDERS):
+        return None
+    weights = streamed_weights(spec.experts, experts)
+    if weights is None or not _streamed.applies(compute, routing.weights, *weights[0], weights[1]):
+        return None
+    w_in, w_out, fmt = weights
+    rows = _streamed.expert_rows(ragged_layout(routing))   # kept pairs, capacity honoured
+    w_rows = routing.weights.reshape(-1).index_select(0, rows.pairs)
+    return _streamed.streamed_glu(compute, w_rows, rows, w_in, w_out, fmt, order=spec.combine, remat=spec.remat)
+
+
+def _finish(spec: MoESpec, params, x: Tensor, y: Tensor, routing: Routing, out, l_aux, seen) -> tuple:
     y = y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
     shared_gate = None
     if spec.shared is not None:

@@ -1,0 +1,347 @@
+"""Streamed gated experts: gather, per-expert GEMMs and weighted scatter-add as one autograd node.
+
+    y[t] = sum over kept pairs (t, e):  w_te * (silu(x[t] G_e) * (x[t] U_e)) D_e
+
+The staged pipeline (dispatch -> seam -> combine) materialises the dispatched rows [R, M],
+the gate and up projections, the hidden state and the expert outputs [R, O], and autograd
+keeps most of them until backward. Here each expert's rows are gathered from x straight into
+its first GEMM and its output is added straight into y (ScatterMoE's gather-into-GEMM and
+GEMM-into-scatter, with torch's own GEMMs): no [R, M] or [R, O] buffer ever exists, and no
+padded row is ever multiplied. Backward walks the experts once more, regathers x's rows and
+either recomputes the gate/up projection (``remat=True``: saves nothing but x, the weights
+and the row table) or reads it back (``remat=False``: saves [N, 2H], N kept pairs). The
+gate-weight gradient needs no saved expert output: with ``y_e = h_e D_e``,
+``dL/dw = <dy, y_e> = <dy D_eᵀ, h_e>``, and ``dy D_eᵀ`` is the down GEMM's data gradient,
+which backward computes anyway.
+
+Two accumulation orders, both over experts in ascending id:
+
+* 'fmoe' — contributions ``w * y_e`` formed and summed in the accumulation dtype (fp32 for
+  bf16/fp16), one cast at the end: :func:`fmoe.combine`'s arithmetic with the k terms of a
+  token added in expert order instead of slot order (equal within float rounding).
+* 'eager' — transformers' eager expert loop bit for bit: ``(y_e * w)`` with torch promotion,
+  cast to the compute dtype, ``index_add_`` into the output in that dtype.
+
+Eager mode only: the row counts drive a Python loop (one host sync per call), so under
+torch.func transforms and torch.compile the caller runs the staged pipeline instead
+(:func:`applies`). Double backward (``create_graph=True``) runs a differentiable per-expert
+re-computation of the same forward, so grad-of-grad stays available.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch._C import _functorch
+from torch.autograd import forward_ad as _fwd_ad
+
+from ..layout import Layout
+from .reference import compute_dtype
+
+__all__ = ["ORDERS", "ExpertRows", "GluWeights", "expert_rows", "streamed_glu", "applies"]
+
+ORDERS = ("fmoe", "eager")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ExpertRows:
+    """Kept (token, expert) pairs sorted by expert (the ragged layout's order), host bounds.
+
+    Attributes:
+        tokens: int64 [N]. Token of each kept pair.
+        pairs: int64 [N]. Flat pair index ``j * T + t`` (gathers its gate weight).
+        bounds: E + 1 host ints; expert e owns rows ``bounds[e] .. bounds[e + 1]``.
+    """
+
+    tokens: Tensor
+    pairs: Tensor
+    bounds: tuple
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.bounds) - 1
+
+
+def expert_rows(layout: Layout) -> ExpertRows:
+    """The kept pairs of a ragged layout (:func:`fmoe.layout.ragged_layout`), sorted by expert.
+
+    One host sync (the group sizes). Raises ValueError for a padded layout: its rows are
+    not contiguous per expert."""
+    if layout.kind != "ragged":
+        raise ValueError("expert_rows needs the ragged layout (fmoe.make_layout(routing, 'ragged'))")
+    sizes = layout.sizes.tolist()
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    pos = layout.positions.reshape(-1)
+    kept = torch.nonzero(pos >= 0).squeeze(1)
+    # Kept ragged positions are exactly 0 .. N-1, one pair each: a scatter inverts the map.
+    pairs = torch.empty(bounds[-1], dtype=torch.int64, device=pos.device)
+    pairs.index_copy_(0, pos.index_select(0, kept), kept)
+    T = layout.positions.shape[1]
+    return ExpertRows(pairs.remainder(T), pairs, tuple(bounds))
+
+
+@dataclasses.dataclass(frozen=True)
+class GluWeights:
+    """Static description of a gated expert's weights (which GEMM form each one takes).
+
+    Attributes:
+        fused_in: the gate and up projections are one weight (gate half first along N).
+        in_transposed: in-projection weights are [E, N, M] (out x in, nn.Linear) rather
+            than [E, M, N].
+        out_transposed: the down projection is [E, O, H] rather than [E, H, O].
+    """
+
+    fused_in: bool
+    in_transposed: bool
+    out_transposed: bool
+
+
+def applies(*ts: Optional[Tensor]) -> bool:
+    """True where the streamed op can run: eager mode (no torch.func transform, no
+    torch.compile, no forward-AD level), plain CPU or CUDA tensors without
+    ``__torch_function__`` overrides."""
+    if torch.compiler.is_compiling() or _functorch.maybe_current_level() is not None:
+        return False
+    if _fwd_ad._current_level >= 0:
+        return False
+    present = [t for t in ts if t is not None]
+    if any(type(t) is not Tensor and type(t) is not torch.nn.Parameter for t in present):
+        return False
+    return not torch.overrides.has_torch_function(tuple(present))
+
+
+def _mm(a: Tensor, w: Tensor, transposed: bool, out: Optional[Tensor] = None) -> Tensor:
+    """a @ w (w [K, N]) or a @ wᵀ (w [N, K])."""
+    return torch.mm(a, w.t() if transposed else w, out=out)
+
+
+def _wgrad(a: Tensor, g: Tensor, transposed: bool, out: Tensor) -> None:
+    """Gradient of ``a @ op(w)`` w.r.t. w, written into ``out``: aᵀ g ([K, N]) or gᵀ a ([N, K])."""
+    if transposed:
+        torch.mm(g.t(), a, out=out)
+    else:
+        torch.mm(a.t(), g, out=out)
+
+
+def _hidden(x_e: Tensor, w_in: tuple, e: int, fmt: GluWeights, H: int,
+            out: Optional[tuple] = None) -> tuple[Tensor, Tensor]:
+    """(gate, up) projections [n, H] of the rows x_e [n, M] of expert e."""
+    if fmt.fused_in:
+        gu = _mm(x_e, w_in[0][e], fmt.in_transposed, None if out is None else out[0])
+        return gu[:, :H], gu[:, H:]
+    return (_mm(x_e, w_in[0][e], fmt.in_transposed, None if out is None else out[0]),
+            _mm(x_e, w_in[1][e], fmt.in_transposed, None if out is None else out[1]))
+
+
+def _hidden_size(w_in: tuple, fmt: GluWeights) -> int:
+    n = w_in[0].shape[1] if fmt.in_transposed else w_in[0].shape[2]
+    return n // 2 if fmt.fused_in else n
+
+
+def _out_dim(w_out: Tensor, fmt: GluWeights) -> int:
+    return w_out.shape[1] if fmt.out_transposed else w_out.shape[2]
+
+
+def _forward(x, w_rows, rows: ExpertRows, w_out, w_in, fmt: GluWeights, order: str, saved: Optional[tuple]):
+    T = x.shape[0]
+    H, O = _hidden_size(w_in, fmt), _out_dim(w_out, fmt)
+    dt = x.dtype
+    acc_dt = compute_dtype(dt) if order == "fmoe" else dt
+    y = torch.zeros(T, O, dtype=acc_dt, device=x.device)
+    b = rows.bounds
+    for e in range(rows.num_experts):
+        r0, r1 = b[e], b[e + 1]
+        if r0 == r1:
+            continue
+        tok = rows.tokens[r0:r1]
+        x_e = x.index_select(0, tok)
+        out = None if saved is None else tuple(s[r0:r1] for s in saved)
+        g, u = _hidden(x_e, w_in, e, fmt, H, out)
+        y_e = _mm(F.silu(g).mul_(u), w_out[e], fmt.out_transposed)
+        w_e = w_rows[r0:r1].unsqueeze(1)
+        if order == "fmoe":
+            contrib = y_e.to(acc_dt).mul_(w_e.to(acc_dt)) if acc_dt != dt else y_e.mul_(w_e.to(dt))
+            y.index_add_(0, tok, contrib)
+        else:  # transformers' eager: promotion, one cast, dt running sum
+            y.index_add_(0, tok, (y_e * w_e).to(dt))
+    return y.to(dt)
+
+
+class _StreamedGlu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_rows, w_out, rows, fmt, order, remat, *w_in):
+        saved = None
+        if not remat:
+            N, H = rows.bounds[-1], _hidden_size(w_in, fmt)
+            shapes = [(N, 2 * H)] if fmt.fused_in else [(N, H), (N, H)]
+            saved = tuple(torch.empty(s, dtype=x.dtype, device=x.device) for s in shapes)
+        y = _forward(x, w_rows, rows, w_out, w_in, fmt, order, saved)
+        ctx.rows, ctx.fmt, ctx.order, ctx.remat = rows, fmt, order, remat
+        ctx.n_in = len(w_in)
+        ctx.save_for_backward(x, w_rows, w_out, *w_in, *(saved or ()))
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w_rows, w_out, *rest = ctx.saved_tensors
+        w_in, saved = tuple(rest[:ctx.n_in]), tuple(rest[ctx.n_in:]) or None
+        need = ctx.needs_input_grad
+        if torch.is_grad_enabled():  # create_graph=True: differentiable re-computation
+            return _double_backward(ctx, gy, x, w_rows, w_out, w_in)
+        gx, gw_rows, gw_out, gw_in = _backward(gy, x, w_rows, w_out, w_in, saved, ctx.rows, ctx.fmt, ctx.order,
+                                               need_x=need[0], need_w=need[1], need_out=need[2],
+                                               need_in=any(need[7:]))
+        return (gx, gw_rows, gw_out, None, None, None, None, *(gw_in if gw_in is not None else (None,) * ctx.n_in))
+
+
+def _weight_grad(w: Tensor, idle: list) -> Tensor:
+    # Busy experts' slices are written whole by their GEMMs; only idle ones need zeros.
+    g = torch.empty_like(w, memory_format=torch.contiguous_format)
+    if idle:
+        g[idle] = 0
+    return g
+
+
+def _backward(gy, x, w_rows, w_out, w_in, saved, rows: ExpertRows, fmt: GluWeights, order: str, *,
+              need_x: bool, need_w: bool, need_out: bool, need_in: bool):
+    dt = x.dtype
+    H = _hidden_size(w_in, fmt)
+    gy = gy.to(dt)
+    gx = torch.zeros(x.shape, dtype=compute_dtype(dt), device=x.device) if need_x else None
+    gw_rows = torch.empty_like(w_rows) if need_w else None
+    b = rows.bounds
+    idle = [e for e in range(rows.num_experts) if b[e] == b[e + 1]]
+    gw_out = _weight_grad(w_out, idle) if need_out else None
+    gw_in = tuple(_weight_grad(w, idle) for w in w_in) if need_in else None
+    # The product y_e * w is formed in p (transformers' promotion, or fmoe's fp32 accumulation).
+    p = torch.promote_types(dt, w_rows.dtype)
+    if order == "fmoe":
+        p = torch.promote_types(p, compute_dtype(dt))
+    for e in range(rows.num_experts):
+        r0, r1 = b[e], b[e + 1]
+        if r0 == r1:
+            continue
+        tok = rows.tokens[r0:r1]
+        x_e = x.index_select(0, tok)
+        if saved is None:
+            g, u = _hidden(x_e, w_in, e, fmt, H)
+        elif fmt.fused_in:
+            g, u = saved[0][r0:r1, :H], saved[0][r0:r1, H:]
+        else:
+            g, u = saved[0][r0:r1], saved[1][r0:r1]
+        gy_e = gy.index_select(0, tok)                                 # [n, O]
+        w_e = w_rows[r0:r1].unsqueeze(1)
+        s = torch.sigmoid(g)
+        a = g * s                                                      # silu(g)
+        h = a * u
+        gh = _mm(gy_e, w_out[e], not fmt.out_transposed)               # dy D_eᵀ, unscaled [n, H]
+        if need_w:
+            gw_rows[r0:r1] = (gh.to(p) * h.to(p)).sum(1).to(w_rows.dtype)
+        w_dt = w_e.to(p).to(dt) if p != dt else w_e.to(dt)
+        if need_out:
+            _wgrad(h.mul_(w_dt), gy_e, fmt.out_transposed, gw_out[e])
+        if not (need_x or need_in):
+            continue
+        gh.mul_(w_dt)                                                  # d hidden
+        gu_ = gh * a
+        gg = gh.mul_(u).mul_(s.mul_(g.mul(1 - s).add_(1)))            # d silu(g) / dg = s (1 + g (1 - s))
+        if fmt.fused_in:
+            d = torch.cat([gg, gu_], 1)
+            if need_in:
+                _wgrad(x_e, d, fmt.in_transposed, gw_in[0][e])
+            if need_x:
+                gx.index_add_(0, tok, _mm(d, w_in[0][e], not fmt.in_transposed).to(gx.dtype))
+        else:
+            if need_in:
+                _wgrad(x_e, gg, fmt.in_transposed, gw_in[0][e])
+                _wgrad(x_e, gu_, fmt.in_transposed, gw_in[1][e])
+            if need_x:
+                gx_e = _mm(gg, w_in[0][e], not fmt.in_transposed)
+                gx_e.addmm_(gu_, w_in[1][e] if fmt.in_transposed else w_in[1][e].t())
+                gx.index_add_(0, tok, gx_e.to(gx.dtype))
+    return (None if gx is None else gx.to(dt)), gw_rows, gw_out, gw_in
+
+
+def _reference(x, w_rows, rows: ExpertRows, w_out, w_in, fmt: GluWeights, order: str) -> Tensor:
+    """The same forward from differentiable out-of-place ops (the double-backward graph)."""
+    dt = x.dtype
+    H, O = _hidden_size(w_in, fmt), _out_dim(w_out, fmt)
+    acc_dt = compute_dtype(dt) if order == "fmoe" else dt
+    y = x.new_zeros((x.shape[0], O), dtype=acc_dt)
+    b = rows.bounds
+    for e in range(rows.num_experts):
+        r0, r1 = b[e], b[e + 1]
+        if r0 == r1:
+            continue
+        tok = rows.tokens[r0:r1]
+        x_e = x.index_select(0, tok)
+        if fmt.fused_in:
+            gu = _mm(x_e, w_in[0][e], fmt.in_transposed)
+            g, u = gu[:, :H], gu[:, H:]
+        else:
+            g, u = _mm(x_e, w_in[0][e], fmt.in_transposed), _mm(x_e, w_in[1][e], fmt.in_transposed)
+        y_e = _mm(F.silu(g) * u, w_out[e], fmt.out_transposed)
+        w_e = w_rows[r0:r1].unsqueeze(1)
+        contrib = y_e.to(acc_dt) * w_e.to(acc_dt) if order == "fmoe" else (y_e * w_e).to(dt)
+        y = y.index_add(0, tok, contrib)
+    return y.to(dt)
+
+
+def _double_backward(ctx, gy, x, w_rows, w_out, w_in):
+    inputs = (x, w_rows, w_out, *w_in)
+    with torch.enable_grad():
+        y = _reference(x, w_rows, ctx.rows, w_out, w_in, ctx.fmt, ctx.order)
+    want = [i for i, t in enumerate(inputs) if ctx.needs_input_grad[i if i < 3 else i + 4] and t.requires_grad]
+    grads = torch.autograd.grad(y, [inputs[i] for i in want], gy, create_graph=True, allow_unused=True)
+    out = [None] * len(inputs)
+    for i, g in zip(want, grads):
+        out[i] = g
+    return (out[0], out[1], out[2], None, None, None, None, *out[3:])
+
+
+def streamed_glu(x: Tensor, w_rows: Tensor, rows: ExpertRows, w_in: tuple, w_out: Tensor, fmt: GluWeights, *,
+                 order: str = "fmoe", remat: bool = True) -> Tensor:
+    """SiLU-gated experts over kept pairs, from tokens to tokens in one pass per expert.
+
+    Args:
+        x: float [T, M] tokens (the experts' compute dtype).
+        w_rows: float [N] gate weight of each kept pair, in ``rows`` order (any float dtype;
+            differentiable: its gradient is the gate-weight gradient).
+        rows: :func:`expert_rows` of the routing's ragged layout.
+        w_in: ``(W_gu,)`` with the gate half first ([E, 2H, M] if ``fmt.in_transposed`` else
+            [E, M, 2H]) or ``(W_gate, W_up)`` ([E, H, M] / [E, M, H] each).
+        w_out: [E, O, H] if ``fmt.out_transposed`` else [E, H, O].
+        fmt: :class:`GluWeights`.
+        order: 'fmoe' or 'eager' (see the module docstring).
+        remat: backward recomputes the gate/up projection (True) or saves it, [N, 2H] in x's
+            dtype (False).
+
+    Returns:
+        [T, O] in x's dtype; a token without kept pairs gets 0.
+    """
+    if order not in ORDERS:
+        raise ValueError(f"streamed_glu: order must be one of {ORDERS}, got {order!r}")
+    if x.dim() != 2:
+        raise ValueError(f"streamed_glu: x must be [T, M], got shape {tuple(x.shape)}")
+    if len(w_in) != (1 if fmt.fused_in else 2):
+        raise ValueError(f"streamed_glu: fused_in={fmt.fused_in} takes {1 if fmt.fused_in else 2} in-projection "
+                         f"weights, got {len(w_in)}")
+    N = rows.bounds[-1]
+    if w_rows.shape != (N,) or rows.tokens.shape != (N,):
+        raise ValueError(f"streamed_glu: {N} kept pairs, but w_rows {tuple(w_rows.shape)} and tokens "
+                         f"{tuple(rows.tokens.shape)}")
+    for w in (*w_in, w_out):
+        if w.dim() != 3 or w.shape[0] != rows.num_experts:
+            raise ValueError(f"streamed_glu: expert weights must be [E={rows.num_experts}, ., .], got "
+                             f"{tuple(w.shape)}")
+    w_in = tuple(w.to(x.dtype) for w in w_in)
+    w_out = w_out.to(x.dtype)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w_rows, w_out, *w_in))
+    if not grad:  # inference / decode: no graph, nothing saved
+        return _forward(x, w_rows, rows, w_out, w_in, fmt, order, None)
+    return _StreamedGlu.apply(x, w_rows, w_out, rows, fmt, order, remat, *w_in)
