@@ -1,0 +1,196 @@
+"""The streamed gated-expert op (fmoe.ops.streamed) against the staged pipeline and finite
+differences: both layouts, capacity modes, weight forms, dtypes, both accumulation orders,
+remat on and off, double backward, saved memory, and its errors."""
+import dataclasses
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import fmoe
+from fmoe.layout import padded_layout, ragged_layout
+from fmoe.ops import streamed as S
+
+DT = torch.float64
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _spec(expert_type="gated_ffn", cf=0.0, k=3, E=6, M=12, H=10, **kw):
+    return fmoe.MoESpec(model_dim=M, num_experts=E, gate=fmoe.GateSpec(k=k, capacity_factor=cf, fp32_gate=False),
+                        experts=fmoe.ExpertSpec(type=expert_type, hidden_size=H), **kw)
+
+
+def _params(spec, dtype=DT, split=False, seed=0):
+    p = fmoe.init_params(spec, generator=_gen(seed), dtype=dtype)
+    p = pytree.tree_map(lambda t: (t.double() * 20).to(dtype), p)  # O(1) activations, not 1e-3
+    if split:
+        gu = p["experts"].pop("gate_up_proj")
+        H = gu.shape[1] // 2
+        p["experts"]["gate_proj"], p["experts"]["up_proj"] = gu[:, :H].contiguous(), gu[:, H:].contiguous()
+    return p
+
+
+def _step(spec, p, x):
+    """y, dx and every parameter gradient (gate included) of sum(y * c) + l_aux."""
+    q = pytree.tree_map(lambda t: t.detach().clone().requires_grad_(True), p)
+    xx = x.detach().clone().requires_grad_(True)
+    y, aux = fmoe.moe(q, xx, spec)
+    c = torch.linspace(-1, 1, y.numel(), dtype=torch.float64).reshape(y.shape).to(y.dtype)
+    ((y * c).sum() + aux.l_aux).backward()
+    return y.detach(), xx.grad, [t.grad for t in pytree.tree_leaves(q)]
+
+
+def _count_streamed(monkeypatch):
+    calls = []
+    real = S._StreamedGlu.apply
+    monkeypatch.setattr(S._StreamedGlu, "apply", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+CASES = [("gated_ffn", 0.0, False), ("gated_ffn", 1.25, False), ("gated_ffn", 2.0, False), ("gated_ffn", -0.5, False),
+         ("swiglu", 0.0, False), ("swiglu", 1.0, True), ("swiglu", 0.0, True)]
+
+
+@pytest.mark.parametrize("remat", [True, False])
+@pytest.mark.parametrize("expert_type,cf,split", CASES)
+def test_streamed_equals_the_staged_pipeline(expert_type, cf, split, remat, monkeypatch):
+    spec = _spec(expert_type, cf, remat=remat)
+    p = _params(spec, split=split)
+    x = torch.randn(40, 12, generator=_gen(1), dtype=DT)
+    calls = _count_streamed(monkeypatch)
+    ys, gxs, gps = _step(spec, p, x)
+    assert calls, "the streamed op did not run"
+    yr, gxr, gpr = _step(dataclasses.replace(spec, streamed=False), p, x)
+    assert len(calls) == 1
+    torch.testing.assert_close(ys, yr, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gxs, gxr, rtol=1e-11, atol=1e-11)
+    for a, b in zip(gps, gpr):       # router weights too: the gate-weight gradient path
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("combine", ["fmoe", "eager"])
+def test_streamed_low_precision_within_rounding_and_eager_order_bit_exact(dtype, combine):
+    spec = _spec("swiglu", 0.0, k=4, E=8, M=32, H=16, combine=combine)
+    p = _params(spec, dtype)
+    x = torch.randn(64, 32, generator=_gen(2)).to(dtype)
+    ys, gxs, gps = _step(spec, p, x)
+    yr, gxr, gpr = _step(dataclasses.replace(spec, streamed=False), p, x)
+    if combine == "eager":   # transformers' eager order: expert-ascending dt running sums, bit for bit
+        assert torch.equal(ys, yr)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=2e-5, atol=2e-5)
+    scale = lambda t: t.float() / t.float().abs().max()  # noqa: E731
+    torch.testing.assert_close(scale(ys), scale(yr), **tol)
+    torch.testing.assert_close(scale(gxs), scale(gxr), **tol)
+    for a, b in zip(gps, gpr):
+        torch.testing.assert_close(a.float() / b.float().abs().max(), scale(b), **tol)
+
+
+def _direct_inputs(fused_in, E=4, T=9, M=5, H=3, seed=3):
+    g = _gen(seed)
+    scores = torch.rand(T, E, generator=g, dtype=DT)
+    ids, w = fmoe.top_k(scores, 2)
+    r = fmoe.make_routing(ids, w, E, 0.0)
+    rows = S.expert_rows(ragged_layout(r))
+    w_rows = torch.rand(rows.bounds[-1], generator=g, dtype=DT, requires_grad=True)
+    x = torch.randn(T, M, generator=g, dtype=DT, requires_grad=True)
+    if fused_in:
+        w_in = (torch.randn(E, 2 * H, M, generator=g, dtype=DT, requires_grad=True),)
+        fmt = S.GluWeights(True, True, True)
+        w_out = torch.randn(E, M, H, generator=g, dtype=DT, requires_grad=True)
+    else:
+        w_in = tuple(torch.randn(E, M, H, generator=g, dtype=DT, requires_grad=True) for _ in range(2))
+        fmt = S.GluWeights(False, False, False)
+        w_out = torch.randn(E, H, M, generator=g, dtype=DT, requires_grad=True)
+    return x, w_rows, rows, w_in, w_out, fmt
+
+
+@pytest.mark.parametrize("remat", [True, False])
+@pytest.mark.parametrize("fused_in", [True, False])
+def test_streamed_glu_gradients_match_finite_differences(fused_in, remat):
+    x, w_rows, rows, w_in, w_out, fmt = _direct_inputs(fused_in)
+
+    def f(x, w_rows, w_out, *w_in):
+        return S.streamed_glu(x, w_rows, rows, tuple(w_in), w_out, fmt, remat=remat)
+
+    assert torch.autograd.gradcheck(f, (x, w_rows, w_out, *w_in))
+    assert torch.autograd.gradgradcheck(f, (x, w_rows, w_out, *w_in))
+
+
+def test_streamed_glu_matches_a_per_pair_loop_and_skips_unused_grads():
+    x, w_rows, rows, w_in, w_out, fmt = _direct_inputs(False, seed=4)
+    y = S.streamed_glu(x, w_rows, rows, w_in, w_out, fmt)
+    want = torch.zeros_like(y)
+    b = rows.bounds
+    for e in range(rows.num_experts):
+        for r in range(b[e], b[e + 1]):
+            t = int(rows.tokens[r])
+            h = torch.nn.functional.silu(x[t] @ w_in[0][e]) * (x[t] @ w_in[1][e])
+            want[t] += w_rows[r] * (h @ w_out[e])
+    torch.testing.assert_close(y, want, rtol=1e-13, atol=1e-13)
+    with torch.no_grad():    # the inference path builds no graph and gives the same values
+        assert torch.equal(S.streamed_glu(x, w_rows, rows, w_in, w_out, fmt), y.detach())
+    # only x needs a gradient: the weight grads are never formed
+    gx, = torch.autograd.grad(S.streamed_glu(x, w_rows.detach(), rows, tuple(w.detach() for w in w_in),
+                                             w_out.detach(), fmt).sum(), x)
+    gx_all, = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(gx, gx_all, rtol=1e-13, atol=1e-13)
+
+
+def test_streamed_saves_no_per_row_tensors_with_remat():
+    spec = _spec("gated_ffn", 1.25, k=2, E=4, M=16, H=8)
+    p = _params(spec)
+    x = torch.randn(50, 16, generator=_gen(5), dtype=DT, requires_grad=True)
+
+    def saved_bytes(s):
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fmoe.moe(p, x, s)
+        return sum(seen.values())
+
+    lean, kept, staged = (saved_bytes(dataclasses.replace(spec, remat=True)),
+                          saved_bytes(dataclasses.replace(spec, remat=False)),
+                          saved_bytes(dataclasses.replace(spec, streamed=False)))
+    rows_h = 100 * 8 * 8                                         # [N = k T, H] fp64
+    assert kept - lean >= 2 * rows_h                             # remat=False keeps gate and up
+    assert staged - lean >= 2 * 100 * 16 * 8                     # staged keeps [R, M]-sized buffers
+
+
+def test_streamed_falls_back_under_vmap_compile_and_for_other_experts(monkeypatch):
+    calls = _count_streamed(monkeypatch)
+    spec = _spec("gated_ffn", 0.0)
+    p = _params(spec)
+    xs = torch.randn(2, 10, 12, generator=_gen(6), dtype=DT)
+    ys = torch.func.vmap(lambda x: fmoe.moe(p, x, spec)[0])(xs)
+    assert not calls
+    want = torch.stack([fmoe.moe(p, x, dataclasses.replace(spec, streamed=False))[0] for x in xs])
+    torch.testing.assert_close(ys, want, rtol=1e-12, atol=1e-12)
+    for s in (_spec("ffn", 0.0), _spec("gpt_oss", 0.0), dataclasses.replace(spec, combine="grouped"),
+              dataclasses.replace(spec, is_postscore=False)):
+        x = xs[0].clone().requires_grad_(True)
+        fmoe.moe(_params(s), x, s)[0].sum().backward()
+    assert not calls
+
+
+def test_streamed_errors_name_the_problem():
+    x, w_rows, rows, w_in, w_out, fmt = _direct_inputs(True)
+    with pytest.raises(ValueError, match="order must be one of"):
+        S.streamed_glu(x, w_rows, rows, w_in, w_out, fmt, order="grouped")
+    with pytest.raises(ValueError, match="kept pairs"):
+        S.streamed_glu(x, w_rows[:-1], rows, w_in, w_out, fmt)
+    with pytest.raises(ValueError, match="takes 1 in-projection"):
+        S.streamed_glu(x, w_rows, rows, w_in * 2, w_out, fmt)
+    with pytest.raises(ValueError, match=r"\[E=4"):
+        S.streamed_glu(x, w_rows, rows, w_in, w_out[:3], fmt)
+    with pytest.raises(ValueError, match=r"x must be \[T, M\]"):
+        S.streamed_glu(x[None], w_rows, rows, w_in, w_out, fmt)
+    r = fmoe.make_routing(*fmoe.top_k(torch.rand(6, 4, generator=_gen(7)), 2), 4, 1.0)
+    with pytest.raises(ValueError, match="ragged layout"):
+        S.expert_rows(padded_layout(r))
