@@ -79,13 +79,19 @@ def tutel_status() -> Optional[str]:
     return None
 
 
+# fmoe variants beside the default layer: the other corner of the streamed op's memory/time
+# trade (gate/up projections saved, not recomputed) and the staged pipeline it replaced.
+FMOE_VARIANTS = {"fmoe": {}, "fmoe_saved": {"remat": False}, "fmoe_staged": {"streamed": False}}
+
+
 def build(c: LayerConfig, tokens: int, variant: str):
     """(layer, x) for one variant; the fmoe layer's weights are drawn from seed 0, Tutel gets a copy."""
     layer = fmoe.nn.MoELayer({"type": "top", "k": c.k, "capacity_factor": c.cf}, c.model_dim,
                              experts={"type": "gated_ffn", "num_experts_per_device": c.experts,
                                       "hidden_size_per_expert": c.hidden, "has_fc1_bias": False,
                                       "has_fc2_bias": False},
-                             generator=torch.Generator().manual_seed(0))
+                             generator=torch.Generator().manual_seed(0),
+                             **FMOE_VARIANTS.get(variant, {}))
     if variant == "tutel":
         from tutel import moe as tutel_moe
         t = tutel_moe.moe_layer(gate_type={"type": "top", "k": c.k, "capacity_factor": c.cf, "fp32_gate": True},
@@ -94,7 +100,7 @@ def build(c: LayerConfig, tokens: int, variant: str):
                                          "hidden_size_per_expert": c.hidden})
         t.load_state_dict(layer.state_dict())
         layer = t
-    elif variant != "fmoe":
+    elif variant not in FMOE_VARIANTS:
         raise ValueError(f"unknown layer variant {variant!r}")
     x = torch.randn(tokens, c.model_dim, generator=torch.Generator().manual_seed(1))
     if c.train:
@@ -148,6 +154,10 @@ def bench_config(c: LayerConfig, tokens: int, repeats: int, memory: bool, log: C
     steps, flops = {}, {}
     steps["fmoe"], _ = step_fns(fm, x, c.train)
     flops["fmoe"] = useful
+    others = [n for n in FMOE_VARIANTS if n != "fmoe" and (c.train or n != "fmoe_saved")]  # remat: training only
+    for name in others:
+        steps[name], _ = step_fns(build(c, tokens, name)[0], x, c.train)
+        flops[name] = useful
     why = tutel_status()
     if why is None:
         tl, _ = build(c, tokens, "tutel")
@@ -199,16 +209,24 @@ def bench_config(c: LayerConfig, tokens: int, repeats: int, memory: bool, log: C
         res["fmoe_time_vs_tutel"] = t_f / v["tutel"]["seconds"]
         res["fmoe_cpu_vs_tutel"] = v["fmoe"]["cpu_seconds"] / v["tutel"]["cpu_seconds"]
     del fm, steps
+    for name in others:
+        res[f"{name}_time_vs_fmoe"] = v[name]["seconds"] / t_f
+        if c.train:
+            res[f"{name}_vs_dense"] = v[name]["gflops"] / res["dense_gflops"]
+        if "seconds" in v.get("tutel", {}):
+            res[f"{name}_time_vs_tutel"] = v[name]["seconds"] / v["tutel"]["seconds"]
     if memory:
-        for variant in ("fmoe", "tutel"):
+        for variant in (*([n for n in others] if c.train else []), "fmoe", "tutel"):
             if variant == "tutel" and why is not None:
                 res["memory"][variant] = {"skipped": why}
                 continue
             res["memory"][variant] = bc.isolated_peak(MODULE, {"config": c.name, "tokens": tokens,
                                                                "variant": variant})
-        mf, mt = res["memory"]["fmoe"], res["memory"].get("tutel", {})
-        if mf.get("above_rest_bytes") is not None and mt.get("above_rest_bytes"):
-            res["fmoe_mem_vs_tutel"] = mf["above_rest_bytes"] / mt["above_rest_bytes"]
+        mt = res["memory"].get("tutel", {})
+        for name in ("fmoe", *others):
+            mf = res["memory"].get(name, {})
+            if mf.get("above_rest_bytes") is not None and mt.get("above_rest_bytes"):
+                res[f"{name}_mem_vs_tutel"] = mf["above_rest_bytes"] / mt["above_rest_bytes"]
     log("  " + line(c.name, res))
     return res
 

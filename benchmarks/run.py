@@ -123,17 +123,36 @@ def layer_tables(lay: dict) -> list[str]:
                      f"({_fmt(r.get('fmoe_vs_dense_flat'))}) | "
                      f"{_fmt(r.get('tutel_vs_dense'))} | {_mem(r['memory'].get('fmoe'))} | "
                      f"{_mem(r['memory'].get('tutel'))} | {_fmt(r.get('fmoe_mem_vs_tutel'))} |")
+    if train and any("fmoe_saved" in r["variants"] for r in train.values()):
+        L += ["", "fmoe variants: `fmoe` = default (streamed, remat); `saved` = `remat=False` (gate/up "
+              "projections saved for backward, no recompute); `staged` = `streamed=False` (dispatch -> seam -> "
+              "combine, Tutel's arithmetic bit for bit). Same round-robin as the table above.", "",
+              "| config | fmoe ms | saved ms | staged ms | fmoe vs dense | saved vs dense | staged vs dense | "
+              "saved/tutel time | fmoe mem MiB | saved mem MiB | staged mem MiB | fmoe / saved / staged mem vs tutel |",
+              "|" + "---|" * 12]
+        for n, r in train.items():
+            v, m = r["variants"], r["memory"]
+            if "fmoe_saved" not in v:
+                continue
+            L.append(f"| {n} | {_ms(v['fmoe'])} | {_ms(v['fmoe_saved'])} | {_ms(v['fmoe_staged'])} | "
+                     f"{r['fmoe_vs_dense']:.2f} | {_fmt(r.get('fmoe_saved_vs_dense'))} | "
+                     f"{_fmt(r.get('fmoe_staged_vs_dense'))} | {_fmt(r.get('fmoe_saved_time_vs_tutel'))} | "
+                     f"{_mem(m.get('fmoe'))} | {_mem(m.get('fmoe_saved'))} | {_mem(m.get('fmoe_staged'))} | "
+                     f"{_fmt(r.get('fmoe_mem_vs_tutel'))} / {_fmt(r.get('fmoe_saved_mem_vs_tutel'))} / "
+                     f"{_fmt(r.get('fmoe_staged_mem_vs_tutel'))} |")
     if dec:
         L += ["", "| config | T | M | H | E | k | busy experts | busy weights MiB | read GB/s | stream bound ms | "
-              "fmoe ms | fmoe x bound | tutel ms | tutel x bound | fmoe/tutel time (CPU time) | fmoe mem MiB | tutel mem MiB |",
-              "|" + "---|" * 17]
+              "fmoe ms | fmoe x bound | tutel ms | tutel x bound | fmoe/tutel time (CPU time) | staged ms | fmoe mem MiB | "
+              "tutel mem MiB |",
+              "|" + "---|" * 18]
         for n, r in dec.items():
             c, v = r["config"], r["variants"]
             L.append(f"| {n} | {r['tokens']} | {c['model_dim']} | {c['hidden']} | {c['experts']} | {c['k']} | "
                      f"{r['busy_experts']} | {r['weight_bytes_busy'] / 2**20:.0f} | {r['read_gb_per_s']:.1f} | "
                      f"{r['stream_bound_seconds'] * 1e3:.1f} | {_ms(v['fmoe'])} | {r['fmoe_vs_stream']:.2f} | "
                      f"{_ms(v.get('tutel', {}))} | {_fmt(r.get('tutel_vs_stream'))} | "
-                     f"{_fmt(r.get('fmoe_time_vs_tutel'))} ({_fmt(r.get('fmoe_cpu_vs_tutel'))}) | {_mem(r['memory'].get('fmoe'))} | "
+                     f"{_fmt(r.get('fmoe_time_vs_tutel'))} ({_fmt(r.get('fmoe_cpu_vs_tutel'))}) | "
+                     f"{_ms(v.get('fmoe_staged', {}))} | {_mem(r['memory'].get('fmoe'))} | "
                      f"{_mem(r['memory'].get('tutel'))} |")
     return L
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .ops.grouped import GroupedGemm
-from .ops.streamed import GluWeights
+from .ops.streamed import GluSpec
 
 __all__ = ["ExpertSpec", "ParamLayout", "EXPERT_PARAMS", "EXPERT_TYPES", "ffn", "gated_ffn", "swiglu",
            "gpt_oss", "apply_experts", "streamed_weights", "init_experts", "expert_matmul", "shard_axes", "swiglu_mlp",
@@ -333,25 +333,38 @@ def apply_experts(spec: ExpertSpec, params, x: Tensor, gemm: Optional[GroupedGem
     return spec.fn(params, x)
 
 
-def streamed_weights(spec: ExpertSpec, params) -> Optional[tuple[tuple, Tensor, GluWeights]]:
-    """``(w_in, w_out, fmt)`` for :func:`fmoe.ops.streamed.streamed_glu`, or None.
+def streamed_weights(spec: ExpertSpec, params) -> Optional[dict]:
+    """The keyword arguments of :func:`fmoe.ops.streamed.streamed_glu` for these experts, or None.
 
-    The streamed op runs SiLU-gated experts with float weights and no quantized-training
-    recipe: gated_ffn (x @ W layouts) and swiglu (fused gate_up_proj or gate_proj/up_proj,
-    out x in). Other types (ffn, gpt_oss, custom), other activations, packed weights and
-    low-precision recipes return None and take the staged pipeline.
+    The streamed op runs gated experts with float weights and no quantized-training recipe:
+    gated_ffn (x @ W layouts) and swiglu (fused gate_up_proj or gate_proj/up_proj, out x in)
+    with SiLU, and gpt_oss (interleaved, clamped, with biases). Other types (ffn, custom),
+    other activations, packed weights and low-precision recipes return None and take the
+    staged pipeline.
+
+    Returns:
+        ``{"w_in": tuple, "w_out": Tensor, "fmt": GluSpec, "b_in": Tensor | None,
+        "b_out": Tensor | None}``.
     """
-    if spec.type not in ("gated_ffn", "swiglu") or spec.act() is not F.silu or spec.precision is not None:
+    if spec.precision is not None:
         return None
-    if spec.type == "gated_ffn":
-        out = (params["gate_w"], params["up_w"]), params["down_w"], GluWeights(False, False, False)
+    b_in = b_out = None
+    if spec.type == "gpt_oss":
+        w_in, w_out = (params["gate_up_proj"],), params["down_proj"]
+        b_in, b_out = params["gate_up_proj_bias"], params["down_proj_bias"]
+        fmt = GluSpec(True, False, False, interleaved=True, activation="gpt_oss", alpha=spec.alpha, limit=spec.limit)
+    elif spec.type not in ("gated_ffn", "swiglu") or spec.act() is not F.silu:
+        return None
+    elif spec.type == "gated_ffn":
+        w_in, w_out, fmt = (params["gate_w"], params["up_w"]), params["down_w"], GluSpec(False, False, False)
     elif "gate_up_proj" in params:
-        out = (params["gate_up_proj"],), params["down_proj"], GluWeights(True, True, True)
+        w_in, w_out, fmt = (params["gate_up_proj"],), params["down_proj"], GluSpec(True, True, True)
     else:
-        out = (params["gate_proj"], params["up_proj"]), params["down_proj"], GluWeights(False, True, True)
-    if not all(isinstance(w, Tensor) and w.is_floating_point() for w in (*out[0], out[1])):
+        w_in, w_out, fmt = (params["gate_proj"], params["up_proj"]), params["down_proj"], GluSpec(False, True, True)
+    tensors = (*w_in, w_out) + tuple(t for t in (b_in, b_out) if t is not None)
+    if not all(isinstance(w, Tensor) and w.is_floating_point() for w in tensors):
         return None
-    return out
+    return {"w_in": w_in, "w_out": w_out, "fmt": fmt, "b_in": b_in, "b_out": b_out}
 
 
 def _uniform(shape, bound: float, generator) -> Tensor:

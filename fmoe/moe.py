@@ -60,8 +60,8 @@ class MoESpec:
         shared: shared experts run on every token and added to the routed output: None,
             'swiglu' (DeepSeek: params["shared"]) or 'gated_swiglu' (Qwen2-MoE: sigmoid gate
             params["shared_gate"]["weight"] [1, M]).
-        streamed: on one process in eager mode, run SiLU-gated float experts (gated_ffn,
-            swiglu) with combine 'fmoe' or 'eager' as one streamed op
+        streamed: on one process in eager mode, run gated float experts (gated_ffn and
+            swiglu with SiLU, gpt_oss) with combine 'fmoe' or 'eager' as one streamed op
             (:mod:`fmoe.ops.streamed`): rows gathered from x into each expert's GEMMs and
             added straight into y, only kept pairs multiplied (either layout), the
             gate-weight gradient without saved expert outputs. Equal to the staged pipeline
@@ -397,13 +397,13 @@ def _streamed_experts(spec: MoESpec, experts, compute: Tensor, routing: Routing)
     """[T, O] from the streamed op where it applies (see ``MoESpec.streamed``), else None."""
     if not (spec.streamed and spec.is_postscore and spec.combine in _streamed.ORDERS):
         return None
-    weights = streamed_weights(spec.experts, experts)
-    if weights is None or not _streamed.applies(compute, routing.weights, *weights[0], weights[1]):
+    kw = streamed_weights(spec.experts, experts)
+    if kw is None or not _streamed.applies(compute, routing.weights, *kw["w_in"], kw["w_out"], kw["b_in"],
+                                           kw["b_out"]):
         return None
-    w_in, w_out, fmt = weights
     rows = _streamed.expert_rows(ragged_layout(routing))   # kept pairs, capacity honoured
     w_rows = routing.weights.reshape(-1).index_select(0, rows.pairs)
-    return _streamed.streamed_glu(compute, w_rows, rows, w_in, w_out, fmt, order=spec.combine, remat=spec.remat)
+    return _streamed.streamed_glu(compute, w_rows, rows, order=spec.combine, remat=spec.remat, **kw)
 
 
 def _finish(spec: MoESpec, params, x: Tensor, y: Tensor, routing: Routing, out, l_aux, seen) -> tuple:

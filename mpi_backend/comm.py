@@ -38,6 +38,9 @@ __all__ = ["MPIComm", "mpi_launched"]
 
 _REDUCE = ("sum", "max", "min")
 
+# Seconds an aborting rank waits after flushing its message, before MPI_Abort.
+ABORT_DRAIN_S = 0.5
+
 
 def _mpi():
     try:
@@ -142,6 +145,9 @@ class MPIComm:
             sys.stderr.write(f"[fmoe rank {self.rank}/{self.size}] aborting: {message}\n")
         sys.stderr.flush()
         sys.stdout.flush()
+        # MPI_Abort kills every rank and its output forwarder at once; a message still in the
+        # pipe to mpiexec was then lost now and then (an empty job log in tests/test_faults_launch.py).
+        time.sleep(ABORT_DRAIN_S)
         self.mpi_comm.Abort(code)
 
     def barrier(self) -> None:

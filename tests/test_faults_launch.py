@@ -93,7 +93,7 @@ def test_mpiexec_fault_ends_in_a_clear_error(n, fault, args, want):
     code, out = _mpi(n, "--fault", fault, *args)
     assert code != 0, out[-3000:]
     for text in want:
-        assert text in out, f"{text!r} not in output:\n{out[-3000:]}"
+        assert text in out, f"{text!r} not in output (exit {code}):\n{out[-3000:]}"
     assert "finished" not in out, out[-3000:]  # no rank reports success
 
 
@@ -106,5 +106,5 @@ def test_torchrun_fault_ends_in_a_clear_error(fault, args, want):
     code, out = _torchrun("--fault", fault, *args)
     assert code != 0, out[-3000:]
     for text in want:
-        assert text in out, f"{text!r} not in output:\n{out[-3000:]}"
+        assert text in out, f"{text!r} not in output (exit {code}):\n{out[-3000:]}"
     assert "finished" not in out, out[-3000:]

@@ -26,6 +26,11 @@ def _spec(expert_type="gated_ffn", cf=0.0, k=3, E=6, M=12, H=10, **kw):
 def _params(spec, dtype=DT, split=False, seed=0):
     p = fmoe.init_params(spec, generator=_gen(seed), dtype=dtype)
     p = pytree.tree_map(lambda t: (t.double() * 20).to(dtype), p)  # O(1) activations, not 1e-3
+    g = _gen(seed + 100)
+    for name in ("gate_up_proj_bias", "down_proj_bias"):   # GPT-OSS: non-zero biases, some |z| > limit
+        if name in p["experts"]:
+            b = p["experts"][name]
+            p["experts"][name] = (torch.randn(b.shape, generator=g, dtype=torch.float64) * 4).to(dtype)
     if split:
         gu = p["experts"].pop("gate_up_proj")
         H = gu.shape[1] // 2
@@ -51,7 +56,8 @@ def _count_streamed(monkeypatch):
 
 
 CASES = [("gated_ffn", 0.0, False), ("gated_ffn", 1.25, False), ("gated_ffn", 2.0, False), ("gated_ffn", -0.5, False),
-         ("swiglu", 0.0, False), ("swiglu", 1.0, True), ("swiglu", 0.0, True)]
+         ("swiglu", 0.0, False), ("swiglu", 1.0, True), ("swiglu", 0.0, True),
+         ("gpt_oss", 0.0, False), ("gpt_oss", 1.25, False)]
 
 
 @pytest.mark.parametrize("remat", [True, False])
@@ -89,7 +95,7 @@ def test_streamed_low_precision_within_rounding_and_eager_order_bit_exact(dtype,
         torch.testing.assert_close(a.float() / b.float().abs().max(), scale(b), **tol)
 
 
-def _direct_inputs(fused_in, E=4, T=9, M=5, H=3, seed=3):
+def _direct_inputs(fused_in, E=4, T=9, M=5, H=3, seed=3, gpt=False):
     g = _gen(seed)
     scores = torch.rand(T, E, generator=g, dtype=DT)
     ids, w = fmoe.top_k(scores, 2)
@@ -97,27 +103,42 @@ def _direct_inputs(fused_in, E=4, T=9, M=5, H=3, seed=3):
     rows = S.expert_rows(ragged_layout(r))
     w_rows = torch.rand(rows.bounds[-1], generator=g, dtype=DT, requires_grad=True)
     x = torch.randn(T, M, generator=g, dtype=DT, requires_grad=True)
-    if fused_in:
+    if gpt:   # GPT-OSS: [E, M, 2H] interleaved, clamped, biases; weights large enough to clamp
+        w_in = (torch.randn(E, M, 2 * H, generator=g, dtype=DT).mul(4).requires_grad_(),)
+        fmt = S.GluSpec(True, False, False, interleaved=True, activation="gpt_oss", limit=2.0)
+        w_out = torch.randn(E, H, M, generator=g, dtype=DT, requires_grad=True)
+    elif fused_in:
         w_in = (torch.randn(E, 2 * H, M, generator=g, dtype=DT, requires_grad=True),)
-        fmt = S.GluWeights(True, True, True)
+        fmt = S.GluSpec(True, True, True)
         w_out = torch.randn(E, M, H, generator=g, dtype=DT, requires_grad=True)
     else:
         w_in = tuple(torch.randn(E, M, H, generator=g, dtype=DT, requires_grad=True) for _ in range(2))
-        fmt = S.GluWeights(False, False, False)
+        fmt = S.GluSpec(False, False, False)
         w_out = torch.randn(E, H, M, generator=g, dtype=DT, requires_grad=True)
     return x, w_rows, rows, w_in, w_out, fmt
 
 
 @pytest.mark.parametrize("remat", [True, False])
-@pytest.mark.parametrize("fused_in", [True, False])
-def test_streamed_glu_gradients_match_finite_differences(fused_in, remat):
-    x, w_rows, rows, w_in, w_out, fmt = _direct_inputs(fused_in)
+@pytest.mark.parametrize("form", ["fused", "split", "gpt_oss"])
+def test_streamed_glu_gradients_match_finite_differences(form, remat):
+    x, w_rows, rows, w_in, w_out, fmt = _direct_inputs(form == "fused", gpt=form == "gpt_oss")
+    E, O = w_out.shape[0], x.shape[1]
+    biases = ()
+    if form == "gpt_oss":
+        g = _gen(30)
+        biases = (torch.randn(E, w_in[0].shape[2], generator=g, dtype=DT, requires_grad=True),
+                  torch.randn(E, O, generator=g, dtype=DT, requires_grad=True))
+        with torch.no_grad():     # the clamps are active on some rows, idle on others
+            z = torch.einsum("tm,emn->etn", x, w_in[0]) + biases[0][:, None]
+            assert (z > fmt.limit).any() and (z < fmt.limit).any()
 
-    def f(x, w_rows, w_out, *w_in):
-        return S.streamed_glu(x, w_rows, rows, tuple(w_in), w_out, fmt, remat=remat)
+    def f(x, w_rows, w_out, *rest):
+        b_in, b_out = rest[:2] if biases else (None, None)
+        return S.streamed_glu(x, w_rows, rows, tuple(rest[len(biases):]), w_out, fmt, b_in=b_in, b_out=b_out,
+                              remat=remat)
 
-    assert torch.autograd.gradcheck(f, (x, w_rows, w_out, *w_in))
-    assert torch.autograd.gradgradcheck(f, (x, w_rows, w_out, *w_in))
+    assert torch.autograd.gradcheck(f, (x, w_rows, w_out, *biases, *w_in))
+    assert torch.autograd.gradgradcheck(f, (x, w_rows, w_out, *biases, *w_in))
 
 
 def test_streamed_glu_matches_a_per_pair_loop_and_skips_unused_grads():
@@ -172,7 +193,7 @@ def test_streamed_falls_back_under_vmap_compile_and_for_other_experts(monkeypatc
     assert not calls
     want = torch.stack([fmoe.moe(p, x, dataclasses.replace(spec, streamed=False))[0] for x in xs])
     torch.testing.assert_close(ys, want, rtol=1e-12, atol=1e-12)
-    for s in (_spec("ffn", 0.0), _spec("gpt_oss", 0.0), dataclasses.replace(spec, combine="grouped"),
+    for s in (_spec("ffn", 0.0), dataclasses.replace(spec, combine="grouped"),
               dataclasses.replace(spec, is_postscore=False)):
         x = xs[0].clone().requires_grad_(True)
         fmoe.moe(_params(s), x, s)[0].sum().backward()

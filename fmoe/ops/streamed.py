@@ -1,6 +1,9 @@
 """Streamed gated experts: gather, per-expert GEMMs and weighted scatter-add as one autograd node.
 
-    y[t] = sum over kept pairs (t, e):  w_te * (silu(x[t] G_e) * (x[t] U_e)) D_e
+    y[t] = sum over kept pairs (t, e):  w_te * (act(x[t] G_e, x[t] U_e) D_e)
+
+with act the SwiGLU ``silu(g) * u`` or GPT-OSS's clamped ``(clamp(u) + 1) * g σ(α g)``, g
+clamped above (its in-projection interleaved, both projections with biases).
 
 The staged pipeline (dispatch -> seam -> combine) materialises the dispatched rows [R, M],
 the gate and up projections, the hidden state and the expert outputs [R, O], and autograd
@@ -41,9 +44,10 @@ from torch.autograd import forward_ad as _fwd_ad
 from ..layout import Layout
 from .reference import compute_dtype
 
-__all__ = ["ORDERS", "ExpertRows", "GluWeights", "expert_rows", "streamed_glu", "applies"]
+__all__ = ["ORDERS", "ACTIVATIONS", "ExpertRows", "GluSpec", "expert_rows", "streamed_glu", "applies"]
 
 ORDERS = ("fmoe", "eager")
+ACTIVATIONS = ("silu", "gpt_oss")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -86,19 +90,34 @@ def expert_rows(layout: Layout) -> ExpertRows:
 
 
 @dataclasses.dataclass(frozen=True)
-class GluWeights:
-    """Static description of a gated expert's weights (which GEMM form each one takes).
+class GluSpec:
+    """Static description of a gated expert: its weights' GEMM forms and its activation.
 
     Attributes:
-        fused_in: the gate and up projections are one weight (gate half first along N).
+        fused_in: the gate and up projections are one weight [.., 2H] (else two).
         in_transposed: in-projection weights are [E, N, M] (out x in, nn.Linear) rather
             than [E, M, N].
         out_transposed: the down projection is [E, O, H] rather than [E, H, O].
+        interleaved: a fused in-projection holds gate/up in alternate columns (GPT-OSS)
+            instead of gate half first.
+        activation: 'silu' (``silu(g) * u``) or 'gpt_oss'
+            (``(clamp(u, -limit, limit) + 1) * g' σ(alpha g')``, ``g' = min(g, limit)``).
+        alpha, limit: the GPT-OSS constants.
     """
 
     fused_in: bool
     in_transposed: bool
     out_transposed: bool
+    interleaved: bool = False
+    activation: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"GluSpec.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.interleaved and not self.fused_in:
+            raise ValueError("GluSpec: interleaved gate/up columns need fused_in=True")
 
 
 def applies(*ts: Optional[Tensor]) -> bool:
@@ -128,30 +147,70 @@ def _wgrad(a: Tensor, g: Tensor, transposed: bool, out: Tensor) -> None:
         torch.mm(a.t(), g, out=out)
 
 
-def _hidden(x_e: Tensor, w_in: tuple, e: int, fmt: GluWeights, H: int,
+def _split(z: Tensor, fmt: GluSpec, H: int) -> tuple[Tensor, Tensor]:
+    """(gate, up) views of a fused projection z [n, 2H]."""
+    if fmt.interleaved:
+        return z[:, 0::2], z[:, 1::2]
+    return z[:, :H], z[:, H:]
+
+
+def _hidden(x_e: Tensor, w_in, b_in, e: int, fmt: GluSpec, H: int,
             out: Optional[tuple] = None) -> tuple[Tensor, Tensor]:
-    """(gate, up) projections [n, H] of the rows x_e [n, M] of expert e."""
+    """(gate, up) pre-activations [n, H] of the rows x_e [n, M] of expert e (bias added after
+    the GEMM, as ``x @ A + a`` does)."""
     if fmt.fused_in:
-        gu = _mm(x_e, w_in[0][e], fmt.in_transposed, None if out is None else out[0])
-        return gu[:, :H], gu[:, H:]
+        z = _mm(x_e, w_in[0][e], fmt.in_transposed, None if out is None else out[0])
+        if b_in is not None:
+            z.add_(b_in[e])
+        return _split(z, fmt, H)
     return (_mm(x_e, w_in[0][e], fmt.in_transposed, None if out is None else out[0]),
             _mm(x_e, w_in[1][e], fmt.in_transposed, None if out is None else out[1]))
 
 
-def _hidden_size(w_in: tuple, fmt: GluWeights) -> int:
+def _act(g: Tensor, u: Tensor, fmt: GluSpec) -> Tensor:
+    """The gated activation h [n, H] (out of place, differentiable; the experts' own order)."""
+    if fmt.activation == "silu":
+        return F.silu(g) * u
+    g = g.clamp(max=fmt.limit)
+    u = u.clamp(min=-fmt.limit, max=fmt.limit)
+    return (u + 1) * (g * torch.sigmoid(g * fmt.alpha))
+
+
+def _act_backward(g: Tensor, u: Tensor, gh: Tensor, fmt: GluSpec) -> tuple[Tensor, Tensor, Tensor]:
+    """(h, dL/dg, dL/du) from the pre-activations and dL/dh (gh is consumed)."""
+    if fmt.activation == "silu":
+        s = torch.sigmoid(g)
+        a = g * s                                                      # silu(g)
+        h = a * u
+        du = gh * a
+        dg = gh.mul_(u).mul_(s.mul_(g.mul(1 - s).add_(1)))             # d silu / dg = s (1 + g (1 - s))
+        return h, dg, du
+    L, alpha = fmt.limit, fmt.alpha
+    gc, uc = g.clamp(max=L), u.clamp(min=-L, max=L)
+    s = torch.sigmoid(gc * alpha)
+    glu = gc * s
+    up1 = uc + 1
+    h = up1 * glu
+    du = (gh * glu).mul_((u >= -L) & (u <= L))                         # clamp passes the gradient inside [-L, L]
+    dglu = s.mul_(gc.mul(1 - s).mul_(alpha).add_(1))                   # d (g σ(α g)) / dg = σ (1 + α g (1 - σ))
+    dg = gh.mul_(up1).mul_(dglu).mul_(g <= L)
+    return h, dg, du
+
+
+def _hidden_size(w_in: tuple, fmt: GluSpec) -> int:
     n = w_in[0].shape[1] if fmt.in_transposed else w_in[0].shape[2]
     return n // 2 if fmt.fused_in else n
 
 
-def _out_dim(w_out: Tensor, fmt: GluWeights) -> int:
+def _out_dim(w_out: Tensor, fmt: GluSpec) -> int:
     return w_out.shape[1] if fmt.out_transposed else w_out.shape[2]
 
 
 # Inference calls with at most this many kept pairs run the elementwise steps once over all
 # rows and leave only the GEMMs in the per-expert loop (written into slices of one row buffer):
 # at decode (T 16, E 64, k 6, M 1024, H 512: 96 pairs over ~50 experts) the per-expert loop
-# made 10 small ops per expert, ~5 ms of a 26 ms call whose weight reads take ~16 ms
-# (2026-12-01, 2 threads, quiet machine). Above it a [N, O] buffer is not worth its memory.
+# took 26 ms, this 19 ms, against 14 ms to read the busy experts' weights (2026-12-01, 2
+# threads, quiet machine). Above it the [N, O] buffer is not worth its memory.
 SMALL_ROWS = 1024
 
 
@@ -164,7 +223,8 @@ def _accumulate(y: Tensor, tok: Tensor, y_e: Tensor, w_e: Tensor, order: str) ->
         y.index_add_(0, tok, (y_e * w_e).to(dt))
 
 
-def _forward(x, w_rows, rows: ExpertRows, w_out, w_in, fmt: GluWeights, order: str, saved: Optional[tuple]):
+def _forward(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: GluSpec, order: str,
+             saved: Optional[tuple]):
     T = x.shape[0]
     H, O = _hidden_size(w_in, fmt), _out_dim(w_out, fmt)
     dt = x.dtype
@@ -173,67 +233,73 @@ def _forward(x, w_rows, rows: ExpertRows, w_out, w_in, fmt: GluWeights, order: s
     busy = [e for e in range(rows.num_experts) if b[e] < b[e + 1]]
     win, wout = [w.unbind(0) for w in w_in], w_out.unbind(0)
     # transformers' eager order in bf16/fp16 keeps the loop: one bf16 index_add_ sums a call's
-    # duplicates in fp32, and a bf16 silu over all rows splits its threads elsewhere.
+    # duplicates in fp32, and a bf16 activation over all rows splits its threads elsewhere.
     if saved is None and b[-1] <= SMALL_ROWS and (order == "fmoe" or dt in (torch.float32, torch.float64)):
-        _forward_small(x, w_rows, rows, wout, win, fmt, order, busy, H, O, y)
+        _forward_small(x, w_rows, rows, wout, b_in, b_out, win, fmt, order, busy, H, O, y)
         return y.to(dt)
     for e in busy:
         r0, r1 = b[e], b[e + 1]
         tok = rows.tokens[r0:r1]
         x_e = x.index_select(0, tok)
         out = None if saved is None else tuple(s[r0:r1] for s in saved)
-        g, u = _hidden(x_e, win, e, fmt, H, out)
-        y_e = _mm(F.silu(g).mul_(u), wout[e], fmt.out_transposed)
+        g, u = _hidden(x_e, win, b_in, e, fmt, H, out)
+        y_e = _mm(_act(g, u, fmt), wout[e], fmt.out_transposed)
+        if b_out is not None:
+            y_e.add_(b_out[e])
         _accumulate(y, tok, y_e, w_rows[r0:r1].unsqueeze(1), order)
     return y.to(dt)
 
 
-def _forward_small(x, w_rows, rows: ExpertRows, wout, win, fmt: GluWeights, order: str, busy, H, O, y) -> None:
+def _forward_small(x, w_rows, rows: ExpertRows, wout, b_in, b_out, win, fmt: GluSpec, order: str, busy, H, O,
+                   y) -> None:
     b, N = rows.bounds, rows.bounds[-1]
     x_r = x.index_select(0, rows.tokens)
-    if fmt.fused_in:
-        gu = x.new_empty((N, 2 * H))
-        parts = (gu,)
-    else:
-        parts = (x.new_empty((N, H)), x.new_empty((N, H)))
+    parts = (x.new_empty((N, 2 * H)),) if fmt.fused_in else (x.new_empty((N, H)), x.new_empty((N, H)))
     y_r = x.new_empty((N, O))
     for e in busy:
         r0, r1 = b[e], b[e + 1]
-        _hidden(x_r[r0:r1], win, e, fmt, H, tuple(p[r0:r1] for p in parts))
-    g, u = (gu[:, :H], gu[:, H:]) if fmt.fused_in else parts
-    h = F.silu(g).mul_(u)
+        _hidden(x_r[r0:r1], win, b_in, e, fmt, H, tuple(p[r0:r1] for p in parts))
+    g, u = _split(parts[0], fmt, H) if fmt.fused_in else parts
+    h = _act(g, u, fmt)
     for e in busy:
         r0, r1 = b[e], b[e + 1]
         _mm(h[r0:r1], wout[e], fmt.out_transposed, y_r[r0:r1])
+        if b_out is not None:
+            y_r[r0:r1].add_(b_out[e])
     # rows are sorted by expert, and a float32/64 index_add_ adds duplicates in index order
     _accumulate(y, rows.tokens, y_r, w_rows.unsqueeze(1), order)
 
 
+_STATIC = 4  # rows, fmt, order, remat: the non-tensor arguments between the tensors and w_in
+_FIRST_IN = 5 + _STATIC
+
+
 class _StreamedGlu(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_rows, w_out, rows, fmt, order, remat, *w_in):
+    def forward(ctx, x, w_rows, w_out, b_in, b_out, rows, fmt, order, remat, *w_in):
         saved = None
         if not remat:
             N, H = rows.bounds[-1], _hidden_size(w_in, fmt)
             shapes = [(N, 2 * H)] if fmt.fused_in else [(N, H), (N, H)]
             saved = tuple(torch.empty(s, dtype=x.dtype, device=x.device) for s in shapes)
-        y = _forward(x, w_rows, rows, w_out, w_in, fmt, order, saved)
-        ctx.rows, ctx.fmt, ctx.order, ctx.remat = rows, fmt, order, remat
-        ctx.n_in = len(w_in)
-        ctx.save_for_backward(x, w_rows, w_out, *w_in, *(saved or ()))
+        y = _forward(x, w_rows, rows, w_out, b_in, b_out, w_in, fmt, order, saved)
+        ctx.rows, ctx.fmt, ctx.order = rows, fmt, order
+        ctx.n_in, ctx.has_b_in, ctx.has_b_out = len(w_in), b_in is not None, b_out is not None
+        ctx.save_for_backward(x, w_rows, w_out, b_in, b_out, *w_in, *(saved or ()))
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        x, w_rows, w_out, *rest = ctx.saved_tensors
+        x, w_rows, w_out, b_in, b_out, *rest = ctx.saved_tensors
         w_in, saved = tuple(rest[:ctx.n_in]), tuple(rest[ctx.n_in:]) or None
         need = ctx.needs_input_grad
         if torch.is_grad_enabled():  # create_graph=True: differentiable re-computation
-            return _double_backward(ctx, gy, x, w_rows, w_out, w_in)
-        gx, gw_rows, gw_out, gw_in = _backward(gy, x, w_rows, w_out, w_in, saved, ctx.rows, ctx.fmt, ctx.order,
-                                               need_x=need[0], need_w=need[1], need_out=need[2],
-                                               need_in=any(need[7:]))
-        return (gx, gw_rows, gw_out, None, None, None, None, *(gw_in if gw_in is not None else (None,) * ctx.n_in))
+            return _double_backward(ctx, gy, x, w_rows, w_out, b_in, b_out, w_in)
+        grads = _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, ctx.rows, ctx.fmt, ctx.order,
+                          need=(need[0], need[1], need[2], need[3], need[4], any(need[_FIRST_IN:])))
+        gx, gw_rows, gw_out, gb_in, gb_out, gw_in = grads
+        return (gx, gw_rows, gw_out, gb_in, gb_out, *(None,) * _STATIC,
+                *(gw_in if gw_in is not None else (None,) * ctx.n_in))
 
 
 def _weight_grad(w: Tensor, idle: list) -> Tensor:
@@ -244,8 +310,9 @@ def _weight_grad(w: Tensor, idle: list) -> Tensor:
     return g
 
 
-def _backward(gy, x, w_rows, w_out, w_in, saved, rows: ExpertRows, fmt: GluWeights, order: str, *,
-              need_x: bool, need_w: bool, need_out: bool, need_in: bool):
+def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, fmt: GluSpec, order: str, *,
+              need: tuple):
+    need_x, need_w, need_out, need_b_in, need_b_out, need_in = need
     dt = x.dtype
     H = _hidden_size(w_in, fmt)
     gy = gy.to(dt)
@@ -255,6 +322,9 @@ def _backward(gy, x, w_rows, w_out, w_in, saved, rows: ExpertRows, fmt: GluWeigh
     idle = [e for e in range(rows.num_experts) if b[e] == b[e + 1]]
     gw_out = _weight_grad(w_out, idle) if need_out else None
     gw_in = tuple(_weight_grad(w, idle) for w in w_in) if need_in else None
+    gb_in = torch.zeros_like(b_in) if need_b_in else None
+    gb_out = torch.zeros_like(b_out) if need_b_out else None
+    win, wout = [w.unbind(0) for w in w_in], w_out.unbind(0)
     # The product y_e * w is formed in p (transformers' promotion, or fmoe's fp32 accumulation).
     p = torch.promote_types(dt, w_rows.dtype)
     if order == "fmoe":
@@ -266,45 +336,49 @@ def _backward(gy, x, w_rows, w_out, w_in, saved, rows: ExpertRows, fmt: GluWeigh
         tok = rows.tokens[r0:r1]
         x_e = x.index_select(0, tok)
         if saved is None:
-            g, u = _hidden(x_e, w_in, e, fmt, H)
-        elif fmt.fused_in:
-            g, u = saved[0][r0:r1, :H], saved[0][r0:r1, H:]
+            g, u = _hidden(x_e, win, b_in, e, fmt, H)
         else:
-            g, u = saved[0][r0:r1], saved[1][r0:r1]
+            g, u = _split(saved[0][r0:r1], fmt, H) if fmt.fused_in else (saved[0][r0:r1], saved[1][r0:r1])
         gy_e = gy.index_select(0, tok)                                 # [n, O]
         w_e = w_rows[r0:r1].unsqueeze(1)
-        s = torch.sigmoid(g)
-        a = g * s                                                      # silu(g)
-        h = a * u
-        gh = _mm(gy_e, w_out[e], not fmt.out_transposed)               # dy D_eᵀ, unscaled [n, H]
-        if need_w:
-            gw_rows[r0:r1] = (gh.to(p) * h.to(p)).sum(1).to(w_rows.dtype)
-        w_dt = w_e.to(p).to(dt) if p != dt else w_e.to(dt)
+        w_dt = w_e.to(p).to(dt)
+        gh = _mm(gy_e, wout[e], not fmt.out_transposed)                # dy D_eᵀ, unscaled [n, H]
+        gh_w = gh * w_dt                                               # dL/dh
+        h, gg, gu_ = _act_backward(g, u, gh_w, fmt)
+        if need_w:   # <dy, y_e> = <dy D_eᵀ, h> (+ <dy, d_e>): no saved expert output
+            dw = (gh.to(p) * h.to(p)).sum(1)
+            if b_out is not None:
+                dw += gy_e.to(p) @ b_out[e].to(p)
+            gw_rows[r0:r1] = dw.to(w_rows.dtype)
+        if need_b_out:
+            gb_out[e] = (gy_e.to(p) * w_dt.to(p)).sum(0).to(gb_out.dtype)
         if need_out:
             _wgrad(h.mul_(w_dt), gy_e, fmt.out_transposed, gw_out[e])
-        if not (need_x or need_in):
+        if not (need_x or need_in or need_b_in):
             continue
-        gh.mul_(w_dt)                                                  # d hidden
-        gu_ = gh * a
-        gg = gh.mul_(u).mul_(s.mul_(g.mul(1 - s).add_(1)))            # d silu(g) / dg = s (1 + g (1 - s))
         if fmt.fused_in:
-            d = torch.cat([gg, gu_], 1)
+            d = torch.empty((r1 - r0, 2 * H), dtype=dt, device=x.device)
+            dg_view, du_view = _split(d, fmt, H)
+            dg_view.copy_(gg)
+            du_view.copy_(gu_)
+            if need_b_in:
+                gb_in[e] = d.sum(0).to(gb_in.dtype)
             if need_in:
                 _wgrad(x_e, d, fmt.in_transposed, gw_in[0][e])
             if need_x:
-                gx.index_add_(0, tok, _mm(d, w_in[0][e], not fmt.in_transposed).to(gx.dtype))
+                gx.index_add_(0, tok, _mm(d, win[0][e], not fmt.in_transposed).to(gx.dtype))
         else:
             if need_in:
                 _wgrad(x_e, gg, fmt.in_transposed, gw_in[0][e])
                 _wgrad(x_e, gu_, fmt.in_transposed, gw_in[1][e])
             if need_x:
-                gx_e = _mm(gg, w_in[0][e], not fmt.in_transposed)
-                gx_e.addmm_(gu_, w_in[1][e] if fmt.in_transposed else w_in[1][e].t())
+                gx_e = _mm(gg, win[0][e], not fmt.in_transposed)
+                gx_e.addmm_(gu_, win[1][e] if fmt.in_transposed else win[1][e].t())
                 gx.index_add_(0, tok, gx_e.to(gx.dtype))
-    return (None if gx is None else gx.to(dt)), gw_rows, gw_out, gw_in
+    return (None if gx is None else gx.to(dt)), gw_rows, gw_out, gb_in, gb_out, gw_in
 
 
-def _reference(x, w_rows, rows: ExpertRows, w_out, w_in, fmt: GluWeights, order: str) -> Tensor:
+def _reference(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: GluSpec, order: str) -> Tensor:
     """The same forward from differentiable out-of-place ops (the double-backward graph)."""
     dt = x.dtype
     H, O = _hidden_size(w_in, fmt), _out_dim(w_out, fmt)
@@ -318,42 +392,50 @@ def _reference(x, w_rows, rows: ExpertRows, w_out, w_in, fmt: GluWeights, order:
         tok = rows.tokens[r0:r1]
         x_e = x.index_select(0, tok)
         if fmt.fused_in:
-            gu = _mm(x_e, w_in[0][e], fmt.in_transposed)
-            g, u = gu[:, :H], gu[:, H:]
+            z = _mm(x_e, w_in[0][e], fmt.in_transposed)
+            g, u = _split(z if b_in is None else z + b_in[e], fmt, H)
         else:
             g, u = _mm(x_e, w_in[0][e], fmt.in_transposed), _mm(x_e, w_in[1][e], fmt.in_transposed)
-        y_e = _mm(F.silu(g) * u, w_out[e], fmt.out_transposed)
+        y_e = _mm(_act(g, u, fmt), w_out[e], fmt.out_transposed)
+        if b_out is not None:
+            y_e = y_e + b_out[e]
         w_e = w_rows[r0:r1].unsqueeze(1)
         contrib = y_e.to(acc_dt) * w_e.to(acc_dt) if order == "fmoe" else (y_e * w_e).to(dt)
         y = y.index_add(0, tok, contrib)
     return y.to(dt)
 
 
-def _double_backward(ctx, gy, x, w_rows, w_out, w_in):
-    inputs = (x, w_rows, w_out, *w_in)
+def _double_backward(ctx, gy, x, w_rows, w_out, b_in, b_out, w_in):
+    inputs = (x, w_rows, w_out, b_in, b_out, *w_in)
     with torch.enable_grad():
-        y = _reference(x, w_rows, ctx.rows, w_out, w_in, ctx.fmt, ctx.order)
-    want = [i for i, t in enumerate(inputs) if ctx.needs_input_grad[i if i < 3 else i + 4] and t.requires_grad]
+        y = _reference(x, w_rows, ctx.rows, w_out, b_in, b_out, w_in, ctx.fmt, ctx.order)
+    need = ctx.needs_input_grad
+    want = [i for i, t in enumerate(inputs)
+            if t is not None and t.requires_grad and need[i if i < 5 else i + _STATIC]]
     grads = torch.autograd.grad(y, [inputs[i] for i in want], gy, create_graph=True, allow_unused=True)
     out = [None] * len(inputs)
     for i, g in zip(want, grads):
         out[i] = g
-    return (out[0], out[1], out[2], None, None, None, None, *out[3:])
+    return (*out[:5], *(None,) * _STATIC, *out[5:])
 
 
-def streamed_glu(x: Tensor, w_rows: Tensor, rows: ExpertRows, w_in: tuple, w_out: Tensor, fmt: GluWeights, *,
-                 order: str = "fmoe", remat: bool = True) -> Tensor:
-    """SiLU-gated experts over kept pairs, from tokens to tokens in one pass per expert.
+def streamed_glu(x: Tensor, w_rows: Tensor, rows: ExpertRows, w_in: tuple, w_out: Tensor, fmt: GluSpec, *,
+                 b_in: Optional[Tensor] = None, b_out: Optional[Tensor] = None, order: str = "fmoe",
+                 remat: bool = True) -> Tensor:
+    """Gated experts over kept pairs, from tokens to tokens in one pass per expert.
 
     Args:
         x: float [T, M] tokens (the experts' compute dtype).
         w_rows: float [N] gate weight of each kept pair, in ``rows`` order (any float dtype;
             differentiable: its gradient is the gate-weight gradient).
         rows: :func:`expert_rows` of the routing's ragged layout.
-        w_in: ``(W_gu,)`` with the gate half first ([E, 2H, M] if ``fmt.in_transposed`` else
-            [E, M, 2H]) or ``(W_gate, W_up)`` ([E, H, M] / [E, M, H] each).
+        w_in: ``(W_gu,)`` fused ([E, 2H, M] if ``fmt.in_transposed`` else [E, M, 2H]; gate
+            half first, or alternate columns if ``fmt.interleaved``) or ``(W_gate, W_up)``
+            ([E, H, M] / [E, M, H] each).
         w_out: [E, O, H] if ``fmt.out_transposed`` else [E, H, O].
-        fmt: :class:`GluWeights`.
+        fmt: :class:`GluSpec`.
+        b_in: [E, 2H] bias of a fused in-projection (GPT-OSS), or None.
+        b_out: [E, O] bias of the down projection, or None.
         order: 'fmoe' or 'eager' (see the module docstring).
         remat: backward recomputes the gate/up projection (True) or saves it, [N, 2H] in x's
             dtype (False).
@@ -372,13 +454,20 @@ def streamed_glu(x: Tensor, w_rows: Tensor, rows: ExpertRows, w_in: tuple, w_out
     if w_rows.shape != (N,) or rows.tokens.shape != (N,):
         raise ValueError(f"streamed_glu: {N} kept pairs, but w_rows {tuple(w_rows.shape)} and tokens "
                          f"{tuple(rows.tokens.shape)}")
+    E = rows.num_experts
     for w in (*w_in, w_out):
-        if w.dim() != 3 or w.shape[0] != rows.num_experts:
-            raise ValueError(f"streamed_glu: expert weights must be [E={rows.num_experts}, ., .], got "
-                             f"{tuple(w.shape)}")
-    w_in = tuple(w.to(x.dtype) for w in w_in)
-    w_out = w_out.to(x.dtype)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w_rows, w_out, *w_in))
-    if not grad:  # inference / decode: no graph, nothing saved
-        return _forward(x, w_rows, rows, w_out, w_in, fmt, order, None)
-    return _StreamedGlu.apply(x, w_rows, w_out, rows, fmt, order, remat, *w_in)
+        if w.dim() != 3 or w.shape[0] != E:
+            raise ValueError(f"streamed_glu: expert weights must be [E={E}, ., .], got {tuple(w.shape)}")
+    H, O = _hidden_size(w_in, fmt), _out_dim(w_out, fmt)
+    if b_in is not None and (not fmt.fused_in or tuple(b_in.shape) != (E, 2 * H)):
+        raise ValueError(f"streamed_glu: b_in must be [E, 2H] = [{E}, {2 * H}] with a fused in-projection, got "
+                         f"{tuple(b_in.shape)}")
+    if b_out is not None and tuple(b_out.shape) != (E, O):
+        raise ValueError(f"streamed_glu: b_out must be [E, O] = [{E}, {O}], got {tuple(b_out.shape)}")
+    cast = lambda t: None if t is None else t.to(x.dtype)  # noqa: E731
+    w_in = tuple(cast(w) for w in w_in)
+    w_out, b_in, b_out = cast(w_out), cast(b_in), cast(b_out)
+    tensors = (x, w_rows, w_out, b_in, b_out, *w_in)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
+        return _forward(x, w_rows, rows, w_out, b_in, b_out, w_in, fmt, order, None)   # inference: nothing saved
+    return _StreamedGlu.apply(x, w_rows, w_out, b_in, b_out, rows, fmt, order, remat, *w_in)
