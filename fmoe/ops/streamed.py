@@ -176,25 +176,30 @@ def _act(g: Tensor, u: Tensor, fmt: GluSpec) -> Tensor:
     return (u + 1) * (g * torch.sigmoid(g * fmt.alpha))
 
 
-def _act_backward(g: Tensor, u: Tensor, gh: Tensor, fmt: GluSpec) -> tuple[Tensor, Tensor, Tensor]:
-    """(h, dL/dg, dL/du) from the pre-activations and dL/dh (gh is consumed)."""
+def _act_backward(g: Tensor, u: Tensor, gh: Tensor, fmt: GluSpec, out: tuple) -> Tensor:
+    """h, with dL/dg and dL/du written into ``out`` = (dg [n, H], du [n, H]) views; gh = dL/dh
+    is consumed. Temporaries die here, so backward holds few [n, H] tensors at a time."""
+    dg, du = out
     if fmt.activation == "silu":
         s = torch.sigmoid(g)
         a = g * s                                                      # silu(g)
         h = a * u
-        du = gh * a
-        dg = gh.mul_(u).mul_(s.mul_(g.mul(1 - s).add_(1)))             # d silu / dg = s (1 + g (1 - s))
-        return h, dg, du
+        torch.mul(gh, a, out=du)
+        del a
+        ds = torch.rsub(s, 1).mul_(g).add_(1).mul_(s)                  # d silu / dg = s (1 + g (1 - s))
+        torch.mul(gh.mul_(u), ds, out=dg)
+        return h
     L, alpha = fmt.limit, fmt.alpha
     gc, uc = g.clamp(max=L), u.clamp(min=-L, max=L)
     s = torch.sigmoid(gc * alpha)
     glu = gc * s
-    up1 = uc + 1
+    up1 = uc.add_(1)
     h = up1 * glu
-    du = (gh * glu).mul_((u >= -L) & (u <= L))                         # clamp passes the gradient inside [-L, L]
-    dglu = s.mul_(gc.mul(1 - s).mul_(alpha).add_(1))                   # d (g σ(α g)) / dg = σ (1 + α g (1 - σ))
-    dg = gh.mul_(up1).mul_(dglu).mul_(g <= L)
-    return h, dg, du
+    torch.mul(gh, glu, out=du).mul_((u >= -L) & (u <= L))             # clamp passes the gradient inside [-L, L]
+    del glu
+    dglu = torch.rsub(s, 1).mul_(gc).mul_(alpha).add_(1).mul_(s)       # d (g σ(α g)) / dg = σ (1 + α g (1 - σ))
+    torch.mul(gh.mul_(up1), dglu, out=dg).mul_(g <= L)
+    return h
 
 
 def _hidden_size(w_in: tuple, fmt: GluSpec) -> int:
@@ -343,37 +348,37 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
         w_e = w_rows[r0:r1].unsqueeze(1)
         w_dt = w_e.to(p).to(dt)
         gh = _mm(gy_e, wout[e], not fmt.out_transposed)                # dy D_eᵀ, unscaled [n, H]
-        gh_w = gh * w_dt                                               # dL/dh
-        h, gg, gu_ = _act_backward(g, u, gh_w, fmt)
+        d = torch.empty((r1 - r0, 2 * H), dtype=dt, device=x.device)   # [dL/dg, dL/du] (fused layout)
+        dg, du = _split(d, fmt, H) if fmt.fused_in else (d[:, :H], d[:, H:])
+        h = _act_backward(g, u, gh * w_dt, fmt, (dg, du))
+        del g, u
         if need_w:   # <dy, y_e> = <dy D_eᵀ, h> (+ <dy, d_e>): no saved expert output
-            dw = (gh.to(p) * h.to(p)).sum(1)
+            dw = torch.linalg.vecdot(gh.to(p), h.to(p))
             if b_out is not None:
                 dw += gy_e.to(p) @ b_out[e].to(p)
             gw_rows[r0:r1] = dw.to(w_rows.dtype)
+        del gh
         if need_b_out:
             gb_out[e] = (gy_e.to(p) * w_dt.to(p)).sum(0).to(gb_out.dtype)
         if need_out:
             _wgrad(h.mul_(w_dt), gy_e, fmt.out_transposed, gw_out[e])
-        if not (need_x or need_in or need_b_in):
-            continue
+        del h, gy_e
+        if need_b_in:
+            gb_in[e] = d.sum(0).to(gb_in.dtype)
         if fmt.fused_in:
-            d = torch.empty((r1 - r0, 2 * H), dtype=dt, device=x.device)
-            dg_view, du_view = _split(d, fmt, H)
-            dg_view.copy_(gg)
-            du_view.copy_(gu_)
-            if need_b_in:
-                gb_in[e] = d.sum(0).to(gb_in.dtype)
             if need_in:
                 _wgrad(x_e, d, fmt.in_transposed, gw_in[0][e])
+            del x_e
             if need_x:
                 gx.index_add_(0, tok, _mm(d, win[0][e], not fmt.in_transposed).to(gx.dtype))
         else:
             if need_in:
-                _wgrad(x_e, gg, fmt.in_transposed, gw_in[0][e])
-                _wgrad(x_e, gu_, fmt.in_transposed, gw_in[1][e])
+                _wgrad(x_e, dg, fmt.in_transposed, gw_in[0][e])
+                _wgrad(x_e, du, fmt.in_transposed, gw_in[1][e])
+            del x_e
             if need_x:
-                gx_e = _mm(gg, win[0][e], not fmt.in_transposed)
-                gx_e.addmm_(gu_, win[1][e] if fmt.in_transposed else win[1][e].t())
+                gx_e = _mm(dg, win[0][e], not fmt.in_transposed)
+                gx_e.addmm_(du, win[1][e] if fmt.in_transposed else win[1][e].t())
                 gx.index_add_(0, tok, gx_e.to(gx.dtype))
     return (None if gx is None else gx.to(dt)), gw_rows, gw_out, gb_in, gb_out, gw_in
 
