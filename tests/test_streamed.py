@@ -227,6 +227,10 @@ def test_inference_small_batch_path_equals_the_per_expert_loop(dtype, combine, m
     with torch.no_grad():
         assert 4 * 64 <= S.SMALL_ROWS
         small = fmoe.moe(p, x, spec)[0]
+        with monkeypatch.context() as m:    # the same path without torch._grouped_mm: a GEMM per expert
+            m.setattr(S, "_grouped_ok", lambda *ts: False)
+            small_loop = fmoe.moe(p, x, spec)[0]
+        assert torch.equal(small, small_loop)
         monkeypatch.setattr(S, "SMALL_ROWS", 0)
         loop = fmoe.moe(p, x, spec)[0]
         staged = fmoe.moe(p, x, dataclasses.replace(spec, streamed=False))[0]
