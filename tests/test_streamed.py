@@ -234,7 +234,7 @@ def test_inference_small_batch_path_equals_the_per_expert_loop(dtype, combine, m
         monkeypatch.setattr(S, "SMALL_ROWS", 0)
         loop = fmoe.moe(p, x, spec)[0]
         staged = fmoe.moe(p, x, dataclasses.replace(spec, streamed=False))[0]
-    if dtype == torch.float32 and combine == "eager":   # the loop's fmoe order uses the numba activation
+    if dtype == torch.float32:   # bf16: silu over all rows splits its threads elsewhere
         assert torch.equal(small, loop)
     if combine == "eager":
         assert torch.equal(small, staged)    # transformers' order, bit for bit, in bf16 too

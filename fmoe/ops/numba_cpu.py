@@ -293,11 +293,10 @@ def warmup(progress: Optional[Callable[[str], None]] = None) -> dict:
         {kernel name: seconds}.
     """
     from . import _ragged_kernels  # fmoe.ops.ragged's small-group kernels
-    from . import _streamed_kernels  # fmoe.ops.streamed's activation kernels
 
     times = {}
     with _numba.kernel_call():
-        for name, kernel, args in [*K.signatures(), *_ragged_kernels.signatures(), *_streamed_kernels.signatures()]:
+        for name, kernel, args in [*K.signatures(), *_ragged_kernels.signatures()]:
             t0 = time.perf_counter()
             kernel(*args)
             times[name] = time.perf_counter() - t0

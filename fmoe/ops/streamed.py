@@ -41,9 +41,7 @@ from torch import Tensor
 from torch._C import _functorch
 from torch.autograd import forward_ad as _fwd_ad
 
-from .. import _numba
 from ..layout import Layout
-from . import _streamed_kernels as _kernels
 from .reference import compute_dtype
 
 __all__ = ["ORDERS", "ACTIVATIONS", "ExpertRows", "GluSpec", "expert_rows", "streamed_glu", "applies"]
@@ -178,27 +176,6 @@ def _act(g: Tensor, u: Tensor, fmt: GluSpec) -> Tensor:
     return (u + 1) * (g * torch.sigmoid(g * fmt.alpha))
 
 
-def _numba_ok(fmt: GluSpec, *ts: Tensor) -> bool:
-    # The one-pass kernels: SiLU, CPU float32/64, one dtype throughout.
-    dt = ts[0].dtype
-    return (fmt.activation == "silu" and dt in (torch.float32, torch.float64)
-            and all(t.device.type == "cpu" and t.dtype == dt for t in ts))
-
-
-def _np(t: Tensor):
-    return t.detach().numpy()
-
-
-def _act_fast(g: Tensor, u: Tensor, fmt: GluSpec) -> Tensor:
-    """:func:`_act` without autograd: one numba pass where it applies."""
-    if not _numba_ok(fmt, g, u):
-        return _act(g, u, fmt)
-    h = torch.empty(g.shape, dtype=g.dtype)
-    with _numba.kernel_call():
-        _kernels.silu_forward(_np(g), _np(u), _np(h))
-    return h
-
-
 def _act_backward(g: Tensor, u: Tensor, gh: Tensor, fmt: GluSpec, out: tuple) -> Tensor:
     """h, with dL/dg and dL/du written into ``out`` = (dg [n, H], du [n, H]) views; gh = dL/dh
     is consumed. Temporaries die here, so backward holds few [n, H] tensors at a time."""
@@ -271,9 +248,7 @@ def _forward(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: GluSpec
         x_e = x.index_select(0, tok)
         out = None if saved is None else tuple(s[r0:r1] for s in saved)
         g, u = _hidden(x_e, win, b_in, e, fmt, H, out)
-        # combine='eager' reproduces transformers' ops one by one, so it keeps torch's silu
-        h = _act_fast(g, u, fmt) if order == "fmoe" else _act(g, u, fmt)
-        y_e = _mm(h, wout[e], fmt.out_transposed)
+        y_e = _mm(_act(g, u, fmt), wout[e], fmt.out_transposed)
         if b_out is not None:
             y_e.add_(b_out[e])
         _accumulate(y, tok, y_e, w_rows[r0:r1].unsqueeze(1), order)
@@ -402,28 +377,18 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
         gh = _mm(gy_e, wout[e], not fmt.out_transposed)                # dy D_eᵀ, unscaled [n, H]
         d = torch.empty((r1 - r0, 2 * H), dtype=dt, device=x.device)   # [dL/dg, dL/du] (fused layout)
         dg, du = _split(d, fmt, H) if fmt.fused_in else (d[:, :H], d[:, H:])
-        if b_out is None and _numba_ok(fmt, g, u, gh, w_rows):
-            # one pass: dL/dg, dL/du, w * h and <dy D_eᵀ, h>
-            h = torch.empty(gh.shape, dtype=dt)
-            dw = torch.empty(r1 - r0, dtype=dt)
-            with _numba.kernel_call():
-                _kernels.silu_backward(_np(g), _np(u), _np(gh), _np(w_rows[r0:r1].contiguous()), _np(dg), _np(du),
-                                       _np(h), _np(dw))
-            if need_w:
-                gw_rows[r0:r1] = dw
-        else:
-            h = _act_backward(g, u, gh * w_dt, fmt, (dg, du))
-            if need_w:   # <dy, y_e> = <dy D_eᵀ, h> (+ <dy, d_e>): no saved expert output
-                dw = torch.linalg.vecdot(gh.to(p), h.to(p))
-                if b_out is not None:
-                    dw += gy_e.to(p) @ b_out[e].to(p)
-                gw_rows[r0:r1] = dw.to(w_rows.dtype)
-            h.mul_(w_dt)                                               # w * h: the down GEMM's wgrad operand
-        del g, u, gh
+        h = _act_backward(g, u, gh * w_dt, fmt, (dg, du))
+        del g, u
+        if need_w:   # <dy, y_e> = <dy D_eᵀ, h> (+ <dy, d_e>): no saved expert output
+            dw = torch.linalg.vecdot(gh.to(p), h.to(p))
+            if b_out is not None:
+                dw += gy_e.to(p) @ b_out[e].to(p)
+            gw_rows[r0:r1] = dw.to(w_rows.dtype)
+        del gh
         if need_b_out:
             gb_out[e] = (gy_e.to(p) * w_dt.to(p)).sum(0).to(gb_out.dtype)
         if need_out:
-            _wgrad(h, gy_e, fmt.out_transposed, gw_out[e])
+            _wgrad(h.mul_(w_dt), gy_e, fmt.out_transposed, gw_out[e])
         del h, gy_e
         if need_b_in:
             gb_in[e] = d.sum(0).to(gb_in.dtype)
