@@ -123,22 +123,24 @@ def layer_tables(lay: dict) -> list[str]:
                      f"({_fmt(r.get('fmoe_vs_dense_flat'))}) | "
                      f"{_fmt(r.get('tutel_vs_dense'))} | {_mem(r['memory'].get('fmoe'))} | "
                      f"{_mem(r['memory'].get('tutel'))} | {_fmt(r.get('fmoe_mem_vs_tutel'))} |")
-    if train and any("fmoe_saved" in r["variants"] for r in train.values()):
-        L += ["", "fmoe variants: `fmoe` = default (streamed, remat); `saved` = `remat=False` (gate/up "
-              "projections saved for backward, no recompute); `staged` = `streamed=False` (dispatch -> seam -> "
-              "combine, Tutel's arithmetic bit for bit). Same round-robin as the table above.", "",
-              "| config | fmoe ms | saved ms | staged ms | fmoe vs dense | saved vs dense | staged vs dense | "
-              "saved/tutel time | fmoe mem MiB | saved mem MiB | staged mem MiB | fmoe / saved / staged mem vs tutel |",
+    if train and any("fmoe_recompute" in r["variants"] for r in train.values()):
+        L += ["", "fmoe variants: `fmoe` = default (streamed, `save='in_grad'`: gate/up projections kept in the "
+              "weight gradients' buffers); `recompute` = `save='recompute'` (recomputed in backward); `staged` = "
+              "`streamed=False` (dispatch -> seam -> combine, Tutel's arithmetic bit for bit). Same round-robin as "
+              "the table above.", "",
+              "| config | fmoe ms | recompute ms | staged ms | fmoe vs dense | recompute vs dense | staged vs dense | "
+              "recompute/tutel time | fmoe mem MiB | recompute mem MiB | staged mem MiB | "
+              "fmoe / recompute / staged mem vs tutel |",
               "|" + "---|" * 12]
         for n, r in train.items():
             v, m = r["variants"], r["memory"]
-            if "fmoe_saved" not in v:
+            if "fmoe_recompute" not in v:
                 continue
-            L.append(f"| {n} | {_ms(v['fmoe'])} | {_ms(v['fmoe_saved'])} | {_ms(v['fmoe_staged'])} | "
-                     f"{r['fmoe_vs_dense']:.2f} | {_fmt(r.get('fmoe_saved_vs_dense'))} | "
-                     f"{_fmt(r.get('fmoe_staged_vs_dense'))} | {_fmt(r.get('fmoe_saved_time_vs_tutel'))} | "
-                     f"{_mem(m.get('fmoe'))} | {_mem(m.get('fmoe_saved'))} | {_mem(m.get('fmoe_staged'))} | "
-                     f"{_fmt(r.get('fmoe_mem_vs_tutel'))} / {_fmt(r.get('fmoe_saved_mem_vs_tutel'))} / "
+            L.append(f"| {n} | {_ms(v['fmoe'])} | {_ms(v['fmoe_recompute'])} | {_ms(v['fmoe_staged'])} | "
+                     f"{r['fmoe_vs_dense']:.2f} | {_fmt(r.get('fmoe_recompute_vs_dense'))} | "
+                     f"{_fmt(r.get('fmoe_staged_vs_dense'))} | {_fmt(r.get('fmoe_recompute_time_vs_tutel'))} | "
+                     f"{_mem(m.get('fmoe'))} | {_mem(m.get('fmoe_recompute'))} | {_mem(m.get('fmoe_staged'))} | "
+                     f"{_fmt(r.get('fmoe_mem_vs_tutel'))} / {_fmt(r.get('fmoe_recompute_mem_vs_tutel'))} / "
                      f"{_fmt(r.get('fmoe_staged_mem_vs_tutel'))} |")
     if dec:
         L += ["", "| config | T | M | H | E | k | busy experts | busy weights MiB | read GB/s | stream bound ms | "

@@ -69,9 +69,12 @@ class MoESpec:
             False: the staged pipeline (dispatch -> seam -> combine; with the padded layout
             Tutel's arithmetic bit for bit). Under torch.func / torch.compile, with expert
             parallelism, other expert types or quantized weights the staged pipeline runs.
-        remat: with ``streamed``, backward recomputes each expert's gate/up projection from
-            the regathered rows instead of saving it ([N, 2H] for N kept pairs): one more
-            forward GEMM pair for the least training memory.
+        save: with ``streamed``, where backward gets each expert's gate/up projection:
+            'in_grad' (default: written in forward into the buffer of the in-projection weights'
+            gradient and read back before that gradient overwrites it: no recomputed GEMM and
+            no memory beyond the gradients; falls back to 'recompute' when the loads are too
+            uneven, see :func:`fmoe.ops.streamed.fits_in_grad`), 'recompute' (one more forward
+            GEMM pair per expert) or 'separate' (its own [N, 2H] buffer).
     """
 
     model_dim: int
@@ -87,7 +90,7 @@ class MoESpec:
     combine: str = "fmoe"
     shared: Optional[str] = None
     streamed: bool = True
-    remat: bool = True
+    save: str = "in_grad"
 
     def __post_init__(self):
         for name in ("model_dim", "num_experts", "alignment"):
@@ -100,6 +103,8 @@ class MoESpec:
             raise ValueError(f"MoESpec.layout must be 'auto', 'padded' or 'ragged', got {self.layout!r}")
         if self.layout == "ragged" and not self.experts.layout_aware:
             raise ValueError("MoESpec.layout='ragged' needs built-in experts; custom experts take padded buffers")
+        if self.save not in _streamed.SAVES:
+            raise ValueError(f"MoESpec.save must be one of {_streamed.SAVES}, got {self.save!r}")
         if self.combine not in COMBINES:
             raise ValueError(f"MoESpec.combine must be one of {COMBINES}, got {self.combine!r}")
         if self.shared is not None and self.shared not in SHARED:
@@ -403,7 +408,7 @@ def _streamed_experts(spec: MoESpec, experts, compute: Tensor, routing: Routing)
         return None
     rows = _streamed.expert_rows(ragged_layout(routing))   # kept pairs, capacity honoured
     w_rows = routing.weights.reshape(-1).index_select(0, rows.pairs)
-    return _streamed.streamed_glu(compute, w_rows, rows, order=spec.combine, remat=spec.remat, **kw)
+    return _streamed.streamed_glu(compute, w_rows, rows, order=spec.combine, save=spec.save, **kw)
 
 
 def _finish(spec: MoESpec, params, x: Tensor, y: Tensor, routing: Routing, out, l_aux, seen) -> tuple:

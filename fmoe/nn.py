@@ -243,9 +243,9 @@ class MoELayer(nn.Module):
         is_postscore, batch_prioritized_routing, normalize_gate, is_gshard_loss:
             as in :class:`fmoe.MoESpec`.
         dtype: parameter dtype of the experts (gates stay float32 with fp32_gate).
-        streamed, remat: as in :class:`fmoe.MoESpec` (``streamed=False``: the staged
-            pipeline, Tutel's arithmetic bit for bit; ``remat=False``: save the experts'
-            gate/up projections instead of recomputing them in backward).
+        streamed, save: as in :class:`fmoe.MoESpec` (``streamed=False``: the staged
+            pipeline, Tutel's arithmetic bit for bit; ``save``: where backward gets the
+            experts' gate/up projections, 'in_grad' | 'recompute' | 'separate').
     """
 
     def __init__(self, gate_type: Union[dict, Sequence[dict]], model_dim: int, experts: Optional[dict] = None,
@@ -255,7 +255,7 @@ class MoELayer(nn.Module):
                  is_postscore: bool = True, batch_prioritized_routing: bool = False, normalize_gate: bool = True,
                  is_gshard_loss: bool = True, parallel_type: str = "adaptive:1", use_2dh: bool = False,
                  dtype: torch.dtype = torch.float32, scan_expert_func=None, group=None,
-                 local_size: Optional[int] = None, streamed: bool = True, remat: bool = True):
+                 local_size: Optional[int] = None, streamed: bool = True, save: str = "in_grad"):
         super().__init__()
         if group is not None:
             raise ValueError("MoELayer takes an explicit communicator: pass comm=fmoe.comm.TorchDistComm(group) "
@@ -283,7 +283,7 @@ class MoELayer(nn.Module):
             raise ValueError("gate_type list is empty")
         base = dict(model_dim=model_dim, num_experts=num_global, experts=espec, is_postscore=is_postscore,
                     batch_prioritized=batch_prioritized_routing, normalize_gate=normalize_gate,
-                    is_gshard_loss=is_gshard_loss, streamed=streamed, remat=remat)
+                    is_gshard_loss=is_gshard_loss, streamed=streamed, save=save)
         self.specs = tuple(MoESpec(gate=_gate_spec(c), **base) for c in gate_cfgs)
         self.parallel_type = _parse_parallel_type(parallel_type)
         self.a2a_ffn_overlap_degree = a2a_ffn_overlap_degree

@@ -1,6 +1,7 @@
 """The streamed gated-expert op (fmoe.ops.streamed) against the staged pipeline and finite
 differences: both layouts, capacity modes, weight forms, dtypes, both accumulation orders,
-remat on and off, double backward, saved memory, and its errors."""
+the three places backward gets the projections from (the gradient buffers, recompute, a separate
+buffer), retained graphs, double backward, saved memory, and its errors."""
 import dataclasses
 
 import pytest
@@ -55,20 +56,31 @@ def _count_streamed(monkeypatch):
     return calls
 
 
+def _record_modes(monkeypatch):
+    """The save mode each streamed forward ran with (after any fallback)."""
+    modes = []
+    real = S._StreamedGlu.forward
+    monkeypatch.setattr(S._StreamedGlu, "forward",
+                        staticmethod(lambda ctx, *a: (real(ctx, *a), modes.append(ctx.save))[0]))
+    return modes
+
+
 CASES = [("gated_ffn", 0.0, False), ("gated_ffn", 1.25, False), ("gated_ffn", 2.0, False), ("gated_ffn", -0.5, False),
          ("swiglu", 0.0, False), ("swiglu", 1.0, True), ("swiglu", 0.0, True),
          ("gpt_oss", 0.0, False), ("gpt_oss", 1.25, False)]
 
 
-@pytest.mark.parametrize("remat", [True, False])
+@pytest.mark.parametrize("save", S.SAVES)
 @pytest.mark.parametrize("expert_type,cf,split", CASES)
-def test_streamed_equals_the_staged_pipeline(expert_type, cf, split, remat, monkeypatch):
-    spec = _spec(expert_type, cf, remat=remat)
+def test_streamed_equals_the_staged_pipeline(expert_type, cf, split, save, monkeypatch):
+    spec = _spec(expert_type, cf, M=32, save=save)    # M = 32 >= every expert's rows: 'in_grad' fits
     p = _params(spec, split=split)
-    x = torch.randn(40, 12, generator=_gen(1), dtype=DT)
+    x = torch.randn(40, 32, generator=_gen(1), dtype=DT)
     calls = _count_streamed(monkeypatch)
+    modes = _record_modes(monkeypatch)
     ys, gxs, gps = _step(spec, p, x)
     assert calls, "the streamed op did not run"
+    assert modes == [save]
     yr, gxr, gpr = _step(dataclasses.replace(spec, streamed=False), p, x)
     assert len(calls) == 1
     torch.testing.assert_close(ys, yr, rtol=1e-12, atol=1e-12)
@@ -118,9 +130,9 @@ def _direct_inputs(fused_in, E=4, T=9, M=5, H=3, seed=3, gpt=False):
     return x, w_rows, rows, w_in, w_out, fmt
 
 
-@pytest.mark.parametrize("remat", [True, False])
+@pytest.mark.parametrize("save", S.SAVES)
 @pytest.mark.parametrize("form", ["fused", "split", "gpt_oss"])
-def test_streamed_glu_gradients_match_finite_differences(form, remat):
+def test_streamed_glu_gradients_match_finite_differences(form, save):
     x, w_rows, rows, w_in, w_out, fmt = _direct_inputs(form == "fused", gpt=form == "gpt_oss")
     E, O = w_out.shape[0], x.shape[1]
     biases = ()
@@ -135,7 +147,7 @@ def test_streamed_glu_gradients_match_finite_differences(form, remat):
     def f(x, w_rows, w_out, *rest):
         b_in, b_out = rest[:2] if biases else (None, None)
         return S.streamed_glu(x, w_rows, rows, tuple(rest[len(biases):]), w_out, fmt, b_in=b_in, b_out=b_out,
-                              remat=remat)
+                              save=save)
 
     assert torch.autograd.gradcheck(f, (x, w_rows, w_out, *biases, *w_in))
     assert torch.autograd.gradgradcheck(f, (x, w_rows, w_out, *biases, *w_in))
@@ -161,10 +173,24 @@ def test_streamed_glu_matches_a_per_pair_loop_and_skips_unused_grads():
     torch.testing.assert_close(gx, gx_all, rtol=1e-13, atol=1e-13)
 
 
-def test_streamed_saves_no_per_row_tensors_with_remat():
-    spec = _spec("gated_ffn", 1.25, k=2, E=4, M=16, H=8)
-    p = _params(spec)
-    x = torch.randn(50, 16, generator=_gen(5), dtype=DT, requires_grad=True)
+def _streamed_node(y):
+    """The _StreamedGlu node behind y (its ctx attributes are the node's)."""
+    todo, seen = [y.grad_fn], set()
+    while todo:
+        f = todo.pop()
+        if f is None or id(f) in seen:
+            continue
+        seen.add(id(f))
+        if type(f).__name__ == "_StreamedGluBackward":
+            return f
+        todo += [g for g, _ in f.next_functions]
+    raise AssertionError("no streamed node in the graph")
+
+
+def test_streamed_keeps_no_per_row_tensors_beyond_the_gradient_buffers():
+    spec = _spec("gated_ffn", 1.25, k=2, E=4, M=32, H=8)   # C = 32 <= M: the projections fit
+    p = pytree.tree_map(lambda t: t.requires_grad_(True), _params(spec))
+    x = torch.randn(50, 32, generator=_gen(5), dtype=DT, requires_grad=True)
 
     def saved_bytes(s):
         seen = {}
@@ -173,15 +199,59 @@ def test_streamed_saves_no_per_row_tensors_with_remat():
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fmoe.moe(p, x, s)
-        return sum(seen.values())
+            y = fmoe.moe(p, x, s)[0]
+        return y, sum(seen.values())
 
-    lean, kept, staged = (saved_bytes(dataclasses.replace(spec, remat=True)),
-                          saved_bytes(dataclasses.replace(spec, remat=False)),
-                          saved_bytes(dataclasses.replace(spec, streamed=False)))
-    rows_h = 100 * 8 * 8                                         # [N = k T, H] fp64
-    assert kept - lean >= 2 * rows_h                             # remat=False keeps gate and up
-    assert staged - lean >= 2 * 100 * 16 * 8                     # staged keeps [R, M]-sized buffers
+    base = sum(t.numel() * 8 for t in pytree.tree_leaves(p)) + x.numel() * 8
+    (_, staged), (y, streamed) = (saved_bytes(dataclasses.replace(spec, streamed=False)), saved_bytes(spec))
+    assert streamed - base < 100 * 8 * 8                         # routing-sized tensors only
+    assert staged - streamed >= 2 * 100 * 32 * 8                 # staged keeps [R, M]-sized buffers
+    stores = {m: _streamed_node(saved_bytes(dataclasses.replace(spec, save=m))[0]).stores for m in S.SAVES}
+    assert stores["recompute"] == ()
+    N = int(fmoe.moe(p, x, spec)[1].routing.kept().sum())
+    assert [tuple(t.shape) for t in stores["separate"]] == [(N, 8), (N, 8)]
+    assert [tuple(t.shape) for t in stores["in_grad"]] == [(4, 32, 8), (4, 32, 8)]
+    # ... and those buffers are the gate/up gradients backward hands out: no memory of their own
+    node = _streamed_node(y)
+    ptrs = [t.data_ptr() for t in node.stores]
+    y.sum().backward()
+    assert [p["experts"][n].grad.data_ptr() for n in ("gate_w", "up_w")] == ptrs
+
+
+@pytest.mark.parametrize("expert_type", ["gated_ffn", "swiglu"])
+def test_in_grad_projections_become_the_gradients_and_retained_graphs_recompute(expert_type):
+    spec = _spec(expert_type, 0.0, k=2, E=4, M=32, H=10)
+    p = _params(spec)
+    x = torch.randn(30, 32, generator=_gen(11), dtype=DT)
+    assert S.fits_in_grad([0, 12, 20, 30, 48], 12) and not S.fits_in_grad([0, 13, 20, 30, 48], 12)
+    want = _step(dataclasses.replace(spec, streamed=False), p, x)
+    q = pytree.tree_map(lambda t: t.detach().clone().requires_grad_(True), p)
+    y, _ = fmoe.moe(q, x, spec)
+    assert len(_streamed_node(y).stores) == (2 if expert_type == "gated_ffn" else 1)   # 'in_grad' ran
+    c = torch.linspace(-1, 1, y.numel(), dtype=DT).reshape(y.shape)
+    (y * c).sum().backward(retain_graph=True)
+    first = [t.grad.clone() for t in pytree.tree_leaves(q["experts"])]
+    for a, b in zip(first, want[2][-len(first):]):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+    (y * c).sum().backward()      # the buffers now hold gradients: this pass must recompute
+    for t, a in zip(pytree.tree_leaves(q["experts"]), first):
+        torch.testing.assert_close(t.grad, 2 * a, rtol=1e-11, atol=1e-11)
+
+
+def test_in_grad_falls_back_to_recompute_for_uneven_loads(monkeypatch):
+    # Every token on expert 0: 60 rows > M = 12, so the projections cannot share its gradient slice.
+    spec = _spec("gated_ffn", 0.0, k=1, E=4, M=12, H=10)
+    p = _params(spec)
+    p["gate"]["wg"] = torch.zeros_like(p["gate"]["wg"])
+    p["gate"]["wg"][:, 0] = 5.0
+    x = torch.rand(60, 12, generator=_gen(12), dtype=DT) + 1
+    modes = _record_modes(monkeypatch)
+    ys, gxs, gps = _step(spec, p, x)
+    assert modes == ["recompute"]
+    yr, gxr, gpr = _step(dataclasses.replace(spec, streamed=False), p, x)
+    torch.testing.assert_close(gxs, gxr, rtol=1e-11, atol=1e-11)
+    for a, b in zip(gps, gpr):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
 
 
 def test_streamed_falls_back_under_vmap_compile_and_for_other_experts(monkeypatch):
@@ -204,6 +274,10 @@ def test_streamed_errors_name_the_problem():
     x, w_rows, rows, w_in, w_out, fmt = _direct_inputs(True)
     with pytest.raises(ValueError, match="order must be one of"):
         S.streamed_glu(x, w_rows, rows, w_in, w_out, fmt, order="grouped")
+    with pytest.raises(ValueError, match="save must be one of"):
+        S.streamed_glu(x, w_rows, rows, w_in, w_out, fmt, save="remat")
+    with pytest.raises(ValueError, match="MoESpec.save must be one of"):
+        _spec(save="nowhere")
     with pytest.raises(ValueError, match="kept pairs"):
         S.streamed_glu(x, w_rows[:-1], rows, w_in, w_out, fmt)
     with pytest.raises(ValueError, match="takes 1 in-projection"):

@@ -10,10 +10,22 @@ the gate and up projections, the hidden state and the expert outputs [R, O], and
 keeps most of them until backward. Here each expert's rows are gathered from x straight into
 its first GEMM and its output is added straight into y (ScatterMoE's gather-into-GEMM and
 GEMM-into-scatter, with torch's own GEMMs): no [R, M] or [R, O] buffer ever exists, and no
-padded row is ever multiplied. Backward walks the experts once more, regathers x's rows and
-either recomputes the gate/up projection (``remat=True``: saves nothing but x, the weights
-and the row table) or reads it back (``remat=False``: saves [N, 2H], N kept pairs). The
-gate-weight gradient needs no saved expert output: with ``y_e = h_e D_e``,
+padded row is ever multiplied. Backward walks the experts once more (in descending id),
+regathers x's rows and needs each expert's gate/up projection z_e [n_e, 2H] back. Where it comes
+from is ``save``:
+
+* 'in_grad' (default): forward writes z into the storage of the in-projection weights' gradient
+  (a buffer of that gradient's shape, E·M·2H elements, z packed at its front). Backward reads
+  z_e before it writes expert e's gradient slice, experts in descending order, so a slice is
+  overwritten only once the projections stored in it are read — true whenever the experts
+  before e hold at most e·M rows, for every e (balanced loads with at most M rows per expert on
+  average). No GEMM is recomputed and backward holds nothing beyond the gradients it returns.
+  When the loads do not fit, or the in-projection needs no gradient, it falls back to
+  'recompute'; a second backward through the same graph (``retain_graph=True``) recomputes too.
+* 'recompute': z is recomputed from the regathered rows (one more GEMM pair per expert).
+* 'separate': z is saved in its own [N, 2H] buffer (N kept pairs).
+
+The gate-weight gradient needs no saved expert output: with ``y_e = h_e D_e``,
 ``dL/dw = <dy, y_e> = <dy D_eᵀ, h_e>``, and ``dy D_eᵀ`` is the down GEMM's data gradient,
 which backward computes anyway.
 
@@ -44,10 +56,11 @@ from torch.autograd import forward_ad as _fwd_ad
 from ..layout import Layout
 from .reference import compute_dtype
 
-__all__ = ["ORDERS", "ACTIVATIONS", "ExpertRows", "GluSpec", "expert_rows", "streamed_glu", "applies"]
+__all__ = ["ORDERS", "ACTIVATIONS", "SAVES", "ExpertRows", "GluSpec", "expert_rows", "streamed_glu", "applies"]
 
 ORDERS = ("fmoe", "eager")
 ACTIVATIONS = ("silu", "gpt_oss")
+SAVES = ("in_grad", "recompute", "separate")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -302,33 +315,65 @@ def _forward_small(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: G
     _accumulate(y, rows.tokens, y_r, w_rows.unsqueeze(1), order)
 
 
-_STATIC = 4  # rows, fmt, order, remat: the non-tensor arguments between the tensors and w_in
+_STATIC = 4  # rows, fmt, order, save: the non-tensor arguments between the tensors and w_in
 _FIRST_IN = 5 + _STATIC
+
+
+def fits_in_grad(bounds, model_dim: int) -> bool:
+    """Whether the projections can live in the in-projection gradient's storage (see 'in_grad'):
+    the experts before e hold at most e·M rows, for every e (bounds: E + 1 row offsets)."""
+    return all(b <= e * model_dim for e, b in enumerate(bounds))
+
+
+def _projection_views(bufs: tuple, N: int, fmt: GluSpec, H: int) -> tuple:
+    """[N, 2H] (fused) or two [N, H] views packed at the front of each gradient buffer."""
+    cols = 2 * H if fmt.fused_in else H
+    return tuple(b.view(-1)[:N * cols].view(N, cols) for b in bufs)
 
 
 class _StreamedGlu(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_rows, w_out, b_in, b_out, rows, fmt, order, remat, *w_in):
-        saved = None
-        if not remat:
-            N, H = rows.bounds[-1], _hidden_size(w_in, fmt)
+    def forward(ctx, x, w_rows, w_out, b_in, b_out, rows, fmt, order, save, *w_in):
+        N, H = rows.bounds[-1], _hidden_size(w_in, fmt)
+        if save == "in_grad" and not (all(ctx.needs_input_grad[_FIRST_IN:]) and fits_in_grad(rows.bounds, x.shape[1])):
+            save = "recompute"
+        stores = ()   # tensors that hold the projections: the future gradients, or a separate buffer
+        if save == "in_grad":
+            stores = tuple(torch.empty(w.shape, dtype=x.dtype, device=x.device) for w in w_in)
+            saved = _projection_views(stores, N, fmt, H)
+        elif save == "separate":
             shapes = [(N, 2 * H)] if fmt.fused_in else [(N, H), (N, H)]
-            saved = tuple(torch.empty(s, dtype=x.dtype, device=x.device) for s in shapes)
+            stores = saved = tuple(torch.empty(s, dtype=x.dtype, device=x.device) for s in shapes)
+        else:
+            saved = None
         y = _forward(x, w_rows, rows, w_out, b_in, b_out, w_in, fmt, order, saved)
-        ctx.rows, ctx.fmt, ctx.order = rows, fmt, order
-        ctx.n_in, ctx.has_b_in, ctx.has_b_out = len(w_in), b_in is not None, b_out is not None
-        ctx.save_for_backward(x, w_rows, w_out, b_in, b_out, *w_in, *(saved or ()))
+        ctx.rows, ctx.fmt, ctx.order, ctx.save = rows, fmt, order, save
+        ctx.n_in = len(w_in)
+        # Internal buffers, not inputs: kept on ctx (save_for_backward's version check would
+        # refuse them once the first backward has written gradients into them).
+        ctx.stores = stores
+        ctx.save_for_backward(x, w_rows, w_out, b_in, b_out, *w_in)
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        x, w_rows, w_out, b_in, b_out, *rest = ctx.saved_tensors
-        w_in, saved = tuple(rest[:ctx.n_in]), tuple(rest[ctx.n_in:]) or None
+        x, w_rows, w_out, b_in, b_out, *w_in = ctx.saved_tensors
+        w_in, stores = tuple(w_in), ctx.stores
         need = ctx.needs_input_grad
         if torch.is_grad_enabled():  # create_graph=True: differentiable re-computation
             return _double_backward(ctx, gy, x, w_rows, w_out, b_in, b_out, w_in)
+        N, H = ctx.rows.bounds[-1], _hidden_size(w_in, ctx.fmt)
+        saved, grad_bufs = None, None
+        if ctx.save == "in_grad":
+            # The first backward overwrites the projections with the gradients it returns; a
+            # second one through a retained graph recomputes them into fresh buffers.
+            saved, grad_bufs = _projection_views(stores, N, ctx.fmt, H), stores
+            ctx.save, ctx.stores = "recompute", ()
+        elif ctx.save == "separate":
+            saved = stores
         grads = _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, ctx.rows, ctx.fmt, ctx.order,
-                          need=(need[0], need[1], need[2], need[3], need[4], any(need[_FIRST_IN:])))
+                          need=(need[0], need[1], need[2], need[3], need[4], any(need[_FIRST_IN:])),
+                          grad_bufs=grad_bufs)
         gx, gw_rows, gw_out, gb_in, gb_out, gw_in = grads
         return (gx, gw_rows, gw_out, gb_in, gb_out, *(None,) * _STATIC,
                 *(gw_in if gw_in is not None else (None,) * ctx.n_in))
@@ -343,7 +388,10 @@ def _weight_grad(w: Tensor, idle: list) -> Tensor:
 
 
 def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, fmt: GluSpec, order: str, *,
-              need: tuple):
+              need: tuple, grad_bufs: Optional[tuple] = None):
+    """All input gradients, experts in descending id. ``grad_bufs``: the in-projection gradients'
+    buffers that also hold ``saved`` ('in_grad'): expert e's slice is written only after its
+    projections are read, and idle slices are zeroed in turn, never up front."""
     need_x, need_w, need_out, need_b_in, need_b_out, need_in = need
     dt = x.dtype
     H = _hidden_size(w_in, fmt)
@@ -353,7 +401,10 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
     b = rows.bounds
     idle = [e for e in range(rows.num_experts) if b[e] == b[e + 1]]
     gw_out = _weight_grad(w_out, idle) if need_out else None
-    gw_in = tuple(_weight_grad(w, idle) for w in w_in) if need_in else None
+    if grad_bufs is not None:
+        gw_in = grad_bufs
+    else:
+        gw_in = tuple(_weight_grad(w, idle) for w in w_in) if need_in else None
     gb_in = torch.zeros_like(b_in) if need_b_in else None
     gb_out = torch.zeros_like(b_out) if need_b_out else None
     win, wout = [w.unbind(0) for w in w_in], w_out.unbind(0)
@@ -361,9 +412,12 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
     p = torch.promote_types(dt, w_rows.dtype)
     if order == "fmoe":
         p = torch.promote_types(p, compute_dtype(dt))
-    for e in range(rows.num_experts):
+    for e in reversed(range(rows.num_experts)):
         r0, r1 = b[e], b[e + 1]
         if r0 == r1:
+            if grad_bufs is not None:
+                for gw in gw_in:
+                    gw[e] = 0
             continue
         tok = rows.tokens[r0:r1]
         x_e = x.index_select(0, tok)
@@ -453,7 +507,7 @@ def _double_backward(ctx, gy, x, w_rows, w_out, b_in, b_out, w_in):
 
 def streamed_glu(x: Tensor, w_rows: Tensor, rows: ExpertRows, w_in: tuple, w_out: Tensor, fmt: GluSpec, *,
                  b_in: Optional[Tensor] = None, b_out: Optional[Tensor] = None, order: str = "fmoe",
-                 remat: bool = True) -> Tensor:
+                 save: str = "in_grad") -> Tensor:
     """Gated experts over kept pairs, from tokens to tokens in one pass per expert.
 
     Args:
@@ -469,14 +523,18 @@ def streamed_glu(x: Tensor, w_rows: Tensor, rows: ExpertRows, w_in: tuple, w_out
         b_in: [E, 2H] bias of a fused in-projection (GPT-OSS), or None.
         b_out: [E, O] bias of the down projection, or None.
         order: 'fmoe' or 'eager' (see the module docstring).
-        remat: backward recomputes the gate/up projection (True) or saves it, [N, 2H] in x's
-            dtype (False).
+        save: where backward gets the gate/up projections: 'in_grad' (inside the
+            in-projection gradient's buffer; no extra memory, no recompute; falls back to
+            'recompute' when the loads do not fit), 'recompute' or 'separate' ([N, 2H] in x's
+            dtype). See the module docstring.
 
     Returns:
         [T, O] in x's dtype; a token without kept pairs gets 0.
     """
     if order not in ORDERS:
         raise ValueError(f"streamed_glu: order must be one of {ORDERS}, got {order!r}")
+    if save not in SAVES:
+        raise ValueError(f"streamed_glu: save must be one of {SAVES}, got {save!r}")
     if x.dim() != 2:
         raise ValueError(f"streamed_glu: x must be [T, M], got shape {tuple(x.shape)}")
     if len(w_in) != (1 if fmt.fused_in else 2):
@@ -502,4 +560,4 @@ def streamed_glu(x: Tensor, w_rows: Tensor, rows: ExpertRows, w_in: tuple, w_out
     tensors = (x, w_rows, w_out, b_in, b_out, *w_in)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
         return _forward(x, w_rows, rows, w_out, b_in, b_out, w_in, fmt, order, None)   # inference: nothing saved
-    return _StreamedGlu.apply(x, w_rows, w_out, b_in, b_out, rows, fmt, order, remat, *w_in)
+    return _StreamedGlu.apply(x, w_rows, w_out, b_in, b_out, rows, fmt, order, save, *w_in)
