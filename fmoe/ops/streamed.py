@@ -15,13 +15,14 @@ regathers x's rows and needs each expert's gate/up projection z_e [n_e, 2H] back
 from is ``save``:
 
 * 'in_grad' (default): forward writes z into the storage of the in-projection weights' gradient
-  (a buffer of that gradient's shape, E·M·2H elements, z packed at its front). Backward reads
-  z_e before it writes expert e's gradient slice, experts in descending order, so a slice is
-  overwritten only once the projections stored in it are read — true whenever the experts
-  before e hold at most e·M rows, for every e (balanced loads with at most M rows per expert on
-  average). No GEMM is recomputed and backward holds nothing beyond the gradients it returns.
-  When the loads do not fit, or the in-projection needs no gradient, it falls back to
-  'recompute'; a second backward through the same graph (``retain_graph=True``) recomputes too.
+  (a buffer of that gradient's shape, E·M·2H elements, z packed at its front in expert order).
+  Backward walks the experts in descending id and reads z_e before it writes expert e's
+  gradient slice; slices e' > e, written earlier, start at (e+1)·M·2H, so z_e is safe exactly
+  when the experts up to e hold at most (e+1)·M rows (:func:`in_grad_experts`; balanced loads of
+  at most M rows per expert keep all of them). Those experts recompute nothing and need no
+  memory beyond the gradients backward returns; the others recompute z. When none qualifies, or
+  the in-projection needs no gradient, it is 'recompute'; a second backward through the same
+  graph (``retain_graph=True``) recomputes too.
 * 'recompute': z is recomputed from the regathered rows (one more GEMM pair per expert).
 * 'separate': z is saved in its own [N, 2H] buffer (N kept pairs).
 
@@ -56,7 +57,7 @@ from torch.autograd import forward_ad as _fwd_ad
 from ..layout import Layout
 from .reference import compute_dtype
 
-__all__ = ["ORDERS", "ACTIVATIONS", "SAVES", "ExpertRows", "GluSpec", "expert_rows", "streamed_glu", "applies"]
+__all__ = ["ORDERS", "ACTIVATIONS", "SAVES", "in_grad_experts", "ExpertRows", "GluSpec", "expert_rows", "streamed_glu", "applies"]
 
 ORDERS = ("fmoe", "eager")
 ACTIVATIONS = ("silu", "gpt_oss")
@@ -242,7 +243,9 @@ def _accumulate(y: Tensor, tok: Tensor, y_e: Tensor, w_e: Tensor, order: str) ->
 
 
 def _forward(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: GluSpec, order: str,
-             saved: Optional[tuple]):
+             saved: Optional[tuple], keep: Optional[list] = None):
+    """y [T, O]; with ``saved``, expert e's projections are written into its rows of it where
+    ``keep[e]``."""
     T = x.shape[0]
     H, O = _hidden_size(w_in, fmt), _out_dim(w_out, fmt)
     dt = x.dtype
@@ -259,7 +262,7 @@ def _forward(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: GluSpec
         r0, r1 = b[e], b[e + 1]
         tok = rows.tokens[r0:r1]
         x_e = x.index_select(0, tok)
-        out = None if saved is None else tuple(s[r0:r1] for s in saved)
+        out = None if saved is None or not keep[e] else tuple(s[r0:r1] for s in saved)
         g, u = _hidden(x_e, win, b_in, e, fmt, H, out)
         y_e = _mm(_act(g, u, fmt), wout[e], fmt.out_transposed)
         if b_out is not None:
@@ -319,10 +322,14 @@ _STATIC = 4  # rows, fmt, order, save: the non-tensor arguments between the tens
 _FIRST_IN = 5 + _STATIC
 
 
-def fits_in_grad(bounds, model_dim: int) -> bool:
-    """Whether the projections can live in the in-projection gradient's storage (see 'in_grad'):
-    the experts before e hold at most e·M rows, for every e (bounds: E + 1 row offsets)."""
-    return all(b <= e * model_dim for e, b in enumerate(bounds))
+def in_grad_experts(bounds, model_dim: int) -> list:
+    """Per expert, whether its projections can wait in the in-projection gradient's storage
+    (see 'in_grad'): it has rows, and the experts up to it hold at most (e+1)·M rows.
+
+    Args:
+        bounds: E + 1 row offsets. model_dim: M.
+    """
+    return [bounds[e] < bounds[e + 1] <= (e + 1) * model_dim for e in range(len(bounds) - 1)]
 
 
 def _projection_views(bufs: tuple, N: int, fmt: GluSpec, H: int) -> tuple:
@@ -335,8 +342,11 @@ class _StreamedGlu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_rows, w_out, b_in, b_out, rows, fmt, order, save, *w_in):
         N, H = rows.bounds[-1], _hidden_size(w_in, fmt)
-        if save == "in_grad" and not (all(ctx.needs_input_grad[_FIRST_IN:]) and fits_in_grad(rows.bounds, x.shape[1])):
-            save = "recompute"
+        keep = [True] * rows.num_experts    # experts whose projections backward reads back
+        if save == "in_grad":
+            keep = in_grad_experts(rows.bounds, x.shape[1])
+            if not (all(ctx.needs_input_grad[_FIRST_IN:]) and any(keep)):
+                save = "recompute"
         stores = ()   # tensors that hold the projections: the future gradients, or a separate buffer
         if save == "in_grad":
             stores = tuple(torch.empty(w.shape, dtype=x.dtype, device=x.device) for w in w_in)
@@ -346,8 +356,8 @@ class _StreamedGlu(torch.autograd.Function):
             stores = saved = tuple(torch.empty(s, dtype=x.dtype, device=x.device) for s in shapes)
         else:
             saved = None
-        y = _forward(x, w_rows, rows, w_out, b_in, b_out, w_in, fmt, order, saved)
-        ctx.rows, ctx.fmt, ctx.order, ctx.save = rows, fmt, order, save
+        y = _forward(x, w_rows, rows, w_out, b_in, b_out, w_in, fmt, order, saved, keep)
+        ctx.rows, ctx.fmt, ctx.order, ctx.save, ctx.keep = rows, fmt, order, save, keep
         ctx.n_in = len(w_in)
         # Internal buffers, not inputs: kept on ctx (save_for_backward's version check would
         # refuse them once the first backward has written gradients into them).
@@ -373,7 +383,7 @@ class _StreamedGlu(torch.autograd.Function):
             saved = stores
         grads = _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, ctx.rows, ctx.fmt, ctx.order,
                           need=(need[0], need[1], need[2], need[3], need[4], any(need[_FIRST_IN:])),
-                          grad_bufs=grad_bufs)
+                          grad_bufs=grad_bufs, keep=ctx.keep)
         gx, gw_rows, gw_out, gb_in, gb_out, gw_in = grads
         return (gx, gw_rows, gw_out, gb_in, gb_out, *(None,) * _STATIC,
                 *(gw_in if gw_in is not None else (None,) * ctx.n_in))
@@ -388,10 +398,11 @@ def _weight_grad(w: Tensor, idle: list) -> Tensor:
 
 
 def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, fmt: GluSpec, order: str, *,
-              need: tuple, grad_bufs: Optional[tuple] = None):
+              need: tuple, grad_bufs: Optional[tuple] = None, keep: Optional[list] = None):
     """All input gradients, experts in descending id. ``grad_bufs``: the in-projection gradients'
     buffers that also hold ``saved`` ('in_grad'): expert e's slice is written only after its
-    projections are read, and idle slices are zeroed in turn, never up front."""
+    projections are read, and idle slices are zeroed in turn, never up front. ``keep[e]``:
+    expert e's projections are in ``saved`` (else recomputed)."""
     need_x, need_w, need_out, need_b_in, need_b_out, need_in = need
     dt = x.dtype
     H = _hidden_size(w_in, fmt)
@@ -421,7 +432,7 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
             continue
         tok = rows.tokens[r0:r1]
         x_e = x.index_select(0, tok)
-        if saved is None:
+        if saved is None or not keep[e]:
             g, u = _hidden(x_e, win, b_in, e, fmt, H)
         else:
             g, u = _split(saved[0][r0:r1], fmt, H) if fmt.fused_in else (saved[0][r0:r1], saved[1][r0:r1])
@@ -525,7 +536,7 @@ def streamed_glu(x: Tensor, w_rows: Tensor, rows: ExpertRows, w_in: tuple, w_out
         order: 'fmoe' or 'eager' (see the module docstring).
         save: where backward gets the gate/up projections: 'in_grad' (inside the
             in-projection gradient's buffer; no extra memory, no recompute; falls back to
-            'recompute' when the loads do not fit), 'recompute' or 'separate' ([N, 2H] in x's
+            'recompute' for experts whose loads do not fit), 'recompute' or 'separate' ([N, 2H] in x's
             dtype). See the module docstring.
 
     Returns:
