@@ -866,7 +866,7 @@ def test_cosine_router_matches_tutel_golden(bp):
 # --------------------------------------------------------------------------- two ranks (torchrun, gloo)
 
 _TWO_RANKS = r'''
-import json, torch
+import json, sys, torch
 from fmoe import losses
 from fmoe.comm import from_env
 from fmoe.routers import GateSpec, route
@@ -877,8 +877,10 @@ p = {"wg": torch.randn(4, 6, generator=torch.Generator().manual_seed(1))}
 r, out = route(p, x, GateSpec(k=2, capacity_factor=0.0), num_experts=4, comm=comm)
 ga = losses.router_loss("global_aux", out, r, k=2, comm=comm)
 r2, o2 = route(p, x, GateSpec(type="expert_choice", k=1, capacity_factor=1.0), num_experts=4, comm=comm)
-print("RESULT " + json.dumps({"rank": comm.rank, "ga": float(ga), "cap": r.capacity, "ec_C": o2.capacity,
-                              "ec_cap": r2.capacity}), flush=True)
+# one write() per line: both ranks share torchrun's stdout pipe, and print() may split a line in two
+sys.stdout.write("RESULT " + json.dumps({"rank": comm.rank, "ga": float(ga), "cap": r.capacity, "ec_C": o2.capacity,
+                                         "ec_cap": r2.capacity}) + "\n")
+sys.stdout.flush()
 comm.close()
 '''
 
