@@ -190,30 +190,22 @@ def _act(g: Tensor, u: Tensor, fmt: GluSpec) -> Tensor:
     return (u + 1) * (g * torch.sigmoid(g * fmt.alpha))
 
 
-def _act_backward(g: Tensor, u: Tensor, gh: Tensor, fmt: GluSpec, out: tuple) -> Tensor:
-    """h, with dL/dg and dL/du written into ``out`` = (dg [n, H], du [n, H]) views; gh = dL/dh
-    is consumed. Temporaries die here, so backward holds few [n, H] tensors at a time."""
+def _act_backward(g: Tensor, u: Tensor, gh: Tensor, fmt: GluSpec, out: tuple) -> None:
+    """dL/dg and dL/du written into ``out`` = (dg [n, H], du [n, H]) views, from gh = dL/dh
+    (consumed). Temporaries die here, so backward holds few [n, H] tensors at a time."""
     dg, du = out
     if fmt.activation == "silu":
         s = torch.sigmoid(g)
-        a = g * s                                                      # silu(g)
-        h = a * u
-        torch.mul(gh, a, out=du)
-        del a
+        torch.mul(gh, g * s, out=du)                                   # d h / d u = silu(g)
         ds = torch.rsub(s, 1).mul_(g).add_(1).mul_(s)                  # d silu / dg = s (1 + g (1 - s))
         torch.mul(gh.mul_(u), ds, out=dg)
-        return h
+        return
     L, alpha = fmt.limit, fmt.alpha
     gc, uc = g.clamp(max=L), u.clamp(min=-L, max=L)
     s = torch.sigmoid(gc * alpha)
-    glu = gc * s
-    up1 = uc.add_(1)
-    h = up1 * glu
-    torch.mul(gh, glu, out=du).mul_((u >= -L) & (u <= L))             # clamp passes the gradient inside [-L, L]
-    del glu
+    torch.mul(gh, gc * s, out=du).mul_((u >= -L) & (u <= L))          # clamp passes the gradient inside [-L, L]
     dglu = torch.rsub(s, 1).mul_(gc).mul_(alpha).add_(1).mul_(s)       # d (g σ(α g)) / dg = σ (1 + α g (1 - σ))
-    torch.mul(gh.mul_(up1), dglu, out=dg).mul_(g <= L)
-    return h
+    torch.mul(gh.mul_(uc.add_(1)), dglu, out=dg).mul_(g <= L)
 
 
 def _hidden_size(w_in: tuple, fmt: GluSpec) -> int:
@@ -439,22 +431,23 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
         gy_e = gy.index_select(0, tok)                                 # [n, O]
         w_e = w_rows[r0:r1].unsqueeze(1)
         w_dt = w_e.to(p).to(dt)
+        # Down projection first, so gy_e and h are dropped before the [n, 2H] gradient exists.
+        h = _act(g, u, fmt)                                            # recomputed, elementwise
+        if need_out:
+            _wgrad(h * w_dt, gy_e, fmt.out_transposed, gw_out[e])
+        if need_b_out:
+            gb_out[e] = (gy_e.to(p) * w_dt.to(p)).sum(0).to(gb_out.dtype)
         gh = _mm(gy_e, wout[e], not fmt.out_transposed)                # dy D_eᵀ, unscaled [n, H]
-        d = torch.empty((r1 - r0, 2 * H), dtype=dt, device=x.device)   # [dL/dg, dL/du] (fused layout)
-        dg, du = _split(d, fmt, H) if fmt.fused_in else (d[:, :H], d[:, H:])
-        h = _act_backward(g, u, gh * w_dt, fmt, (dg, du))
-        del g, u
         if need_w:   # <dy, y_e> = <dy D_eᵀ, h> (+ <dy, d_e>): no saved expert output
             dw = torch.linalg.vecdot(gh.to(p), h.to(p))
             if b_out is not None:
                 dw += gy_e.to(p) @ b_out[e].to(p)
             gw_rows[r0:r1] = dw.to(w_rows.dtype)
-        del gh
-        if need_b_out:
-            gb_out[e] = (gy_e.to(p) * w_dt.to(p)).sum(0).to(gb_out.dtype)
-        if need_out:
-            _wgrad(h.mul_(w_dt), gy_e, fmt.out_transposed, gw_out[e])
         del h, gy_e
+        d = torch.empty((r1 - r0, 2 * H), dtype=dt, device=x.device)   # [dL/dg, dL/du] (fused layout)
+        dg, du = _split(d, fmt, H) if fmt.fused_in else (d[:, :H], d[:, H:])
+        _act_backward(g, u, gh.mul_(w_dt), fmt, (dg, du))
+        del g, u, gh
         if need_b_in:
             gb_in[e] = d.sum(0).to(gb_in.dtype)
         if fmt.fused_in:
