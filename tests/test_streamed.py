@@ -338,3 +338,25 @@ def test_in_grad_with_some_experts_recomputing_equals_the_staged_pipeline(expert
     torch.testing.assert_close(gxs, gxr, rtol=1e-11, atol=1e-11)
     for a, b in zip(gps, gpr):
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("expert_type", ["gated_ffn", "swiglu"])
+def test_in_grad_with_more_rows_than_the_gradient_holds(expert_type, monkeypatch):
+    # N = 60 kept pairs > E * M = 48 rows of gradient storage: the heavy last expert recomputes,
+    # the light ones before it keep their projections in the buffer.
+    spec = _spec(expert_type, 0.0, k=2, E=4, M=12)
+    p = _params(spec)
+    p["gate"]["wg"] = p["gate"]["wg"].clone()
+    p["gate"]["wg"][:, 3] += 50.0
+    x = torch.rand(30, 12, generator=_gen(14), dtype=DT) + 0.5
+    keeps = []
+    real = S._StreamedGlu.forward
+    monkeypatch.setattr(S._StreamedGlu, "forward",
+                        staticmethod(lambda ctx, *a: (real(ctx, *a), keeps.append((ctx.save, ctx.keep)))[0]))
+    ys, gxs, gps = _step(spec, p, x)
+    (mode, keep), = keeps
+    assert mode == "in_grad" and keep[-1] is False and any(keep)
+    yr, gxr, gpr = _step(dataclasses.replace(spec, streamed=False), p, x)
+    torch.testing.assert_close(gxs, gxr, rtol=1e-11, atol=1e-11)
+    for a, b in zip(gps, gpr):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)

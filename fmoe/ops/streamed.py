@@ -325,9 +325,12 @@ def in_grad_experts(bounds, model_dim: int) -> list:
 
 
 def _projection_views(bufs: tuple, N: int, fmt: GluSpec, H: int) -> tuple:
-    """[N, 2H] (fused) or two [N, H] views packed at the front of each gradient buffer."""
+    """[N, 2H] (fused) or two [N, H] views packed at the front of each gradient buffer (at most
+    E·M rows)."""
     cols = 2 * H if fmt.fused_in else H
-    return tuple(b.view(-1)[:N * cols].view(N, cols) for b in bufs)
+    # Rows past E·M belong only to experts that recompute (in_grad_experts): they get no view.
+    n = min(N, bufs[0].numel() // cols)
+    return tuple(b.view(-1)[:n * cols].view(n, cols) for b in bufs)
 
 
 class _StreamedGlu(torch.autograd.Function):
