@@ -216,7 +216,7 @@ def bench_config(c: LayerConfig, tokens: int, repeats: int, memory: bool, log: C
         if "seconds" in v.get("tutel", {}):
             res[f"{name}_time_vs_tutel"] = v[name]["seconds"] / v["tutel"]["seconds"]
     if memory:
-        for variant in (*([n for n in others] if c.train else []), "fmoe", "tutel"):
+        for variant in (*(others if c.train else ()), "fmoe", "tutel"):
             if variant == "tutel" and why is not None:
                 res["memory"][variant] = {"skipped": why}
                 continue

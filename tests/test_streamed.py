@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 import fmoe
 from fmoe.layout import padded_layout, ragged_layout
 from fmoe.ops import streamed as S
+from tests.test_pipeline import _saved_bytes
 
 DT = torch.float64
 
@@ -56,13 +57,26 @@ def _count_streamed(monkeypatch):
     return calls
 
 
-def _record_modes(monkeypatch):
-    """The save mode each streamed forward ran with (after any fallback)."""
+def _record_modes(monkeypatch, keep=False):
+    """The save mode (and with ``keep``, the per-expert keep list) each streamed forward ran with."""
     modes = []
     real = S._StreamedGlu.forward
-    monkeypatch.setattr(S._StreamedGlu, "forward",
-                        staticmethod(lambda ctx, *a: (real(ctx, *a), modes.append(ctx.save))[0]))
+
+    def forward(ctx, *a):
+        y = real(ctx, *a)
+        modes.append((ctx.save, ctx.keep) if keep else ctx.save)
+        return y
+    monkeypatch.setattr(S._StreamedGlu, "forward", staticmethod(forward))
     return modes
+
+
+def _assert_grads_match_staged(spec, p, x, got):
+    """dx and every parameter gradient of ``got`` (from _step) equal the staged pipeline's."""
+    _, gxs, gps = got
+    _, gxr, gpr = _step(dataclasses.replace(spec, streamed=False), p, x)
+    torch.testing.assert_close(gxs, gxr, rtol=1e-11, atol=1e-11)
+    for a, b in zip(gps, gpr):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
 
 
 CASES = [("gated_ffn", 0.0, False), ("gated_ffn", 1.25, False), ("gated_ffn", 2.0, False), ("gated_ffn", -0.5, False),
@@ -194,14 +208,7 @@ def test_streamed_keeps_no_per_row_tensors_beyond_the_gradient_buffers():
     x = torch.randn(50, 32, generator=_gen(5), dtype=DT, requires_grad=True)
 
     def saved_bytes(s):
-        seen = {}
-
-        def pack(t):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = fmoe.moe(p, x, s)[0]
-        return y, sum(seen.values())
+        return _saved_bytes(lambda: fmoe.moe(p, x, s)[0])
 
     base = sum(t.numel() * 8 for t in pytree.tree_leaves(p)) + x.numel() * 8
     (_, staged), (y, streamed) = (saved_bytes(dataclasses.replace(spec, streamed=False)), saved_bytes(spec))
@@ -248,12 +255,9 @@ def test_in_grad_falls_back_to_recompute_for_uneven_loads(monkeypatch):
     p["gate"]["wg"][:, 0] = 5.0
     x = torch.rand(60, 12, generator=_gen(12), dtype=DT) + 1
     modes = _record_modes(monkeypatch)
-    ys, gxs, gps = _step(spec, p, x)
+    got = _step(spec, p, x)
     assert modes == ["recompute"]
-    yr, gxr, gpr = _step(dataclasses.replace(spec, streamed=False), p, x)
-    torch.testing.assert_close(gxs, gxr, rtol=1e-11, atol=1e-11)
-    for a, b in zip(gps, gpr):
-        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+    _assert_grads_match_staged(spec, p, x, got)
 
 
 def test_streamed_falls_back_under_vmap_compile_and_for_other_experts(monkeypatch):
@@ -327,17 +331,11 @@ def test_in_grad_with_some_experts_recomputing_equals_the_staged_pipeline(expert
     spec = _spec(expert_type, 0.0, M=12)
     p = _params(spec)
     x = torch.randn(24, 12, generator=_gen(13), dtype=DT)
-    keeps = []
-    real = S._StreamedGlu.forward
-    monkeypatch.setattr(S._StreamedGlu, "forward",
-                        staticmethod(lambda ctx, *a: (real(ctx, *a), keeps.append((ctx.save, ctx.keep)))[0]))
-    ys, gxs, gps = _step(spec, p, x)
+    keeps = _record_modes(monkeypatch, keep=True)
+    got = _step(spec, p, x)
     (mode, keep), = keeps
     assert mode == "in_grad" and any(keep) and not all(keep)
-    yr, gxr, gpr = _step(dataclasses.replace(spec, streamed=False), p, x)
-    torch.testing.assert_close(gxs, gxr, rtol=1e-11, atol=1e-11)
-    for a, b in zip(gps, gpr):
-        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+    _assert_grads_match_staged(spec, p, x, got)
 
 
 @pytest.mark.parametrize("expert_type", ["gated_ffn", "swiglu"])
@@ -349,14 +347,8 @@ def test_in_grad_with_more_rows_than_the_gradient_holds(expert_type, monkeypatch
     p["gate"]["wg"] = p["gate"]["wg"].clone()
     p["gate"]["wg"][:, 3] += 50.0
     x = torch.rand(30, 12, generator=_gen(14), dtype=DT) + 0.5
-    keeps = []
-    real = S._StreamedGlu.forward
-    monkeypatch.setattr(S._StreamedGlu, "forward",
-                        staticmethod(lambda ctx, *a: (real(ctx, *a), keeps.append((ctx.save, ctx.keep)))[0]))
-    ys, gxs, gps = _step(spec, p, x)
+    keeps = _record_modes(monkeypatch, keep=True)
+    got = _step(spec, p, x)
     (mode, keep), = keeps
     assert mode == "in_grad" and keep[-1] is False and any(keep)
-    yr, gxr, gpr = _step(dataclasses.replace(spec, streamed=False), p, x)
-    torch.testing.assert_close(gxs, gxr, rtol=1e-11, atol=1e-11)
-    for a, b in zip(gps, gpr):
-        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+    _assert_grads_match_staged(spec, p, x, got)
