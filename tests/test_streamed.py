@@ -218,12 +218,48 @@ def test_streamed_keeps_no_per_row_tensors_beyond_the_gradient_buffers():
     assert stores["recompute"] == ()
     N = int(fmoe.moe(p, x, spec)[1].routing.kept().sum())
     assert [tuple(t.shape) for t in stores["separate"]] == [(N, 8), (N, 8)]
-    assert [tuple(t.shape) for t in stores["in_grad"]] == [(4, 32, 8), (4, 32, 8)]
+    assert [tuple(t.shape) for t in stores["in_grad"]] == [(4 * 32 * 8,), (4 * 32 * 8,)]   # no room in front
     # ... and those buffers are the gate/up gradients backward hands out: no memory of their own
     node = _streamed_node(y)
     ptrs = [t.data_ptr() for t in node.stores]
     y.sum().backward()
     assert [p["experts"][n].grad.data_ptr() for n in ("gate_w", "up_w")] == ptrs
+
+
+def test_in_grad_pad_is_the_overshoot_clipped_to_a_quarter_of_m():
+    assert S.in_grad_pad([0, 12, 20, 30, 48], 12) == 0
+    assert S.in_grad_pad([0, 13, 26, 36, 48], 12) == 2          # expert 1 ends at 26 = 2·12 + 2
+    assert S.in_grad_pad([0, 13, 26, 26, 26], 12) == 2          # idle experts do not count
+    assert S.in_grad_pad([0, 40, 40, 40, 48], 12) == 3          # 28 over, clipped to 12 // 4
+    assert S.in_grad_experts([0, 13, 26, 36, 48], 12, 2) == [True] * 4
+    assert S.in_grad_experts([0, 40, 40, 41, 48], 12, 3) == [False, False, False, True]   # 41 > 3 + 3·12
+
+
+def test_in_grad_room_in_front_keeps_overshooting_experts_and_hands_out_offset_gradients(monkeypatch):
+    # k = 2, M = 8: tokens 0..8 pick experts 0 and 1, tokens 9..15 experts 2 and 3, so the bounds
+    # are [0, 9, 18, 25, 32]: experts 0..2 overshoot (e+1)·M by up to 2 rows. Without room in
+    # front they would recompute; with pad = 2 rows every expert keeps its projections.
+    spec = _spec("gated_ffn", 0.0, k=2, E=4, M=8, H=6)
+    p = _params(spec)
+    p["gate"]["wg"] = torch.zeros_like(p["gate"]["wg"])
+    p["gate"]["wg"][0], p["gate"]["wg"][1] = 1.0, 0.5          # wg is [E, M]
+    x = torch.rand(16, 8, generator=_gen(21), dtype=DT) + 0.5
+    x[9:] *= -1
+    q = pytree.tree_map(lambda t: t.detach().clone().requires_grad_(True), p)
+    node = _streamed_node(y := fmoe.moe(q, x, spec)[0])
+    assert node.rows.bounds == (0, 9, 18, 25, 32)
+    assert S.in_grad_pad(node.rows.bounds, 8) == 2 and node.keep == [True] * 4
+    assert S.in_grad_experts(node.rows.bounds, 8) == [False, False, False, True]
+    assert [t.numel() for t in node.stores] == [2 * 6 + 4 * 8 * 6] * 2
+    ptrs = [t.data_ptr() + 2 * 6 * t.element_size() for t in node.stores]
+    y.sum().backward()
+    grads = [q["experts"][n].grad for n in ("gate_w", "up_w")]
+    assert [g.data_ptr() for g in grads] == ptrs                 # the views themselves, not copies
+    assert all(g.is_contiguous() and g.shape == (4, 8, 6) for g in grads)
+    modes = _record_modes(monkeypatch, keep=True)
+    got = _step(spec, p, x)
+    assert modes == [("in_grad", [True] * 4)]
+    _assert_grads_match_staged(spec, p, x, got)
 
 
 @pytest.mark.parametrize("expert_type", ["gated_ffn", "swiglu"])

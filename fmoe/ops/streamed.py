@@ -15,13 +15,15 @@ regathers x's rows and needs each expert's gate/up projection z_e [n_e, 2H] back
 from is ``save``:
 
 * 'in_grad' (default): forward writes z into the storage of the in-projection weights' gradient
-  (a buffer of that gradient's shape, E·M·2H elements, z packed at its front in expert order).
-  Backward walks the experts in descending id and reads z_e before it writes expert e's
-  gradient slice; slices e' > e, written earlier, start at (e+1)·M·2H, so z_e is safe exactly
-  when the experts up to e hold at most (e+1)·M rows (:func:`in_grad_experts`; balanced loads of
-  at most M rows per expert keep all of them). Those experts recompute nothing and need no
-  memory beyond the gradients backward returns; the others recompute z. When none qualifies, or
-  the in-projection needs no gradient, it is 'recompute'; a second backward through the same
+  (E·M·2H elements, z packed at its front in expert order). Backward walks the experts in
+  descending id and reads z_e before it writes expert e's gradient slice; slices e' > e, written
+  earlier, start at (e+1)·M·2H, so z_e is safe exactly when the experts up to e hold at most
+  (e+1)·M rows. Loads that overshoot that by a few rows (balanced loads around M do) get room:
+  the storage starts with P·2H elements in front of the gradient, P at most M/4 rows
+  (:func:`in_grad_pad`), and the bound becomes P + (e+1)·M (:func:`in_grad_experts`). Those
+  experts recompute nothing and need no memory beyond the gradients backward returns (and the P
+  rows, which live as long as the gradient does); the others recompute z. When none qualifies,
+  or the in-projection needs no gradient, it is 'recompute'; a second backward through the same
   graph (``retain_graph=True``) recomputes too.
 * 'recompute': z is recomputed from the regathered rows (one more GEMM pair per expert).
 * 'separate': z is saved in its own [N, 2H] buffer (N kept pairs).
@@ -57,7 +59,7 @@ from torch.autograd import forward_ad as _fwd_ad
 from ..layout import Layout
 from .reference import compute_dtype
 
-__all__ = ["ORDERS", "ACTIVATIONS", "SAVES", "in_grad_experts", "ExpertRows", "GluSpec", "expert_rows", "streamed_glu", "applies"]
+__all__ = ["ORDERS", "ACTIVATIONS", "SAVES", "IN_GRAD_PAD_DIV", "in_grad_pad", "in_grad_experts", "ExpertRows", "GluSpec", "expert_rows", "streamed_glu", "applies"]
 
 ORDERS = ("fmoe", "eager")
 ACTIVATIONS = ("silu", "gpt_oss")
@@ -182,23 +184,31 @@ def _hidden(x_e: Tensor, w_in, b_in, e: int, fmt: GluSpec, H: int,
 
 
 def _act(g: Tensor, u: Tensor, fmt: GluSpec) -> Tensor:
-    """The gated activation h [n, H] (out of place, differentiable; the experts' own order)."""
+    """The gated activation h [n, H] (differentiable; the experts' own order)."""
     if fmt.activation == "silu":
-        return F.silu(g) * u
+        return F.silu(g).mul_(u)       # SiluBackward keeps g, not its output: in place is safe
     g = g.clamp(max=fmt.limit)
     u = u.clamp(min=-fmt.limit, max=fmt.limit)
     return (u + 1) * (g * torch.sigmoid(g * fmt.alpha))
 
 
-def _act_backward(g: Tensor, u: Tensor, gh: Tensor, fmt: GluSpec, out: tuple) -> None:
+def _act_parts(g: Tensor, u: Tensor, fmt: GluSpec) -> tuple[Optional[Tensor], Tensor]:
+    """(silu(g), h) for SwiGLU, whose backward reuses silu(g); (None, h) for GPT-OSS."""
+    if fmt.activation == "silu":
+        sg = F.silu(g)
+        return sg, sg * u
+    return None, _act(g, u, fmt)
+
+
+def _act_backward(g: Tensor, u: Tensor, gh: Tensor, fmt: GluSpec, out: tuple, sg: Optional[Tensor]) -> None:
     """dL/dg and dL/du written into ``out`` = (dg [n, H], du [n, H]) views, from gh = dL/dh
-    (consumed). Temporaries die here, so backward holds few [n, H] tensors at a time."""
+    (consumed) and, for SwiGLU, sg = silu(g) (from :func:`_act_parts`). Temporaries die here,
+    so backward holds few [n, H] tensors at a time."""
     dg, du = out
     if fmt.activation == "silu":
-        s = torch.sigmoid(g)
-        torch.mul(gh, g * s, out=du)                                   # d h / d u = silu(g)
-        ds = torch.rsub(s, 1).mul_(g).add_(1).mul_(s)                  # d silu / dg = s (1 + g (1 - s))
-        torch.mul(gh.mul_(u), ds, out=dg)
+        torch.mul(gh, sg, out=du)                                      # d h / d u = silu(g)
+        # ATen's fused silu'(g) * gh.u: one vectorised pass instead of five
+        torch.ops.aten.silu_backward.grad_input(gh.mul_(u), g, grad_input=dg)
         return
     L, alpha = fmt.limit, fmt.alpha
     gc, uc = g.clamp(max=L), u.clamp(min=-L, max=L)
@@ -314,23 +324,52 @@ _STATIC = 4  # rows, fmt, order, save: the non-tensor arguments between the tens
 _FIRST_IN = 5 + _STATIC
 
 
-def in_grad_experts(bounds, model_dim: int) -> list:
-    """Per expert, whether its projections can wait in the in-projection gradient's storage
-    (see 'in_grad'): it has rows, and the experts up to it hold at most (e+1)·M rows.
+# The room in front of the in-projection gradients (below) is at most M // IN_GRAD_PAD_DIV rows:
+# at most 1/(IN_GRAD_PAD_DIV·E) more memory than the gradients, held as long as they are. A
+# random walk of E experts' loads around M, the usual 'in_grad' overflow, needs about
+# sqrt(E·M) rows (coarse bench config, E 8, M 512: 23); heavier imbalance recomputes instead.
+IN_GRAD_PAD_DIV = 4
+
+
+def in_grad_pad(bounds, model_dim: int) -> int:
+    """Rows of room in front of the in-projection gradients' storage that let the experts'
+    projections wait there (see 'in_grad'): the largest ``bounds[e+1] - (e+1)·M`` over
+    experts with rows, clipped to [0, M // IN_GRAD_PAD_DIV].
 
     Args:
         bounds: E + 1 row offsets. model_dim: M.
     """
-    return [bounds[e] < bounds[e + 1] <= (e + 1) * model_dim for e in range(len(bounds) - 1)]
+    over = max((bounds[e + 1] - (e + 1) * model_dim for e in range(len(bounds) - 1)
+                if bounds[e] < bounds[e + 1]), default=0)
+    return min(max(over, 0), model_dim // IN_GRAD_PAD_DIV)
 
 
-def _projection_views(bufs: tuple, N: int, fmt: GluSpec, H: int) -> tuple:
-    """[N, 2H] (fused) or two [N, H] views packed at the front of each gradient buffer (at most
-    E·M rows)."""
+def in_grad_experts(bounds, model_dim: int, pad: int = 0) -> list:
+    """Per expert, whether its projections can wait in the in-projection gradient's storage
+    (see 'in_grad'): it has rows, and the experts up to it hold at most pad + (e+1)·M rows.
+
+    Args:
+        bounds: E + 1 row offsets. model_dim: M. pad: rows of room in front of the gradient
+            (:func:`in_grad_pad`).
+    """
+    return [bounds[e] < bounds[e + 1] <= pad + (e + 1) * model_dim for e in range(len(bounds) - 1)]
+
+
+def _in_grad_stores(w_in: tuple, pad_rows: int, cols: int, like: Tensor) -> tuple[tuple, tuple]:
+    """(storages, gradients): per in-projection weight, one flat buffer of ``pad_rows·cols``
+    elements of room followed by that weight's gradient, and the gradient as a view of it."""
+    bases = tuple(torch.empty(pad_rows * cols + w.numel(), dtype=like.dtype, device=like.device) for w in w_in)
+    grads = tuple(b[pad_rows * cols:].view(w.shape) for b, w in zip(bases, w_in))
+    return bases, grads
+
+
+def _projection_views(bases: tuple, N: int, fmt: GluSpec, H: int) -> tuple:
+    """[N, 2H] (fused) or two [N, H] views packed at the front of each store (at most
+    pad + E·M rows)."""
     cols = 2 * H if fmt.fused_in else H
-    # Rows past E·M belong only to experts that recompute (in_grad_experts): they get no view.
-    n = min(N, bufs[0].numel() // cols)
-    return tuple(b.view(-1)[:n * cols].view(n, cols) for b in bufs)
+    # Rows past the store belong only to experts that recompute (in_grad_experts): no view.
+    n = min(N, bases[0].numel() // cols)
+    return tuple(b[:n * cols].view(n, cols) for b in bases)
 
 
 class _StreamedGlu(torch.autograd.Function):
@@ -339,12 +378,13 @@ class _StreamedGlu(torch.autograd.Function):
         N, H = rows.bounds[-1], _hidden_size(w_in, fmt)
         keep = [True] * rows.num_experts    # experts whose projections backward reads back
         if save == "in_grad":
-            keep = in_grad_experts(rows.bounds, x.shape[1])
+            pad = in_grad_pad(rows.bounds, x.shape[1])
+            keep = in_grad_experts(rows.bounds, x.shape[1], pad)
             if not (all(ctx.needs_input_grad[_FIRST_IN:]) and any(keep)):
                 save = "recompute"
-        stores = ()   # tensors that hold the projections: the future gradients, or a separate buffer
-        if save == "in_grad":
-            stores = tuple(torch.empty(w.shape, dtype=x.dtype, device=x.device) for w in w_in)
+        stores, grads = (), ()   # what holds the projections (the future gradients' storage, or a
+        if save == "in_grad":    # separate buffer), and the gradients as views of it
+            stores, grads = _in_grad_stores(w_in, pad, 2 * H if fmt.fused_in else H, x)
             saved = _projection_views(stores, N, fmt, H)
         elif save == "separate":
             shapes = [(N, 2 * H)] if fmt.fused_in else [(N, H), (N, H)]
@@ -356,7 +396,7 @@ class _StreamedGlu(torch.autograd.Function):
         ctx.n_in = len(w_in)
         # Internal buffers, not inputs: kept on ctx (save_for_backward's version check would
         # refuse them once the first backward has written gradients into them).
-        ctx.stores = stores
+        ctx.stores, ctx.grads = stores, grads
         ctx.save_for_backward(x, w_rows, w_out, b_in, b_out, *w_in)
         return y
 
@@ -372,8 +412,8 @@ class _StreamedGlu(torch.autograd.Function):
         if ctx.save == "in_grad":
             # The first backward overwrites the projections with the gradients it returns; a
             # second one through a retained graph recomputes them into fresh buffers.
-            saved, grad_bufs = _projection_views(stores, N, ctx.fmt, H), stores
-            ctx.save, ctx.stores = "recompute", ()
+            saved, grad_bufs = _projection_views(stores, N, ctx.fmt, H), ctx.grads
+            ctx.save, ctx.stores, ctx.grads = "recompute", (), ()
         elif ctx.save == "separate":
             saved = stores
         grads = _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, ctx.rows, ctx.fmt, ctx.order,
@@ -435,22 +475,22 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
         w_e = w_rows[r0:r1].unsqueeze(1)
         w_dt = w_e.to(p).to(dt)
         # Down projection first, so gy_e and h are dropped before the [n, 2H] gradient exists.
-        h = _act(g, u, fmt)                                            # recomputed, elementwise
-        if need_out:
-            _wgrad(h * w_dt, gy_e, fmt.out_transposed, gw_out[e])
-        if need_b_out:
-            gb_out[e] = (gy_e.to(p) * w_dt.to(p)).sum(0).to(gb_out.dtype)
+        sg, h = _act_parts(g, u, fmt)                                  # recomputed, elementwise
         gh = _mm(gy_e, wout[e], not fmt.out_transposed)                # dy D_eᵀ, unscaled [n, H]
         if need_w:   # <dy, y_e> = <dy D_eᵀ, h> (+ <dy, d_e>): no saved expert output
             dw = torch.linalg.vecdot(gh.to(p), h.to(p))
             if b_out is not None:
                 dw += gy_e.to(p) @ b_out[e].to(p)
             gw_rows[r0:r1] = dw.to(w_rows.dtype)
+        if need_b_out:
+            gb_out[e] = (gy_e.to(p) * w_dt.to(p)).sum(0).to(gb_out.dtype)
+        if need_out:
+            _wgrad(h.mul_(w_dt), gy_e, fmt.out_transposed, gw_out[e])  # h is not needed after this
         del h, gy_e
         d = torch.empty((r1 - r0, 2 * H), dtype=dt, device=x.device)   # [dL/dg, dL/du] (fused layout)
         dg, du = _split(d, fmt, H) if fmt.fused_in else (d[:, :H], d[:, H:])
-        _act_backward(g, u, gh.mul_(w_dt), fmt, (dg, du))
-        del g, u, gh
+        _act_backward(g, u, gh.mul_(w_dt), fmt, (dg, du), sg)
+        del g, u, gh, sg
         if need_b_in:
             gb_in[e] = d.sum(0).to(gb_in.dtype)
         if fmt.fused_in:
