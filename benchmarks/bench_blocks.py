@@ -5,7 +5,7 @@ Archs: Qwen3-MoE, DeepSeek-V3, GPT-OSS, Mixtral at a realistic fine-grained shap
 expert intermediate 384, 32 routed experts, top-4; DeepSeek-V3 with 4 groups / top-2 groups and
 one shared expert, as its config gives). Phases:
 
-    train    T=2048, forward + backward of y.square().mean() (x requires grad)
+    train    T=2048, forward + backward with a fixed upstream gradient (y.backward(dy); x requires grad)
     prefill  T=2048, forward under no_grad
     decode   T=16, forward under no_grad
 
@@ -106,9 +106,11 @@ def step_fns(variant: str, phase: str, block, cfg, params, bcfg, mod, x):
     else:
         raise ValueError(f"unknown block variant {variant!r}")
     if train:
+        dy = bc.upstream_grad(x)
+
         def step():
             reset()
-            fwd().square().mean().backward()
+            fwd().backward(dy)
     else:
         def step():
             with torch.no_grad():

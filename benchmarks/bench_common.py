@@ -74,6 +74,16 @@ def geomean(xs) -> Optional[float]:
 
 # --------------------------------------------------------------------------- rooflines
 
+def upstream_grad(x: torch.Tensor) -> torch.Tensor:
+    """A fixed upstream gradient dL/dy for a layer whose output has x's shape and dtype (seed 2).
+
+    Training steps run ``y.backward(dy)``: the layer's own forward and backward, no loss (a
+    ``y.square().mean()`` loss added ~20 ms of [T, M] elementwise work per fine_cf125 step, the
+    same for every variant)."""
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(x.shape, generator=g).div_(math.sqrt(x.numel())).to(x.dtype)
+
+
 def dense_ffn_steps(rows: int, model_dim: int, hidden: int, experts: int) -> tuple[dict, dict]:
     """Step functions (and their FLOPs) for the dense GEMMs of a SwiGLU FFN fwd+bwd.
 

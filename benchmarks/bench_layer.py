@@ -5,8 +5,9 @@ peak memory of each variant measured in its own process.
 Per config, timed round-robin one step each per repeat (medians):
 
     fmoe           MoELayer(gate_type={'type': 'top', k, capacity_factor}, experts gated_ffn,
-                   no biases) -- defaults otherwise; training = forward + backward of
-                   y.square().mean() with x.requires_grad (dx is computed, as inside a network);
+                   no biases) -- defaults otherwise; training = forward + backward with a fixed
+                   upstream gradient (y.backward(dy)) and x.requires_grad (dx is computed, as
+                   inside a network);
                    decode = eval() forward under no_grad
     tutel          tutel.moe.moe_layer with experts 'llama_ffn' (the same SwiGLU math), its
                    state dict loaded from the fmoe layer's (same names, same weights; the
@@ -121,9 +122,11 @@ def step_fns(layer, x, train: bool) -> tuple[Callable[[], None], Callable[[], No
         x.grad = None
 
     if train:
+        dy = bc.upstream_grad(x)
+
         def step():
             reset()
-            layer(x).square().mean().backward()
+            layer(x).backward(dy)
     else:
         def step():
             with torch.no_grad():
