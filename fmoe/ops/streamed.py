@@ -183,21 +183,47 @@ def _hidden(x_e: Tensor, w_in, b_in, e: int, fmt: GluSpec, H: int,
             _mm(x_e, w_in[1][e], fmt.in_transposed, None if out is None else out[1]))
 
 
-def _act(g: Tensor, u: Tensor, fmt: GluSpec) -> Tensor:
-    """The gated activation h [n, H] (differentiable; the experts' own order)."""
+def _act(g: Tensor, u: Tensor, fmt: GluSpec, out: Optional[Tensor] = None) -> Tensor:
+    """The gated activation h [n, H] (differentiable without ``out``; the experts' own order).
+    SwiGLU writes into ``out`` [n, H] when given (GPT-OSS allocates)."""
     if fmt.activation == "silu":
+        if out is not None:
+            return torch.ops.aten.silu.out(g, out=out).mul_(u)
         return F.silu(g).mul_(u)       # SiluBackward keeps g, not its output: in place is safe
     g = g.clamp(max=fmt.limit)
     u = u.clamp(min=-fmt.limit, max=fmt.limit)
     return (u + 1) * (g * torch.sigmoid(g * fmt.alpha))
 
 
-def _act_parts(g: Tensor, u: Tensor, fmt: GluSpec) -> tuple[Optional[Tensor], Tensor]:
-    """(silu(g), h) for SwiGLU, whose backward reuses silu(g); (None, h) for GPT-OSS."""
+def _act_parts(g: Tensor, u: Tensor, fmt: GluSpec, ws: "_Scratch") -> tuple[Optional[Tensor], Tensor]:
+    """(silu(g), h) for SwiGLU, whose backward reuses silu(g), in ``ws``; (None, h) for GPT-OSS."""
     if fmt.activation == "silu":
-        sg = F.silu(g)
-        return sg, sg * u
+        n, H = g.shape
+        sg = torch.ops.aten.silu.out(g, out=ws.take("sg", n, H))
+        return sg, torch.mul(sg, u, out=ws.take("h", n, H))
     return None, _act(g, u, fmt)
+
+
+class _Scratch:
+    """Row buffers shared by every expert of one call: ``take(name, n, cols)`` is the [n, cols]
+    front of one [max_rows, cols] buffer per name. The per-expert temporaries then cost one
+    allocation per call, not one per expert: freed per-expert blocks under 1 MiB stayed in
+    the allocator's heap, 17 MiB of them at the end of a dropless backward, which was the
+    step's peak (2026-12-01). A name's buffer is valid until the next ``take`` of that name."""
+
+    def __init__(self, max_rows: int, like: Tensor):
+        self.max_rows, self.dtype, self.device = max_rows, like.dtype, like.device
+        self.bufs: dict = {}
+
+    def take(self, name: str, n: int, cols: int) -> Tensor:
+        buf = self.bufs.get(name)
+        if buf is None:
+            buf = self.bufs[name] = torch.empty((self.max_rows, cols), dtype=self.dtype, device=self.device)
+        return buf[:n]
+
+
+def _max_rows(bounds) -> int:
+    return max((bounds[e + 1] - bounds[e] for e in range(len(bounds) - 1)), default=0)
 
 
 def _act_backward(g: Tensor, u: Tensor, gh: Tensor, fmt: GluSpec, out: tuple, sg: Optional[Tensor]) -> None:
@@ -260,13 +286,18 @@ def _forward(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: GluSpec
         _forward_small(x, w_rows, rows, w_out, b_in, b_out, w_in, fmt, order, busy, H, O, y)
         return y.to(dt)
     win, wout = [w.unbind(0) for w in w_in], w_out.unbind(0)
+    ws = _Scratch(_max_rows(b), x)
     for e in busy:
         r0, r1 = b[e], b[e + 1]
+        n = r1 - r0
         tok = rows.tokens[r0:r1]
-        x_e = x.index_select(0, tok)
-        out = None if saved is None or not keep[e] else tuple(s[r0:r1] for s in saved)
+        x_e = torch.index_select(x, 0, tok, out=ws.take("x", n, x.shape[1]))
+        if saved is not None and keep[e]:
+            out = tuple(s[r0:r1] for s in saved)
+        else:
+            out = (ws.take("z", n, 2 * H),) if fmt.fused_in else (ws.take("g", n, H), ws.take("u", n, H))
         g, u = _hidden(x_e, win, b_in, e, fmt, H, out)
-        y_e = _mm(_act(g, u, fmt), wout[e], fmt.out_transposed)
+        y_e = _mm(_act(g, u, fmt, ws.take("h", n, H)), wout[e], fmt.out_transposed, ws.take("y", n, O))
         if b_out is not None:
             y_e.add_(b_out[e])
         _accumulate(y, tok, y_e, w_rows[r0:r1].unsqueeze(1), order)
@@ -458,6 +489,8 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
     p = torch.promote_types(dt, w_rows.dtype)
     if order == "fmoe":
         p = torch.promote_types(p, compute_dtype(dt))
+    M, O = x.shape[1], gy.shape[1]
+    ws = _Scratch(_max_rows(b), x)
     for e in reversed(range(rows.num_experts)):
         r0, r1 = b[e], b[e + 1]
         if r0 == r1:
@@ -465,18 +498,20 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
                 for gw in gw_in:
                     gw[e] = 0
             continue
+        n = r1 - r0
         tok = rows.tokens[r0:r1]
-        x_e = x.index_select(0, tok)
+        x_e = torch.index_select(x, 0, tok, out=ws.take("x", n, M))
         if saved is None or not keep[e]:
-            g, u = _hidden(x_e, win, b_in, e, fmt, H)
+            out = (ws.take("z", n, 2 * H),) if fmt.fused_in else (ws.take("g", n, H), ws.take("u", n, H))
+            g, u = _hidden(x_e, win, b_in, e, fmt, H, out)
         else:
             g, u = _split(saved[0][r0:r1], fmt, H) if fmt.fused_in else (saved[0][r0:r1], saved[1][r0:r1])
-        gy_e = gy.index_select(0, tok)                                 # [n, O]
+        gy_e = torch.index_select(gy, 0, tok, out=ws.take("gy", n, O))   # [n, O]
         w_e = w_rows[r0:r1].unsqueeze(1)
         w_dt = w_e.to(p).to(dt)
         # Down projection first, so gy_e and h are dropped before the [n, 2H] gradient exists.
-        sg, h = _act_parts(g, u, fmt)                                  # recomputed, elementwise
-        gh = _mm(gy_e, wout[e], not fmt.out_transposed)                # dy D_eᵀ, unscaled [n, H]
+        sg, h = _act_parts(g, u, fmt, ws)                              # recomputed, elementwise
+        gh = _mm(gy_e, wout[e], not fmt.out_transposed, ws.take("gh", n, H))   # dy D_eᵀ, unscaled
         if need_w:   # <dy, y_e> = <dy D_eᵀ, h> (+ <dy, d_e>): no saved expert output
             dw = torch.linalg.vecdot(gh.to(p), h.to(p))
             if b_out is not None:
@@ -487,7 +522,7 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
         if need_out:
             _wgrad(h.mul_(w_dt), gy_e, fmt.out_transposed, gw_out[e])  # h is not needed after this
         del h, gy_e
-        d = torch.empty((r1 - r0, 2 * H), dtype=dt, device=x.device)   # [dL/dg, dL/du] (fused layout)
+        d = ws.take("d", n, 2 * H)                                     # [dL/dg, dL/du] (fused layout)
         dg, du = _split(d, fmt, H) if fmt.fused_in else (d[:, :H], d[:, H:])
         _act_backward(g, u, gh.mul_(w_dt), fmt, (dg, du), sg)
         del g, u, gh, sg
@@ -498,14 +533,14 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
                 _wgrad(x_e, d, fmt.in_transposed, gw_in[0][e])
             del x_e
             if need_x:
-                gx.index_add_(0, tok, _mm(d, win[0][e], not fmt.in_transposed).to(gx.dtype))
+                gx.index_add_(0, tok, _mm(d, win[0][e], not fmt.in_transposed, ws.take("gx", n, M)).to(gx.dtype))
         else:
             if need_in:
                 _wgrad(x_e, dg, fmt.in_transposed, gw_in[0][e])
                 _wgrad(x_e, du, fmt.in_transposed, gw_in[1][e])
             del x_e
             if need_x:
-                gx_e = _mm(dg, win[0][e], not fmt.in_transposed)
+                gx_e = _mm(dg, win[0][e], not fmt.in_transposed, ws.take("gx", n, M))
                 gx_e.addmm_(du, win[1][e] if fmt.in_transposed else win[1][e].t())
                 gx.index_add_(0, tok, gx_e.to(gx.dtype))
     return (None if gx is None else gx.to(dt)), gw_rows, gw_out, gb_in, gb_out, gw_in
