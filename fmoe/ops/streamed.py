@@ -184,24 +184,38 @@ def _hidden(x_e: Tensor, w_in, b_in, e: int, fmt: GluSpec, H: int,
 
 
 def _act(g: Tensor, u: Tensor, fmt: GluSpec, out: Optional[Tensor] = None) -> Tensor:
-    """The gated activation h [n, H] (differentiable without ``out``; the experts' own order).
-    SwiGLU writes into ``out`` [n, H] when given (GPT-OSS allocates)."""
+    """The gated activation h [n, H] (differentiable without ``out``), in the experts' own op
+    order (transformers' GPT-OSS: ``(u' + 1) * (g' * sigmoid(g' * alpha))``); written into
+    ``out`` [n, H] when given, with in-place steps that round exactly as the out-of-place ones."""
     if fmt.activation == "silu":
         if out is not None:
             return torch.ops.aten.silu.out(g, out=out).mul_(u)
         return F.silu(g).mul_(u)       # SiluBackward keeps g, not its output: in place is safe
-    g = g.clamp(max=fmt.limit)
-    u = u.clamp(min=-fmt.limit, max=fmt.limit)
-    return (u + 1) * (g * torch.sigmoid(g * fmt.alpha))
+    L = fmt.limit
+    g = g.clamp(max=L)
+    u = u.clamp(min=-L, max=L)
+    if out is None:
+        return (u + 1) * (g * torch.sigmoid(g * fmt.alpha))
+    return torch.mul(g, fmt.alpha, out=out).sigmoid_().mul_(g).mul_(u.add_(1))
 
 
-def _act_parts(g: Tensor, u: Tensor, fmt: GluSpec, ws: "_Scratch") -> tuple[Optional[Tensor], Tensor]:
-    """(silu(g), h) for SwiGLU, whose backward reuses silu(g), in ``ws``; (None, h) for GPT-OSS."""
+def _act_parts(g: Tensor, u: Tensor, fmt: GluSpec, ws: "_Scratch") -> tuple[tuple, Tensor]:
+    """(parts, h): h = act(g, u) [n, H] and what :func:`_act_backward` reuses, all in ``ws``:
+    (silu(g),) for SwiGLU; (α·g', g' σ(α g'), u' + 1, u outside ±limit, g above the limit) for
+    GPT-OSS (g' and u' clamped)."""
+    n, H = g.shape
     if fmt.activation == "silu":
-        n, H = g.shape
         sg = torch.ops.aten.silu.out(g, out=ws.take("sg", n, H))
-        return sg, torch.mul(sg, u, out=ws.take("h", n, H))
-    return None, _act(g, u, fmt)
+        return (sg,), torch.mul(sg, u, out=ws.take("h", n, H))
+    L = fmt.limit
+    gc = torch.clamp(g, max=L, out=ws.take("gc", n, H))
+    a = torch.mul(gc, fmt.alpha, out=ws.take("a", n, H))
+    glu = torch.sigmoid(a, out=ws.take("glu", n, H)).mul_(gc)
+    uc = torch.clamp(u, min=-L, max=L, out=ws.take("uc", n, H))
+    outside = torch.ne(uc, u, out=ws.take("outside", n, H, torch.bool))   # NaN counts as outside
+    above = torch.gt(g, L, out=ws.take("above", n, H, torch.bool))
+    h = torch.mul(uc.add_(1), glu, out=ws.take("h", n, H))
+    return (a, glu, uc, outside, above), h
 
 
 class _Scratch:
@@ -215,10 +229,10 @@ class _Scratch:
         self.max_rows, self.dtype, self.device = max_rows, like.dtype, like.device
         self.bufs: dict = {}
 
-    def take(self, name: str, n: int, cols: int) -> Tensor:
+    def take(self, name: str, n: int, cols: int, dtype: Optional[torch.dtype] = None) -> Tensor:
         buf = self.bufs.get(name)
         if buf is None:
-            buf = self.bufs[name] = torch.empty((self.max_rows, cols), dtype=self.dtype, device=self.device)
+            buf = self.bufs[name] = torch.empty((self.max_rows, cols), dtype=dtype or self.dtype, device=self.device)
         return buf[:n]
 
 
@@ -226,22 +240,24 @@ def _max_rows(bounds) -> int:
     return max((bounds[e + 1] - bounds[e] for e in range(len(bounds) - 1)), default=0)
 
 
-def _act_backward(g: Tensor, u: Tensor, gh: Tensor, fmt: GluSpec, out: tuple, sg: Optional[Tensor]) -> None:
+def _act_backward(g: Tensor, u: Tensor, gh: Tensor, fmt: GluSpec, out: tuple, parts: tuple, ws: "_Scratch") -> None:
     """dL/dg and dL/du written into ``out`` = (dg [n, H], du [n, H]) views, from gh = dL/dh
-    (consumed) and, for SwiGLU, sg = silu(g) (from :func:`_act_parts`). Temporaries die here,
-    so backward holds few [n, H] tensors at a time."""
+    (consumed) and the ``parts`` of :func:`_act_parts`. Both activations end in ATen's fused
+    ``silu_backward`` (one vectorised pass): for GPT-OSS, ``d (g σ(α g)) / dg = silu'(α g)``."""
     dg, du = out
     if fmt.activation == "silu":
+        (sg,) = parts
         torch.mul(gh, sg, out=du)                                      # d h / d u = silu(g)
-        # ATen's fused silu'(g) * gh.u: one vectorised pass instead of five
         torch.ops.aten.silu_backward.grad_input(gh.mul_(u), g, grad_input=dg)
         return
-    L, alpha = fmt.limit, fmt.alpha
-    gc, uc = g.clamp(max=L), u.clamp(min=-L, max=L)
-    s = torch.sigmoid(gc * alpha)
-    torch.mul(gh, gc * s, out=du).mul_((u >= -L) & (u <= L))          # clamp passes the gradient inside [-L, L]
-    dglu = torch.rsub(s, 1).mul_(gc).mul_(alpha).add_(1).mul_(s)       # d (g σ(α g)) / dg = σ (1 + α g (1 - σ))
-    torch.mul(gh.mul_(uc.add_(1)), dglu, out=dg).mul_(g <= L)
+    # GPT-OSS's g and u, dg and du are alternate columns: strided, so elementwise kernels run
+    # unvectorised on them. Everything is computed in contiguous [n, H] buffers and only the
+    # results are copied into the interleaved halves.
+    a, glu, uc1, outside, above = parts
+    t = torch.mul(gh, glu, out=ws.take("dact", *gh.shape)).masked_fill_(outside, 0)   # clamp passes
+    du.copy_(t)                                                        # the gradient inside [-L, L]
+    torch.ops.aten.silu_backward.grad_input(gh.mul_(uc1), a, grad_input=t)
+    dg.copy_(t.masked_fill_(above, 0))
 
 
 def _hidden_size(w_in: tuple, fmt: GluSpec) -> int:
@@ -510,7 +526,7 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
         w_e = w_rows[r0:r1].unsqueeze(1)
         w_dt = w_e.to(p).to(dt)
         # Down projection first, so gy_e and h are dropped before the [n, 2H] gradient exists.
-        sg, h = _act_parts(g, u, fmt, ws)                              # recomputed, elementwise
+        parts, h = _act_parts(g, u, fmt, ws)                           # recomputed, elementwise
         gh = _mm(gy_e, wout[e], not fmt.out_transposed, ws.take("gh", n, H))   # dy D_eᵀ, unscaled
         if need_w:   # <dy, y_e> = <dy D_eᵀ, h> (+ <dy, d_e>): no saved expert output
             dw = torch.linalg.vecdot(gh.to(p), h.to(p))
@@ -524,8 +540,8 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
         del h, gy_e
         d = ws.take("d", n, 2 * H)                                     # [dL/dg, dL/du] (fused layout)
         dg, du = _split(d, fmt, H) if fmt.fused_in else (d[:, :H], d[:, H:])
-        _act_backward(g, u, gh.mul_(w_dt), fmt, (dg, du), sg)
-        del g, u, gh, sg
+        _act_backward(g, u, gh.mul_(w_dt), fmt, (dg, du), parts, ws)
+        del g, u, gh, parts
         if need_b_in:
             gb_in[e] = d.sum(0).to(gb_in.dtype)
         if fmt.fused_in:
