@@ -114,3 +114,36 @@ def test_block_flop_and_byte_accounting():
     assert per_expert == (48 + 24 + 6) * 4 and always == (32 + 40) * 4
     assert row_flop == 2 * (48 + 24) and shared_flop == 2 * 40
     assert math.isclose(bench_common.MIB, 1 << 20)
+
+
+def test_bench_ab_swaps_the_op_of_each_revision_and_restores_the_real_one(monkeypatch):
+    from benchmarks import bench_ab
+    import fmoe.ops.streamed as real
+    moe_mod = sys.modules["fmoe.moe"]
+    op = bench_ab.load_op(bench_ab.WORKTREE)
+    assert op is not real and op.__package__ == "fmoe.ops" and op.SAVES == real.SAVES
+    calls = []
+    original = bench_ab.load_op
+
+    def load(rev):
+        m = original(rev)
+        inner = m.streamed_glu
+        m.streamed_glu = lambda *a, **k: calls.append(rev) or inner(*a, **k)
+        return m
+    monkeypatch.setattr(bench_ab, "load_op", load)
+    res = bench_ab.run(["HEAD", bench_ab.WORKTREE], ["smoke"], [], repeats=2)
+    r = res["layer"]["smoke"]
+    assert list(r) == ["HEAD", "WORKTREE"] and r["HEAD"]["vs_first"] == 1.0
+    assert all(v["seconds"] > 0 and v["cpu_seconds"] > 0 for v in r.values())
+    # warm-up + 2 repeats each, and every step ran the variant it was timed as
+    assert calls.count("HEAD") == 3 and calls.count("WORKTREE") == 3
+    assert moe_mod._streamed is real
+
+
+def test_bench_ab_reports_a_revision_it_cannot_read(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "benchmarks.bench_ab", "--rev", "no-such-rev-xyz", "--rev", "WORKTREE",
+                        "--only", "smoke", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "cannot read fmoe/ops/streamed.py" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "benchmarks.bench_ab", "--rev", "HEAD", "--rev", "WORKTREE",
+                        "--only", "decode_16"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "not a training config" in p.stderr
