@@ -72,8 +72,9 @@ class MoESpec:
         save: with ``streamed``, where backward gets each expert's gate/up projection:
             'in_grad' (default: written in forward into the buffer of the in-projection weights'
             gradient and read back before that gradient overwrites it: no recomputed GEMM and
-            no memory beyond the gradients; experts whose loads do not fit recompute, see
-            :func:`fmoe.ops.streamed.in_grad_experts`), 'recompute' (one more forward
+            no memory beyond the gradients and at most M/4 rows of room in front of them;
+            experts whose loads do not fit recompute, see :func:`fmoe.ops.streamed.in_grad_pad`
+            and :func:`~fmoe.ops.streamed.in_grad_experts`), 'recompute' (one more forward
             GEMM pair per expert) or 'separate' (its own [N, 2H] buffer).
     """
 
