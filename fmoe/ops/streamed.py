@@ -233,6 +233,8 @@ class _Scratch:
         buf = self.bufs.get(name)
         if buf is None:
             buf = self.bufs[name] = torch.empty((self.max_rows, cols), dtype=dtype or self.dtype, device=self.device)
+        elif buf.shape[1] != cols:
+            raise RuntimeError(f"_Scratch: {name!r} holds {buf.shape[1]} columns, asked for {cols}")
         return buf[:n]
 
 
@@ -525,7 +527,7 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
         gy_e = torch.index_select(gy, 0, tok, out=ws.take("gy", n, O))   # [n, O]
         w_e = w_rows[r0:r1].unsqueeze(1)
         w_dt = w_e.to(p).to(dt)
-        # Down projection first, so gy_e and h are dropped before the [n, 2H] gradient exists.
+        # Down projection first: gy_e and h are done with before the [n, 2H] gradient d is formed.
         parts, h = _act_parts(g, u, fmt, ws)                           # recomputed, elementwise
         gh = _mm(gy_e, wout[e], not fmt.out_transposed, ws.take("gh", n, H))   # dy D_eᵀ, unscaled
         if need_w:   # <dy, y_e> = <dy D_eᵀ, h> (+ <dy, d_e>): no saved expert output
@@ -537,24 +539,20 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
             gb_out[e] = (gy_e.to(p) * w_dt.to(p)).sum(0).to(gb_out.dtype)
         if need_out:
             _wgrad(h.mul_(w_dt), gy_e, fmt.out_transposed, gw_out[e])  # h is not needed after this
-        del h, gy_e
         d = ws.take("d", n, 2 * H)                                     # [dL/dg, dL/du] (fused layout)
         dg, du = _split(d, fmt, H) if fmt.fused_in else (d[:, :H], d[:, H:])
         _act_backward(g, u, gh.mul_(w_dt), fmt, (dg, du), parts, ws)
-        del g, u, gh, parts
         if need_b_in:
             gb_in[e] = d.sum(0).to(gb_in.dtype)
         if fmt.fused_in:
             if need_in:
                 _wgrad(x_e, d, fmt.in_transposed, gw_in[0][e])
-            del x_e
             if need_x:
                 gx.index_add_(0, tok, _mm(d, win[0][e], not fmt.in_transposed, ws.take("gx", n, M)).to(gx.dtype))
         else:
             if need_in:
                 _wgrad(x_e, dg, fmt.in_transposed, gw_in[0][e])
                 _wgrad(x_e, du, fmt.in_transposed, gw_in[1][e])
-            del x_e
             if need_x:
                 gx_e = _mm(dg, win[0][e], not fmt.in_transposed, ws.take("gx", n, M))
                 gx_e.addmm_(du, win[1][e] if fmt.in_transposed else win[1][e].t())
