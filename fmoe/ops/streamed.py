@@ -279,11 +279,18 @@ def _out_dim(w_out: Tensor, fmt: GluSpec) -> int:
 SMALL_ROWS = 1024
 
 
+def _gate_column(w_rows: Tensor, y: Tensor, order: str) -> Tensor:
+    """The gate weights [N, 1] as :func:`_accumulate` multiplies them (y's dtype for 'fmoe')."""
+    w = w_rows.unsqueeze(1)
+    return w.to(y.dtype) if order == "fmoe" else w
+
+
 def _accumulate(y: Tensor, tok: Tensor, y_e: Tensor, w_e: Tensor, order: str) -> None:
-    """y[tok] += w_e * y_e in ``order``'s arithmetic (y is the accumulator, w_e [n, 1])."""
+    """y[tok] += w_e * y_e in ``order``'s arithmetic (y is the accumulator, w_e [n, 1] from
+    :func:`_gate_column`)."""
     dt = y_e.dtype
     if order == "fmoe":
-        y.index_add_(0, tok, y_e.to(y.dtype).mul_(w_e.to(y.dtype)) if y.dtype != dt else y_e.mul_(w_e.to(dt)))
+        y.index_add_(0, tok, y_e.to(y.dtype).mul_(w_e) if y.dtype != dt else y_e.mul_(w_e))
     else:  # transformers' eager: promotion, one cast, dt running sum
         y.index_add_(0, tok, (y_e * w_e).to(dt))
 
@@ -303,7 +310,9 @@ def _forward(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: GluSpec
     if saved is None and b[-1] <= SMALL_ROWS and (order == "fmoe" or dt in (torch.float32, torch.float64)):
         _forward_small(x, w_rows, rows, w_out, b_in, b_out, w_in, fmt, order, busy, H, O, y)
         return y.to(dt)
-    win, wout = [w.unbind(0) for w in w_in], w_out.unbind(0)
+    win = [w.unbind(0) for w in w_in]
+    wout_f = (w_out.transpose(1, 2) if fmt.out_transposed else w_out).unbind(0)   # op(D_e), made once
+    w_col = _gate_column(w_rows, y, order)
     ws = _Scratch(_max_rows(b), x)
     for e in busy:
         r0, r1 = b[e], b[e + 1]
@@ -315,10 +324,10 @@ def _forward(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: GluSpec
         else:
             out = (ws.take("z", n, 2 * H),) if fmt.fused_in else (ws.take("g", n, H), ws.take("u", n, H))
         g, u = _hidden(x_e, win, b_in, e, fmt, H, out)
-        y_e = _mm(_act(g, u, fmt, ws.take("h", n, H)), wout[e], fmt.out_transposed, ws.take("y", n, O))
+        y_e = torch.mm(_act(g, u, fmt, ws.take("h", n, H)), wout_f[e], out=ws.take("y", n, O))
         if b_out is not None:
             y_e.add_(b_out[e])
-        _accumulate(y, tok, y_e, w_rows[r0:r1].unsqueeze(1), order)
+        _accumulate(y, tok, y_e, w_col[r0:r1], order)
     return y.to(dt)
 
 
@@ -366,7 +375,7 @@ def _forward_small(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: G
             if b_out is not None:
                 y_r[r0:r1].add_(b_out[e])
     # rows are sorted by expert, and a float32/64 index_add_ adds duplicates in index order
-    _accumulate(y, rows.tokens, y_r, w_rows.unsqueeze(1), order)
+    _accumulate(y, rows.tokens, y_r, _gate_column(w_rows, y, order), order)
 
 
 _STATIC = 4  # rows, fmt, order, save: the non-tensor arguments between the tensors and w_in
@@ -502,11 +511,19 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
         gw_in = tuple(_weight_grad(w, idle) for w in w_in) if need_in else None
     gb_in = torch.zeros_like(b_in) if need_b_in else None
     gb_out = torch.zeros_like(b_out) if need_b_out else None
-    win, wout = [w.unbind(0) for w in w_in], w_out.unbind(0)
+    # Per-expert views made once per call (a Python-level call per expert and use adds up at
+    # E 32-64): op(w)ᵀ for the data gradients, and the gradients' expert slices.
+    win = [w.unbind(0) for w in w_in]
+    win_T = [(w if fmt.in_transposed else w.transpose(1, 2)).unbind(0) for w in w_in]
+    wout_T = (w_out if fmt.out_transposed else w_out.transpose(1, 2)).unbind(0)
+    gw_out_e = gw_out.unbind(0) if need_out else None
+    gw_in_e = [g.unbind(0) for g in gw_in] if need_in else None
     # The product y_e * w is formed in p (transformers' promotion, or fmoe's fp32 accumulation).
     p = torch.promote_types(dt, w_rows.dtype)
     if order == "fmoe":
         p = torch.promote_types(p, compute_dtype(dt))
+    w_dt_all = w_rows.unsqueeze(1).to(p).to(dt)        # [N, 1] gate weights as the products use them
+    plain = p == dt == w_rows.dtype and b_out is None  # the gate-weight gradient needs no casts
     M, O = x.shape[1], gy.shape[1]
     ws = _Scratch(_max_rows(b), x)
     for e in reversed(range(rows.num_experts)):
@@ -525,20 +542,22 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
         else:
             g, u = _split(saved[0][r0:r1], fmt, H) if fmt.fused_in else (saved[0][r0:r1], saved[1][r0:r1])
         gy_e = torch.index_select(gy, 0, tok, out=ws.take("gy", n, O))   # [n, O]
-        w_e = w_rows[r0:r1].unsqueeze(1)
-        w_dt = w_e.to(p).to(dt)
+        w_dt = w_dt_all[r0:r1]
         # Down projection first: gy_e and h are done with before the [n, 2H] gradient d is formed.
         parts, h = _act_parts(g, u, fmt, ws)                           # recomputed, elementwise
-        gh = _mm(gy_e, wout[e], not fmt.out_transposed, ws.take("gh", n, H))   # dy D_eᵀ, unscaled
+        gh = torch.mm(gy_e, wout_T[e], out=ws.take("gh", n, H))       # dy D_eᵀ, unscaled
         if need_w:   # <dy, y_e> = <dy D_eᵀ, h> (+ <dy, d_e>): no saved expert output
-            dw = torch.linalg.vecdot(gh.to(p), h.to(p))
-            if b_out is not None:
-                dw += gy_e.to(p) @ b_out[e].to(p)
-            gw_rows[r0:r1] = dw.to(w_rows.dtype)
+            if plain:
+                torch.linalg.vecdot(gh, h, out=gw_rows[r0:r1])
+            else:
+                dw = torch.linalg.vecdot(gh.to(p), h.to(p))
+                if b_out is not None:
+                    dw += gy_e.to(p) @ b_out[e].to(p)
+                gw_rows[r0:r1] = dw.to(w_rows.dtype)
         if need_b_out:
             gb_out[e] = (gy_e.to(p) * w_dt.to(p)).sum(0).to(gb_out.dtype)
         if need_out:
-            _wgrad(h.mul_(w_dt), gy_e, fmt.out_transposed, gw_out[e])  # h is not needed after this
+            _wgrad(h.mul_(w_dt), gy_e, fmt.out_transposed, gw_out_e[e])  # h is not needed after this
         d = ws.take("d", n, 2 * H)                                     # [dL/dg, dL/du] (fused layout)
         dg, du = _split(d, fmt, H) if fmt.fused_in else (d[:, :H], d[:, H:])
         _act_backward(g, u, gh.mul_(w_dt), fmt, (dg, du), parts, ws)
@@ -546,17 +565,17 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
             gb_in[e] = d.sum(0).to(gb_in.dtype)
         if fmt.fused_in:
             if need_in:
-                _wgrad(x_e, d, fmt.in_transposed, gw_in[0][e])
+                _wgrad(x_e, d, fmt.in_transposed, gw_in_e[0][e])
             if need_x:
-                gx.index_add_(0, tok, _mm(d, win[0][e], not fmt.in_transposed, ws.take("gx", n, M)).to(gx.dtype))
+                gx_e = torch.mm(d, win_T[0][e], out=ws.take("gx", n, M))
         else:
             if need_in:
-                _wgrad(x_e, dg, fmt.in_transposed, gw_in[0][e])
-                _wgrad(x_e, du, fmt.in_transposed, gw_in[1][e])
+                _wgrad(x_e, dg, fmt.in_transposed, gw_in_e[0][e])
+                _wgrad(x_e, du, fmt.in_transposed, gw_in_e[1][e])
             if need_x:
-                gx_e = _mm(dg, win[0][e], not fmt.in_transposed, ws.take("gx", n, M))
-                gx_e.addmm_(du, win[1][e] if fmt.in_transposed else win[1][e].t())
-                gx.index_add_(0, tok, gx_e.to(gx.dtype))
+                gx_e = torch.mm(dg, win_T[0][e], out=ws.take("gx", n, M)).addmm_(du, win_T[1][e])
+        if need_x:
+            gx.index_add_(0, tok, gx_e if gx_e.dtype == gx.dtype else gx_e.to(gx.dtype))
     return (None if gx is None else gx.to(dt)), gw_rows, gw_out, gb_in, gb_out, gw_in
 
 
