@@ -63,9 +63,12 @@ CONFIGS = [
     LayerConfig("decode_16", 16, 1024, 512, 64, 6, 0.0, False),
     LayerConfig("decode_64", 64, 1024, 512, 64, 6, 0.0, False),
 ]
-# "smoke" is not in the full run: a seconds-long config for tests/test_benchmarks.py
+# Not in the full run: "smoke", a seconds-long config for tests/test_benchmarks.py; "overhead",
+# M = H = 8 with 64 experts, where a step is the per-expert Python and dispatch cost and little else
+# (python -m benchmarks.bench_ab --only overhead).
 SMOKE = LayerConfig("smoke", 256, 128, 64, 8, 2, 1.25, True)
-BY_NAME = {c.name: c for c in CONFIGS + [SMOKE]}
+OVERHEAD = LayerConfig("overhead", 2048, 8, 8, 64, 4, 0.0, True)
+BY_NAME = {c.name: c for c in CONFIGS + [SMOKE, OVERHEAD]}
 QUICK = ("fine_cf125",)      # what --quick runs when no --only is given
 TUTEL_GEOMEAN = ("coarse", "fine_cf125", "fine_cf2", "decode_16")   # issue 11, target 3
 MEMORY_VS_TUTEL = ("fine_cf125", "dropless")                       # issue 11, target 5
