@@ -16,7 +16,8 @@ to MAX_SECONDS stops there, keeping at least one -- transformers' eager training
     fmoe_grouped        moe_block(..., combine="grouped") (the order of transformers' grouped_mm)
     hf_eager            the transformers block, config._experts_implementation = "eager"
     hf_grouped_mm       the same block with "grouped_mm"
-    dense_flat/_batched train only: the expert GEMMs' roofline at the same shapes (bench_common)
+    dense_flat/_batched/_loop train only: the expert GEMMs' roofline at the same shapes, and the
+                        per-expert-call version of it (bench_common.dense_ffn_steps)
     weights_read        decode only: one read of every block weight; the stream bound is the
                         busy experts' + the always-read (router, shared) bytes / this bandwidth
 
@@ -199,6 +200,8 @@ def bench_arch(arch: str, shape: dict, phases: dict, repeats: int, memory_phases
             res["dense_gflops"] = vv["dense_batched"]["gflops"]   # the same per-expert shapes
             res["fmoe_vs_dense"] = vv["fmoe"]["gflops"] / res["dense_gflops"]
             res["fmoe_vs_dense_flat"] = vv["fmoe"]["gflops"] / vv["dense_flat"]["gflops"]
+            res["dense_loop_vs_dense"] = vv["dense_loop"]["gflops"] / res["dense_gflops"]
+            res["fmoe_vs_dense_loop"] = vv["fmoe"]["gflops"] / vv["dense_loop"]["gflops"]
         if phase == "decode":
             all_bytes = sum(w.numel() * w.element_size() for w in block.parameters())
             bw = all_bytes / vv["weights_read"]["seconds"]
@@ -255,11 +258,9 @@ def targets(res: dict) -> list[dict]:
     if train:
         w = min(train, key=train.get)
         r = archs[w]["phases"]["train"]
-        t_f, t_d = r["variants"]["fmoe"]["seconds"], r["useful_gflop"] / r["dense_gflops"]
         out.append(bc.status("T1 blocks training >= 0.90 of dense", train[w], 0.90, True,
                              ", ".join(f"{a} {v:.2f}" for a, v in train.items()),
-                             f"Bound: {w}'s step takes {t_f * 1e3:.0f} ms, its useful GEMMs at the dense rate "
-                             f"{t_d * 1e3:.0f} ms."))
+                             "Bound: " + bc.t1_bound(w, r) + "."))
     dec = {a: r["phases"]["decode"]["fmoe_vs_stream"] for a, r in archs.items()
            if "fmoe_vs_stream" in r["phases"].get("decode", {})}
     if dec:

@@ -89,8 +89,11 @@ def dense_ffn_steps(rows: int, model_dim: int, hidden: int, experts: int) -> tup
 
     ``flat``: one [rows, M] matrix through [M, H], [M, H], [H, M] (the best case: one big GEMM);
     ``batched``: the same rows split evenly over ``experts`` ([E, ceil(rows/E), M], torch.bmm),
-    i.e. the per-expert shapes with perfect balance. Each step runs the 3 forward and 6 backward
-    GEMMs explicitly (no autograd, no activation), so it is the GEMM roofline only.
+    i.e. the per-expert shapes with perfect balance; ``loop``: the batched shapes as one torch.mm
+    per expert into slices of one output per GEMM, the calls a per-expert MoE makes (MKL threads
+    each call on its own, where bmm spreads whole GEMMs over the threads). Each step runs the 3
+    forward and 6 backward GEMMs explicitly (no autograd, no activation), so it is the GEMM
+    roofline only.
     """
     g = torch.Generator().manual_seed(7)
     M, H = model_dim, hidden
@@ -116,7 +119,30 @@ def dense_ffn_steps(rows: int, model_dim: int, hidden: int, experts: int) -> tup
     w3b = torch.randn(experts, H, M, generator=g)
     steps["dense_batched"] = make(ab, w1b, w2b, w3b, hb, gyb, ghb, torch.bmm, lambda t: t.transpose(1, 2))
     flops["dense_batched"] = 3 * experts * c * 6 * M * H
+
+    def per_expert_mm(a, b):
+        out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
+        for e in range(a.shape[0]):
+            torch.mm(a[e], b[e], out=out[e])
+        return out
+
+    steps["dense_loop"] = make(ab, w1b, w2b, w3b, hb, gyb, ghb, per_expert_mm, lambda t: t.transpose(1, 2))
+    flops["dense_loop"] = flops["dense_batched"]
     return steps, flops
+
+
+def t1_bound(name: str, r: dict) -> str:
+    """Where a training config's time goes against the dense roofline (T1's bound line): the
+    step, its useful GEMMs at the batched rate, and at the per-expert-call rate (dense_loop)."""
+    t_f = r["variants"]["fmoe"]["seconds"]
+    t_d = r["useful_gflop"] / r["dense_gflops"]
+    out = (f"{name}'s step takes {t_f * 1e3:.0f} ms where its useful GEMMs at the dense (batched) rate take "
+           f"{t_d * 1e3:.0f} ms")
+    if "dense_loop_vs_dense" in r:
+        t_l = t_d / r["dense_loop_vs_dense"]
+        out += (f"; as one GEMM call per expert (dense_loop, {r['dense_loop_vs_dense']:.2f} of the batched rate) "
+                f"they take {t_l * 1e3:.0f} ms, and the other {(t_f - t_l) * 1e3:.0f} ms are outside the GEMMs")
+    return out
 
 
 # --------------------------------------------------------------------------- memory

@@ -111,17 +111,17 @@ def layer_tables(lay: dict) -> list[str]:
     dec = {n: r for n, r in lay["configs"].items() if not r["config"]["train"]}
     if train:
         L += ["| config | T | M | H | E | k | cf | kept pairs | fmoe ms | tutel ms | fmoe/tutel time (CPU time) | "
-              "dense GF/s batched / flat | fmoe GF/s | fmoe vs dense (vs flat) | tutel vs dense | fmoe mem MiB | "
-              "tutel mem MiB | fmoe/tutel mem |",
-              "|" + "---|" * 18]
+              "dense GF/s batched / flat / loop | fmoe GF/s | fmoe vs dense (vs flat) | fmoe vs loop | tutel vs dense | "
+              "fmoe mem MiB | tutel mem MiB | fmoe/tutel mem |",
+              "|" + "---|" * 19]
         for n, r in train.items():
             c, v = r["config"], r["variants"]
             L.append(f"| {n} | {r['tokens']} | {c['model_dim']} | {c['hidden']} | {c['experts']} | {c['k']} | "
                      f"{c['cf']:g} | {r['kept_pairs']} | {_ms(v['fmoe'])} | {_ms(v.get('tutel', {}))} | "
                      f"{_fmt(r.get('fmoe_time_vs_tutel'))} ({_fmt(r.get('fmoe_cpu_vs_tutel'))}) | {v['dense_batched']['gflops']:.0f} / "
-                     f"{v['dense_flat']['gflops']:.0f} | {v['fmoe']['gflops']:.0f} | {r['fmoe_vs_dense']:.2f} "
-                     f"({_fmt(r.get('fmoe_vs_dense_flat'))}) | "
-                     f"{_fmt(r.get('tutel_vs_dense'))} | {_mem(r['memory'].get('fmoe'))} | "
+                     f"{v['dense_flat']['gflops']:.0f} / {_fmt(v.get('dense_loop', {}).get('gflops'), '.0f')} | "
+                     f"{v['fmoe']['gflops']:.0f} | {r['fmoe_vs_dense']:.2f} ({_fmt(r.get('fmoe_vs_dense_flat'))}) | "
+                     f"{_fmt(r.get('fmoe_vs_dense_loop'))} | {_fmt(r.get('tutel_vs_dense'))} | {_mem(r['memory'].get('fmoe'))} | "
                      f"{_mem(r['memory'].get('tutel'))} | {_fmt(r.get('fmoe_mem_vs_tutel'))} |")
     if train and any("fmoe_recompute" in r["variants"] for r in train.values()):
         L += ["", "fmoe variants: `fmoe` = default (streamed, `save='in_grad'`: gate/up projections kept in the "
@@ -165,16 +165,18 @@ def block_tables(bl: dict) -> list[str]:
     L = [f"transformers {bl['transformers']}; {bl['repeats']} repeats, medians; speed-up = transformers time / "
          "fmoe (default) time; memory = MiB above the resting set / absolute VmHWM, own process each", "",
          "| arch | phase | T | fmoe ms | fmoe_grouped ms | hf_eager ms | hf_grouped_mm ms | speed-up vs eager (CPU) | "
-         "vs grouped_mm (CPU) | dense GF/s (batched) | fmoe vs dense (vs flat) | stream bound ms | fmoe x bound | fmoe mem MiB | "
-         "hf_eager mem MiB | hf_grouped_mm mem MiB |",
-         "|" + "---|" * 16]
+         "vs grouped_mm (CPU) | dense GF/s (batched / loop) | fmoe vs dense (vs flat) | fmoe vs loop | stream bound ms | "
+         "fmoe x bound | fmoe mem MiB | hf_eager mem MiB | hf_grouped_mm mem MiB |",
+         "|" + "---|" * 17]
     for a, r in bl["archs"].items():
         for ph, p in r["phases"].items():
             v, s, m, sc = p["variants"], p["speedup_vs_hf"], p["memory"], p.get("cpu_speedup_vs_hf", {})
             L.append(f"| {a} | {ph} | {p['tokens']} | {_ms(v['fmoe'])} | {_ms(v.get('fmoe_grouped', {}))} | "
                      f"{_ms(v.get('hf_eager', {}))} | {_ms(v.get('hf_grouped_mm', {}))} | {_fmt(s.get('eager'))} "
-                     f"({_fmt(sc.get('eager'))}) | {_fmt(s.get('grouped_mm'))} ({_fmt(sc.get('grouped_mm'))}) | {_fmt(p.get('dense_gflops'), '.0f')} | "
+                     f"({_fmt(sc.get('eager'))}) | {_fmt(s.get('grouped_mm'))} ({_fmt(sc.get('grouped_mm'))}) | "
+                     f"{_fmt(p.get('dense_gflops'), '.0f')}{'' if 'dense_loop' not in v else ' / ' + _fmt(v['dense_loop'].get('gflops'), '.0f')} | "
                      f"{_fmt(p.get('fmoe_vs_dense'))}{'' if 'fmoe_vs_dense_flat' not in p else ' (' + _fmt(p['fmoe_vs_dense_flat']) + ')'} | "
+                     f"{_fmt(p.get('fmoe_vs_dense_loop'))} | "
                      f"{_fmt(p['stream_bound_seconds'] * 1e3 if 'stream_bound_seconds' in p else None, '.1f')} | "
                      f"{_fmt(p.get('fmoe_vs_stream'))} | {_mem(m.get('fmoe'))} | {_mem(m.get('hf_eager'))} | "
                      f"{_mem(m.get('hf_grouped_mm'))} |")
@@ -294,11 +296,11 @@ def plots(results: dict, out_dir: str) -> list[str]:
         dec = {n: r for n, r in lay["configs"].items() if not r["config"]["train"]}
         fig, axes = plt.subplots(1, 3, figsize=(15, 4))
         if train:
-            ax, names, w = axes[0], list(train), 0.2
-            for i, v in enumerate(("fmoe", "tutel", "dense_flat", "dense_batched")):
+            ax, names, w = axes[0], list(train), 0.16
+            for i, v in enumerate(("fmoe", "tutel", "dense_flat", "dense_batched", "dense_loop")):
                 ax.bar([j + i * w for j in range(len(names))],
                        [train[n]["variants"].get(v, {}).get("gflops") or 0 for n in names], w, label=v)
-            ax.set_xticks([j + 1.5 * w for j in range(len(names))], names, rotation=20)
+            ax.set_xticks([j + 2 * w for j in range(len(names))], names, rotation=20)
             ax.set_ylabel("useful GFLOP/s (median)")
             ax.set_title("training step (fwd+bwd)")
             ax.legend(fontsize=8)

@@ -28,13 +28,16 @@ def test_run_quick_smoke_writes_json_tables_and_plots(tmp_path):
     assert list(res["suites"]) == ["layer"]
     r = res["suites"]["layer"]["configs"]["smoke"]
     assert r["tokens"] == 256 and r["kept_pairs"] + r["dropped_pairs"] == 256 * 2
-    for v in ("fmoe", "dense_flat", "dense_batched"):
+    for v in ("fmoe", "dense_flat", "dense_batched", "dense_loop"):
         m = r["variants"][v]
         assert len(m["all_seconds"]) == 2 and m["seconds"] == sorted(m["all_seconds"])[0] + (
             sorted(m["all_seconds"])[1] - sorted(m["all_seconds"])[0]) / 2
         assert m["gflops"] > 0
     assert r["fmoe_vs_dense"] == pytest.approx(r["variants"]["fmoe"]["gflops"] / r["variants"]["dense_batched"]["gflops"])
     assert r["fmoe_vs_dense_flat"] == pytest.approx(r["variants"]["fmoe"]["gflops"] / r["variants"]["dense_flat"]["gflops"])
+    assert r["fmoe_vs_dense_loop"] == pytest.approx(r["variants"]["fmoe"]["gflops"] / r["variants"]["dense_loop"]["gflops"])
+    assert r["dense_loop_vs_dense"] == pytest.approx(r["variants"]["dense_loop"]["gflops"]
+                                                     / r["variants"]["dense_batched"]["gflops"])
     mem = r["memory"]["fmoe"]
     assert mem["ok"] is True, mem
     assert mem["peak_bytes"] >= mem["rest_bytes"] > 0 and mem["above_rest_bytes"] == mem["peak_bytes"] - mem["rest_bytes"]
@@ -46,7 +49,8 @@ def test_run_quick_smoke_writes_json_tables_and_plots(tmp_path):
     else:
         assert "not installed" in r["variants"]["tutel"]["skipped"]
     names = [t["target"] for t in res["targets"]]
-    assert "T1 layer training >= 0.90 of dense" in names and "T3 time vs Tutel geo-mean <= 0.55" in names
+    t1 = res["targets"][names.index("T1 layer training >= 0.90 of dense")]
+    assert "one GEMM call per expert (dense_loop" in t1["line"] and "T3 time vs Tutel geo-mean <= 0.55" in names
     assert all(t["status"] in STATES and t["line"].startswith(t["target"]) for t in res["targets"])
     md = (out / "results.md").read_text()
     assert "| smoke | 256 | 128 | 64 | 8 | 2 | 1.25 |" in md and "### Targets" in md
@@ -81,7 +85,8 @@ def test_dense_ffn_flops_match_the_gemms():
     steps, flops = bench_common.dense_ffn_steps(rows=10, model_dim=6, hidden=4, experts=3)
     assert flops["dense_flat"] == 3 * 10 * 6 * 6 * 4
     assert flops["dense_batched"] == 3 * 3 * 4 * 6 * 6 * 4  # ceil(10 / 3) = 4 rows per expert
-    for name, mm in (("dense_flat", torch.mm), ("dense_batched", torch.bmm)):
+    assert flops["dense_loop"] == flops["dense_batched"]
+    for name, mm, n_calls in (("dense_flat", torch.mm, 9), ("dense_batched", torch.bmm, 9), ("dense_loop", torch.mm, 27)):
         calls = []
 
         class Count(torch.overrides.TorchFunctionMode):
@@ -93,7 +98,7 @@ def test_dense_ffn_flops_match_the_gemms():
 
         with Count():
             steps[name]()
-        assert len(calls) == 9 and sum(calls) == flops[name]
+        assert len(calls) == n_calls and sum(calls) == flops[name]
 
 
 def test_write_json_is_atomic(tmp_path):
