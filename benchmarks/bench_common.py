@@ -84,49 +84,68 @@ def upstream_grad(x: torch.Tensor) -> torch.Tensor:
     return torch.randn(x.shape, generator=g).div_(math.sqrt(x.numel())).to(x.dtype)
 
 
+def _ffn_gemms(a, h, gy, gh, w1, w2, w3, t) -> list:
+    """The 9 GEMMs of a SwiGLU FFN step as (lhs, rhs, is_weight_gradient): a [.., r, M] inputs,
+    h [.., r, H] hidden state, gy [.., r, M] output gradient, gh [.., r, H] hidden gradient;
+    ``t`` transposes the last two dims."""
+    return [(a, w1, False), (a, w2, False), (h, w3, False),                                # forward
+            (gy, t(w3), False), (t(h), gy, True),                                          # down: dX, dW
+            (gh, t(w1), False), (t(a), gh, True), (gh, t(w2), False), (t(a), gh, True)]    # gate, up
+
+
 def dense_ffn_steps(rows: int, model_dim: int, hidden: int, experts: int) -> tuple[dict, dict]:
     """Step functions (and their FLOPs) for the dense GEMMs of a SwiGLU FFN fwd+bwd.
 
     ``flat``: one [rows, M] matrix through [M, H], [M, H], [H, M] (the best case: one big GEMM);
     ``batched``: the same rows split evenly over ``experts`` ([E, ceil(rows/E), M], torch.bmm),
     i.e. the per-expert shapes with perfect balance; ``loop``: the batched shapes as one torch.mm
-    per expert into slices of one output per GEMM, the calls a per-expert MoE makes (MKL threads
-    each call on its own, where bmm spreads whole GEMMs over the threads). Each step runs the 3
-    forward and 6 backward GEMMs explicitly (no autograd, no activation), so it is the GEMM
-    roofline only.
+    per GEMM and expert, expert by expert (an expert's operands stay in cache between its GEMMs),
+    the calls a per-expert MoE makes: MKL threads each call on its own, where bmm spreads whole
+    GEMMs over the threads. Each step runs the 3 forward and 6 backward GEMMs explicitly (no
+    autograd, no activation), so it is the GEMM roofline only. The activation-shaped outputs
+    are written into buffers made once (a MoE's come from its scratch or the allocator's cache);
+    the weight gradients are fresh every step, as ``zero_grad(set_to_none=True)`` makes them,
+    so reference and MoE pay the same page faults for them.
     """
     g = torch.Generator().manual_seed(7)
     M, H = model_dim, hidden
     steps, flops = {}, {}
 
-    def make(a, w1, w2, w3, h, gy, gh, mm, t):
+    def make(gemms, mm):
+        acts = {i: mm(p, q) for i, (p, q, wgrad) in enumerate(gemms) if not wgrad}
+
         def step():
-            mm(a, w1), mm(a, w2), mm(h, w3)                         # forward
-            mm(gy, t(w3)), mm(t(h), gy)                             # down: dX, dW
-            mm(gh, t(w1)), mm(t(a), gh), mm(gh, t(w2)), mm(t(a), gh)  # gate, up: dX, dW
+            for i, (p, q, wgrad) in enumerate(gemms):
+                if wgrad:
+                    mm(p, q)
+                else:
+                    mm(p, q, out=acts[i])
         return step
 
     r = max(rows, 1)
     a, h = torch.randn(r, M, generator=g), torch.randn(r, H, generator=g)
     gy, gh = torch.randn(r, M, generator=g), torch.randn(r, H, generator=g)
     w1, w2, w3 = torch.randn(M, H, generator=g), torch.randn(M, H, generator=g), torch.randn(H, M, generator=g)
-    steps["dense_flat"] = make(a, w1, w2, w3, h, gy, gh, torch.mm, lambda t: t.t())
+    steps["dense_flat"] = make(_ffn_gemms(a, h, gy, gh, w1, w2, w3, lambda t: t.t()), torch.mm)
     flops["dense_flat"] = 3 * r * 6 * M * H
     c = max(1, -(-rows // experts))
     ab, hb = torch.randn(experts, c, M, generator=g), torch.randn(experts, c, H, generator=g)
     gyb, ghb = torch.randn(experts, c, M, generator=g), torch.randn(experts, c, H, generator=g)
     w1b, w2b = torch.randn(experts, M, H, generator=g), torch.randn(experts, M, H, generator=g)
     w3b = torch.randn(experts, H, M, generator=g)
-    steps["dense_batched"] = make(ab, w1b, w2b, w3b, hb, gyb, ghb, torch.bmm, lambda t: t.transpose(1, 2))
+    batched = _ffn_gemms(ab, hb, gyb, ghb, w1b, w2b, w3b, lambda t: t.transpose(1, 2))
+    steps["dense_batched"] = make(batched, torch.bmm)
     flops["dense_batched"] = 3 * experts * c * 6 * M * H
+    shapes = [(experts, p.shape[1], q.shape[2]) for p, q, _ in batched]
+    acts = {i: ab.new_empty(shapes[i]) for i, (_, _, wgrad) in enumerate(batched) if not wgrad}
 
-    def per_expert_mm(a, b):
-        out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
-        for e in range(a.shape[0]):
-            torch.mm(a[e], b[e], out=out[e])
-        return out
+    def loop_step():
+        outs = [ab.new_empty(shapes[i]) if wgrad else acts[i] for i, (_, _, wgrad) in enumerate(batched)]
+        for e in range(experts):
+            for o, (p, q, _) in zip(outs, batched):
+                torch.mm(p[e], q[e], out=o[e])
 
-    steps["dense_loop"] = make(ab, w1b, w2b, w3b, hb, gyb, ghb, per_expert_mm, lambda t: t.transpose(1, 2))
+    steps["dense_loop"] = loop_step
     flops["dense_loop"] = flops["dense_batched"]
     return steps, flops
 
