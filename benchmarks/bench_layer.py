@@ -62,6 +62,7 @@ CONFIGS = [
     LayerConfig("fine_cf2", 4096, 768, 384, 32, 4, 2.0, True, quick_tokens=512),
     LayerConfig("dropless", 4096, 768, 384, 32, 4, 0.0, True, quick_tokens=512),
     LayerConfig("fine_e64k8", 2048, 768, 256, 64, 8, 1.25, True, quick_tokens=256),
+    LayerConfig("fine_e128k8", 2048, 768, 384, 128, 8, 1.25, True, quick_tokens=256),
     LayerConfig("decode_16", 16, 1024, 512, 64, 6, 0.0, False),
     LayerConfig("decode_64", 64, 1024, 512, 64, 6, 0.0, False),
 ]

@@ -4,7 +4,7 @@ Default suites (issue 11; everything side by side in one run, medians and ratios
 
 * ``layer``  (benchmarks/bench_layer.py): ``fmoe.nn.MoELayer`` with default settings vs Tutel's
   layer on the same weights, vs the dense-GEMM roofline (training) and the weight-stream
-  bound (decode); configs coarse, fine_cf125, fine_cf2, dropless, fine_e64k8, decode_16,
+  bound (decode); configs coarse, fine_cf125, fine_cf2, dropless, fine_e64k8, fine_e128k8, decode_16,
   decode_64;
 * ``blocks`` (benchmarks/bench_blocks.py): ``fmoe.models`` blocks (Qwen3-MoE, DeepSeek-V3,
   GPT-OSS, Mixtral) vs transformers' own blocks with both experts implementations, for
