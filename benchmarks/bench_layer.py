@@ -309,7 +309,7 @@ def run(quick: bool, only: Optional[str], log: Callable[[str], None] = print, me
         checkpoint: Optional[Callable[[dict], None]] = None) -> dict:
     """Run the layer suite; returns a JSON-able dict (configs, targets). ``checkpoint`` gets the
     partial result after each config (so a run cut short still leaves its numbers on disk)."""
-    repeats = 2 if quick else 4
+    repeats = 2 if quick else 8   # slow phases of seconds come and go on this VM: 4 left medians bimodal
     names = [only] if only in BY_NAME else (list(QUICK) if quick else [c.name for c in CONFIGS])
     try:
         from fmoe.ops import numba_cpu
