@@ -101,6 +101,33 @@ def test_dense_ffn_flops_match_the_gemms():
         assert len(calls) == n_calls and sum(calls) == flops[name]
 
 
+def test_dense_ffn_reuses_activation_outputs_and_allocates_weight_gradients():
+    # A MoE step's activations come from scratch; only its weight gradients are fresh pages. The
+    # references must pay the same: 6 of the 9 GEMMs write into buffers kept across steps.
+    steps, _ = bench_common.dense_ffn_steps(rows=10, model_dim=6, hidden=5, experts=3)   # 4 rows per expert
+    for name, mm, per_gemm, rows in (("dense_flat", torch.mm, 1, 10), ("dense_batched", torch.bmm, 1, 4),
+                                     ("dense_loop", torch.mm, 3, 4)):
+        seen = []
+
+        class Outs(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func is mm:
+                    out = (kwargs or {}).get("out")
+                    seen[-1].append(None if out is None else (out.data_ptr(), tuple(out.shape)))
+                return func(*args, **(kwargs or {}))
+
+        for _ in range(2):
+            seen.append([])
+            with Outs():
+                steps[name]()
+        acts = [[o for o in step if o is not None and o[1][-2] == rows] for step in seen]   # [.., rows, M or H]
+        assert len(acts[0]) == 6 * per_gemm and acts[0] == acts[1], name
+        wgrads = [o for o in seen[0] if o is None or o[1][-2] != rows]
+        assert len(wgrads) == 3 * per_gemm, name
+        if per_gemm == 1:
+            assert wgrads == [None] * 3   # fresh outputs from the GEMM itself
+
+
 def test_write_json_is_atomic(tmp_path):
     path = tmp_path / "sub" / "r.json"
     bench_common.write_json(str(path), {"a": [1, 2]})
