@@ -179,3 +179,19 @@ def test_bench_ab_reports_a_revision_it_cannot_read(tmp_path):
     p = subprocess.run([sys.executable, "-m", "benchmarks.bench_ab", "--rev", "HEAD", "--rev", "WORKTREE",
                         "--only", "decode_16"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "not a training config" in p.stderr
+
+
+def test_gemm_calls_suite_quick():
+    from benchmarks import bench_gemm_calls
+    res = bench_gemm_calls.run(quick=True, only="gemm_calls", log=lambda s: None)
+    (case,) = res["calls"].values()
+    v = case["variants"]
+    assert list(v) == ["B1", "B2", "B4", "B8", "Ball"]
+    assert v["B1"]["vs_per_expert"] == 1.0 and all(m["gflops"] > 0 for m in v.values())
+    assert v["B4"]["vs_per_expert"] == pytest.approx(v["B1"]["seconds"] / v["B4"]["seconds"])
+    assert [r["rows"] for r in res["decode"].values()] == list(bench_gemm_calls.QUICK_DECODE["rows"])
+    for r in res["decode"].values():
+        assert r["variants"]["stream"]["vs_stream"] == 1.0
+        assert {"kn_bmm", "nk_bmm"} <= set(r["variants"])
+    md = "\n".join(bench_gemm_calls.tables(res))
+    assert "| e16_n32 | 16 | 32 | 128 | 64 |" in md and "| 2 |" in md
