@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import fmoe  # noqa: F401  (binds fmoe.moe, the module that calls the op)
 
@@ -49,25 +47,20 @@ def load_op(rev: str):
     return mod
 
 
-def _time(steps: dict, mods: dict, repeats: int) -> dict:
+def _time(step, mods: dict, repeats: int) -> dict:
+    """One ``step`` per revision per repeat, each with that revision's op swapped in."""
     moe_mod = sys.modules["fmoe.moe"]
-    wall = {k: [] for k in mods}
-    cpu = {k: [] for k in mods}
-    order = list(mods)
-    for k in order:                        # warm-up, one step each
-        moe_mod._streamed = mods[k]
-        steps[k]()
-    for r in range(repeats):
-        for k in (order if r % 2 == 0 else order[::-1]):
-            moe_mod._streamed = mods[k]
-            c0, t0 = time.process_time(), time.perf_counter()
-            steps[k]()
-            wall[k].append(time.perf_counter() - t0)
-            cpu[k].append(time.process_time() - c0)
-    base_w, base_c = statistics.median(wall[order[0]]), statistics.median(cpu[order[0]])
-    return {k: {"seconds": statistics.median(wall[k]), "cpu_seconds": statistics.median(cpu[k]),
-                "vs_first": statistics.median(wall[k]) / base_w, "cpu_vs_first": statistics.median(cpu[k]) / base_c}
-            for k in order}
+
+    def with_op(mod):
+        def call():
+            moe_mod._streamed = mod
+            step()
+        return call
+
+    t = bc.round_robin({k: with_op(m) for k, m in mods.items()}, repeats, alternate=True)
+    first = t[next(iter(mods))]
+    return {k: {"seconds": m["seconds"], "cpu_seconds": m["cpu_seconds"], "vs_first": m["seconds"] / first["seconds"],
+                "cpu_vs_first": m["cpu_seconds"] / first["cpu_seconds"]} for k, m in t.items()}
 
 
 def run(revs: list, layer_configs: list, archs: list, repeats: int) -> dict:
@@ -82,13 +75,13 @@ def run(revs: list, layer_configs: list, archs: list, repeats: int) -> dict:
             c = bl.BY_NAME[name]
             layer, x = bl.build(c, c.tokens, "fmoe")
             step, _ = bl.step_fns(layer, x, c.train)
-            out["layer"][name] = _time({k: step for k in mods}, mods, repeats)
+            out["layer"][name] = _time(step, mods, repeats)
             _print(name, out["layer"][name])
         for arch in archs:
             block, cfg, params, bcfg, mod = bb.build(arch, bb.SHAPE)
             x = bb._input(bb.SHAPE, bb.PHASES["train"], True)
             step, _ = bb.step_fns("fmoe", "train", block, cfg, params, bcfg, mod, x)
-            out["blocks"][arch] = _time({k: step for k in mods}, mods, repeats)
+            out["blocks"][arch] = _time(step, mods, repeats)
             _print(f"{arch} train", out["blocks"][arch])
     finally:
         moe_mod._streamed = real

@@ -40,7 +40,7 @@ MIB = 2 ** 20
 # --------------------------------------------------------------------------- timing
 
 def round_robin(steps: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
-                max_seconds: Optional[float] = None) -> dict[str, dict]:
+                max_seconds: Optional[float] = None, alternate: bool = False) -> dict[str, dict]:
     """Time each step function, interleaved one step each per repeat; per variant
     {"seconds": median wall, "all_seconds", "steps", "cpu_seconds": median process CPU time}.
 
@@ -48,15 +48,19 @@ def round_robin(steps: dict[str, Callable[[], object]], repeats: int, warmup: in
     waiting for a core, the CPU time much less so (it still includes spin-waiting).
     ``max_seconds``: a variant whose timed steps already add up to this stops being timed
     (it keeps at least one step), so that one very slow peer (transformers' eager training
-    loop, 30 s a step under load) does not stretch the run.
+    loop, 30 s a step under load) does not stretch the run. ``alternate``: every other repeat runs
+    the variants in reverse order, so that none always follows the same neighbour (whose caches
+    and allocator state it would inherit).
     """
     for _ in range(warmup):
         for fn in steps.values():
             fn()
     wall = {name: [] for name in steps}
     cpu = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, fn in steps.items():
+    order = list(steps)
+    for r in range(repeats):
+        for name in (order[::-1] if alternate and r % 2 else order):
+            fn = steps[name]
             if max_seconds is not None and wall[name] and sum(wall[name]) >= max_seconds:
                 continue
             c0, t0 = time.process_time(), time.perf_counter()

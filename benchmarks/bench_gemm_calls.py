@@ -11,7 +11,9 @@ Two tables, every variant of a case timed round-robin in one process, medians:
 * ``decode`` (no grad): n rows per expert times every expert's [K, N] weight, with the weights in
   the ``x @ W`` order ([E, K, N], MoELayer's Tutel order) or nn.Linear's ``x @ Wᵀ`` order
   ([E, N, K], the architecture blocks'), through ``torch._grouped_mm`` and ``torch.bmm``, against
-  a sum over the same weights (each byte read once: the stream bound).
+  a sum over the same weights (each byte read once: the stream bound). Equal rows per expert, so
+  only the call and the weight order differ; ``benchmarks.bench_ragged --only decode`` measures
+  fmoe's ragged kernels on routed, unequal loads instead.
 """
 from __future__ import annotations
 

@@ -195,3 +195,12 @@ def test_gemm_calls_suite_quick():
         assert {"kn_bmm", "nk_bmm"} <= set(r["variants"])
     md = "\n".join(bench_gemm_calls.tables(res))
     assert "| e16_n32 | 16 | 32 | 128 | 64 |" in md and "| 2 |" in md
+
+
+def test_round_robin_order_alternates_only_when_asked():
+    for alternate, expected in ((False, "abcabcabc"), (True, "abccbaabc")):
+        calls = []
+        steps = {k: (lambda k=k: calls.append(k)) for k in "abc"}
+        res = bench_common.round_robin(steps, 3, warmup=0, alternate=alternate)
+        assert "".join(calls) == expected
+        assert all(m["steps"] == 3 and len(m["all_seconds"]) == 3 for m in res.values())
