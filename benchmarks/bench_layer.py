@@ -186,8 +186,7 @@ def bench_config(c: LayerConfig, tokens: int, repeats: int, memory: bool, log: C
         steps.update(dsteps)
         flops.update(dflops)
     else:
-        ex = fm.experts.params()
-        weights = [ex["gate_w"], ex["up_w"], ex["down_w"]]
+        weights = [p.detach() for p in fm.experts.parameters()]   # as stored (contiguous)
         steps["weights_read"] = lambda: [w.sum() for w in weights]
         all_bytes = sum(w.numel() * w.element_size() for w in weights)
         res["weight_bytes_all"] = all_bytes

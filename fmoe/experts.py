@@ -333,11 +333,20 @@ def apply_experts(spec: ExpertSpec, params, x: Tensor, gemm: Optional[GroupedGem
     return spec.fn(params, x)
 
 
+def _stored_transposed(w) -> bool:
+    """w [E, K, N] is a transposed view of a contiguous [E, N, K] tensor (out x in, nn.Linear's
+    order): the streamed op then multiplies by the storage as it lies, and its weight gradient
+    comes out in that storage's order (no copy into the parameter's strides)."""
+    return (isinstance(w, Tensor) and w.dim() == 3 and not w.is_contiguous()
+            and w.transpose(1, 2).is_contiguous())
+
+
 def streamed_weights(spec: ExpertSpec, params) -> Optional[dict]:
     """The keyword arguments of :func:`fmoe.ops.streamed.streamed_glu` for these experts, or None.
 
     The streamed op runs gated experts with float weights and no quantized-training recipe:
-    gated_ffn (x @ W layouts) and swiglu (fused gate_up_proj or gate_proj/up_proj, out x in)
+    gated_ffn (x @ W views [E, M, H]; views of out x in storage, as ``fmoe.nn.MoELayer`` keeps
+    them, reach the op as that storage) and swiglu (fused gate_up_proj or gate_proj/up_proj, out x in)
     with SiLU, and gpt_oss (interleaved, clamped, with biases). Other types (ffn, custom),
     other activations, packed weights and low-precision recipes return None and take the
     staged pipeline.
@@ -356,7 +365,12 @@ def streamed_weights(spec: ExpertSpec, params) -> Optional[dict]:
     elif spec.type not in ("gated_ffn", "swiglu") or spec.act() is not F.silu:
         return None
     elif spec.type == "gated_ffn":
-        w_in, w_out, fmt = (params["gate_w"], params["up_w"]), params["down_w"], GluSpec(False, False, False)
+        (gate, up), down = (params["gate_w"], params["up_w"]), params["down_w"]
+        in_t, out_t = _stored_transposed(gate) and _stored_transposed(up), _stored_transposed(down)
+        if in_t:
+            gate, up = gate.transpose(1, 2), up.transpose(1, 2)
+        w_in, w_out = (gate, up), (down.transpose(1, 2) if out_t else down)
+        fmt = GluSpec(False, in_t, out_t)
     elif "gate_up_proj" in params:
         w_in, w_out, fmt = (params["gate_up_proj"],), params["down_proj"], GluSpec(True, True, True)
     else:

@@ -110,8 +110,14 @@ class _Experts(nn.Module):
     """Expert parameters under Tutel's names.
 
     ffn: batched_fc1_w [n, H, M], batched_fc2_w [n, H, O], batched_fc1_bias [n, H],
-    batched_fc2_bias [n, O]. gated_ffn (Tutel llama_ffn): W_fc1/W_fc2/W_fc3 stored
-    flat ([n*M*H]) as Tutel does, viewed as [n, M, H] / [n, M, H] / [n, H, M].
+    batched_fc2_bias [n, O]. gated_ffn (Tutel llama_ffn): W_fc1/W_fc2 [n, H, M] and W_fc3
+    [n, O, H], out x in (nn.Linear's order); :meth:`params` gives them as Tutel's x @ W views
+    [n, M, H] / [n, M, H] / [n, H, O]. The state dict holds Tutel's flat tensors ([n*M*H], the
+    elements of those x @ W views in row-major order), and loading takes them back. The
+    out x in storage is for decode: MKL multiplies a few rows by an nn.Linear-order weight
+    straight from memory, where an x @ W operand is first repacked (T 16 / 64, E 64, k 6:
+    0.80x / 0.73x the step time; training steps within -8..+5%, 2026-12-01, BENCHMARKS.md
+    "Session 6").
     Custom experts: the pytree's leaves under their own (dotted) names.
     """
 
@@ -129,8 +135,9 @@ class _Experts(nn.Module):
                     self.register_parameter(name, nn.Parameter(p[key]))
         elif spec.type == "gated_ffn":
             for key, name in self._GATED.items():
-                self._shapes[key] = tuple(p[key].shape)
-                self.register_parameter(name, nn.Parameter(p[key].reshape(-1)))
+                self._shapes[name] = tuple(p[key].shape)
+                self.register_parameter(name, nn.Parameter(p[key].transpose(1, 2).contiguous()))
+            self.register_state_dict_post_hook(_Experts._tutel_order)
         else:
             flat, self._treespec = torch.utils._pytree.tree_flatten(p)
             for i, leaf in enumerate(flat):
@@ -140,27 +147,36 @@ class _Experts(nn.Module):
         if self.kind == "ffn":
             return {key: getattr(self, name) for key, name in self._FFN.items() if hasattr(self, name)}
         if self.kind == "gated_ffn":
-            return {key: getattr(self, name).view(self._shapes[key]) for key, name in self._GATED.items()}
+            return {key: getattr(self, name).transpose(1, 2) for key, name in self._GATED.items()}
         leaves = [getattr(self, f"p{i}") for i in range(self._treespec.num_leaves)]
         return torch.utils._pytree.tree_unflatten(leaves, self._treespec)
+
+    @staticmethod
+    def _tutel_order(module, state_dict, prefix, local_metadata) -> None:
+        """State-dict post-hook: the gated weights as Tutel stores them, flat in x @ W order."""
+        for name in module._GATED.values():
+            key = prefix + name
+            if key in state_dict:
+                state_dict[key] = state_dict[key].transpose(1, 2).reshape(-1)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         for name, param in self._parameters.items():
             key = prefix + name
+            # What a checkpoint holds: the parameter, or for gated weights Tutel's x @ W order.
+            shape = self._shapes.get(name, tuple(param.shape))
             if key not in state_dict:
                 # Tutel zero-fills missing experts with a warning; a silent zero expert is worse
                 # than a failed load (spec §16.14), so this is an error even with strict=False.
-                error_msgs.append(f"missing expert parameter {key!r} (expected shape {tuple(param.shape)})")
+                error_msgs.append(f"missing expert parameter {key!r} (expected shape {shape})")
                 continue
             stored = state_dict[key]
-            if stored.shape == param.shape:
-                continue
-            expected, got = tuple(param.shape), tuple(stored.shape)
-            if stored.numel() == param.numel() and stored.dim() != param.dim():
+            expected, got = shape, tuple(stored.shape)
+            if got == expected or (stored.numel() == param.numel() and stored.dim() != len(expected)):
                 # Converted (resharded) checkpoints and Tutel's flat llama_ffn / [n, 1, H] bias
                 # layouts store the same row-major elements with a different number of dims.
-                state_dict[key] = stored.reshape(param.shape)
+                stored = stored.reshape(expected)
+                state_dict[key] = stored.transpose(1, 2) if name in self._shapes else stored
                 continue
             # Same rank but another shape is a transposed (or mis-sharded) tensor: reshaping it
             # would scramble the weights, and a [1, H] / [E, 1] bias would broadcast silently.

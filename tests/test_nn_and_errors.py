@@ -58,6 +58,55 @@ def test_load_reshapes_flat_expert_tensors_and_rejects_missing():
         b.load_state_dict(sd2)
 
 
+def test_gated_experts_stored_out_by_in_and_saved_flat_in_tutel_order(tmp_path):
+    layer = _layer(experts={"type": "llama_ffn", "num_experts_per_device": 2, "hidden_size_per_expert": 8})
+    n, M, H = 2, 16, 8
+    stored = dict(layer.experts.named_parameters())
+    assert {k: tuple(v.shape) for k, v in stored.items()} == {"W_fc1": (n, H, M), "W_fc2": (n, H, M),
+                                                             "W_fc3": (n, M, H)}
+    assert all(v.is_contiguous() for v in stored.values())
+    p = layer.experts.params()
+    assert {k: tuple(v.shape) for k, v in p.items()} == {"gate_w": (n, M, H), "up_w": (n, M, H), "down_w": (n, H, M)}
+    for key, name in (("gate_w", "W_fc1"), ("up_w", "W_fc2"), ("down_w", "W_fc3")):
+        assert p[key].data_ptr() == stored[name].data_ptr()       # views, not copies
+        assert torch.equal(p[key], stored[name].transpose(1, 2))
+    sd = layer.state_dict()
+    for key, name in (("gate_w", "W_fc1"), ("up_w", "W_fc2"), ("down_w", "W_fc3")):
+        assert torch.equal(sd["experts." + name], p[key].reshape(-1))  # Tutel's flat x @ W elements
+    torch.save(sd, tmp_path / "m.pt")
+    b = _layer(experts={"type": "llama_ffn", "num_experts_per_device": 2, "hidden_size_per_expert": 8},
+               seeds=(5, 6, 7))
+    x = torch.randn(9, M)
+    assert not torch.equal(layer(x), b(x))
+    b.load_state_dict(torch.load(tmp_path / "m.pt"))
+    assert torch.equal(layer(x), b(x))
+    # converted checkpoints hold the x @ W views as [n, M, H] tensors: the same elements
+    c = _layer(experts={"type": "llama_ffn", "num_experts_per_device": 2, "hidden_size_per_expert": 8},
+               seeds=(8, 9, 10))
+    names = {"experts.W_fc1": "gate_w", "experts.W_fc2": "up_w", "experts.W_fc3": "down_w"}
+    c.load_state_dict({k: v.reshape(p[names[k]].shape) if k in names else v for k, v in sd.items()})
+    assert torch.equal(layer(x), c(x))
+    # the storage order [n, H, M] is not what a checkpoint holds: refused, never reshaped
+    bad = dict(sd, **{"experts.W_fc1": stored["W_fc1"].detach().clone()})
+    with pytest.raises(RuntimeError, match=r"'experts.W_fc1': checkpoint tensor has shape \(2, 8, 16\), this "
+                                           r"layer expects \(2, 16, 8\) \(transposed"):
+        c.load_state_dict(bad)
+
+
+def test_gated_experts_train_into_contiguous_gradients_equal_to_the_staged_pipeline():
+    kw = dict(experts={"type": "llama_ffn", "num_experts_per_device": 4, "hidden_size_per_expert": 8},
+              dtype=torch.float64)
+    fast, slow = _layer(**kw), _layer(streamed=False, **kw)
+    slow.load_state_dict(fast.state_dict())
+    x = torch.randn(24, 16, dtype=torch.float64)
+    dy = torch.randn(24, 16, dtype=torch.float64)
+    for m in (fast, slow):
+        m(x).backward(dy)
+    for (name, a), (_, b) in zip(fast.named_parameters(), slow.named_parameters()):
+        assert a.grad.shape == a.shape and a.grad.stride() == a.stride(), name
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+
+
 def test_layer_equals_functional_moe():
     layer = _layer()
     x = torch.randn(2, 5, 16)

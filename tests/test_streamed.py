@@ -103,6 +103,39 @@ def test_streamed_equals_the_staged_pipeline(expert_type, cf, split, save, monke
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
 
 
+def test_gated_weights_stored_out_by_in_run_in_their_storage_order(monkeypatch):
+    """x @ W views of nn.Linear-order storage reach the op as that storage (no copy), and equal
+    contiguous x @ W weights in values and gradients."""
+    from fmoe.experts import streamed_weights
+    spec = _spec("gated_ffn", 1.25, M=32)
+    p = _params(spec)
+    x = torch.randn(40, 32, generator=_gen(1), dtype=DT)
+    store = {k: v.transpose(1, 2).contiguous().requires_grad_(True) for k, v in p["experts"].items()}
+    views = {k: v.transpose(1, 2) for k, v in store.items()}
+    kw = streamed_weights(spec.experts, views)
+    assert (kw["fmt"].in_transposed, kw["fmt"].out_transposed) == (True, True)
+    assert [w.data_ptr() for w in (*kw["w_in"], kw["w_out"])] == [store[k].data_ptr()
+                                                                  for k in ("gate_w", "up_w", "down_w")]
+    assert all(w.is_contiguous() for w in (*kw["w_in"], kw["w_out"]))
+    mixed = dict(p["experts"], up_w=views["up_w"])        # one in-projection in each order: as given
+    assert not streamed_weights(spec.experts, mixed)["fmt"].in_transposed
+    calls = _count_streamed(monkeypatch)
+    xx = x.clone().requires_grad_(True)
+    y, aux = fmoe.moe({"gate": p["gate"], "experts": views}, xx, spec)
+    c = torch.linspace(-1, 1, y.numel(), dtype=DT).reshape(y.shape)
+    ((y * c).sum() + aux.l_aux).backward()
+    assert len(calls) == 1
+    q = pytree.tree_map(lambda t: t.detach().clone().requires_grad_(True), p)
+    xr = x.clone().requires_grad_(True)
+    yr, aux = fmoe.moe(q, xr, dataclasses.replace(spec, streamed=False))
+    ((yr * c).sum() + aux.l_aux).backward()
+    torch.testing.assert_close(y, yr, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(xx.grad, xr.grad, rtol=1e-11, atol=1e-11)
+    for k, t in store.items():
+        assert t.grad.is_contiguous()
+        torch.testing.assert_close(t.grad.transpose(1, 2), q["experts"][k].grad, rtol=1e-11, atol=1e-11)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("combine", ["fmoe", "eager"])
 def test_streamed_low_precision_within_rounding_and_eager_order_bit_exact(dtype, combine):
