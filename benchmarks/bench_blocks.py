@@ -41,6 +41,10 @@ MEMORY_PHASES = ("train",)  # prefill peaks are not a target; each subprocess co
 SHAPE = {"hidden": 768, "intermediate": 384, "experts": 32, "k": 4}
 QUICK_SHAPE = {"hidden": 256, "intermediate": 128, "experts": 32, "k": 4}
 MAX_SECONDS = 10.0   # a variant stops being timed once its steps add up to this (>= 1 step each)
+# Decode steps take ~5-20 ms: 3 of them per variant gave speed-ups of 0.82 and 1.00 for two
+# variants running the same GEMMs on the same weights, which a profile puts within 2% of each
+# other (gpt_oss, 2026-12-01). 20 repeats of the five decode variants add about 2 s per arch.
+DECODE_REPEATS = 20
 TARGET_SPEEDUP = {"train": 1.5, "prefill": 1.5, "decode": 1.2}   # issue 11, target 4
 
 
@@ -185,7 +189,9 @@ def bench_arch(arch: str, shape: dict, phases: dict, repeats: int, memory_phases
                 log(f"  {arch} {phase} {v}: error {exc}")
                 del steps[v]
         block.train(train)
-        for v, m in bc.round_robin(steps, repeats, warmup=0, max_seconds=MAX_SECONDS).items():
+        n = max(repeats, DECODE_REPEATS) if phase == "decode" else repeats
+        res["repeats"] = n
+        for v, m in bc.round_robin(steps, n, warmup=0, max_seconds=MAX_SECONDS, alternate=True).items():
             m["gflops"] = flops[v] / m["seconds"] / 1e9 if v in flops else None
             res["variants"][v] = m
         vv = res["variants"]

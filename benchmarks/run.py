@@ -164,7 +164,7 @@ def layer_tables(lay: dict) -> list[str]:
 def block_tables(bl: dict) -> list[str]:
     if "skipped" in bl:
         return [f"transformers: {bl['skipped']}"]
-    L = [f"transformers {bl['transformers']}; {bl['repeats']} repeats, medians; speed-up = transformers time / "
+    L = [f"transformers {bl['transformers']}; {bl['repeats']} repeats ({bench_blocks.DECODE_REPEATS} for decode), medians; speed-up = transformers time / "
          "fmoe (default) time; memory = MiB above the resting set / absolute VmHWM, own process each", "",
          "| arch | phase | T | fmoe ms | fmoe_grouped ms | hf_eager ms | hf_grouped_mm ms | speed-up vs eager (CPU) | "
          "vs grouped_mm (CPU) | dense GF/s (batched / loop) | fmoe vs dense (vs flat) | fmoe vs loop | stream bound ms | "
