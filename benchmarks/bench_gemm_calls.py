@@ -14,6 +14,11 @@ Two tables, every variant of a case timed round-robin in one process, medians:
   a sum over the same weights (each byte read once: the stream bound). Equal rows per expert, so
   only the call and the weight order differ; ``benchmarks.bench_ragged --only decode`` measures
   fmoe's ragged kernels on routed, unequal loads instead.
+* ``storage`` (the layer): a ``MoELayer`` step (the layer suite's configs and inputs) through
+  ``fmoe.moe`` with the gated experts' weights as the layer holds them (out x in, nn.Linear's
+  order; ``params()`` gives x @ W views of them) against contiguous x @ W copies of the same
+  values (the order before session 6), which the streamed op then multiplies as ``x @ W``.
+  This is the measurement behind that storage choice.
 """
 from __future__ import annotations
 
@@ -32,6 +37,8 @@ QUICK_CALLS = {"e16_n32": (16, 32, 128, 64)}
 BATCHES = (1, 2, 4, 8)
 DECODE = {"E": 64, "K": 1024, "N": 512, "rows": (1, 2, 4, 6)}
 QUICK_DECODE = {"E": 8, "K": 128, "N": 64, "rows": (1, 2)}
+STORAGE = ("decode_16", "decode_64", "coarse", "fine_cf125", "fine_e64k8", "fine_e128k8")
+QUICK_STORAGE = ("smoke",)
 
 
 def _calls_case(E: int, n: int, M: int, H: int, repeats: int) -> dict:
@@ -84,9 +91,42 @@ def _decode_case(E: int, K: int, N: int, n: int, repeats: int) -> dict:
     return {"E": E, "K": K, "N": N, "rows": n, "weight_bytes": w_kn.numel() * w_kn.element_size(), "variants": t}
 
 
+def _storage_case(name: str, quick: bool, repeats: int) -> dict:
+    import fmoe
+
+    from . import bench_layer
+    c = bench_layer.BY_NAME[name]
+    tokens = (c.quick_tokens or c.tokens) if quick else c.tokens
+    layer, x = bench_layer.build(c, tokens, "fmoe")
+    spec = layer.spec()
+    held = layer.params()
+    copy = {"gate": held["gate"],
+            "experts": {k: v.detach().contiguous().requires_grad_(c.train) for k, v in held["experts"].items()}}
+    leaves = [*layer.parameters(), *copy["experts"].values(), x]
+    dy = bc.upstream_grad(x)
+
+    def step(params) -> Callable[[], torch.Tensor]:
+        def run_once():
+            for t in leaves:
+                t.grad = None
+            if not c.train:
+                with torch.no_grad():
+                    return fmoe.moe(params, x, spec, training=False)[0]
+            y = fmoe.moe(params, x, spec, training=True)[0]
+            y.backward(dy)
+            return y.detach()
+        return run_once
+
+    steps = {"held": step(held), "xw_copy": step(copy)}
+    diff = float((steps["held"]() - steps["xw_copy"]()).abs().max())
+    t = bc.round_robin(steps, repeats, alternate=True)
+    return {"config": name, "tokens": tokens, "train": c.train, "max_abs_diff": diff, "variants": t,
+            "held_vs_copy": t["held"]["seconds"] / t["xw_copy"]["seconds"]}
+
+
 def run(quick: bool, only: Optional[str], log: Callable[[str], None] = print) -> dict:
     repeats = 3 if quick else 15
-    out = {"calls": {}, "decode": {}}
+    out = {"calls": {}, "decode": {}, "storage": {}}
     for name, (E, n, M, H) in (QUICK_CALLS if quick else CALLS).items():
         r = out["calls"][name] = _calls_case(E, n, M, H, repeats)
         log(f"  gemm_calls {name}: " + ", ".join(f"{k} {m['gflops']:.0f} GF/s ({m['vs_per_expert']:.2f}x)"
@@ -96,6 +136,11 @@ def run(quick: bool, only: Optional[str], log: Callable[[str], None] = print) ->
         r = out["decode"][f"n{n}"] = _decode_case(dec["E"], dec["K"], dec["N"], n, repeats)
         log(f"  gemm_calls decode n={n}: " + ", ".join(f"{k} {m['seconds'] * 1e3:.2f} ms ({m['vs_stream']:.2f}x)"
                                                        for k, m in r["variants"].items()))
+    for name in QUICK_STORAGE if quick else STORAGE:
+        r = out["storage"][name] = _storage_case(name, quick, 2 if quick else 8)
+        v = r["variants"]
+        log(f"  gemm_calls storage {name}: held {v['held']['seconds'] * 1e3:.1f} ms, x @ W copy "
+            f"{v['xw_copy']['seconds'] * 1e3:.1f} ms ({r['held_vs_copy']:.2f}x)")
     return out
 
 
@@ -124,4 +169,13 @@ def tables(res: dict) -> list[str]:
             v = r["variants"]
             L.append(f"| {r['rows']} | {v['stream']['seconds'] * 1e3:.2f} | "
                      + " | ".join(f"{v[k]['seconds'] * 1e3:.2f} ({v[k]['vs_stream']:.2f})" for k in names) + " |")
+    if res.get("storage"):
+        L += ["", "MoELayer step with its gated weights as held (out x in) vs contiguous x @ W copies of them, "
+              "through `fmoe.moe`, interleaved; ms, medians.", "",
+              "| config | T | phase | held ms | x @ W copy ms | held / copy | max abs diff |", "|---|---|---|---|---|---|---|"]
+        for r in res["storage"].values():
+            v = r["variants"]
+            L.append(f"| {r['config']} | {r['tokens']} | {'train' if r['train'] else 'decode'} | "
+                     f"{v['held']['seconds'] * 1e3:.1f} | {v['xw_copy']['seconds'] * 1e3:.1f} | "
+                     f"{r['held_vs_copy']:.2f} | {r['max_abs_diff']:.1e} |")
     return L

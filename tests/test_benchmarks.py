@@ -193,8 +193,11 @@ def test_gemm_calls_suite_quick():
     for r in res["decode"].values():
         assert r["variants"]["stream"]["vs_stream"] == 1.0
         assert {"kn_bmm", "nk_bmm"} <= set(r["variants"])
+    (st,) = res["storage"].values()
+    assert st["config"] == "smoke" and st["train"] and st["max_abs_diff"] < 1e-5
+    assert st["held_vs_copy"] == pytest.approx(st["variants"]["held"]["seconds"] / st["variants"]["xw_copy"]["seconds"])
     md = "\n".join(bench_gemm_calls.tables(res))
-    assert "| e16_n32 | 16 | 32 | 128 | 64 |" in md and "| 2 |" in md
+    assert "| e16_n32 | 16 | 32 | 128 | 64 |" in md and "| 2 |" in md and "| smoke | 256 | train |" in md
 
 
 def test_round_robin_order_alternates_only_when_asked():
