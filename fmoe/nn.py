@@ -113,11 +113,11 @@ class _Experts(nn.Module):
     batched_fc2_bias [n, O]. gated_ffn (Tutel llama_ffn): W_fc1/W_fc2 [n, H, M] and W_fc3
     [n, O, H], out x in (nn.Linear's order); :meth:`params` gives them as Tutel's x @ W views
     [n, M, H] / [n, M, H] / [n, H, O]. The state dict holds Tutel's flat tensors ([n*M*H], the
-    elements of those x @ W views in row-major order), and loading takes them back. The
-    out x in storage is for decode: MKL multiplies a few rows by an nn.Linear-order weight
-    straight from memory, where an x @ W operand is first repacked (T 16 / 64, E 64, k 6:
-    0.80x / 0.73x the step time; training steps within -8..+5%, 2026-12-01, BENCHMARKS.md
-    "Session 6").
+    elements of those x @ W views in row-major order; copies, not the Parameters), and loading
+    takes them back. The out x in storage is for decode: MKL multiplies a few rows by an
+    nn.Linear-order weight straight from memory, where an x @ W operand is first repacked
+    (T 16 / 64, E 64, k 6: 0.80x / 0.73x the step time, training steps 0.98-1.01x; suite
+    gemm_calls, BENCHMARKS.md "Session 6").
     Custom experts: the pytree's leaves under their own (dotted) names.
     """
 
@@ -157,7 +157,7 @@ class _Experts(nn.Module):
         for name in module._GATED.values():
             key = prefix + name
             if key in state_dict:
-                state_dict[key] = state_dict[key].transpose(1, 2).reshape(-1)
+                state_dict[key] = state_dict[key].detach().transpose(1, 2).reshape(-1)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):

@@ -73,6 +73,8 @@ def test_gated_experts_stored_out_by_in_and_saved_flat_in_tutel_order(tmp_path):
     sd = layer.state_dict()
     for key, name in (("gate_w", "W_fc1"), ("up_w", "W_fc2"), ("down_w", "W_fc3")):
         assert torch.equal(sd["experts." + name], p[key].reshape(-1))  # Tutel's flat x @ W elements
+    held = layer.state_dict(keep_vars=True)["experts.W_fc1"]
+    assert held.grad_fn is None and not held.requires_grad              # a copy, never a graph node
     torch.save(sd, tmp_path / "m.pt")
     b = _layer(experts={"type": "llama_ffn", "num_experts_per_device": 2, "hidden_size_per_expert": 8},
                seeds=(5, 6, 7))
