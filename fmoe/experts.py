@@ -334,22 +334,32 @@ def apply_experts(spec: ExpertSpec, params, x: Tensor, gemm: Optional[GroupedGem
 
 
 def _stored_transposed(w) -> bool:
-    """w [E, K, N] is a transposed view of a contiguous [E, N, K] tensor (out x in, nn.Linear's
-    order): the streamed op then multiplies by the storage as it lies, and its weight gradient
-    comes out in that storage's order (no copy into the parameter's strides)."""
+    """w [E, K, N] is a transposed view of a contiguous [E, N, K] tensor."""
     return (isinstance(w, Tensor) and w.dim() == 3 and not w.is_contiguous()
             and w.transpose(1, 2).is_contiguous())
+
+
+def _as_stored(w_in: tuple, w_out, in_t: bool, out_t: bool) -> tuple:
+    """(w_in, w_out, in_t, out_t) with every weight that is a transposed view of contiguous
+    storage replaced by that storage and its flag flipped: the streamed op then multiplies by
+    the memory as it lies, and its weight gradients come out in that order (no copy into the
+    parameters' strides). The in-projections flip together or not at all (one flag)."""
+    if all(_stored_transposed(w) for w in w_in):
+        w_in, in_t = tuple(w.transpose(1, 2) for w in w_in), not in_t
+    if _stored_transposed(w_out):
+        w_out, out_t = w_out.transpose(1, 2), not out_t
+    return w_in, w_out, in_t, out_t
 
 
 def streamed_weights(spec: ExpertSpec, params) -> Optional[dict]:
     """The keyword arguments of :func:`fmoe.ops.streamed.streamed_glu` for these experts, or None.
 
     The streamed op runs gated experts with float weights and no quantized-training recipe:
-    gated_ffn (x @ W views [E, M, H]; views of out x in storage, as ``fmoe.nn.MoELayer`` keeps
-    them, reach the op as that storage) and swiglu (fused gate_up_proj or gate_proj/up_proj, out x in)
-    with SiLU, and gpt_oss (interleaved, clamped, with biases). Other types (ffn, custom),
-    other activations, packed weights and low-precision recipes return None and take the
-    staged pipeline.
+    gated_ffn (x @ W) and swiglu (fused gate_up_proj or gate_proj/up_proj, out x in) with SiLU,
+    and gpt_oss (x @ W, interleaved, clamped, with biases). A weight given as a transposed view
+    of contiguous storage (``fmoe.nn.MoELayer`` holds gated_ffn weights out x in and hands out
+    x @ W views) reaches the op as that storage. Other types (ffn, custom), other activations,
+    packed weights and low-precision recipes return None and take the staged pipeline.
 
     Returns:
         ``{"w_in": tuple, "w_out": Tensor, "fmt": GluSpec, "b_in": Tensor | None,
@@ -358,27 +368,24 @@ def streamed_weights(spec: ExpertSpec, params) -> Optional[dict]:
     if spec.precision is not None:
         return None
     b_in = b_out = None
+    gpt = {}
     if spec.type == "gpt_oss":
-        w_in, w_out = (params["gate_up_proj"],), params["down_proj"]
+        w_in, w_out, fused, in_t, out_t = (params["gate_up_proj"],), params["down_proj"], True, False, False
         b_in, b_out = params["gate_up_proj_bias"], params["down_proj_bias"]
-        fmt = GluSpec(True, False, False, interleaved=True, activation="gpt_oss", alpha=spec.alpha, limit=spec.limit)
+        gpt = dict(interleaved=True, activation="gpt_oss", alpha=spec.alpha, limit=spec.limit)
     elif spec.type not in ("gated_ffn", "swiglu") or spec.act() is not F.silu:
         return None
     elif spec.type == "gated_ffn":
-        (gate, up), down = (params["gate_w"], params["up_w"]), params["down_w"]
-        in_t, out_t = _stored_transposed(gate) and _stored_transposed(up), _stored_transposed(down)
-        if in_t:
-            gate, up = gate.transpose(1, 2), up.transpose(1, 2)
-        w_in, w_out = (gate, up), (down.transpose(1, 2) if out_t else down)
-        fmt = GluSpec(False, in_t, out_t)
+        w_in, w_out, fused, in_t, out_t = (params["gate_w"], params["up_w"]), params["down_w"], False, False, False
     elif "gate_up_proj" in params:
-        w_in, w_out, fmt = (params["gate_up_proj"],), params["down_proj"], GluSpec(True, True, True)
+        w_in, w_out, fused, in_t, out_t = (params["gate_up_proj"],), params["down_proj"], True, True, True
     else:
-        w_in, w_out, fmt = (params["gate_proj"], params["up_proj"]), params["down_proj"], GluSpec(False, True, True)
+        w_in, w_out, fused, in_t, out_t = (params["gate_proj"], params["up_proj"]), params["down_proj"], False, True, True
     tensors = (*w_in, w_out) + tuple(t for t in (b_in, b_out) if t is not None)
     if not all(isinstance(w, Tensor) and w.is_floating_point() for w in tensors):
         return None
-    return {"w_in": w_in, "w_out": w_out, "fmt": fmt, "b_in": b_in, "b_out": b_out}
+    w_in, w_out, in_t, out_t = _as_stored(w_in, w_out, in_t, out_t)
+    return {"w_in": w_in, "w_out": w_out, "fmt": GluSpec(fused, in_t, out_t, **gpt), "b_in": b_in, "b_out": b_out}
 
 
 def _uniform(shape, bound: float, generator) -> Tensor:

@@ -103,22 +103,35 @@ def test_streamed_equals_the_staged_pipeline(expert_type, cf, split, save, monke
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
 
 
-def test_gated_weights_stored_out_by_in_run_in_their_storage_order(monkeypatch):
-    """x @ W views of nn.Linear-order storage reach the op as that storage (no copy), and equal
-    contiguous x @ W weights in values and gradients."""
+STORED = {"gated_ffn": (("gate_w", "up_w"), "down_w", False), "swiglu": (("gate_up_proj",), "down_proj", True),
+          "swiglu_split": (("gate_proj", "up_proj"), "down_proj", True),
+          "gpt_oss": (("gate_up_proj",), "down_proj", False)}
+
+
+@pytest.mark.parametrize("form", list(STORED))
+def test_weights_given_as_transposed_views_run_in_their_storage_order(form, monkeypatch):
+    """Expert weights given as transposed views of contiguous storage (as MoELayer holds gated_ffn:
+    out x in, handed out as x @ W views) reach the op as that storage (no copy, each flag flipped),
+    and equal the weights as given in values and gradients."""
     from fmoe.experts import streamed_weights
-    spec = _spec("gated_ffn", 1.25, M=32)
-    p = _params(spec)
+    expert_type = form.split("_split")[0]
+    spec = _spec(expert_type, 1.25, M=32)
+    p = _params(spec, split=form.endswith("_split"))
     x = torch.randn(40, 32, generator=_gen(1), dtype=DT)
-    store = {k: v.transpose(1, 2).contiguous().requires_grad_(True) for k, v in p["experts"].items()}
-    views = {k: v.transpose(1, 2) for k, v in store.items()}
+    names_in, name_out, transposed = STORED[form]
+    store = {k: (v.transpose(1, 2).contiguous() if v.dim() == 3 else v.clone()).requires_grad_(True)
+             for k, v in p["experts"].items()}
+    views = {k: v.transpose(1, 2) if v.dim() == 3 else v for k, v in store.items()}
     kw = streamed_weights(spec.experts, views)
-    assert (kw["fmt"].in_transposed, kw["fmt"].out_transposed) == (True, True)
+    assert (kw["fmt"].in_transposed, kw["fmt"].out_transposed) == (not transposed, not transposed)
     assert [w.data_ptr() for w in (*kw["w_in"], kw["w_out"])] == [store[k].data_ptr()
-                                                                  for k in ("gate_w", "up_w", "down_w")]
+                                                                  for k in (*names_in, name_out)]
     assert all(w.is_contiguous() for w in (*kw["w_in"], kw["w_out"]))
-    mixed = dict(p["experts"], up_w=views["up_w"])        # one in-projection in each order: as given
-    assert not streamed_weights(spec.experts, mixed)["fmt"].in_transposed
+    as_given = streamed_weights(spec.experts, p["experts"])["fmt"]
+    assert (as_given.in_transposed, as_given.out_transposed) == (transposed, transposed)
+    if len(names_in) == 2:     # one in-projection in each order: both as given
+        mixed = dict(p["experts"], **{names_in[1]: views[names_in[1]]})
+        assert streamed_weights(spec.experts, mixed)["fmt"].in_transposed == transposed
     calls = _count_streamed(monkeypatch)
     xx = x.clone().requires_grad_(True)
     y, aux = fmoe.moe({"gate": p["gate"], "experts": views}, xx, spec)
@@ -133,7 +146,8 @@ def test_gated_weights_stored_out_by_in_run_in_their_storage_order(monkeypatch):
     torch.testing.assert_close(xx.grad, xr.grad, rtol=1e-11, atol=1e-11)
     for k, t in store.items():
         assert t.grad.is_contiguous()
-        torch.testing.assert_close(t.grad.transpose(1, 2), q["experts"][k].grad, rtol=1e-11, atol=1e-11)
+        g = t.grad.transpose(1, 2) if t.dim() == 3 else t.grad
+        torch.testing.assert_close(g, q["experts"][k].grad, rtol=1e-11, atol=1e-11)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
