@@ -178,8 +178,7 @@ def bench_arch(arch: str, shape: dict, phases: dict, repeats: int, memory_phases
             steps.update(d)
             flops.update({n: f * row_flop // (6 * shape["hidden"] * shape["intermediate"]) for n, f in df.items()})
         elif phase == "decode":
-            weights = [t for t in block.parameters()]
-            steps["weights_read"] = lambda: [w.sum() for w in weights]
+            steps["weights_read"], res["weight_bytes_all"] = bc.weight_stream(block.parameters())
         # a failing peer must not sink the suite: run each once, drop and report what raises
         for v in list(steps):
             try:
@@ -209,8 +208,7 @@ def bench_arch(arch: str, shape: dict, phases: dict, repeats: int, memory_phases
             res["dense_loop_vs_dense"] = vv["dense_loop"]["gflops"] / res["dense_gflops"]
             res["fmoe_vs_dense_loop"] = vv["fmoe"]["gflops"] / vv["dense_loop"]["gflops"]
         if phase == "decode":
-            all_bytes = sum(w.numel() * w.element_size() for w in block.parameters())
-            bw = all_bytes / vv["weights_read"]["seconds"]
+            bw = res["weight_bytes_all"] / vv["weights_read"]["seconds"]
             res["read_gb_per_s"] = bw / 1e9
             res["stream_bound_seconds"] = (busy * per_expert + always) / bw
             res["fmoe_vs_stream"] = tf / res["stream_bound_seconds"]

@@ -154,6 +154,13 @@ def dense_ffn_steps(rows: int, model_dim: int, hidden: int, experts: int) -> tup
     return steps, flops
 
 
+def weight_stream(weights) -> tuple[Callable[[], object], int]:
+    """(step, bytes): one read of every tensor in ``weights`` (a sum each: each byte read once)
+    and their total size. The stream bound is the bytes a step must read / this step's rate."""
+    ws = [w.detach() for w in weights]
+    return (lambda: [w.sum() for w in ws]), sum(w.numel() * w.element_size() for w in ws)
+
+
 def t1_bound(name: str, r: dict) -> str:
     """Where a training config's time goes against the dense roofline (T1's bound line): the
     step, its useful GEMMs at the batched rate, and at the per-expert-call rate (dense_loop)."""

@@ -186,9 +186,7 @@ def bench_config(c: LayerConfig, tokens: int, repeats: int, memory: bool, log: C
         steps.update(dsteps)
         flops.update(dflops)
     else:
-        weights = [p.detach() for p in fm.experts.parameters()]   # as stored (contiguous)
-        steps["weights_read"] = lambda: [w.sum() for w in weights]
-        all_bytes = sum(w.numel() * w.element_size() for w in weights)
+        steps["weights_read"], all_bytes = bc.weight_stream(fm.experts.parameters())   # as stored
         res["weight_bytes_all"] = all_bytes
         res["weight_bytes_busy"] = all_bytes * busy // c.experts
     for name, m in bc.round_robin(steps, repeats, max_seconds=MAX_SECONDS).items():

@@ -13,7 +13,8 @@ Default suites (issue 11; everything side by side in one run, medians and ratios
 Peak resident memory of every variant is measured in its own subprocess (``--no-memory``
 skips it). Other suites run only when named: ``--only core|layouts|routing|profile|gemm_calls``
 (``profile``: where fine_cf125's and dropless's step time and memory go, benchmarks/bench_profile.py;
-``gemm_calls``: per-expert vs batched GEMM calls and the decode weight order, benchmarks/bench_gemm_calls.py).
+``gemm_calls``: per-expert vs batched GEMM calls, the decode weight order and MoELayer's weight storage,
+benchmarks/bench_gemm_calls.py).
 ``--only`` also takes one layer config or one arch name. Writes ``<out>/results.json``
 (atomically), ``<out>/results.md`` (the tables) and PNG plots; prints the tables and one
 status line per target.

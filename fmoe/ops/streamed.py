@@ -183,21 +183,21 @@ def _hidden(x_e: Tensor, w_in, b_in, e: int, fmt: GluSpec, H: int,
             _mm(x_e, w_in[1][e], fmt.in_transposed, None if out is None else out[1]))
 
 
-def _act(g: Tensor, u: Tensor, fmt: GluSpec, out: Optional[Tensor] = None,
-         ws: Optional["_Scratch"] = None) -> Tensor:
-    """The gated activation h [n, H] (differentiable without ``out``), in the experts' own op
-    order (transformers' GPT-OSS: ``(u' + 1) * (g' * sigmoid(g' * alpha))``); written into
-    ``out`` [n, H] when given, with in-place steps that round exactly as the out-of-place ones
-    (GPT-OSS's clamped copies then come from ``ws``: g and u may be saved projections)."""
-    if fmt.activation == "silu":
-        if out is not None:
-            return torch.ops.aten.silu.out(g, out=out).mul_(u)
-        return F.silu(g).mul_(u)       # SiluBackward keeps g, not its output: in place is safe
-    L = fmt.limit
-    if out is None:
-        g, u = g.clamp(max=L), u.clamp(min=-L, max=L)
+def _act(g: Tensor, u: Tensor, fmt: GluSpec, ws: Optional["_Scratch"] = None) -> Tensor:
+    """The gated activation h [n, H] (differentiable without ``ws``), in the experts' own op
+    order (transformers' GPT-OSS: ``(u' + 1) * (g' * sigmoid(g' * alpha))``); with ``ws``
+    written into its "h" rows, GPT-OSS's clamped copies in its "gc" / "uc" rows (g and u may be
+    saved projections), by in-place steps that round exactly as the out-of-place ones."""
+    if ws is None:
+        if fmt.activation == "silu":
+            return F.silu(g).mul_(u)   # SiluBackward keeps g, not its output: in place is safe
+        g, u = g.clamp(max=fmt.limit), u.clamp(min=-fmt.limit, max=fmt.limit)
         return (u + 1) * (g * torch.sigmoid(g * fmt.alpha))
     n, H = g.shape
+    out = ws.take("h", n, H)
+    if fmt.activation == "silu":
+        return torch.ops.aten.silu.out(g, out=out).mul_(u)
+    L = fmt.limit
     g = torch.clamp(g, max=L, out=ws.take("gc", n, H))
     u = torch.clamp(u, min=-L, max=L, out=ws.take("uc", n, H))
     return torch.mul(g, fmt.alpha, out=out).sigmoid_().mul_(g).mul_(u.add_(1))
@@ -328,7 +328,7 @@ def _forward(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: GluSpec
         else:
             out = (ws.take("z", n, 2 * H),) if fmt.fused_in else (ws.take("g", n, H), ws.take("u", n, H))
         g, u = _hidden(x_e, win, b_in, e, fmt, H, out)
-        y_e = torch.mm(_act(g, u, fmt, ws.take("h", n, H), ws), wout_f[e], out=ws.take("y", n, O))
+        y_e = torch.mm(_act(g, u, fmt, ws), wout_f[e], out=ws.take("y", n, O))
         if b_out is not None:
             y_e.add_(b_out[e])
         _accumulate(y, tok, y_e, w_col[r0:r1], order)
