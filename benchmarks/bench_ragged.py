@@ -1,6 +1,6 @@
 """ragged_mm / ragged_wgrad against their roofline baselines, side by side in one process.
 
-``python -m benchmarks.bench_ragged [--quick] [--repeats N] [--threads N] [--only train|decode|groups]``
+``python -m benchmarks.bench_ragged [--quick] [--repeats N] [--threads N] [--only train|decode|groups|matvec]``
 
 train   One expert linear layer forward + backward (y = ragged_mm(x, w, offsets), then
         dgrad ragged_mm + wgrad ragged_wgrad) at the fine-grained shapes of issue 11,
@@ -10,15 +10,18 @@ train   One expert linear layer forward + backward (y = ragged_mm(x, w, offsets)
           bmm@cf    torch.bmm on padded [E, C, K] buffers, C = ceil(cf * rows / E),
                     cf 1.0 / 1.25 / 2.0, forward + backward;
           ragged_via_padded_bmm  the ragged product as copy into [E, max rows, K], one
-                    bmm, copy back (an alternative kernel, for comparison).
+                    bmm, copy back (the batched alternative ragged_mm does not take).
         Reported as useful GFLOP/s (3 GEMMs of 2 * rows * K * N FLOPs) and ratios.
 decode  Forward only (no grad) at T <= 64 tokens, 128 experts, top-8, against
           stream    one read of as many bytes as the busy experts' weights (torch.sum
                     or a numba parallel sum, the faster; the denominator of T2);
           per-group torch.mm (the reference: one BLAS call per busy expert);
           bmm       padded torch.bmm over all experts.
-groups  The SMALL_ROWS measurement: E busy experts with n rows each, the numba
-        small-group kernel vs one torch.mm per group, n = 1, 2, 4, 8, 16, 32.
+groups  The SMALL_ROWS / NUMBA_MAX_BYTES measurement: 32 busy experts with n rows each
+        (n = 1-16), K = N = 128-768, through ragged_mm with the numba small-group
+        kernel allowed vs one torch.mm per group.
+matvec  The numba_cpu.MATVEC_BYTES measurement: padded buffers, grouped_mm(exact=True)
+        with the serial numba matvec allowed vs BLAS, 0.1-32 MiB of weights streamed.
 
 Variants are timed round-robin (one call each per repeat) so that load bursts on a
 shared machine hit all alike; medians are printed as JSON lines.
@@ -39,7 +42,6 @@ import torch
 from numba import njit, prange
 
 from fmoe import _numba
-from fmoe.ops import _ragged_kernels as RK
 from fmoe.ops import ragged as RG
 
 
@@ -122,6 +124,7 @@ def bench_train(name, T, M, H, E, k, transposed, repeats, g):
            "rows": R, "max_rows": max(counts), "min_rows": min(counts), "seconds": t,
            "useful_gflops": {v: flop / s / 1e9 for v, s in t.items()},
            "ratio_vs_dense": t["dense"] / t["ragged"],
+           "ragged_over_padded_bmm": t["ragged"] / t["ragged_via_padded_bmm"],
            "ratio_padded_bmm_vs_dense": t["dense"] / t["ragged_via_padded_bmm"]}
     for cf in (1.0, 1.25, 2.0):
         out[f"speedup_vs_bmm_cf{cf}"] = t[f"bmm_cf{cf}"] / t["ragged"]
@@ -199,31 +202,71 @@ def bench_decode(name, T, M, H, E, k, transposed, repeats, g, routings=4):
             "ratio_bmm_vs_stream": t["bmm"] / stream}
 
 
-# --------------------------------------------------------------------------- SMALL_ROWS
+# --------------------------------------------------------------------------- SMALL_ROWS, NUMBA_MAX_BYTES
 
-def bench_groups(transposed, repeats, g, E=32, K=768, N=768):
-    """Equal groups of n rows: numba small-group kernel vs one torch.mm per group."""
+GROUP_SHAPES = [(128, 128), (256, 256), (384, 384), (768, 768)]   # (K, N): 2 / 8 / 18 / 72 MiB over 32 experts
+GROUP_ROWS = (1, 2, 4, 8, 16)
+
+
+def bench_groups(transposed, repeats, g, E=32, shapes=GROUP_SHAPES, rows=GROUP_ROWS):
+    """Equal groups of n rows through ragged_mm: the numba small-group kernel allowed
+    (NUMBA_MAX_BYTES unbounded) vs one torch.mm per group (NUMBA_MAX_BYTES = 0)."""
     out = []
-    w = (torch.randn(E, N, K, generator=g) if transposed else torch.randn(E, K, N, generator=g)).contiguous()
-    w4 = w.unsqueeze(0)
-    for n in (1, 2, 4, 8, 16, 32):
-        R = E * n
-        x = torch.randn(1, R, K, generator=g)
-        y = torch.empty(1, R, N)
-        tasks = np.array([(0, e, e * n, (e + 1) * n) for e in range(E)], dtype=np.int64)
-        zero = np.float32(0)
+    cap = RG.NUMBA_MAX_BYTES
+    try:
+        for K, N in shapes:
+            w = (torch.randn(E, N, K, generator=g) if transposed else torch.randn(E, K, N, generator=g)).contiguous()
+            for n in rows:
+                x = torch.randn(E * n, K, generator=g)
+                off = torch.arange(E + 1, dtype=torch.int64) * n
 
-        def numba_call():
-            with _numba.kernel_call():
-                RK.small_groups(x.numpy(), w4.numpy(), tasks, transposed, zero, y.numpy())
+                def call(limit):
+                    def f():
+                        RG.NUMBA_MAX_BYTES = limit
+                        RG.ragged_mm(x, w, off, transposed=transposed)
+                    return f
 
-        def blas_call():
-            for e in range(E):
-                torch.mm(x[0, e * n:(e + 1) * n], w[e].t() if transposed else w[e], out=y[0, e * n:(e + 1) * n])
+                t = round_robin({"numba": call(1 << 62), "blas": call(0)}, repeats, warmup=2)
+                out.append({"suite": "groups", "rows_per_group": n, "E": E, "K": K, "N": N,
+                            "weight_MiB": E * K * N * w.element_size() / 2 ** 20, "transposed": transposed,
+                            "seconds": t, "numba_over_blas": t["numba"] / t["blas"]})
+    finally:
+        RG.NUMBA_MAX_BYTES = cap
+    return out
 
-        t = round_robin({"numba": numba_call, "blas": blas_call}, repeats, warmup=2)
-        out.append({"suite": "groups", "rows_per_group": n, "E": E, "K": K, "N": N, "transposed": transposed,
-                    "seconds": t, "numba_over_blas": t["numba"] / t["blas"]})
+
+# --------------------------------------------------------------------------- numba_cpu.MATVEC_BYTES
+
+MATVEC_SHAPES = [(8, 64, 64, 8), (32, 256, 256, 32), (32, 512, 512, 16), (64, 768, 384, 16),
+                 (32, 768, 768, 8), (64, 1024, 512, 16)]   # (E, K, N, routed rows): 0.1-32 MiB streamed
+
+
+def bench_matvec(transposed, repeats, g, shapes=MATVEC_SHAPES):
+    """Padded buffers, ``grouped_mm(exact=True)``: the serial numba matvec allowed
+    (MATVEC_BYTES unbounded) vs BLAS (one GEMV per row up to 4 rows, else a GEMM)."""
+    from fmoe.ops import grouped, numba_cpu
+    out = []
+    cap = numba_cpu.MATVEC_BYTES
+    try:
+        for E, K, N, routed in shapes:
+            counts = torch.bincount(torch.randint(E, (routed,), generator=g), minlength=E)
+            C = int(counts.max()) + 2
+            x = torch.randn(E, C, K, generator=g)
+            w = torch.randn(E, N, K, generator=g) if transposed else torch.randn(E, K, N, generator=g)
+
+            def call(limit):
+                def f():
+                    numba_cpu.MATVEC_BYTES = limit
+                    grouped.grouped_mm(x, w, counts, transposed=transposed, exact=True)
+                return f
+
+            with torch.no_grad():
+                t = round_robin({"numba": call(1 << 62), "blas": call(0)}, repeats, warmup=2)
+            out.append({"suite": "matvec", "E": E, "K": K, "N": N, "routed_rows": routed, "transposed": transposed,
+                        "streamed_MiB": routed * K * N * 4 / 2 ** 20, "seconds": t,
+                        "numba_over_blas": t["numba"] / t["blas"]})
+    finally:
+        numba_cpu.MATVEC_BYTES = cap
     return out
 
 
@@ -231,7 +274,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="first config of each suite, 3 repeats")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--only", choices=("train", "decode", "groups"))
+    p.add_argument("--only", choices=("train", "decode", "groups", "matvec"))
     p.add_argument("--threads", type=int, default=0, help="torch (and so numba) threads; 0 = torch's default")
     args = p.parse_args(argv)
     if args.threads:
@@ -240,10 +283,14 @@ def main(argv=None):
     g = torch.Generator().manual_seed(0)
     print(json.dumps({"machine": platform.machine(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                       "numba_layer": _numba.threading_layer(), "torch": torch.__version__,
-                      "loadavg": os.getloadavg(), "SMALL_ROWS": RG.SMALL_ROWS, "SERIAL_BYTES": RG.SERIAL_BYTES}))
+                      "loadavg": os.getloadavg(), "SMALL_ROWS": RG.SMALL_ROWS, "NUMBA_MAX_BYTES": RG.NUMBA_MAX_BYTES,
+                      "SERIAL_BYTES": RG.SERIAL_BYTES}))
     for tr in (True, False):
         if args.only in (None, "groups"):
             for rec in bench_groups(tr, repeats, g):
+                print(json.dumps(rec), flush=True)
+        if args.only in (None, "matvec"):
+            for rec in bench_matvec(tr, 5 * repeats, g):
                 print(json.dumps(rec), flush=True)
         if args.only in (None, "decode"):
             for cfg in DECODE[:1] if args.quick else DECODE:

@@ -124,6 +124,22 @@ def test_exact_rows_close_to_padded(transposed, row_counts, matvec_bytes, monkey
     torch.testing.assert_close(ge, gp, rtol=1e-4, atol=1e-4)
 
 
+
+@pytest.mark.parametrize("stored_transposed", [False, True])
+def test_exact_rows_numba_reads_transposed_views_as_their_storage(stored_transposed):
+    # fmoe.nn.MoELayer's x @ W views of out x in storage: the serial numba matvec reads the
+    # storage in its own order (bit for bit the storage passed directly), no fallback to BLAS.
+    from fmoe.ops import numba_cpu
+    g, x, mask, rows = _buffers(rows=[0, 1, 2, 0, 4, 0, 0, 3])
+    storage = torch.randn(8, 48, 80, generator=g) if stored_transposed else torch.randn(8, 80, 48, generator=g)
+    view = storage.transpose(1, 2)
+    got = numba_cpu.rows_matvec(x, view, rows.tolist(), stored_transposed)
+    assert got is not None
+    assert torch.equal(got, numba_cpu.rows_matvec(x, storage, rows.tolist(), not stored_transposed))
+    pad = torch.bmm(x, view.transpose(1, 2) if stored_transposed else view) * mask
+    torch.testing.assert_close(got, pad, rtol=1e-5, atol=1e-5)
+
+
 def test_exact_rows_gradcheck_and_jvp():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(3, 6, 4, dtype=torch.float64, generator=g, requires_grad=True)

@@ -147,6 +147,48 @@ def test_mm_non_contiguous_inputs():
                                rtol=1e-6, atol=1e-5)
 
 
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_small_groups_above_the_byte_cap_run_blas_bit_exact(transposed, monkeypatch):
+    """Small groups whose weights exceed NUMBA_MAX_BYTES take one torch.mm each: the
+    reference's own calls, bit for bit, and the numba kernel is not called."""
+    g = gen(22)
+    counts = [1, 0, 3, 5, 2]
+    off = counts_to_offsets(counts)
+    x = torch.randn(int(off[-1]), 40, generator=g)
+    w = weights(len(counts), 40, 24, transposed, g=g)
+    calls = []
+    monkeypatch.setattr(RG, "_small_groups", lambda *a: calls.append(a))
+    monkeypatch.setattr(RG, "NUMBA_MAX_BYTES", 4 * 40 * 24 * 4 - 1)   # one byte short of the 4 busy experts
+    y = ragged_mm(x, w, off, transposed=transposed)
+    assert calls == []
+    assert torch.equal(y, ragged_mm_reference(x, w, off, transposed=transposed))
+    monkeypatch.setattr(RG, "NUMBA_MAX_BYTES", 4 * 40 * 24 * 4)
+    ragged_mm(x, w, off, transposed=transposed)
+    assert len(calls) == 1
+
+@pytest.mark.parametrize("stored_transposed", [False, True])
+def test_mm_small_groups_read_transposed_views_as_their_storage(stored_transposed, monkeypatch):
+    """fmoe.nn.MoELayer hands out x @ W views of out x in storage: the numba small-group kernel
+    reads that storage in its own order (same bits as passing the storage itself), no copy."""
+    g = gen(21)
+    counts = [1, 0, 3, 5, 2]
+    off = counts_to_offsets(counts)
+    E, K, N = len(counts), 40, 24
+    x = torch.randn(int(off[-1]), K, generator=g)
+    storage = torch.randn(E, K, N, generator=g) if stored_transposed else torch.randn(E, N, K, generator=g)
+    view = storage.transpose(1, 2)                         # [E, N, K] or [E, K, N], not contiguous
+    seen = []
+    real = RG._small_groups
+    monkeypatch.setattr(RG, "_small_groups", lambda x_, w_, *a: (seen.append(w_), real(x_, w_, *a))[1])
+    y = ragged_mm(x, view, off, transposed=stored_transposed)
+    assert len(seen) == 1 and seen[0].data_ptr() == storage.data_ptr() and seen[0].is_contiguous()
+    assert torch.equal(y, ragged_mm(x, storage, off, transposed=not stored_transposed))
+    torch.testing.assert_close(y, ragged_mm_reference(x, view.contiguous(), off, transposed=stored_transposed),
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_wgrad_bit_exact_vs_reference_ignores_padding(dtype):
     g = gen(6)
@@ -455,34 +497,29 @@ def test_kernel_signatures_run_and_compute():
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-def test_balanced_groups_take_one_batched_gemm_and_equal_the_reference(transposed):
-    # >= BATCHED_MIN_GROUPS busy groups within BATCHED_MAX_PADDING of the largest: one padded
-    # bmm (row gathers in and out) instead of a torch.mm per group; rows past N are NaN and
-    # must never be read, idle experts get zero weight gradient.
+def test_balanced_groups_are_the_references_calls_bit_for_bit(transposed):
+    # Balanced training loads run one torch.mm per group (a padded batched GEMM was slower,
+    # see BENCHMARKS.md): bit for bit the reference; rows past N are NaN and must never be
+    # read, idle experts get zero weight gradient.
     from fmoe.ops import ragged as RG
     g = torch.Generator().manual_seed(5)
     E, K, N = 10, 24, 12
     sizes = [20, 25, 0, 22, 30, 21, 28, 24, 26, 23]
     off = torch.tensor([0] + list(itertools.accumulate(sizes)))
     R = int(off[-1]) + 7
-    assert RG._batched_plan(off.tolist(), E) is not None
     x = torch.randn(R, K, generator=g, dtype=torch.float64)
     x[int(off[-1]):] = float("nan")
     w = torch.randn(E, N, K, generator=g, dtype=torch.float64) if transposed else \
         torch.randn(E, K, N, generator=g, dtype=torch.float64)
     y = RG.ragged_mm(x, w, off, transposed=transposed)
-    ref = RG.ragged_mm_reference(x, w, off, transposed=transposed)
-    torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+    assert torch.equal(y, RG.ragged_mm_reference(x, w, off, transposed=transposed))
     assert torch.all(y[int(off[-1]):] == 0)
     b = torch.randn(R, 5, generator=g, dtype=torch.float64)
     b[int(off[-1]):] = float("nan")
     z = RG.ragged_wgrad(x, b, off)
-    torch.testing.assert_close(z, RG.ragged_wgrad_reference(x, b, off), rtol=1e-12, atol=1e-12)
+    assert torch.equal(z, RG.ragged_wgrad_reference(x, b, off))
     assert torch.all(z[2] == 0)
     small = torch.tensor([0] + list(itertools.accumulate([17, 18, 17, 19, 17, 18, 17, 18])))
-    assert RG._batched_plan(small.tolist(), 8) is not None
     xs = torch.randn(int(small[-1]), 3, generator=g, dtype=torch.float64, requires_grad=True)
     ws = torch.randn(8, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, c: RG.ragged_mm(a, c, small, transposed=True), (xs, ws))
-    # a lopsided load keeps the per-group calls
-    assert RG._batched_plan([0, 1, 2, 3, 4, 5, 6, 7, 100], 8) is None

@@ -224,10 +224,11 @@ def combine_into(out: Tensor, y: Tensor, pos: Tensor, weights: Optional[Tensor] 
 
 # Weight bytes streamed (filled rows x one expert matrix) up to which one serial numba
 # call beats BLAS (per-row GEMVs, or a batched GEMM over every expert's padded rows).
-# Measured on the bench_models shapes (2 shared vCPUs): at 8-17 MB numba took 100-260 us
-# against 280-300 us for BLAS (and 8 ms when the machine was contended: small threaded
-# GEMMs stall on a descheduled thread); at 134 MB BLAS won 0.7 ms to 1.4-1.6 ms.
-MATVEC_BYTES = 32 << 20
+# ``python -m benchmarks.bench_ragged --only matvec`` (quiet machine, 2 threads, both weight
+# orders, 2026-12-01 20:30 UTC, load 0.6): numba took 0.45-0.51x BLAS's time at 0.1 MiB,
+# 0.77-0.83x at 8 MiB and 1.22-1.58x at 16-32 MiB. (The cap was 32 MiB, from runs on the
+# machine shared with other jobs, where BLAS's small threaded calls stall.)
+MATVEC_BYTES = 8 << 20
 
 
 def rows_matvec(x: Tensor, w: Tensor, rows: list, transposed: bool) -> Optional[Tensor]:
@@ -239,12 +240,14 @@ def rows_matvec(x: Tensor, w: Tensor, rows: list, transposed: bool) -> Optional[
     returns None otherwise (the caller uses BLAS).
     """
     E, C, D = x.shape
+    N = w.shape[1] if transposed else w.shape[2]
+    if not w.is_contiguous() and w.transpose(1, 2).is_contiguous():
+        w, transposed = w.transpose(1, 2), not transposed   # a transposed view: read its storage
     if not (x.dtype in NATIVE_DTYPES and w.dtype == x.dtype and x.device.type == "cpu"
             and w.device.type == "cpu" and x.is_contiguous() and w.is_contiguous()):
         return None
     if sum(rows) * w.shape[1] * w.shape[2] * w.element_size() > MATVEC_BYTES:
         return None
-    N = w.shape[1] if transposed else w.shape[2]
     y = torch.zeros(E, C, N, dtype=x.dtype)
     ns = np.asarray(rows, dtype=np.int64)
     kern = K.rows_matvec_nk if transposed else K.rows_matvec_kn

@@ -33,10 +33,15 @@ padding rows to its last expert). The public functions are segment count 1.
 Kernel (any device): one host sync (``offsets.tolist()``), then one
 ``torch.mm(out=...)`` per non-empty group on views — no copies, no per-group
 allocation; empty groups are skipped and only the padding rows are zeroed.
-Same BLAS call per group as the reference, so bit-identical to it. On CPU,
-float32/64 groups of at most :data:`SMALL_ROWS` rows (decode) go instead to
-one numba call that streams each busy expert's weight once
-(:mod:`fmoe.ops._ragged_kernels`; equal within float rounding).
+Same BLAS call per group as the reference, so bit-identical to it. (One padded
+batched GEMM over balanced groups, two row gathers and a bmm, took 1.28-1.50x
+the per-group calls' time in training on a quiet machine: ``python -m
+benchmarks.bench_ragged --only train``, 2026-12-01; removed.) On CPU,
+float32/64 groups of at most :data:`SMALL_ROWS` rows (decode) whose weights add
+up to at most :data:`NUMBA_MAX_BYTES` go instead to one numba call that streams
+each busy expert's weight once (:mod:`fmoe.ops._ragged_kernels`; equal within
+float rounding): a small problem, where per-call overhead, not the weight read,
+is the time.
 """
 from __future__ import annotations
 
@@ -52,33 +57,25 @@ from . import _ragged_kernels as _RK
 from .primitives import forward_only
 
 __all__ = ["ragged_mm", "ragged_wgrad", "ragged_mm_reference", "ragged_wgrad_reference",
-           "SMALL_ROWS", "SERIAL_BYTES", "BATCHED_MIN_GROUPS", "BATCHED_MAX_PADDING"]
+           "SMALL_ROWS", "NUMBA_MAX_BYTES", "SERIAL_BYTES"]
 
 # --------------------------------------------------------------------------- thresholds
-# The one place for the kernel-choice constants. Measured with
-# ``python -m benchmarks.bench_ragged --only groups [--threads 1]`` (32 busy experts,
-# K = N = 768, float32, both layouts) on the 2-vCPU dev machine while it was shared
-# (load average 8-10), 2026-12-01.
+# The one place for the kernel-choice constants, measured with
+# ``python -m benchmarks.bench_ragged --only groups`` (32 busy experts, equal groups of
+# 1-16 rows, K = N = 128-768, float32, both layouts, ragged_mm with the numba kernel
+# allowed vs not) on the 2-vCPU dev machine.
 
-# Groups with at most this many rows run in the numba streaming kernel instead of one
-# torch.mm each (float32/64 on CPU). Single-threaded the two were level at 1-8 rows
-# (numba 0.9-1.1x MKL's time, both 1.0-2.5x the time to read the weights once) and MKL
-# won from 16 rows (numba 1.2-1.5x; 2.1-2.4x at 32). With torch's 2 threads, the
-# default, MKL's small GEMMs stalled on the shared machine (135 ms-2.3 s for the 32
-# groups of 1-16 rows, against 28-129 ms for numba: 0.02-0.76x), and decode_64 (groups
-# of up to 11 rows) ran 1.75-2.2x the weight-read time with its >8-row groups on BLAS.
+# Groups with at most SMALL_ROWS rows may run in the numba streaming kernel instead of one
+# torch.mm each (float32/64 on CPU), and do when the busy experts' weights they read add up
+# to at most NUMBA_MAX_BYTES. Quiet machine (load 0.6-0.8, 2026-12-01 20:26 UTC), numba's
+# time over MKL's, 1-16 rows per group: 2 MiB of weights 0.43-0.97; 8 MiB 0.54-0.85 at 1-4
+# rows, 1.06-1.54 at 8-16; 18 MiB 0.79-2.6; 72 MiB 1.35-2.2. Small problems are per-call
+# overhead, which one numba call saves; large ones are the weight read, where MKL's kernels
+# are faster. On the same machine shared with other jobs (load 8-10, earlier that day) MKL's
+# threaded small GEMMs stalled instead (135 ms-2.3 s for 32 groups of 1-16 rows at 72 MiB,
+# against 28-129 ms for numba); the cap is set for a quiet machine, as the benchmarks run.
 SMALL_ROWS = 16
-
-# Balanced groups run as ONE batched GEMM over the groups padded to the largest (a row gather in,
-# a row gather out) instead of one threaded torch.mm per group: on the 2-vCPU machine every
-# threaded MKL call pays a parallel-region start that, with other work on the box, cost more
-# than the GEMM itself — 32 groups of 512 x 768 x 384 took 380-500 ms as 32 calls against
-# 131-180 ms for one bmm of the same shapes and 131 ms for one dense GEMM of all rows (load
-# average 3.5-8, /tmp/mm1.py-style interleaved timing, 2026-12-01). Used when at least
-# BATCHED_MIN_GROUPS groups are busy and padding to the largest adds at most
-# BATCHED_MAX_PADDING x the real rows' work; lopsided loads keep the per-group calls.
-BATCHED_MIN_GROUPS = 8
-BATCHED_MAX_PADDING = 1.5
+NUMBA_MAX_BYTES = 4 << 20
 
 # Below this many weight bytes streamed by the small groups the serial numba twin
 # runs. Not swept: chosen so that a TBB region's start (~50 us, the figure behind
@@ -203,6 +200,11 @@ def _check_wgrad_op(a: Tensor, b: Tensor, offsets: Tensor) -> int:
 
 # --------------------------------------------------------------------------- kernels
 
+def _stored_transposed(w: Tensor) -> bool:
+    """w [S, E, a, b] is a transposed view (last two dims) of a contiguous [S, E, b, a] tensor."""
+    return not w.is_contiguous() and w.transpose(2, 3).is_contiguous()
+
+
 def _small_groups(x: Tensor, w: Tensor, tasks: list, transposed: bool, y: Tensor) -> None:
     """Rows of ``tasks`` (s, e, lo, hi) of y in one numba call (float32/64 CPU, w contiguous)."""
     xc = x.detach().contiguous()  # no copy for the usual contiguous x; a strided one is copied once
@@ -214,52 +216,9 @@ def _small_groups(x: Tensor, w: Tensor, tasks: list, transposed: bool, y: Tensor
         kern(xc.numpy(), w.detach().numpy(), t, transposed, _NP_ZERO[x.dtype], y.numpy())
 
 
-def _batched_plan(o: list, E: int):
-    """(sizes, m) when the groups of one segment should run as one padded batched GEMM, else None."""
-    sizes = [o[e + 1] - o[e] for e in range(E)]
-    m = max(sizes) if sizes else 0
-    busy = sum(1 for n in sizes if n)
-    if busy < BATCHED_MIN_GROUPS or m <= SMALL_ROWS or E * m > BATCHED_MAX_PADDING * o[E]:
-        return None
-    return sizes, m
-
-
-def _padded_index(o: list, sizes: list, m: int, device) -> tuple[Tensor, Tensor]:
-    """Row of each padded slot [E*m] (padding slots read row 0) and whether it is real [E*m]."""
-    E = len(sizes)
-    ar = torch.arange(m, device=device)
-    starts = torch.tensor(o[:E], device=device, dtype=torch.int64)
-    n = torch.tensor(sizes, device=device, dtype=torch.int64)
-    valid = ar.unsqueeze(0) < n.unsqueeze(1)
-    idx = torch.where(valid, starts.unsqueeze(1) + ar.unsqueeze(0), torch.zeros((), dtype=torch.int64, device=device))
-    return idx.reshape(-1), valid.reshape(-1)
-
-
-def _real_slots(sizes: list, m: int, device) -> Tensor:
-    """Padded slot of each real row 0..N-1 (the inverse of the gather)."""
-    E = len(sizes)
-    n = torch.tensor(sizes, device=device, dtype=torch.int64)
-    expert = torch.repeat_interleave(torch.arange(E, device=device), n)
-    first = torch.cumsum(n, 0) - n
-    rank = torch.arange(expert.shape[0], device=device) - first.index_select(0, expert)
-    return expert * m + rank
-
-
-def _mm_batched(xs: Tensor, ws: Tensor, o: list, sizes: list, m: int, transposed: bool, ys: Tensor) -> None:
-    E, K = len(sizes), xs.shape[1]
-    idx, _ = _padded_index(o, sizes, m, xs.device)
-    xp = xs.index_select(0, idx).view(E, m, K)            # padding slots hold row 0: outputs unused
-    yp = torch.bmm(xp, ws.transpose(1, 2) if transposed else ws)
-    N = o[E]
-    torch.index_select(yp.view(E * m, -1), 0, _real_slots(sizes, m, xs.device), out=ys[:N])
-
-
-def _wgrad_batched(as_: Tensor, bs: Tensor, o: list, sizes: list, m: int, out: Tensor) -> None:
-    E = len(sizes)
-    idx, valid = _padded_index(o, sizes, m, as_.device)
-    ap = as_.index_select(0, idx).view(E, m, -1)
-    bp = (bs.index_select(0, idx) * valid.unsqueeze(1).to(bs.dtype)).view(E, m, -1)   # padding adds 0
-    torch.bmm(ap.transpose(1, 2), bp, out=out)
+def _group_mm(xs: Tensor, ws: Tensor, e: int, lo: int, hi: int, transposed: bool, ys: Tensor) -> None:
+    """ys[lo:hi] = xs[lo:hi] @ op(ws[e]) in one BLAS call (the reference's own call)."""
+    torch.mm(xs[lo:hi], ws[e].t() if transposed else ws[e], out=ys[lo:hi])
 
 
 def _mm_impl(x: Tensor, w: Tensor, offsets: Tensor, transposed: bool) -> Tensor:
@@ -269,7 +228,11 @@ def _mm_impl(x: Tensor, w: Tensor, offsets: Tensor, transposed: bool) -> Tensor:
     N = w.shape[2] if transposed else w.shape[3]
     offs = _offset_lists("ragged_mm", offsets, R)
     y = torch.empty(S, R, N, dtype=x.dtype, device=x.device)
-    numba_ok = (x.device.type == "cpu" and x.dtype in _NUMBA_DTYPES and w.is_contiguous()
+    # The numba kernel reads contiguous weights. A transposed view of contiguous storage
+    # (fmoe.nn.MoELayer's x @ W views of its out x in Parameters) is read as that storage,
+    # the other order: no copy of the weights at every call.
+    w_k, t_k = (w.transpose(2, 3), not transposed) if _stored_transposed(w) else (w, transposed)
+    numba_ok = (x.device.type == "cpu" and x.dtype in _NUMBA_DTYPES and w_k.is_contiguous()
                 and w.device.type == "cpu")
     small = []
     for s in range(S):
@@ -277,12 +240,6 @@ def _mm_impl(x: Tensor, w: Tensor, offsets: Tensor, transposed: bool) -> Tensor:
         xs = x[s if x.shape[0] > 1 else 0]
         ws = w[s if w.shape[0] > 1 else 0]
         ys = y[s]
-        plan = _batched_plan(o, E)
-        if plan is not None:
-            _mm_batched(xs, ws, o, plan[0], plan[1], transposed, ys)
-            if o[E] < R:
-                ys[o[E]:].zero_()
-            continue
         for e in range(E):
             lo, hi = o[e], o[e + 1]
             if hi == lo:
@@ -290,11 +247,14 @@ def _mm_impl(x: Tensor, w: Tensor, offsets: Tensor, transposed: bool) -> Tensor:
             if numba_ok and hi - lo <= SMALL_ROWS:
                 small.append((s, e, lo, hi))
                 continue
-            torch.mm(xs[lo:hi], ws[e].t() if transposed else ws[e], out=ys[lo:hi])
+            _group_mm(xs, ws, e, lo, hi, transposed, ys)
         if o[E] < R:
             ys[o[E]:].zero_()
-    if small:
-        _small_groups(x, w, small, transposed, y)
+    if small and len(small) * w.shape[2] * w.shape[3] * w.element_size() <= NUMBA_MAX_BYTES:
+        _small_groups(x, w_k, small, t_k, y)
+    else:   # too many weight bytes for the numba kernel to win: one BLAS call per group
+        for s, e, lo, hi in small:
+            _group_mm(x[s if x.shape[0] > 1 else 0], w[s if w.shape[0] > 1 else 0], e, lo, hi, transposed, y[s])
     return y
 
 
@@ -310,10 +270,6 @@ def _wgrad_impl(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
         o = offs[s if len(offs) > 1 else 0]
         as_ = a[s if a.shape[0] > 1 else 0]
         bs = b[s if b.shape[0] > 1 else 0]
-        plan = _batched_plan(o, E)
-        if plan is not None:
-            _wgrad_batched(as_, bs, o, plan[0], plan[1], z[s])
-            continue
         for e in range(E):
             lo, hi = o[e], o[e + 1]
             if hi > lo:
