@@ -499,7 +499,7 @@ def test_kernel_signatures_run_and_compute():
 @pytest.mark.parametrize("transposed", [False, True])
 def test_balanced_groups_are_the_references_calls_bit_for_bit(transposed):
     # Balanced training loads run one torch.mm per group (a padded batched GEMM was slower,
-    # see BENCHMARKS.md): bit for bit the reference; rows past N are NaN and must never be
+    # see BENCHMARKS.md, "Ragged expert GEMMs"): bit for bit the reference; rows past N are NaN and must never be
     # read, idle experts get zero weight gradient.
     from fmoe.ops import ragged as RG
     g = torch.Generator().manual_seed(5)
