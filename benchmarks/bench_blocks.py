@@ -45,6 +45,11 @@ MAX_SECONDS = 10.0   # a variant stops being timed once its steps add up to this
 # variants running the same GEMMs on the same weights, which a profile puts within 2% of each
 # other (gpt_oss, 2026-12-01). 20 repeats of the five decode variants add about 2 s per arch.
 DECODE_REPEATS = 20
+# Training and prefill: with 3 repeats one slow phase of the machine moved a median by 1.4x
+# (mixtral training, fmoe 454 ms in a full run, 318 ms in a rerun minutes later; 2026-12-01
+# 20:55 UTC). 5 add about 30 s to the suite (transformers' eager training steps are capped by
+# MAX_SECONDS).
+REPEATS = 5
 TARGET_SPEEDUP = {"train": 1.5, "prefill": 1.5, "decode": 1.2}   # issue 11, target 4
 
 
@@ -295,7 +300,7 @@ def run(quick: bool, only: Optional[str], log: Callable[[str], None] = print, me
         log(f"  blocks: skipped: {why}")
         return {"skipped": why, "archs": {}, "targets": []}
     import transformers
-    repeats = 2 if quick else 3
+    repeats = 2 if quick else REPEATS
     archs = [only] if only in ARCHS else (["qwen3_moe"] if quick else list(ARCHS))
     shape = QUICK_SHAPE if quick else SHAPE
     phases = QUICK_PHASES if quick else PHASES
