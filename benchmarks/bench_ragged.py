@@ -17,10 +17,10 @@ decode  Forward only (no grad) at T <= 64 tokens, 128 experts, top-8, against
                     or a numba parallel sum, the faster; the denominator of T2);
           per-group torch.mm (the reference: one BLAS call per busy expert);
           bmm       padded torch.bmm over all experts.
-groups  The SMALL_ROWS / NUMBA_MAX_BYTES measurement: 32 busy experts with n rows each
+groups  The tuning.RAGGED_SMALL_ROWS / RAGGED_NUMBA_MAX_BYTES measurement: 32 busy experts with n rows each
         (n = 1-16), K = N = 128-768, through ragged_mm with the numba small-group
         kernel allowed vs one torch.mm per group.
-matvec  The numba_cpu.MATVEC_BYTES measurement: padded buffers, grouped_mm(exact=True)
+matvec  The tuning.MATVEC_BYTES measurement: padded buffers, grouped_mm(exact=True)
         with the serial numba matvec allowed vs BLAS, 0.1-32 MiB of weights streamed.
 
 Variants are timed round-robin (one call each per repeat) so that load bursts on a
@@ -43,6 +43,7 @@ from numba import njit, prange
 
 from fmoe import _numba
 from fmoe.ops import ragged as RG
+from fmoe.ops import tuning
 
 
 def round_robin(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
@@ -202,7 +203,7 @@ def bench_decode(name, T, M, H, E, k, transposed, repeats, g, routings=4):
             "ratio_bmm_vs_stream": t["bmm"] / stream}
 
 
-# --------------------------------------------------------------------------- SMALL_ROWS, NUMBA_MAX_BYTES
+# --------------------------------------------------------------------------- tuning.RAGGED_NUMBA_MAX_BYTES
 
 GROUP_SHAPES = [(128, 128), (256, 256), (384, 384), (768, 768)]   # (K, N): 2 / 8 / 18 / 72 MiB over 32 experts
 GROUP_ROWS = (1, 2, 4, 8, 16)
@@ -212,7 +213,7 @@ def bench_groups(transposed, repeats, g, E=32, shapes=GROUP_SHAPES, rows=GROUP_R
     """Equal groups of n rows through ragged_mm: the numba small-group kernel allowed
     (NUMBA_MAX_BYTES unbounded) vs one torch.mm per group (NUMBA_MAX_BYTES = 0)."""
     out = []
-    cap = RG.NUMBA_MAX_BYTES
+    cap = tuning.RAGGED_NUMBA_MAX_BYTES
     try:
         for K, N in shapes:
             w = (torch.randn(E, N, K, generator=g) if transposed else torch.randn(E, K, N, generator=g)).contiguous()
@@ -222,7 +223,7 @@ def bench_groups(transposed, repeats, g, E=32, shapes=GROUP_SHAPES, rows=GROUP_R
 
                 def call(limit):
                     def f():
-                        RG.NUMBA_MAX_BYTES = limit
+                        tuning.RAGGED_NUMBA_MAX_BYTES = limit
                         RG.ragged_mm(x, w, off, transposed=transposed)
                     return f
 
@@ -231,11 +232,11 @@ def bench_groups(transposed, repeats, g, E=32, shapes=GROUP_SHAPES, rows=GROUP_R
                             "weight_MiB": E * K * N * w.element_size() / 2 ** 20, "transposed": transposed,
                             "seconds": t, "numba_over_blas": t["numba"] / t["blas"]})
     finally:
-        RG.NUMBA_MAX_BYTES = cap
+        tuning.RAGGED_NUMBA_MAX_BYTES = cap
     return out
 
 
-# --------------------------------------------------------------------------- numba_cpu.MATVEC_BYTES
+# --------------------------------------------------------------------------- tuning.MATVEC_BYTES
 
 MATVEC_SHAPES = [(8, 64, 64, 8), (32, 256, 256, 32), (32, 512, 512, 16), (64, 768, 384, 16),
                  (32, 768, 768, 8), (64, 1024, 512, 16)]   # (E, K, N, routed rows): 0.1-32 MiB streamed
@@ -244,9 +245,9 @@ MATVEC_SHAPES = [(8, 64, 64, 8), (32, 256, 256, 32), (32, 512, 512, 16), (64, 76
 def bench_matvec(transposed, repeats, g, shapes=MATVEC_SHAPES):
     """Padded buffers, ``grouped_mm(exact=True)``: the serial numba matvec allowed
     (MATVEC_BYTES unbounded) vs BLAS (one GEMV per row up to 4 rows, else a GEMM)."""
-    from fmoe.ops import grouped, numba_cpu
+    from fmoe.ops import grouped
     out = []
-    cap = numba_cpu.MATVEC_BYTES
+    cap = tuning.MATVEC_BYTES
     try:
         for E, K, N, routed in shapes:
             counts = torch.bincount(torch.randint(E, (routed,), generator=g), minlength=E)
@@ -256,7 +257,7 @@ def bench_matvec(transposed, repeats, g, shapes=MATVEC_SHAPES):
 
             def call(limit):
                 def f():
-                    numba_cpu.MATVEC_BYTES = limit
+                    tuning.MATVEC_BYTES = limit
                     grouped.grouped_mm(x, w, counts, transposed=transposed, exact=True)
                 return f
 
@@ -266,7 +267,7 @@ def bench_matvec(transposed, repeats, g, shapes=MATVEC_SHAPES):
                         "streamed_MiB": routed * K * N * 4 / 2 ** 20, "seconds": t,
                         "numba_over_blas": t["numba"] / t["blas"]})
     finally:
-        numba_cpu.MATVEC_BYTES = cap
+        tuning.MATVEC_BYTES = cap
     return out
 
 
@@ -283,8 +284,8 @@ def main(argv=None):
     g = torch.Generator().manual_seed(0)
     print(json.dumps({"machine": platform.machine(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                       "numba_layer": _numba.threading_layer(), "torch": torch.__version__,
-                      "loadavg": os.getloadavg(), "SMALL_ROWS": RG.SMALL_ROWS, "NUMBA_MAX_BYTES": RG.NUMBA_MAX_BYTES,
-                      "SERIAL_BYTES": RG.SERIAL_BYTES}))
+                      "loadavg": os.getloadavg(), "RAGGED_SMALL_ROWS": tuning.RAGGED_SMALL_ROWS, "RAGGED_NUMBA_MAX_BYTES": tuning.RAGGED_NUMBA_MAX_BYTES,
+                      "RAGGED_SERIAL_BYTES": tuning.RAGGED_SERIAL_BYTES}))
     for tr in (True, False):
         if args.only in (None, "groups"):
             for rec in bench_groups(tr, repeats, g):

@@ -107,8 +107,8 @@ def test_exact_rows_close_to_padded(transposed, row_counts, matvec_bytes, monkey
     # exact=True multiplies exactly n_e rows (GEMVs for <= 4 rows: torch.mv, or one numba call
     # when the busy weights are small): equal to the padded GEMM within float rounding on
     # filled rows, exactly 0 elsewhere; grads agree to rounding.
-    from fmoe.ops import numba_cpu
-    monkeypatch.setattr(numba_cpu, "MATVEC_BYTES", matvec_bytes)  # 0: never numba
+    from fmoe.ops import tuning
+    monkeypatch.setattr(tuning, "MATVEC_BYTES", matvec_bytes)  # 0: never numba
     g, x, mask, rows = _buffers(rows=row_counts)
     w = torch.randn(8, 80, 48, generator=g) if transposed else torch.randn(8, 48, 80, generator=g)
     pad = torch.bmm(x, w.transpose(1, 2) if transposed else w) * mask

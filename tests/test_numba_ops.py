@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fmoe
-from fmoe.ops import numba_cpu, reference
+from fmoe.ops import numba_cpu, reference, tuning
 from fmoe.ops import _numba_kernels as K
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -65,7 +65,7 @@ def test_ops_use_numba_and_disabled_restores_reference(monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(K, "combine_rows", spy)
-    monkeypatch.setattr(numba_cpu, "SERIAL_ELEMENTS", 0)  # small case: force the parallel kernel
+    monkeypatch.setattr(tuning, "NUMBA_SERIAL_ELEMENTS", 0)  # small case: force the parallel kernel
     g, r, pos, R = _case()
     y = torch.randn(R, 8, generator=g)
     torch.ops.fmoe.combine(y, pos, r.weights)
@@ -79,7 +79,7 @@ def test_ops_use_numba_and_disabled_restores_reference(monkeypatch):
 
 @pytest.mark.parametrize("serial", [0, 1 << 30])
 def test_bad_positions_raise(serial, monkeypatch):
-    monkeypatch.setattr(numba_cpu, "SERIAL_ELEMENTS", serial)
+    monkeypatch.setattr(tuning, "NUMBA_SERIAL_ELEMENTS", serial)
     x = torch.randn(4, 3)
     pos = torch.tensor([[0, 1, 2, 9]])
     with pytest.raises(IndexError):
@@ -114,7 +114,7 @@ def test_vmap_matches_loop(monkeypatch):
     calls = []
     real = K.dispatch_rows
     monkeypatch.setattr(K, "dispatch_rows", lambda *a: (calls.append(1), real(*a))[1])
-    monkeypatch.setattr(numba_cpu, "SERIAL_ELEMENTS", 0)  # small case: force the parallel kernel
+    monkeypatch.setattr(tuning, "NUMBA_SERIAL_ELEMENTS", 0)  # small case: force the parallel kernel
     g, r, pos, R = _case(T=20, E=4, k=2, mask=False)
     xs = torch.randn(3, 20, 8, generator=g)
     out = torch.func.vmap(lambda x: fmoe.combine(fmoe.dispatch(x, r) * 2, r))(xs)
@@ -127,7 +127,7 @@ def test_compile_fullgraph_runs_numba(monkeypatch):
     calls = []
     real = K.dispatch_rows
     monkeypatch.setattr(K, "dispatch_rows", lambda *a: (calls.append(1), real(*a))[1])
-    monkeypatch.setattr(numba_cpu, "SERIAL_ELEMENTS", 0)  # small case: force the parallel kernel
+    monkeypatch.setattr(tuning, "NUMBA_SERIAL_ELEMENTS", 0)  # small case: force the parallel kernel
     g, r, pos, R = _case(T=20, E=4, k=2, mask=False)
     x = torch.randn(20, 8, generator=g)
 
@@ -257,7 +257,7 @@ def test_serial_kernels_equal_parallel(dtype, weighted, monkeypatch):
     w = r.weights if weighted else None
     out = {}
     for name, lim in (("parallel", 0), ("serial", 1 << 30)):
-        monkeypatch.setattr(numba_cpu, "SERIAL_ELEMENTS", lim)
+        monkeypatch.setattr(tuning, "NUMBA_SERIAL_ELEMENTS", lim)
         out[name] = (numba_cpu.dispatch(x, pos, w, R), numba_cpu.combine(y, pos, w),
                      numba_cpu.dispatch_into(torch.full((R, 23), 7.0, dtype=x.dtype), x, pos, w)
                      if dtype in numba_cpu.NATIVE_DTYPES else None)

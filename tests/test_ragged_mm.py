@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fmoe.ops import _ragged_kernels as RK
 from fmoe.ops import ragged as RG
+from fmoe.ops import tuning
 from fmoe.ops.ragged import ragged_mm, ragged_mm_reference, ragged_wgrad, ragged_wgrad_reference
 
 
@@ -26,9 +27,10 @@ def weights(E, K, N, transposed, dtype=torch.float32, g=None):
     return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype)
 
 
-# Group sizes above SMALL_ROWS run one torch.mm per group, the reference's own call:
-# bit-identical. Sizes <= SMALL_ROWS (float32/64 on CPU) run the numba streaming kernel.
-S = RG.SMALL_ROWS
+# Group sizes above RAGGED_SMALL_ROWS run one torch.mm per group, the reference's own call:
+# bit-identical. Sizes <= RAGGED_SMALL_ROWS (float32/64 on CPU, small weights) run the numba
+# streaming kernel.
+S = tuning.RAGGED_SMALL_ROWS
 BIG = [S + 3, 0, S + 8, S + 1, 0, S + 5]  # idle experts in the middle, one at the end
 
 
@@ -70,8 +72,8 @@ def test_mm_small_groups_numba_vs_reference(dtype, transposed, K, N):
     w = weights(len(counts), K, N, transposed, dtype, g)
     w[1] = float("nan")  # idle experts' weights are never read
     w[7] = float("nan")
-    streamed = sum(1 for c in counts if 0 < c <= RG.SMALL_ROWS) * K * N * w.element_size()
-    assert (streamed > RG.SERIAL_BYTES) == (K == 64)  # both kernels are exercised
+    streamed = sum(1 for c in counts if 0 < c <= tuning.RAGGED_SMALL_ROWS) * K * N * w.element_size()
+    assert (streamed > tuning.RAGGED_SERIAL_BYTES) == (K == 64)  # both kernels are exercised
     y = ragged_mm(x, w, off, transposed=transposed)
     ref = ragged_mm_reference(x, w, off, transposed=transposed)
     tol = dict(rtol=1e-5, atol=1e-5 * K ** 0.5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
@@ -100,7 +102,7 @@ def test_mm_edge_layouts(counts, R):
     y = ragged_mm(x, w, off)
     assert y.shape == (R, 3)
     ref = ragged_mm_reference(x, w, off)
-    if all(c == 0 or c > RG.SMALL_ROWS for c in counts):
+    if all(c == 0 or c > tuning.RAGGED_SMALL_ROWS for c in counts):
         assert torch.equal(y, ref)  # BLAS groups only
     torch.testing.assert_close(y, ref)
     z = ragged_wgrad(x, torch.randn(R, 4, generator=g), off)
@@ -110,7 +112,7 @@ def test_mm_edge_layouts(counts, R):
             assert torch.equal(z[e], torch.zeros(6, 4))
 
 
-@pytest.mark.parametrize("rows", [3, RG.SMALL_ROWS + 3])  # numba and BLAS paths
+@pytest.mark.parametrize("rows", [3, tuning.RAGGED_SMALL_ROWS + 3])  # numba and BLAS paths
 def test_views_of_larger_buffers_are_read_only_inside_their_rows(rows):
     g = gen(17)
     E, K, N = 3, 8, 5
@@ -160,11 +162,11 @@ def test_small_groups_above_the_byte_cap_run_blas_bit_exact(transposed, monkeypa
     w = weights(len(counts), 40, 24, transposed, g=g)
     calls = []
     monkeypatch.setattr(RG, "_small_groups", lambda *a: calls.append(a))
-    monkeypatch.setattr(RG, "NUMBA_MAX_BYTES", 4 * 40 * 24 * 4 - 1)   # one byte short of the 4 busy experts
+    monkeypatch.setattr(tuning, "RAGGED_NUMBA_MAX_BYTES", 4 * 40 * 24 * 4 - 1)   # one byte short of the 4 busy experts
     y = ragged_mm(x, w, off, transposed=transposed)
     assert calls == []
     assert torch.equal(y, ragged_mm_reference(x, w, off, transposed=transposed))
-    monkeypatch.setattr(RG, "NUMBA_MAX_BYTES", 4 * 40 * 24 * 4)
+    monkeypatch.setattr(tuning, "RAGGED_NUMBA_MAX_BYTES", 4 * 40 * 24 * 4)
     ragged_mm(x, w, off, transposed=transposed)
     assert len(calls) == 1
 
@@ -499,9 +501,8 @@ def test_kernel_signatures_run_and_compute():
 @pytest.mark.parametrize("transposed", [False, True])
 def test_balanced_groups_are_the_references_calls_bit_for_bit(transposed):
     # Balanced training loads run one torch.mm per group (a padded batched GEMM was slower,
-    # see BENCHMARKS.md, "Ragged expert GEMMs"): bit for bit the reference; rows past N are NaN and must never be
-    # read, idle experts get zero weight gradient.
-    from fmoe.ops import ragged as RG
+    # see BENCHMARKS.md, "Ragged expert GEMMs"): bit for bit the reference; rows past N are
+    # NaN and must never be read, idle experts get zero weight gradient.
     g = torch.Generator().manual_seed(5)
     E, K, N = 10, 24, 12
     sizes = [20, 25, 0, 22, 30, 21, 28, 24, 26, 23]

@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 import fmoe
 from fmoe.layout import padded_layout, ragged_layout
 from fmoe.ops import streamed as S
+from fmoe.ops import tuning
 from tests.test_pipeline import _saved_bytes
 
 DT = torch.float64
@@ -388,13 +389,13 @@ def test_inference_small_batch_path_equals_the_per_expert_loop(dtype, combine, m
     p = _params(spec, dtype)
     x = torch.randn(64, 32, generator=_gen(8)).to(dtype)
     with torch.no_grad():
-        assert 4 * 64 <= S.SMALL_ROWS
+        assert 4 * 64 <= tuning.STREAMED_SMALL_PAIRS
         small = fmoe.moe(p, x, spec)[0]
         with monkeypatch.context() as m:    # the same path without torch._grouped_mm: a GEMM per expert
             m.setattr(S, "_grouped_ok", lambda *ts: False)
             small_loop = fmoe.moe(p, x, spec)[0]
         assert torch.equal(small, small_loop)
-        monkeypatch.setattr(S, "SMALL_ROWS", 0)
+        monkeypatch.setattr(tuning, "STREAMED_SMALL_PAIRS", 0)
         loop = fmoe.moe(p, x, spec)[0]
         staged = fmoe.moe(p, x, dataclasses.replace(spec, streamed=False))[0]
     if dtype == torch.float32:   # bf16: silu over all rows splits its threads elsewhere

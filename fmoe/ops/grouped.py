@@ -31,6 +31,7 @@ from torch import Tensor
 from ..layout import Layout
 from . import numba_cpu as _numba_cpu
 from . import ragged as _ragged
+from . import tuning
 from .primitives import forward_only
 
 __all__ = ["GroupedGemm", "grouped_mm", "grouped_wgrad", "expert_mm", "filled_rows"]
@@ -73,11 +74,6 @@ def _dense(ns: list[int]) -> bool:
     return 2 * sum(1 for n in ns if n) > len(ns)
 
 
-# With ``exact=True`` an expert with at most this many rows runs one matrix-vector
-# product per row instead of a small GEMM: on a 2-vCPU machine shared with other jobs a
-# 2..8-row float32 MKL GEMM took 11-16 ms per [2048, 768] expert with 2 threads against
-# 0.4 ms for one GEMV, and 0.8 / 1.1 ms for 2 / 4 GEMVs (benchmarks, 2026-11-30).
-_GEMV_ROWS = 4
 _GEMV_DTYPES = (torch.float32, torch.float64)
 
 
@@ -108,7 +104,7 @@ def _mm_rows(x: Tensor, w: Tensor, ns: list[int], transposed: bool, exact: bool 
         for e, m in enumerate(ms):
             if not m:
                 continue  # idle expert: its weights are never read
-            if gemv and m <= _GEMV_ROWS:
+            if gemv and m <= tuning.GEMV_ROWS:
                 a = wmv[e]
                 for r in range(e * C, e * C + m):
                     torch.mv(a, xf[r], out=yf[r])
@@ -242,7 +238,7 @@ def grouped_mm(x: Tensor, w: Tensor, rows: Tensor, *, transposed: bool = False, 
         rows: int64 [E], filled rows per expert (clamped to [0, C]).
         exact: multiply exactly rows [0, n_e), never touching idle experts' weights
             (float32/64 on CPU: one serial numba call over all filled rows when that
-            streams at most ``numba_cpu.MATVEC_BYTES`` of weights, else one BLAS GEMV per
+            streams at most ``tuning.MATVEC_BYTES`` of weights, else one BLAS GEMV per
             row for experts with at most 4 rows and a GEMM on n_e rows above). Faster at
             decode, but rows [0, n_e) then equal the padded C-row GEMM only within float
             rounding (another summation order), not bit for bit as with the default

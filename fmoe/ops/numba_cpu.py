@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .. import _numba
 from . import _numba_kernels as K
-from . import primitives, reference
+from . import primitives, reference, tuning
 
 __all__ = ["dispatch", "combine", "gate_grad", "dispatch_into", "combine_into", "disabled", "warmup",
            "threading_layer", "NATIVE_DTYPES"]
@@ -78,9 +78,6 @@ def _supported(*ts: Tensor) -> bool:
 
 # --------------------------------------------------------------------------- kernels on tensors
 
-# Below this many buffer elements (rows x M, both sides) the serial kernels run: a
-# parallel region costs more than the copy (measured ~50 us per op at T=1, M=256).
-SERIAL_ELEMENTS = 1 << 15
 
 
 def _dispatch_native(out: Tensor, x: Tensor, pos: Tensor, weights: Optional[Tensor]) -> None:
@@ -88,7 +85,7 @@ def _dispatch_native(out: Tensor, x: Tensor, pos: Tensor, weights: Optional[Tens
     p = _view(pos)
     if x.shape[0] != p.shape[1]:  # the kernels read x[t] for every token t of pos
         raise ValueError(f"dispatch: x has {x.shape[0]} rows but the positions are for T={p.shape[1]} tokens")
-    if (out.shape[0] + p.size) * out.shape[1] <= SERIAL_ELEMENTS:
+    if (out.shape[0] + p.size) * out.shape[1] <= tuning.NUMBA_SERIAL_ELEMENTS:
         _numba.sync_threads()  # no parallel region, but numba's count still follows torch's
         w, keep = _weights(weights, acc, p)
         if K.dispatch_serial(_view(x), w, p, _NP_ZERO[acc], _view(out)):
@@ -108,7 +105,7 @@ def _combine_native(out: Tensor, y: Tensor, pos: Tensor, weights: Optional[Tenso
     acc = y.dtype
     p = _view(pos)
     w, keep = _weights(weights, acc, p)
-    if (p.size + out.shape[0]) * out.shape[1] <= SERIAL_ELEMENTS:
+    if (p.size + out.shape[0]) * out.shape[1] <= tuning.NUMBA_SERIAL_ELEMENTS:
         _numba.sync_threads()
         if K.combine_serial(_view(y), p, w, _NP_ZERO[acc], _view(out)):
             raise IndexError(f"combine: a position is >= the buffer's {y.shape[0]} rows")
@@ -222,13 +219,6 @@ def combine_into(out: Tensor, y: Tensor, pos: Tensor, weights: Optional[Tensor] 
 
 # --------------------------------------------------------------------------- decode expert products
 
-# Weight bytes streamed (filled rows x one expert matrix) up to which one serial numba
-# call beats BLAS (per-row GEMVs, or a batched GEMM over every expert's padded rows).
-# ``python -m benchmarks.bench_ragged --only matvec`` (quiet machine, 2 threads, both weight
-# orders, 2026-12-01 20:30 UTC, load 0.6): numba took 0.45-0.51x BLAS's time at 0.1 MiB,
-# 0.77-0.83x at 8 MiB and 1.22-1.58x at 16-32 MiB. (The cap was 32 MiB, from runs on the
-# machine shared with other jobs, where BLAS's small threaded calls stall.)
-MATVEC_BYTES = 8 << 20
 
 
 def rows_matvec(x: Tensor, w: Tensor, rows: list, transposed: bool) -> Optional[Tensor]:
@@ -236,7 +226,7 @@ def rows_matvec(x: Tensor, w: Tensor, rows: list, transposed: bool) -> Optional[
     ``transposed`` (w [E, N, K]) else w ([E, K, N]); one serial kernel call that reads only
     the busy experts' weights.
 
-    Only for small problems (see MATVEC_BYTES) on contiguous float32/64 CPU tensors;
+    Only for small problems (``tuning.MATVEC_BYTES``) on contiguous float32/64 CPU tensors;
     returns None otherwise (the caller uses BLAS).
     """
     E, C, D = x.shape
@@ -246,7 +236,7 @@ def rows_matvec(x: Tensor, w: Tensor, rows: list, transposed: bool) -> Optional[
     if not (x.dtype in NATIVE_DTYPES and w.dtype == x.dtype and x.device.type == "cpu"
             and w.device.type == "cpu" and x.is_contiguous() and w.is_contiguous()):
         return None
-    if sum(rows) * w.shape[1] * w.shape[2] * w.element_size() > MATVEC_BYTES:
+    if sum(rows) * w.shape[1] * w.shape[2] * w.element_size() > tuning.MATVEC_BYTES:
         return None
     y = torch.zeros(E, C, N, dtype=x.dtype)
     ns = np.asarray(rows, dtype=np.int64)

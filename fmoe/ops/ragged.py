@@ -37,11 +37,11 @@ Same BLAS call per group as the reference, so bit-identical to it. (One padded
 batched GEMM over balanced groups, two row gathers and a bmm, took 1.28-1.50x
 the per-group calls' time in training on a quiet machine: ``python -m
 benchmarks.bench_ragged --only train``, 2026-12-01; removed.) On CPU,
-float32/64 groups of at most :data:`SMALL_ROWS` rows (decode) whose weights add
-up to at most :data:`NUMBA_MAX_BYTES` go instead to one numba call that streams
-each busy expert's weight once (:mod:`fmoe.ops._ragged_kernels`; equal within
-float rounding): a small problem, where per-call overhead, not the weight read,
-is the time.
+float32/64 groups of at most ``tuning.RAGGED_SMALL_ROWS`` rows (decode) whose
+weights add up to at most ``tuning.RAGGED_NUMBA_MAX_BYTES`` go instead to one
+numba call that streams each busy expert's weight once
+(:mod:`fmoe.ops._ragged_kernels`; equal within float rounding): a small
+problem, where per-call overhead, not the weight read, is the time.
 """
 from __future__ import annotations
 
@@ -54,34 +54,11 @@ from torch.utils import _python_dispatch
 
 from .. import _numba
 from . import _ragged_kernels as _RK
+from . import tuning
 from .primitives import forward_only
 
 __all__ = ["ragged_mm", "ragged_wgrad", "ragged_mm_reference", "ragged_wgrad_reference",
-           "SMALL_ROWS", "NUMBA_MAX_BYTES", "SERIAL_BYTES"]
-
-# --------------------------------------------------------------------------- thresholds
-# The one place for the kernel-choice constants, measured with
-# ``python -m benchmarks.bench_ragged --only groups`` (32 busy experts, equal groups of
-# 1-16 rows, K = N = 128-768, float32, both layouts, ragged_mm with the numba kernel
-# allowed vs not) on the 2-vCPU dev machine.
-
-# Groups with at most SMALL_ROWS rows may run in the numba streaming kernel instead of one
-# torch.mm each (float32/64 on CPU), and do when the busy experts' weights they read add up
-# to at most NUMBA_MAX_BYTES. Quiet machine (load 0.6-0.8, 2026-12-01 20:26 UTC), numba's
-# time over MKL's, 1-16 rows per group: 2 MiB of weights 0.43-0.97; 8 MiB 0.54-0.85 at 1-4
-# rows, 1.06-1.54 at 8-16; 18 MiB 0.79-2.6; 72 MiB 1.35-2.2. Small problems are per-call
-# overhead, which one numba call saves; large ones are the weight read, where MKL's kernels
-# are faster. On the same machine shared with other jobs (load 8-10, earlier that day) MKL's
-# threaded small GEMMs stalled instead (135 ms-2.3 s for 32 groups of 1-16 rows at 72 MiB,
-# against 28-129 ms for numba); the cap is set for a quiet machine, as the benchmarks run.
-SMALL_ROWS = 16
-NUMBA_MAX_BYTES = 4 << 20
-
-# Below this many weight bytes streamed by the small groups the serial numba twin
-# runs. Not swept: chosen so that a TBB region's start (~50 us, the figure behind
-# numba_cpu.SERIAL_ELEMENTS) stays under about a third of one core's read time of
-# those bytes (1 MiB at the 4-10 GB/s measured here: 100-250 us).
-SERIAL_BYTES = 1 << 20
+]
 
 _NUMBA_DTYPES = (torch.float32, torch.float64)
 _NP_ZERO = {torch.float32: np.float32(0), torch.float64: np.float64(0)}
@@ -211,7 +188,7 @@ def _small_groups(x: Tensor, w: Tensor, tasks: list, transposed: bool, y: Tensor
     t = np.asarray(tasks, dtype=np.int64)
     per_row = w.shape[2] * w.shape[3] * w.element_size()
     streamed = per_row * len(tasks)
-    kern = _RK.small_groups_serial if streamed <= SERIAL_BYTES else _RK.small_groups
+    kern = _RK.small_groups_serial if streamed <= tuning.RAGGED_SERIAL_BYTES else _RK.small_groups
     with _numba.kernel_call():
         kern(xc.numpy(), w.detach().numpy(), t, transposed, _NP_ZERO[x.dtype], y.numpy())
 
@@ -244,13 +221,13 @@ def _mm_impl(x: Tensor, w: Tensor, offsets: Tensor, transposed: bool) -> Tensor:
             lo, hi = o[e], o[e + 1]
             if hi == lo:
                 continue  # idle expert: its weight is never read
-            if numba_ok and hi - lo <= SMALL_ROWS:
+            if numba_ok and hi - lo <= tuning.RAGGED_SMALL_ROWS:
                 small.append((s, e, lo, hi))
                 continue
             _group_mm(xs, ws, e, lo, hi, transposed, ys)
         if o[E] < R:
             ys[o[E]:].zero_()
-    if small and len(small) * w.shape[2] * w.shape[3] * w.element_size() <= NUMBA_MAX_BYTES:
+    if small and len(small) * w.shape[2] * w.shape[3] * w.element_size() <= tuning.RAGGED_NUMBA_MAX_BYTES:
         _small_groups(x, w_k, small, t_k, y)
     else:   # too many weight bytes for the numba kernel to win: one BLAS call per group
         for s, e, lo, hi in small:

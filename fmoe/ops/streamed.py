@@ -57,6 +57,7 @@ from torch._C import _functorch
 from torch.autograd import forward_ad as _fwd_ad
 
 from ..layout import Layout
+from . import tuning
 from .reference import compute_dtype
 
 __all__ = ["ORDERS", "ACTIVATIONS", "SAVES", "IN_GRAD_PAD_DIV", "in_grad_pad", "in_grad_experts", "ExpertRows", "GluSpec", "expert_rows", "streamed_glu", "applies"]
@@ -275,12 +276,6 @@ def _out_dim(w_out: Tensor, fmt: GluSpec) -> int:
     return w_out.shape[1] if fmt.out_transposed else w_out.shape[2]
 
 
-# Inference calls with at most this many kept pairs run the elementwise steps once over all
-# rows and leave only the GEMMs in the per-expert loop (written into slices of one row buffer):
-# at decode (T 16, E 64, k 6, M 1024, H 512: 96 pairs over ~50 experts) the per-expert loop
-# took 26 ms, this 19 ms, against 14 ms to read the busy experts' weights (2026-12-01, 2
-# threads, quiet machine). Above it the [N, O] buffer is not worth its memory.
-SMALL_ROWS = 1024
 
 
 def _gate_column(w_rows: Tensor, y: Tensor, order: str) -> Tensor:
@@ -311,7 +306,7 @@ def _forward(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: GluSpec
     busy = [e for e in range(rows.num_experts) if b[e] < b[e + 1]]
     # transformers' eager order in bf16/fp16 keeps the loop: one bf16 index_add_ sums a call's
     # duplicates in fp32, and a bf16 activation over all rows splits its threads elsewhere.
-    if saved is None and b[-1] <= SMALL_ROWS and (order == "fmoe" or dt in (torch.float32, torch.float64)):
+    if saved is None and b[-1] <= tuning.STREAMED_SMALL_PAIRS and (order == "fmoe" or dt in (torch.float32, torch.float64)):
         _forward_small(x, w_rows, rows, w_out, b_in, b_out, w_in, fmt, order, busy, H, O, y)
         return y.to(dt)
     win = [w.unbind(0) for w in w_in]
