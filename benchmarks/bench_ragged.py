@@ -284,8 +284,8 @@ def main(argv=None):
     g = torch.Generator().manual_seed(0)
     print(json.dumps({"machine": platform.machine(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                       "numba_layer": _numba.threading_layer(), "torch": torch.__version__,
-                      "loadavg": os.getloadavg(), "RAGGED_SMALL_ROWS": tuning.RAGGED_SMALL_ROWS, "RAGGED_NUMBA_MAX_BYTES": tuning.RAGGED_NUMBA_MAX_BYTES,
-                      "RAGGED_SERIAL_BYTES": tuning.RAGGED_SERIAL_BYTES}))
+                      "loadavg": os.getloadavg(),
+                      "tuning": {k: getattr(tuning, k) for k in tuning.__all__}}))
     for tr in (True, False):
         if args.only in (None, "groups"):
             for rec in bench_groups(tr, repeats, g):

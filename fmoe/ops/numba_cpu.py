@@ -78,8 +78,6 @@ def _supported(*ts: Tensor) -> bool:
 
 # --------------------------------------------------------------------------- kernels on tensors
 
-
-
 def _dispatch_native(out: Tensor, x: Tensor, pos: Tensor, weights: Optional[Tensor]) -> None:
     acc = x.dtype
     p = _view(pos)
@@ -218,8 +216,6 @@ def combine_into(out: Tensor, y: Tensor, pos: Tensor, weights: Optional[Tensor] 
 
 
 # --------------------------------------------------------------------------- decode expert products
-
-
 
 def rows_matvec(x: Tensor, w: Tensor, rows: list, transposed: bool) -> Optional[Tensor]:
     """y[e, i] = x[e, i] @ op(w[e]) for i < rows[e], 0 on other rows; op(w) = w^T if

@@ -57,8 +57,7 @@ from . import _ragged_kernels as _RK
 from . import tuning
 from .primitives import forward_only
 
-__all__ = ["ragged_mm", "ragged_wgrad", "ragged_mm_reference", "ragged_wgrad_reference",
-]
+__all__ = ["ragged_mm", "ragged_wgrad", "ragged_mm_reference", "ragged_wgrad_reference"]
 
 _NUMBA_DTYPES = (torch.float32, torch.float64)
 _NP_ZERO = {torch.float32: np.float32(0), torch.float64: np.float64(0)}

@@ -276,8 +276,6 @@ def _out_dim(w_out: Tensor, fmt: GluSpec) -> int:
     return w_out.shape[1] if fmt.out_transposed else w_out.shape[2]
 
 
-
-
 def _gate_column(w_rows: Tensor, y: Tensor, order: str) -> Tensor:
     """The gate weights [N, 1] as :func:`_accumulate` multiplies them (y's dtype for 'fmoe')."""
     w = w_rows.unsqueeze(1)
@@ -306,7 +304,8 @@ def _forward(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: GluSpec
     busy = [e for e in range(rows.num_experts) if b[e] < b[e + 1]]
     # transformers' eager order in bf16/fp16 keeps the loop: one bf16 index_add_ sums a call's
     # duplicates in fp32, and a bf16 activation over all rows splits its threads elsewhere.
-    if saved is None and b[-1] <= tuning.STREAMED_SMALL_PAIRS and (order == "fmoe" or dt in (torch.float32, torch.float64)):
+    small = b[-1] <= tuning.STREAMED_SMALL_PAIRS and (order == "fmoe" or dt in (torch.float32, torch.float64))
+    if saved is None and small:
         _forward_small(x, w_rows, rows, w_out, b_in, b_out, w_in, fmt, order, busy, H, O, y)
         return y.to(dt)
     win = [w.unbind(0) for w in w_in]
