@@ -232,7 +232,12 @@ class _SwigluDown(torch.autograd.Function):
         gw = None
         if ctx.needs_input_grad[2]:
             h = silu * up                                               # recomputed, not saved
-            gw = gemm.wgrad(gy, h) if t else gemm.wgrad(h, gy)
+            # In the order of w's memory: for a transposed view of contiguous storage
+            # (MoELayer's x @ W views), the storage's, so no copy into the Parameter's strides.
+            swap = _stored_transposed(w)
+            gw = gemm.wgrad(gy, h) if t != swap else gemm.wgrad(h, gy)
+            if swap:
+                gw = gw.transpose(1, 2)
         ggate = gh * up * (s * (1 + gate * (1 - s)))                   # d silu / d gate
         return ggate, gh * silu, gw, None, None
 

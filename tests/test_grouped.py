@@ -140,6 +140,33 @@ def test_exact_rows_numba_reads_transposed_views_as_their_storage(stored_transpo
     torch.testing.assert_close(got, pad, rtol=1e-5, atol=1e-5)
 
 
+
+def test_storage_order_bmm_is_bmm_with_the_weight_gradient_in_the_storages_order():
+    # GroupedGemm's full-buffer bmm for x @ W weights that are transposed views of contiguous
+    # storage (fmoe.nn.MoELayer's): bmm's forward and data gradient, the weight gradient in the
+    # storage's strides (what AccumulateGrad keeps without a copy), differentiable twice.
+    from fmoe.ops.grouped import _StorageOrderBmm
+    g = torch.Generator().manual_seed(9)
+    E, C, K, N = 3, 5, 4, 6
+    storage = torch.randn(E, N, K, generator=g, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(E, C, K, generator=g, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(E, C, N, generator=g, dtype=torch.float64)
+    arrived = []
+    hook = storage.register_hook(lambda gr: arrived.append(gr.stride()))
+    y = _StorageOrderBmm.apply(x, storage.transpose(1, 2))
+    ref = torch.bmm(x, storage.transpose(1, 2))
+    assert torch.equal(y, ref)
+    gx, gs = torch.autograd.grad(y, (x, storage), dy)
+    rx, rs = torch.autograd.grad(ref, (x, storage), dy)
+    hook.remove()
+    assert torch.equal(gx, rx)
+    torch.testing.assert_close(gs, rs, rtol=1e-12, atol=1e-12)
+    # this op's gradient has the storage's strides; plain bmm's would be copied into them
+    assert arrived[0] == storage.stride() != arrived[1]
+    f = lambda a, s: _StorageOrderBmm.apply(a, s.transpose(1, 2))  # noqa: E731
+    assert torch.autograd.gradcheck(f, (x, storage))
+    assert torch.autograd.gradgradcheck(f, (x, storage))
+
 def test_exact_rows_gradcheck_and_jvp():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(3, 6, 4, dtype=torch.float64, generator=g, requires_grad=True)

@@ -109,6 +109,37 @@ def test_gated_experts_train_into_contiguous_gradients_equal_to_the_staged_pipel
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
 
 
+
+@pytest.mark.parametrize("cf,tokens", [(1.0, 24), (0, 24), (1.0, 1)],
+                         ids=["padded_full_buffers", "ragged_dropless", "padded_few_busy"])
+def test_staged_pipeline_hands_gated_weight_gradients_over_in_the_parameters_strides(cf, tokens):
+    """streamed=False (and expert parallel) multiply the x @ W views of the out x in Parameters:
+    the gradient each Parameter's AccumulateGrad receives already has its strides (no copy into
+    them), and equals the gradient of contiguous x @ W weights through the same pipeline."""
+    kw = dict(gate_type={"type": "top", "k": 2, "capacity_factor": cf},
+              experts={"type": "llama_ffn", "num_experts_per_device": 4, "hidden_size_per_expert": 8},
+              dtype=torch.float64, streamed=False)
+    layer = _layer(**kw)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, 16, dtype=torch.float64, generator=g)
+    dy = torch.randn(tokens, 16, dtype=torch.float64, generator=g)
+    arrived = {}
+    for name, p in layer.experts.named_parameters():
+        p.register_hook(lambda gr, name=name: arrived.__setitem__(name, gr.stride()))
+    layer(x).backward(dy)
+    for name, p in layer.experts.named_parameters():
+        assert arrived[name] == p.stride() == p.grad.stride(), name
+    params = {k: v.detach().contiguous().requires_grad_(True) for k, v in layer.params()["experts"].items()}
+    assert all(not v.is_contiguous() for v in layer.params()["experts"].values())
+    pytree = dict(layer.params(), experts=params)
+    spec = layer.spec()
+    torch.autograd.backward(fmoe.moe(pytree, x, spec)[0], dy)
+    views = dict(zip(("gate_w", "up_w", "down_w"), ("W_fc1", "W_fc2", "W_fc3")))
+    for key, pname in views.items():
+        got = getattr(layer.experts, pname).grad.transpose(1, 2)
+        torch.testing.assert_close(got, params[key].grad, rtol=1e-12, atol=1e-12)
+
+
 def test_layer_equals_functional_moe():
     layer = _layer()
     x = torch.randn(2, 5, 16)

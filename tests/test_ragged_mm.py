@@ -170,6 +170,31 @@ def test_small_groups_above_the_byte_cap_run_blas_bit_exact(transposed, monkeypa
     ragged_mm(x, w, off, transposed=transposed)
     assert len(calls) == 1
 
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("counts", [[1, 0, 3, 2], [20, 0, 18, 25]], ids=["numba", "blas"])
+def test_weight_gradient_of_a_transposed_view_comes_out_in_the_storages_order(transposed, counts):
+    """w a transposed view of contiguous storage (fmoe.nn.MoELayer's x @ W views): eager
+    backward hands the storage a gradient in its own strides (no copy by AccumulateGrad), equal
+    to the reference's; under torch.func.grad (wrapped tensors) the same values."""
+    g = gen(23)
+    off = counts_to_offsets(counts)
+    E, K, N = len(counts), 6, 5
+    x = torch.randn(int(off[-1]), K, generator=g, dtype=torch.float64)
+    dy = torch.randn(int(off[-1]), N, generator=g, dtype=torch.float64)
+    storage = (torch.randn(E, K, N, generator=g, dtype=torch.float64) if transposed else
+               torch.randn(E, N, K, generator=g, dtype=torch.float64)).requires_grad_(True)
+    arrived = []
+    hook = storage.register_hook(lambda gr: arrived.append(gr.stride()))
+    ragged_mm(x, storage.transpose(1, 2), off, transposed=transposed).backward(dy)
+    hook.remove()
+    assert arrived == [storage.stride()]
+    ref = storage.detach().transpose(1, 2).contiguous().requires_grad_(True)
+    ragged_mm_reference(x, ref, off, transposed=transposed).backward(dy)
+    torch.testing.assert_close(storage.grad, ref.grad.transpose(1, 2), rtol=1e-12, atol=1e-12)
+    loss = lambda s: (ragged_mm(x, s.transpose(1, 2), off, transposed=transposed) * dy).sum()  # noqa: E731
+    torch.testing.assert_close(grad(loss)(storage.detach()), storage.grad, rtol=1e-12, atol=1e-12)
+
 @pytest.mark.parametrize("stored_transposed", [False, True])
 def test_mm_small_groups_read_transposed_views_as_their_storage(stored_transposed, monkeypatch):
     """fmoe.nn.MoELayer hands out x @ W views of out x in storage: the numba small-group kernel
