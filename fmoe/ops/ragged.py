@@ -314,7 +314,7 @@ def _mm_bwd(ctx, gy):
     if ctx.needs_input_grad[1]:
         # In the order of w's memory: [K, N] = x^T gy, or [N, K] = gy^T x (no transposed
         # copy); for a transposed view of contiguous storage, the storage's order, viewed back.
-        swap = getattr(ctx, "grad_in_storage", False)
+        swap = ctx.grad_in_storage
         gw = _wg(gy, x, offsets) if ctx.transposed != swap else _wg(x, gy, offsets)
         gw = _sum_to(gw, w.shape[0])
         if swap:
