@@ -17,9 +17,9 @@ decode  Forward only (no grad) at T <= 64 tokens, 128 experts, top-8, against
                     or a numba parallel sum, the faster; the denominator of T2);
           per-group torch.mm (the reference: one BLAS call per busy expert);
           bmm       padded torch.bmm over all experts.
-groups  The tuning.RAGGED_SMALL_ROWS / RAGGED_NUMBA_MAX_BYTES measurement: 32 busy experts with n rows each
-        (n = 1-16), K = N = 128-768, through ragged_mm with the numba small-group
-        kernel allowed vs one torch.mm per group.
+groups  The tuning.RAGGED_SMALL_ROWS / RAGGED_NUMBA_MAX_BYTES measurement: 32 busy
+        experts with n rows each (n = 1-16), K = N = 128-768, through ragged_mm with the
+        numba small-group kernel allowed vs one torch.mm per group.
 matvec  The tuning.MATVEC_BYTES measurement: padded buffers, grouped_mm(exact=True)
         with the serial numba matvec allowed vs BLAS, 0.1-32 MiB of weights streamed.
 
@@ -211,7 +211,7 @@ GROUP_ROWS = (1, 2, 4, 8, 16)
 
 def bench_groups(transposed, repeats, g, E=32, shapes=GROUP_SHAPES, rows=GROUP_ROWS):
     """Equal groups of n rows through ragged_mm: the numba small-group kernel allowed
-    (NUMBA_MAX_BYTES unbounded) vs one torch.mm per group (NUMBA_MAX_BYTES = 0)."""
+    (``tuning.RAGGED_NUMBA_MAX_BYTES`` unbounded) vs one torch.mm per group (cap 0)."""
     out = []
     cap = tuning.RAGGED_NUMBA_MAX_BYTES
     try:
@@ -244,7 +244,7 @@ MATVEC_SHAPES = [(8, 64, 64, 8), (32, 256, 256, 32), (32, 512, 512, 16), (64, 76
 
 def bench_matvec(transposed, repeats, g, shapes=MATVEC_SHAPES):
     """Padded buffers, ``grouped_mm(exact=True)``: the serial numba matvec allowed
-    (MATVEC_BYTES unbounded) vs BLAS (one GEMV per row up to 4 rows, else a GEMM)."""
+    (``tuning.MATVEC_BYTES`` unbounded) vs BLAS (one GEMV per row up to 4 rows, else a GEMM)."""
     from fmoe.ops import grouped
     out = []
     cap = tuning.MATVEC_BYTES
@@ -288,10 +288,10 @@ def main(argv=None):
                       "tuning": {k: getattr(tuning, k) for k in tuning.__all__}}))
     for tr in (True, False):
         if args.only in (None, "groups"):
-            for rec in bench_groups(tr, repeats, g):
+            for rec in bench_groups(tr, repeats, g, shapes=GROUP_SHAPES[:1] if args.quick else GROUP_SHAPES):
                 print(json.dumps(rec), flush=True)
         if args.only in (None, "matvec"):
-            for rec in bench_matvec(tr, 5 * repeats, g):
+            for rec in bench_matvec(tr, 5 * repeats, g, shapes=MATVEC_SHAPES[:2] if args.quick else MATVEC_SHAPES):
                 print(json.dumps(rec), flush=True)
         if args.only in (None, "decode"):
             for cfg in DECODE[:1] if args.quick else DECODE:
