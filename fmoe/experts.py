@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .ops.grouped import GroupedGemm
+from .ops.memory_order import stored_transposed, weight_grad
 from .ops.streamed import GluSpec
 
 __all__ = ["ExpertSpec", "ParamLayout", "EXPERT_PARAMS", "EXPERT_TYPES", "ffn", "gated_ffn", "swiglu",
@@ -232,12 +233,8 @@ class _SwigluDown(torch.autograd.Function):
         gw = None
         if ctx.needs_input_grad[2]:
             h = silu * up                                               # recomputed, not saved
-            # In the order of w's memory: for a transposed view of contiguous storage
-            # (MoELayer's x @ W views), the storage's, so no copy into the Parameter's strides.
-            swap = _stored_transposed(w)
-            gw = gemm.wgrad(gy, h) if t != swap else gemm.wgrad(h, gy)
-            if swap:
-                gw = gw.transpose(1, 2)
+            # In the order of w's memory (no copy into the Parameter's strides); eager only.
+            gw = weight_grad(gemm.wgrad, h, gy, t, _stored_transposed(w))
         ggate = gh * up * (s * (1 + gate * (1 - s)))                   # d silu / d gate
         return ggate, gh * silu, gw, None, None
 
@@ -339,9 +336,8 @@ def apply_experts(spec: ExpertSpec, params, x: Tensor, gemm: Optional[GroupedGem
 
 
 def _stored_transposed(w) -> bool:
-    """w [E, K, N] is a transposed view of a contiguous [E, N, K] tensor."""
-    return (isinstance(w, Tensor) and w.dim() == 3 and not w.is_contiguous()
-            and w.transpose(1, 2).is_contiguous())
+    """w [E, K, N] is a float transposed view of a contiguous [E, N, K] tensor."""
+    return isinstance(w, Tensor) and w.dim() == 3 and stored_transposed(w)
 
 
 def _as_stored(w_in: tuple, w_out, in_t: bool, out_t: bool) -> tuple:

@@ -32,6 +32,7 @@ from ..layout import Layout
 from . import numba_cpu as _numba_cpu
 from . import ragged as _ragged
 from . import tuning
+from .memory_order import grad_in_storage_order, weight_grad
 from .primitives import forward_only
 
 __all__ = ["GroupedGemm", "grouped_mm", "grouped_wgrad", "expert_mm", "filled_rows"]
@@ -173,7 +174,7 @@ class _GroupedMM(torch.autograd.Function):
         ctx.save_for_forward(x, w, rows)
         ctx.transposed = transposed
         ctx.exact = exact
-        ctx.grad_in_storage = _ragged._grad_in_storage_order(w)
+        ctx.grad_in_storage = grad_in_storage_order(w)
 
     @staticmethod
     def backward(ctx, gy):
@@ -183,12 +184,8 @@ class _GroupedMM(torch.autograd.Function):
             # y = x op(w)  =>  gx = gy op(w)^T; op(w)^T is w read the other way round.
             gx = _mm(gy, w, rows, not ctx.transposed, ctx.exact)
         if ctx.needs_input_grad[1]:
-            # Produced directly in the order of w's memory: no transposed copy of the weight
-            # grad (for a transposed view of contiguous storage, the storage's order).
-            swap = ctx.grad_in_storage
-            gw = _wg(gy, x, rows) if ctx.transposed != swap else _wg(x, gy, rows)
-            if swap:
-                gw = gw.transpose(1, 2)
+            # In the order of w's memory: no transposed copy of the weight gradient.
+            gw = weight_grad(lambda a, b: _wg(a, b, rows), x, gy, ctx.transposed, ctx.grad_in_storage)
         return gx, gw, None, None, None
 
     @staticmethod
@@ -290,8 +287,9 @@ class _StorageOrderBmm(torch.autograd.Function):
     def backward(ctx, gy):
         x, w = ctx.saved_tensors
         gx = torch.bmm(gy, w.transpose(1, 2)) if ctx.needs_input_grad[0] else None
-        # gyᵀ x is the [E, N, K] storage's gradient; viewed back as w.
-        gw = torch.bmm(gy.transpose(1, 2), x).transpose(1, 2) if ctx.needs_input_grad[1] else None
+        gw = None
+        if ctx.needs_input_grad[1]:   # gyᵀ x, the [E, N, K] storage's gradient, viewed back as w
+            gw = weight_grad(lambda a, b: torch.bmm(a.transpose(1, 2), b), x, gy, False, True)
         return gx, gw
 
 
@@ -367,7 +365,7 @@ class GroupedGemm:
         if lay.kind == "ragged":
             return _ragged.ragged_mm(x, w, lay.offsets, transposed=transposed)
         if self._full_buffers():
-            if not transposed and torch.is_grad_enabled() and w.requires_grad and _ragged._grad_in_storage_order(w):
+            if not transposed and torch.is_grad_enabled() and w.requires_grad and grad_in_storage_order(w):
                 return _StorageOrderBmm.apply(x, w)
             return torch.bmm(x, w.transpose(1, 2) if transposed else w)
         return expert_mm(x, w, transposed=transposed, rows=lay.sizes, exact=self.exact)

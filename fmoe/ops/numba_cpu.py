@@ -32,6 +32,7 @@ from torch import Tensor
 from .. import _numba
 from . import _numba_kernels as K
 from . import primitives, reference, tuning
+from .memory_order import stored_transposed
 
 __all__ = ["dispatch", "combine", "gate_grad", "dispatch_into", "combine_into", "disabled", "warmup",
            "threading_layer", "NATIVE_DTYPES"]
@@ -227,8 +228,8 @@ def rows_matvec(x: Tensor, w: Tensor, rows: list, transposed: bool) -> Optional[
     """
     E, C, D = x.shape
     N = w.shape[1] if transposed else w.shape[2]
-    if not w.is_contiguous() and w.transpose(1, 2).is_contiguous():
-        w, transposed = w.transpose(1, 2), not transposed   # a transposed view: read its storage
+    if stored_transposed(w):
+        w, transposed = w.transpose(1, 2), not transposed   # read the storage as it lies
     if not (x.dtype in NATIVE_DTYPES and w.dtype == x.dtype and x.device.type == "cpu"
             and w.device.type == "cpu" and x.is_contiguous() and w.is_contiguous()):
         return None

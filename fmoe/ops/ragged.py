@@ -55,6 +55,7 @@ from torch.utils import _python_dispatch
 from .. import _numba
 from . import _ragged_kernels as _RK
 from . import tuning
+from .memory_order import grad_in_storage_order, stored_transposed, weight_grad
 from .primitives import forward_only
 
 __all__ = ["ragged_mm", "ragged_wgrad", "ragged_mm_reference", "ragged_wgrad_reference"]
@@ -176,11 +177,6 @@ def _check_wgrad_op(a: Tensor, b: Tensor, offsets: Tensor) -> int:
 
 # --------------------------------------------------------------------------- kernels
 
-def _stored_transposed(w: Tensor) -> bool:
-    """w [..., a, b] is a transposed view (last two dims) of a contiguous [..., b, a] tensor."""
-    return not w.is_contiguous() and w.transpose(-1, -2).is_contiguous()
-
-
 def _small_groups(x: Tensor, w: Tensor, tasks: list, transposed: bool, y: Tensor) -> None:
     """Rows of ``tasks`` (s, e, lo, hi) of y in one numba call (float32/64 CPU, w contiguous)."""
     xc = x.detach().contiguous()  # no copy for the usual contiguous x; a strided one is copied once
@@ -207,7 +203,7 @@ def _mm_impl(x: Tensor, w: Tensor, offsets: Tensor, transposed: bool) -> Tensor:
     # The numba kernel reads contiguous weights. A transposed view of contiguous storage
     # (fmoe.nn.MoELayer's x @ W views of its out x in Parameters) is read as that storage,
     # the other order: no copy of the weights at every call.
-    w_k, t_k = (w.transpose(2, 3), not transposed) if _stored_transposed(w) else (w, transposed)
+    w_k, t_k = (w.transpose(2, 3), not transposed) if stored_transposed(w) else (w, transposed)
     numba_ok = (x.device.type == "cpu" and x.dtype in _NUMBA_DTYPES and w_k.is_contiguous()
                 and w.device.type == "cpu")
     small = []
@@ -291,18 +287,7 @@ def _mm_setup(ctx, inputs, output):
     ctx.save_for_backward(x, w, offsets)
     ctx.save_for_forward(x, w, offsets)
     ctx.transposed = transposed
-    ctx.grad_in_storage = _grad_in_storage_order(w)
-
-
-def _grad_in_storage_order(w: Tensor) -> bool:
-    """w's gradient is to come out in the order of w's memory: w is a transposed view of
-    contiguous storage (fmoe.nn.MoELayer's x @ W views of its out x in Parameters), so that
-    the gradient reaches the Parameter's .grad without a copy into its strides (which cost
-    ~8% of a dropless staged training step). Eager reverse-mode autograd only: functorch's
-    wrapped tensors and torch.compile's fakes keep strides of their own."""
-    return (type(w) in _PLAIN and not torch.compiler.is_compiling()
-            and torch._C._functorch.maybe_current_level() is None
-            and torch.autograd.forward_ad._current_level < 0 and _stored_transposed(w))
+    ctx.grad_in_storage = grad_in_storage_order(w)
 
 
 def _mm_bwd(ctx, gy):
@@ -312,13 +297,9 @@ def _mm_bwd(ctx, gy):
         # y = x op(w)  =>  gx = gy op(w)^T, which is w read in the other orientation.
         gx = _sum_to(_mm(gy, w, offsets, not ctx.transposed), x.shape[0])
     if ctx.needs_input_grad[1]:
-        # In the order of w's memory: [K, N] = x^T gy, or [N, K] = gy^T x (no transposed
-        # copy); for a transposed view of contiguous storage, the storage's order, viewed back.
-        swap = ctx.grad_in_storage
-        gw = _wg(gy, x, offsets) if ctx.transposed != swap else _wg(x, gy, offsets)
+        # In the order of w's memory: no transposed copy of the weight gradient.
+        gw = weight_grad(lambda a, b: _wg(a, b, offsets), x, gy, ctx.transposed, ctx.grad_in_storage)
         gw = _sum_to(gw, w.shape[0])
-        if swap:
-            gw = gw.transpose(2, 3)
     return gx, gw, None, None
 
 
