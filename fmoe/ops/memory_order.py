@@ -14,9 +14,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["stored_transposed", "grad_in_storage_order", "weight_grad"]
+from .primitives import PLAIN_TENSORS
 
-_PLAIN = (Tensor, torch.nn.Parameter)
+__all__ = ["stored_transposed", "grad_in_storage_order", "weight_grad"]
 
 
 def stored_transposed(w: Tensor) -> bool:
@@ -30,7 +30,7 @@ def grad_in_storage_order(w: Tensor) -> bool:
     Only in eager reverse-mode autograd: functorch's wrapped tensors and torch.compile's fakes
     keep strides of their own, and no AccumulateGrad runs under transforms.
     """
-    return (type(w) in _PLAIN and not torch.compiler.is_compiling()
+    return (type(w) in PLAIN_TENSORS and not torch.compiler.is_compiling()
             and torch._C._functorch.maybe_current_level() is None
             and torch.autograd.forward_ad._current_level < 0 and stored_transposed(w))
 

@@ -277,7 +277,7 @@ def forward_only(*ts: Optional[Tensor]) -> bool:
 # fmoe.ops.numba_cpu). The forward-only path calls it without the dispatcher (~30 us per op)
 # when that is the same call: plain CPU tensors, no dispatch mode, no profiler.
 CPU_KERNELS: dict = {}
-_PLAIN = (Tensor, torch.nn.Parameter)
+PLAIN_TENSORS = (Tensor, torch.nn.Parameter)   # no subclass, no __torch_function__ of its own
 
 
 def _cpu_kernel(name: str, ts):
@@ -285,7 +285,7 @@ def _cpu_kernel(name: str, ts):
     if fn is None:
         return None
     for t in ts:
-        if t is not None and (type(t) not in _PLAIN or t.device.type != "cpu"):
+        if t is not None and (type(t) not in PLAIN_TENSORS or t.device.type != "cpu"):
             return None
     if _python_dispatch._get_current_dispatch_mode() is not None or torch._C._autograd._profiler_enabled():
         return None

@@ -56,7 +56,7 @@ from .. import _numba
 from . import _ragged_kernels as _RK
 from . import tuning
 from .memory_order import grad_in_storage_order, stored_transposed, weight_grad
-from .primitives import forward_only
+from .primitives import PLAIN_TENSORS, forward_only
 
 __all__ = ["ragged_mm", "ragged_wgrad", "ragged_mm_reference", "ragged_wgrad_reference"]
 
@@ -418,13 +418,10 @@ class _RaggedWGrad(_RaggedWGradBase):
     jvp = staticmethod(_wgrad_jvp)
 
 
-_PLAIN = (Tensor, torch.nn.Parameter)
-
-
 def _direct(*ts: Tensor) -> bool:
     """The op's kernel may be called without the dispatcher (~30 us saved): nothing but
     plain tensors, no transform, no autograd to record, no dispatch mode, no profiler."""
-    return (forward_only(*ts) and all(type(t) in _PLAIN for t in ts)
+    return (forward_only(*ts) and all(type(t) in PLAIN_TENSORS for t in ts)
             and _python_dispatch._get_current_dispatch_mode() is None
             and not torch._C._autograd._profiler_enabled())
 
