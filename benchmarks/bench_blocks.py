@@ -20,6 +20,8 @@ to MAX_SECONDS stops there, keeping at least one -- transformers' eager training
                         per-expert-call version of it (bench_common.dense_ffn_steps)
     weights_read        decode only: one read of every block weight; the stream bound is the
                         busy experts' + the always-read (router, shared) bytes / this bandwidth
+    expert_gemms        decode only: the routed experts' GEMMs alone, as fmoe issues them on the
+                        same weights and per-expert rows (bench_common.expert_gemms_step)
 
 Peak memory (training step) is measured per variant in its own process.
 """
@@ -29,6 +31,8 @@ import dataclasses
 from typing import Callable, Optional
 
 import torch
+
+from fmoe.experts import streamed_weights
 
 from . import bench_common as bc
 
@@ -184,6 +188,10 @@ def bench_arch(arch: str, shape: dict, phases: dict, repeats: int, memory_phases
             flops.update({n: f * row_flop // (6 * shape["hidden"] * shape["intermediate"]) for n, f in df.items()})
         elif phase == "decode":
             steps["weights_read"], res["weight_bytes_all"] = bc.weight_stream(block.parameters())
+            kw = streamed_weights(mod.moe_spec(bcfg).experts, params["experts"])
+            if kw is not None:
+                steps["expert_gemms"] = bc.expert_gemms_step(aux.routing.counts.tolist(), kw["w_in"], kw["w_out"],
+                                                             kw["fmt"])
         # a failing peer must not sink the suite: run each once, drop and report what raises
         for v in list(steps):
             try:
@@ -217,6 +225,9 @@ def bench_arch(arch: str, shape: dict, phases: dict, repeats: int, memory_phases
             res["read_gb_per_s"] = bw / 1e9
             res["stream_bound_seconds"] = (busy * per_expert + always) / bw
             res["fmoe_vs_stream"] = tf / res["stream_bound_seconds"]
+            if "seconds" in vv.get("expert_gemms", {}):
+                res["gemms_vs_stream"] = vv["expert_gemms"]["seconds"] / res["stream_bound_seconds"]
+                res["fmoe_vs_gemms"] = tf / vv["expert_gemms"]["seconds"]
         if phase in memory_phases:
             for v in ("fmoe",) + tuple("hf_" + i for i in HF_IMPLS):
                 res["memory"][v] = bc.isolated_peak(MODULE, {"arch": arch, "shape": shape, "tokens": T,
@@ -279,7 +290,8 @@ def targets(res: dict) -> list[dict]:
                              ", ".join(f"{a} {v:.2f}x" for a, v in dec.items()),
                              f"Bound: {w} takes {r['variants']['fmoe']['seconds'] * 1e3:.1f} ms; reading its "
                              f"{r['busy_experts']} busy experts once {r['stream_bound_seconds'] * 1e3:.1f} ms at "
-                             f"{r['read_gb_per_s']:.1f} GB/s."))
+                             f"{r['read_gb_per_s']:.1f} GB/s" + ("; " + bc.gemm_floor(r) if "fmoe_vs_gemms" in r else "")
+                             + "."))
     mem = {}
     for a, r in archs.items():
         m = r["phases"].get("train", {}).get("fmoe_mem_vs_hf")

@@ -161,6 +161,49 @@ def weight_stream(weights) -> tuple[Callable[[], object], int]:
     return (lambda: [w.sum() for w in ws]), sum(w.numel() * w.element_size() for w in ws)
 
 
+def expert_gemms_step(counts, w_in: tuple, w_out: torch.Tensor, fmt) -> Callable[[], object]:
+    """The routed experts' GEMMs of one inference call alone: decode's GEMM floor.
+
+    Issued as :mod:`fmoe.ops.streamed` issues them for at most ``STREAMED_SMALL_PAIRS`` kept
+    pairs (every decode config): one ``torch._grouped_mm`` per projection over the kept rows
+    sorted by expert (one ``torch.mm`` per busy expert where the op's own check says
+    ``_grouped_mm`` does not take the operands), on random rows, with no gather, activation,
+    scatter or routing. ``counts``: kept rows per
+    expert (ints, length E). ``w_in``, ``w_out``, ``fmt``: what
+    :func:`fmoe.experts.streamed_weights` returns for the experts ("w_in", "w_out", "fmt").
+    """
+    counts = [int(c) for c in counts]
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    N = bounds[-1]
+    K = w_in[0].shape[2 if fmt.in_transposed else 1]
+    H = w_out.shape[2 if fmt.out_transposed else 1]
+    x = torch.randn(N, K, dtype=w_out.dtype, generator=torch.Generator().manual_seed(2))
+    h = torch.randn(N, H, dtype=w_out.dtype, generator=torch.Generator().manual_seed(3))
+    ops = [(x, w.transpose(1, 2) if fmt.in_transposed else w) for w in w_in]
+    ops.append((h, w_out.transpose(1, 2) if fmt.out_transposed else w_out))
+    offs = torch.tensor(bounds[1:], dtype=torch.int32)
+    busy = [e for e, c in enumerate(counts) if c]
+
+    from fmoe.ops import streamed   # the op's own choice between the two forms
+    if streamed._grouped_ok(x, H, *(w for _, w in ops)):
+        def step():
+            return [torch._grouped_mm(a, w, offs=offs) for a, w in ops]
+    else:
+        def step():
+            return [torch.mm(a[bounds[e]:bounds[e + 1]], w[e]) for a, w in ops for e in busy]
+    return step
+
+
+def gemm_floor(r: dict) -> str:
+    """Decode's bound line: the step's expert GEMMs alone (``expert_gemms``) against the stream."""
+    t = r["variants"]["expert_gemms"]["seconds"]
+    return (f"its expert GEMMs alone (expert_gemms: the same calls on the same weights and rows, nothing else) "
+            f"take {t * 1e3:.1f} ms = {r['gemms_vs_stream']:.2f}x the stream, and the step is "
+            f"{r['fmoe_vs_gemms']:.2f}x them")
+
+
 def t1_bound(name: str, r: dict) -> str:
     """Where a training config's time goes against the dense roofline (T1's bound line): the
     step, its useful GEMMs at the batched rate, and at the per-expert-call rate (dense_loop)."""

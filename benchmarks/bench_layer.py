@@ -19,6 +19,9 @@ Per config, timed round-robin one step each per repeat (medians):
                    per-expert MoE makes; splits T1's gap into per-expert GEMM calls and the rest)
     weights_read   decode only: one read (a sum) of all experts' weights; the stream bound is
                    busy experts' bytes / the bandwidth this step achieves
+    expert_gemms   decode only: the step's expert GEMMs alone, as fmoe issues them on the same
+                   weights and per-expert row counts (bench_common.expert_gemms_step): the
+                   floor that no gather, activation or scatter work can lower
 
 Useful GFLOP/s counts the expert GEMMs on kept (routed, non-dropped) rows only: kept x 6·M·H
 (x3 for training). "vs dense" divides it by dense_batched's rate (the same per-expert shapes,
@@ -33,6 +36,7 @@ from typing import Callable, Optional
 import torch
 
 import fmoe.nn
+from fmoe.experts import streamed_weights
 
 from . import bench_common as bc
 
@@ -187,6 +191,9 @@ def bench_config(c: LayerConfig, tokens: int, repeats: int, memory: bool, log: C
         flops.update(dflops)
     else:
         steps["weights_read"], all_bytes = bc.weight_stream(fm.experts.parameters())   # as stored
+        with torch.no_grad():
+            kw = streamed_weights(fm.specs[0].experts, fm.params()["experts"])
+        steps["expert_gemms"] = bc.expert_gemms_step(kept_per_expert.tolist(), kw["w_in"], kw["w_out"], kw["fmt"])
         res["weight_bytes_all"] = all_bytes
         res["weight_bytes_busy"] = all_bytes * busy // c.experts
     for name, m in bc.round_robin(steps, repeats, max_seconds=MAX_SECONDS).items():
@@ -211,6 +218,8 @@ def bench_config(c: LayerConfig, tokens: int, repeats: int, memory: bool, log: C
         res["read_gb_per_s"] = bw / 1e9
         res["stream_bound_seconds"] = res["weight_bytes_busy"] / bw
         res["fmoe_vs_stream"] = t_f / res["stream_bound_seconds"]
+        res["gemms_vs_stream"] = v["expert_gemms"]["seconds"] / res["stream_bound_seconds"]
+        res["fmoe_vs_gemms"] = t_f / v["expert_gemms"]["seconds"]
         if "seconds" in v.get("tutel", {}):
             res["tutel_vs_stream"] = v["tutel"]["seconds"] / res["stream_bound_seconds"]
     if "seconds" in v.get("tutel", {}):
@@ -276,7 +285,7 @@ def targets(res: dict) -> list[dict]:
                              f"Bound: {worst} takes {r['variants']['fmoe']['seconds'] * 1e3:.1f} ms; reading its "
                              f"{r['busy_experts']} busy experts' {r['weight_bytes_busy'] / bc.MIB:.0f} MiB once takes "
                              f"{r['stream_bound_seconds'] * 1e3:.1f} ms at the {r['read_gb_per_s']:.1f} GB/s a sum "
-                             "reaches on the same tensors."))
+                             "reaches on the same tensors; " + bc.gemm_floor(r) + "."))
     tut = {n: cf[n]["fmoe_time_vs_tutel"] for n in TUTEL_GEOMEAN if n in cf and "fmoe_time_vs_tutel" in cf[n]}
     if tut:
         detail = ", ".join(f"{n} {v:.2f}" for n, v in tut.items())

@@ -147,15 +147,16 @@ def layer_tables(lay: dict) -> list[str]:
                      f"{_fmt(r.get('fmoe_staged_mem_vs_tutel'))} |")
     if dec:
         L += ["", "| config | T | M | H | E | k | busy experts | busy weights MiB | read GB/s | stream bound ms | "
-              "fmoe ms | fmoe x bound | tutel ms | tutel x bound | fmoe/tutel time (CPU time) | staged ms | fmoe mem MiB | "
-              "tutel mem MiB |",
-              "|" + "---|" * 18]
+              "fmoe ms | fmoe x bound | expert GEMMs alone ms (x bound) | fmoe x GEMMs | tutel ms | tutel x bound | "
+              "fmoe/tutel time (CPU time) | staged ms | fmoe mem MiB | tutel mem MiB |",
+              "|" + "---|" * 20]
         for n, r in dec.items():
             c, v = r["config"], r["variants"]
             L.append(f"| {n} | {r['tokens']} | {c['model_dim']} | {c['hidden']} | {c['experts']} | {c['k']} | "
                      f"{r['busy_experts']} | {r['weight_bytes_busy'] / 2**20:.0f} | {r['read_gb_per_s']:.1f} | "
                      f"{r['stream_bound_seconds'] * 1e3:.1f} | {_ms(v['fmoe'])} | {r['fmoe_vs_stream']:.2f} | "
-                     f"{_ms(v.get('tutel', {}))} | {_fmt(r.get('tutel_vs_stream'))} | "
+                     f"{_ms(v.get('expert_gemms', {}))} ({_fmt(r.get('gemms_vs_stream'))}) | "
+                     f"{_fmt(r.get('fmoe_vs_gemms'))} | {_ms(v.get('tutel', {}))} | {_fmt(r.get('tutel_vs_stream'))} | "
                      f"{_fmt(r.get('fmoe_time_vs_tutel'))} ({_fmt(r.get('fmoe_cpu_vs_tutel'))}) | "
                      f"{_ms(v.get('fmoe_staged', {}))} | {_mem(r['memory'].get('fmoe'))} | "
                      f"{_mem(r['memory'].get('tutel'))} |")
@@ -169,8 +170,8 @@ def block_tables(bl: dict) -> list[str]:
          "fmoe (default) time; memory = MiB above the resting set / absolute VmHWM, own process each", "",
          "| arch | phase | T | fmoe ms | fmoe_grouped ms | hf_eager ms | hf_grouped_mm ms | speed-up vs eager (CPU) | "
          "vs grouped_mm (CPU) | dense GF/s (batched / loop) | fmoe vs dense (vs flat) | fmoe vs loop | stream bound ms | "
-         "fmoe x bound | fmoe mem MiB | hf_eager mem MiB | hf_grouped_mm mem MiB |",
-         "|" + "---|" * 17]
+         "fmoe x bound | expert GEMMs alone ms (x bound) | fmoe mem MiB | hf_eager mem MiB | hf_grouped_mm mem MiB |",
+         "|" + "---|" * 18]
     for a, r in bl["archs"].items():
         for ph, p in r["phases"].items():
             v, s, m, sc = p["variants"], p["speedup_vs_hf"], p["memory"], p.get("cpu_speedup_vs_hf", {})
@@ -181,7 +182,9 @@ def block_tables(bl: dict) -> list[str]:
                      f"{_fmt(p.get('fmoe_vs_dense'))}{'' if 'fmoe_vs_dense_flat' not in p else ' (' + _fmt(p['fmoe_vs_dense_flat']) + ')'} | "
                      f"{_fmt(p.get('fmoe_vs_dense_loop'))} | "
                      f"{_fmt(p['stream_bound_seconds'] * 1e3 if 'stream_bound_seconds' in p else None, '.1f')} | "
-                     f"{_fmt(p.get('fmoe_vs_stream'))} | {_mem(m.get('fmoe'))} | {_mem(m.get('hf_eager'))} | "
+                     f"{_fmt(p.get('fmoe_vs_stream'))} | "
+                     f"{_ms(v['expert_gemms']) + ' (' + _fmt(p.get('gemms_vs_stream')) + ')' if 'expert_gemms' in v else '-'} | "
+                     f"{_mem(m.get('fmoe'))} | {_mem(m.get('hf_eager'))} | "
                      f"{_mem(m.get('hf_grouped_mm'))} |")
     return L
 

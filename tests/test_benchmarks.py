@@ -207,3 +207,59 @@ def test_round_robin_order_alternates_only_when_asked():
         res = bench_common.round_robin(steps, 3, warmup=0, alternate=alternate)
         assert "".join(calls) == expected
         assert all(m["steps"] == 3 and len(m["all_seconds"]) == 3 for m in res.values())
+
+
+def _recording_grouped_mm(monkeypatch):
+    calls = []
+    real = torch._grouped_mm
+
+    def rec(a, w, offs=None, **kw):
+        calls.append((tuple(a.shape), w.data_ptr(), tuple(w.shape), w.stride(), offs.tolist()))
+        return real(a, w, offs=offs, **kw)
+
+    monkeypatch.setattr(torch, "_grouped_mm", rec)
+    return calls
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
+def test_expert_gemms_floor_makes_the_decode_steps_grouped_mm_calls(monkeypatch):
+    # decode's GEMM floor must be the very GEMMs the layer's decode step makes: same weights
+    # (data pointers, strides), same rows per expert, nothing else
+    from fmoe.experts import streamed_weights
+    c = bench_layer.LayerConfig("tiny_decode", 16, 32, 16, 8, 2, 0.0, False)
+    layer, x = bench_layer.build(c, c.tokens, "fmoe")
+    with torch.no_grad():
+        _, aux = layer(x, return_aux=True)
+        kw = streamed_weights(layer.specs[0].experts, layer.params()["experts"])
+    calls = _recording_grouped_mm(monkeypatch)
+    with torch.no_grad():
+        layer(x)
+    in_step = list(calls)
+    calls.clear()
+    step = bench_common.expert_gemms_step(aux.routing.counts.tolist(), kw["w_in"], kw["w_out"], kw["fmt"])
+    outs = step()
+    assert len(in_step) == 3 and calls == in_step
+    assert [tuple(o.shape) for o in outs] == [(c.tokens * c.k, c.hidden)] * 2 + [(c.tokens * c.k, c.model_dim)]
+
+
+@pytest.mark.parametrize("K,H", [(8, 4), (6, 5)])   # 6 and 5 fp32 columns: _grouped_mm refuses the rows
+def test_expert_gemms_floor_values_and_per_expert_form(K, H):
+    from fmoe.ops.streamed import GluSpec
+    g = torch.Generator().manual_seed(0)
+    E = 4
+    w_in = (torch.randn(E, H, K, generator=g), torch.randn(E, H, K, generator=g))   # out x in
+    w_out = torch.randn(E, K, H, generator=g)
+    fmt = GluSpec(fused_in=False, in_transposed=True, out_transposed=True)
+    counts = [2, 0, 3, 1]
+    b = [0, 2, 2, 5, 6]
+    x = torch.randn(6, K, generator=torch.Generator().manual_seed(2))
+    h = torch.randn(6, H, generator=torch.Generator().manual_seed(3))
+    outs = bench_common.expert_gemms_step(counts, w_in, w_out, fmt)()
+    grouped = hasattr(torch, "_grouped_mm") and K % 4 == 0 and H % 4 == 0
+    if grouped:
+        assert len(outs) == 3
+    else:   # one torch.mm per busy expert and projection
+        assert len(outs) == 3 * 3
+        outs = [torch.cat(outs[i:i + 3]) for i in (0, 3, 6)]
+    for o, (a, w) in zip(outs, ((x, w_in[0]), (x, w_in[1]), (h, w_out))):
+        torch.testing.assert_close(o, torch.cat([a[b[e]:b[e + 1]] @ w[e].t() for e in range(E) if b[e] < b[e + 1]]))

@@ -381,6 +381,38 @@ def test_streamed_errors_name_the_problem():
         S.expert_rows(padded_layout(r))
 
 
+@pytest.mark.parametrize("expert_type", ["gated_ffn", "swiglu", "gpt_oss"])
+@pytest.mark.parametrize("M,H", [(6, 8), (8, 5), (6, 5), (50, 20)])
+def test_inference_small_batch_path_takes_rows_grouped_mm_refuses(expert_type, M, H):
+    # torch._grouped_mm refuses rows whose stride is not a multiple of 16 bytes (fp32: 6 or 5
+    # columns); the small path then runs a GEMM per expert instead of raising.
+    spec = _spec(expert_type, 0.0, k=2, E=4, M=M, H=H)
+    p = _params(spec, torch.float32)
+    x = torch.randn(16, M, generator=_gen(9))
+    with torch.no_grad():
+        small = fmoe.moe(p, x, spec)[0]
+        staged = fmoe.moe(p, x, dataclasses.replace(spec, streamed=False))[0]
+    scale = staged.abs().max()
+    torch.testing.assert_close(small / scale, staged / scale, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
+def test_grouped_layout_check_matches_torch():
+    # the predicate accepts exactly the operands torch._grouped_mm accepts
+    offs = torch.tensor([2, 4], dtype=torch.int32)
+    cases = [torch.randn(4, 8), torch.randn(4, 6), torch.randn(4, 4).t(), torch.randn(6, 4).t(),
+             torch.randn(4, 16)[:, ::2], torch.randn(4, 1), torch.randn(4, 8).to(torch.bfloat16),
+             torch.randn(4, 12).to(torch.bfloat16)]
+    for a in cases:
+        w = torch.randn(2, a.shape[1], 8, dtype=a.dtype)
+        try:
+            torch._grouped_mm(a, w, offs=offs)
+            accepted = True
+        except RuntimeError:
+            accepted = False
+        assert S._grouped_layout_ok(a) == accepted, (a.shape, a.stride(), a.dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("combine", ["fmoe", "eager"])
 def test_inference_small_batch_path_equals_the_per_expert_loop(dtype, combine, monkeypatch):

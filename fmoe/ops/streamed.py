@@ -329,33 +329,54 @@ def _forward(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: GluSpec
     return y.to(dt)
 
 
-def _grouped_ok(*ts: Tensor) -> bool:
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _grouped_layout_ok(t: Tensor) -> bool:
+    """t passes torch._grouped_mm's layout check (ATen's GroupedMMUtils.h): one of its last two
+    strides is 1 and the other spans that dimension in a multiple of 16 bytes; off the CPU its
+    data is 16-byte aligned too. (fp32 rows of 6 columns, 24 bytes, fail it.)"""
+    s, n = t.stride(), t.shape
+    align = 16 // t.element_size()
+    if t.device.type != "cpu" and t.data_ptr() % 16:
+        return False
+    if s[-2] == 1 and s[-1] >= max(1, n[-2]):
+        return s[-1] % align == 0
+    if s[-1] == 1 and s[-2] >= max(1, n[-1]):
+        return s[-2] % align == 0
+    return False
+
+
+def _grouped_ok(x_r: Tensor, H: int, *ws: Tensor) -> bool:
     """torch._grouped_mm (one call over every expert; equal to the per-expert mm, bit for bit
-    on the shapes tests/test_streamed.py checks) takes these tensors."""
-    return hasattr(torch, "_grouped_mm") and all(t.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                                                  for t in ts)
+    on the shapes tests/test_streamed.py checks) takes the rows x_r [N, M], contiguous hidden
+    rows [N, H] and the weights ``ws`` as passed to it (op(w) views)."""
+    ts = (x_r, *ws)
+    return (hasattr(torch, "_grouped_mm") and all(t.dtype in _GROUPED_DTYPES for t in ts)
+            and all(_grouped_layout_ok(t) for t in ts) and H * x_r.element_size() % 16 == 0)
 
 
-def _grouped(a: Tensor, w: Tensor, transposed: bool, offs: Tensor) -> Tensor:
-    """Rows a [N, K] sorted by expert times op(w[e]); offs int32 [E] group ends."""
-    return torch._grouped_mm(a, w.transpose(1, 2) if transposed else w, offs=offs)
+def _op(w: Tensor, transposed: bool) -> Tensor:
+    """op(w) [E, K, N] of a weight held [E, N, K] (transposed) or [E, K, N]."""
+    return w.transpose(1, 2) if transposed else w
 
 
 def _forward_small(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: GluSpec, order: str, busy, H, O,
                    y) -> None:
     b, N = rows.bounds, rows.bounds[-1]
     x_r = x.index_select(0, rows.tokens)
-    if _grouped_ok(x, w_out, *w_in):
+    op_in, op_out = [_op(w, fmt.in_transposed) for w in w_in], _op(w_out, fmt.out_transposed)
+    if _grouped_ok(x_r, H, op_out, *op_in):
         # One call per projection: no per-expert launches or parallel regions (decode: -7..14%
         # against the loop below on T 16/64, E 64, k 6, 2026-12-01).
         offs = torch.tensor(b[1:], dtype=torch.int32, device=x.device)
         sizes = torch.tensor([b[e + 1] - b[e] for e in range(len(b) - 1)], device=x.device)
         expert = torch.repeat_interleave(torch.arange(len(b) - 1, device=x.device), sizes, output_size=N)
-        parts = tuple(_grouped(x_r, w, fmt.in_transposed, offs) for w in w_in)
+        parts = tuple(torch._grouped_mm(x_r, w, offs=offs) for w in op_in)
         if b_in is not None:
             parts[0].add_(b_in.index_select(0, expert))
         g, u = _split(parts[0], fmt, H) if fmt.fused_in else parts
-        y_r = _grouped(_act(g, u, fmt), w_out, fmt.out_transposed, offs)
+        y_r = torch._grouped_mm(_act(g, u, fmt).contiguous(), op_out, offs=offs)
         if b_out is not None:
             y_r.add_(b_out.index_select(0, expert))
     else:
