@@ -370,8 +370,10 @@ def _forward_small(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: G
         # One call per projection: no per-expert launches or parallel regions (decode: -7..14%
         # against the loop below on T 16/64, E 64, k 6, 2026-12-01).
         offs = torch.tensor(b[1:], dtype=torch.int32, device=x.device)
-        sizes = torch.tensor([b[e + 1] - b[e] for e in range(len(b) - 1)], device=x.device)
-        expert = torch.repeat_interleave(torch.arange(len(b) - 1, device=x.device), sizes, output_size=N)
+        expert = None    # expert id per row, for the biases
+        if b_in is not None or b_out is not None:
+            sizes = torch.tensor([b[e + 1] - b[e] for e in range(len(b) - 1)], device=x.device)
+            expert = torch.repeat_interleave(torch.arange(len(b) - 1, device=x.device), sizes, output_size=N)
         parts = tuple(torch._grouped_mm(x_r, w, offs=offs) for w in op_in)
         if b_in is not None:
             parts[0].add_(b_in.index_select(0, expert))
