@@ -162,16 +162,17 @@ def weight_stream(weights) -> tuple[Callable[[], object], int]:
 
 
 def expert_gemms_step(counts, w_in: tuple, w_out: torch.Tensor, fmt) -> Callable[[], object]:
-    """The routed experts' GEMMs of one inference call alone: decode's GEMM floor.
+    """The routed experts' GEMMs of one inference call alone: its GEMM floor.
 
-    Issued as :mod:`fmoe.ops.streamed` issues them for at most ``STREAMED_SMALL_PAIRS`` kept
-    pairs (every decode config): one ``torch._grouped_mm`` per projection over the kept rows
-    sorted by expert (one ``torch.mm`` per busy expert where the op's own check says
-    ``_grouped_mm`` does not take the operands), on random rows, with no gather, activation,
-    scatter or routing. ``counts``: kept rows per
-    expert (ints, length E). ``w_in``, ``w_out``, ``fmt``: what
+    Issued as :mod:`fmoe.ops.streamed` issues them, on random rows, with no gather, activation,
+    scatter or routing: for at most ``tuning.STREAMED_SMALL_PAIRS`` kept pairs (decode) one
+    ``torch._grouped_mm`` per projection over the rows sorted by expert; above it (prefill), or
+    where the op's own check says ``_grouped_mm`` does not take the operands, one ``torch.mm``
+    per busy expert and projection into reused buffers, expert by expert. ``counts``: kept rows
+    per expert (ints, length E). ``w_in``, ``w_out``, ``fmt``: what
     :func:`fmoe.experts.streamed_weights` returns for the experts ("w_in", "w_out", "fmt").
     """
+    from fmoe.ops import streamed, tuning   # the op's own choice between the two forms
     counts = [int(c) for c in counts]
     bounds = [0]
     for c in counts:
@@ -181,23 +182,26 @@ def expert_gemms_step(counts, w_in: tuple, w_out: torch.Tensor, fmt) -> Callable
     H = w_out.shape[2 if fmt.out_transposed else 1]
     x = torch.randn(N, K, dtype=w_out.dtype, generator=torch.Generator().manual_seed(2))
     h = torch.randn(N, H, dtype=w_out.dtype, generator=torch.Generator().manual_seed(3))
-    ops = [(x, w.transpose(1, 2) if fmt.in_transposed else w) for w in w_in]
-    ops.append((h, w_out.transpose(1, 2) if fmt.out_transposed else w_out))
-    offs = torch.tensor(bounds[1:], dtype=torch.int32)
-    busy = [e for e, c in enumerate(counts) if c]
+    # detached: the same memory, and an inference call's GEMMs build no graph
+    ops = [(x, (w.transpose(1, 2) if fmt.in_transposed else w).detach()) for w in w_in]
+    ops.append((h, (w_out.transpose(1, 2) if fmt.out_transposed else w_out).detach()))
+    if N <= tuning.STREAMED_SMALL_PAIRS and streamed._grouped_ok(x, H, *(w for _, w in ops)):
+        offs = torch.tensor(bounds[1:], dtype=torch.int32)
 
-    from fmoe.ops import streamed   # the op's own choice between the two forms
-    if streamed._grouped_ok(x, H, *(w for _, w in ops)):
         def step():
             return [torch._grouped_mm(a, w, offs=offs) for a, w in ops]
-    else:
-        def step():
-            return [torch.mm(a[bounds[e]:bounds[e + 1]], w[e]) for a, w in ops for e in busy]
+        return step
+    busy = [e for e, c in enumerate(counts) if c]
+    outs = [torch.empty(max(counts, default=0), w.shape[2], dtype=w.dtype) for _, w in ops]
+
+    def step():
+        return [torch.mm(a[bounds[e]:bounds[e + 1]], w[e], out=o[:counts[e]])
+                for e in busy for (a, w), o in zip(ops, outs)]
     return step
 
 
 def gemm_floor(r: dict) -> str:
-    """Decode's bound line: the step's expert GEMMs alone (``expert_gemms``) against the stream."""
+    """Decode's bound line: the call's expert GEMMs alone (``expert_gemms``) against the stream."""
     t = r["variants"]["expert_gemms"]["seconds"]
     return (f"its expert GEMMs alone (expert_gemms: the same calls on the same weights and rows, nothing else) "
             f"take {t * 1e3:.1f} ms = {r['gemms_vs_stream']:.2f}x the stream, and the step is "

@@ -170,8 +170,9 @@ def block_tables(bl: dict) -> list[str]:
          "fmoe (default) time; memory = MiB above the resting set / absolute VmHWM, own process each", "",
          "| arch | phase | T | fmoe ms | fmoe_grouped ms | hf_eager ms | hf_grouped_mm ms | speed-up vs eager (CPU) | "
          "vs grouped_mm (CPU) | dense GF/s (batched / loop) | fmoe vs dense (vs flat) | fmoe vs loop | stream bound ms | "
-         "fmoe x bound | expert GEMMs alone ms (x bound) | fmoe mem MiB | hf_eager mem MiB | hf_grouped_mm mem MiB |",
-         "|" + "---|" * 18]
+         "fmoe x bound | GEMM floor ms | max speed-up vs eager / grouped_mm | fmoe mem MiB | hf_eager mem MiB | "
+         "hf_grouped_mm mem MiB |",
+         "|" + "---|" * 19]
     for a, r in bl["archs"].items():
         for ph, p in r["phases"].items():
             v, s, m, sc = p["variants"], p["speedup_vs_hf"], p["memory"], p.get("cpu_speedup_vs_hf", {})
@@ -183,7 +184,9 @@ def block_tables(bl: dict) -> list[str]:
                      f"{_fmt(p.get('fmoe_vs_dense_loop'))} | "
                      f"{_fmt(p['stream_bound_seconds'] * 1e3 if 'stream_bound_seconds' in p else None, '.1f')} | "
                      f"{_fmt(p.get('fmoe_vs_stream'))} | "
-                     f"{_ms(v['expert_gemms']) + ' (' + _fmt(p.get('gemms_vs_stream')) + ')' if 'expert_gemms' in v else '-'} | "
+                     f"{_fmt(p['floor_seconds'] * 1e3 if 'floor_seconds' in p else None, '.1f')} | "
+                     f"{_fmt(p.get('max_speedup_vs_hf', {}).get('eager'))} / "
+                     f"{_fmt(p.get('max_speedup_vs_hf', {}).get('grouped_mm'))} | "
                      f"{_mem(m.get('fmoe'))} | {_mem(m.get('hf_eager'))} | "
                      f"{_mem(m.get('hf_grouped_mm'))} |")
     return L

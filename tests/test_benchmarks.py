@@ -242,24 +242,41 @@ def test_expert_gemms_floor_makes_the_decode_steps_grouped_mm_calls(monkeypatch)
     assert [tuple(o.shape) for o in outs] == [(c.tokens * c.k, c.hidden)] * 2 + [(c.tokens * c.k, c.model_dim)]
 
 
-@pytest.mark.parametrize("K,H", [(8, 4), (6, 5)])   # 6 and 5 fp32 columns: _grouped_mm refuses the rows
-def test_expert_gemms_floor_values_and_per_expert_form(K, H):
+@pytest.mark.parametrize("K,H,N_small", [(8, 4, 1024), (6, 5, 1024), (8, 4, 0)])
+def test_expert_gemms_floor_values_and_per_expert_form(K, H, N_small, monkeypatch):
+    # grouped_mm where the op takes it (few pairs, aligned rows); else one mm per busy expert
+    # and projection, expert by expert, as the op's loops issue them
+    from fmoe.ops import tuning
     from fmoe.ops.streamed import GluSpec
+    monkeypatch.setattr(tuning, "STREAMED_SMALL_PAIRS", N_small)
     g = torch.Generator().manual_seed(0)
     E = 4
-    w_in = (torch.randn(E, H, K, generator=g), torch.randn(E, H, K, generator=g))   # out x in
-    w_out = torch.randn(E, K, H, generator=g)
+    param = lambda *shape: torch.nn.Parameter(torch.randn(*shape, generator=g))   # noqa: E731 (as models hold them)
+    w_in = (param(E, H, K), param(E, H, K))   # out x in
+    w_out = param(E, K, H)
     fmt = GluSpec(fused_in=False, in_transposed=True, out_transposed=True)
     counts = [2, 0, 3, 1]
     b = [0, 2, 2, 5, 6]
     x = torch.randn(6, K, generator=torch.Generator().manual_seed(2))
     h = torch.randn(6, H, generator=torch.Generator().manual_seed(3))
-    outs = bench_common.expert_gemms_step(counts, w_in, w_out, fmt)()
-    grouped = hasattr(torch, "_grouped_mm") and K % 4 == 0 and H % 4 == 0
+    step = bench_common.expert_gemms_step(counts, w_in, w_out, fmt)
+    products = []
+    real_mm = torch.mm
+
+    def mm(a, w, out=None):
+        r = real_mm(a, w, out=out)
+        products.append(r.clone())
+        return r
+
+    monkeypatch.setattr(torch, "mm", mm)
+    outs = step()
+    grouped = hasattr(torch, "_grouped_mm") and K % 4 == 0 and H % 4 == 0 and N_small >= 6
     if grouped:
-        assert len(outs) == 3
-    else:   # one torch.mm per busy expert and projection
-        assert len(outs) == 3 * 3
-        outs = [torch.cat(outs[i:i + 3]) for i in (0, 3, 6)]
+        assert len(outs) == 3 and not products
+    else:
+        assert len(products) == 3 * 3
+        outs = [torch.cat(products[j::3]) for j in range(3)]
     for o, (a, w) in zip(outs, ((x, w_in[0]), (x, w_in[1]), (h, w_out))):
-        torch.testing.assert_close(o, torch.cat([a[b[e]:b[e + 1]] @ w[e].t() for e in range(E) if b[e] < b[e + 1]]))
+        assert not o.requires_grad
+        torch.testing.assert_close(o, torch.cat([a[b[e]:b[e + 1]] @ w[e].detach().t() for e in range(E)
+                                                 if b[e] < b[e + 1]]))
