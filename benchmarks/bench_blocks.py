@@ -20,8 +20,9 @@ to MAX_SECONDS stops there, keeping at least one -- transformers' eager training
                         per-expert-call version of it (bench_common.dense_ffn_steps)
     weights_read        decode only: one read of every block weight; the stream bound is the
                         busy experts' + the always-read (router, shared) bytes / this bandwidth
-    expert_gemms        decode only: the routed experts' GEMMs alone, as fmoe issues them on the
-                        same weights and per-expert rows (bench_common.expert_gemms_step)
+    expert_gemms        prefill and decode: the routed experts' GEMMs alone, as fmoe issues them on
+                        the same weights and per-expert rows (bench_common.expert_gemms_step); with
+                        dense_loop in training, the floor the T4 lines compare transformers against
 
 Peak memory (each phase's step; training's is target T5) is measured per variant in its own process.
 """

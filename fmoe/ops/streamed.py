@@ -378,6 +378,7 @@ def _forward_small(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: G
         if b_in is not None:
             parts[0].add_(b_in.index_select(0, expert))
         g, u = _split(parts[0], fmt, H) if fmt.fused_in else parts
+        # contiguous [N, H] rows are what _grouped_ok checked (the activation's output already is)
         y_r = torch._grouped_mm(_act(g, u, fmt).contiguous(), op_out, offs=offs)
         if b_out is not None:
             y_r.add_(b_out.index_select(0, expert))
