@@ -191,10 +191,11 @@ def bench_arch(arch: str, shape: dict, phases: dict, repeats: int, memory_phases
             steps.update(d)
             flops.update({n: f * row_flop // (6 * shape["hidden"] * shape["intermediate"]) for n, f in df.items()})
         else:
-            kw = streamed_weights(mod.moe_spec(bcfg).experts, params["experts"])
+            spec = mod.moe_spec(bcfg)   # the default combine, as the `fmoe` variant runs
+            kw = streamed_weights(spec.experts, params["experts"])
             if kw is not None:
                 steps["expert_gemms"] = bc.expert_gemms_step(aux.routing.counts.tolist(), kw["w_in"], kw["w_out"],
-                                                             kw["fmt"])
+                                                             kw["fmt"], spec.combine)
         if phase == "decode":
             steps["weights_read"], res["weight_bytes_all"] = bc.weight_stream(block.parameters())
         # a failing peer must not sink the suite: run each once, drop and report what raises

@@ -161,18 +161,19 @@ def weight_stream(weights) -> tuple[Callable[[], object], int]:
     return (lambda: [w.sum() for w in ws]), sum(w.numel() * w.element_size() for w in ws)
 
 
-def expert_gemms_step(counts, w_in: tuple, w_out: torch.Tensor, fmt) -> Callable[[], object]:
+def expert_gemms_step(counts, w_in: tuple, w_out: torch.Tensor, fmt, order: str) -> Callable[[], object]:
     """The routed experts' GEMMs of one inference call alone: its GEMM floor.
 
     Issued as :mod:`fmoe.ops.streamed` issues them, on random rows, with no gather, activation,
-    scatter or routing: for at most ``tuning.STREAMED_SMALL_PAIRS`` kept pairs (decode) one
-    ``torch._grouped_mm`` per projection over the rows sorted by expert; above it (prefill), or
-    where the op's own check says ``_grouped_mm`` does not take the operands, one ``torch.mm``
-    per busy expert and projection into reused buffers, expert by expert. ``counts``: kept rows
-    per expert (ints, length E). ``w_in``, ``w_out``, ``fmt``: what
-    :func:`fmoe.experts.streamed_weights` returns for the experts ("w_in", "w_out", "fmt").
+    scatter or routing: where the op takes its small path (:func:`~fmoe.ops.streamed.small_path`,
+    decode) one ``torch._grouped_mm`` per projection over the rows sorted by expert; otherwise
+    (prefill), or where the op's own check says ``_grouped_mm`` does not take the operands, one
+    ``torch.mm`` per busy expert and projection into reused buffers, expert by expert.
+    ``counts``: kept rows per expert (ints, length E). ``w_in``, ``w_out``, ``fmt``: what
+    :func:`fmoe.experts.streamed_weights` returns for the experts ("w_in", "w_out", "fmt");
+    ``order``: the call's combine order (``MoESpec.combine``).
     """
-    from fmoe.ops import streamed, tuning   # the op's own choice between the two forms
+    from fmoe.ops import streamed   # the op's own choices between the forms
     counts = [int(c) for c in counts]
     bounds = [0]
     for c in counts:
@@ -183,9 +184,9 @@ def expert_gemms_step(counts, w_in: tuple, w_out: torch.Tensor, fmt) -> Callable
     x = torch.randn(N, K, dtype=w_out.dtype, generator=torch.Generator().manual_seed(2))
     h = torch.randn(N, H, dtype=w_out.dtype, generator=torch.Generator().manual_seed(3))
     # detached: the same memory, and an inference call's GEMMs build no graph
-    ops = [(x, (w.transpose(1, 2) if fmt.in_transposed else w).detach()) for w in w_in]
-    ops.append((h, (w_out.transpose(1, 2) if fmt.out_transposed else w_out).detach()))
-    if N <= tuning.STREAMED_SMALL_PAIRS and streamed._grouped_ok(x, H, *(w for _, w in ops)):
+    ops = [(x, streamed._op(w, fmt.in_transposed).detach()) for w in w_in]
+    ops.append((h, streamed._op(w_out, fmt.out_transposed).detach()))
+    if streamed.small_path(N, order, w_out.dtype) and streamed._grouped_ok(x, H, *(w for _, w in ops)):
         offs = torch.tensor(bounds[1:], dtype=torch.int32)
 
         def step():

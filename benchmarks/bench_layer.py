@@ -193,7 +193,8 @@ def bench_config(c: LayerConfig, tokens: int, repeats: int, memory: bool, log: C
         steps["weights_read"], all_bytes = bc.weight_stream(fm.experts.parameters())   # as stored
         with torch.no_grad():
             kw = streamed_weights(fm.specs[0].experts, fm.params()["experts"])
-        steps["expert_gemms"] = bc.expert_gemms_step(kept_per_expert.tolist(), kw["w_in"], kw["w_out"], kw["fmt"])
+        steps["expert_gemms"] = bc.expert_gemms_step(kept_per_expert.tolist(), kw["w_in"], kw["w_out"], kw["fmt"],
+                                                     fm.specs[0].combine)
         res["weight_bytes_all"] = all_bytes
         res["weight_bytes_busy"] = all_bytes * busy // c.experts
     for name, m in bc.round_robin(steps, repeats, max_seconds=MAX_SECONDS).items():

@@ -60,7 +60,7 @@ from ..layout import Layout
 from . import tuning
 from .reference import compute_dtype
 
-__all__ = ["ORDERS", "ACTIVATIONS", "SAVES", "IN_GRAD_PAD_DIV", "in_grad_pad", "in_grad_experts", "ExpertRows", "GluSpec", "expert_rows", "streamed_glu", "applies"]
+__all__ = ["ORDERS", "ACTIVATIONS", "SAVES", "IN_GRAD_PAD_DIV", "in_grad_pad", "in_grad_experts", "ExpertRows", "GluSpec", "expert_rows", "streamed_glu", "applies", "small_path"]
 
 ORDERS = ("fmoe", "eager")
 ACTIVATIONS = ("silu", "gpt_oss")
@@ -149,6 +149,20 @@ def applies(*ts: Optional[Tensor]) -> bool:
     if any(type(t) is not Tensor and type(t) is not torch.nn.Parameter for t in present):
         return False
     return not torch.overrides.has_torch_function(tuple(present))
+
+
+def _op(w: Tensor, transposed: bool) -> Tensor:
+    """op(w) [E, K, N] of a weight held [E, N, K] (transposed) or [E, K, N]."""
+    return w.transpose(1, 2) if transposed else w
+
+
+def small_path(pairs: int, order: str, dtype: torch.dtype) -> bool:
+    """Inference with this many kept pairs runs :func:`_forward_small` (elementwise steps once
+    over all rows, GEMMs as one torch._grouped_mm per projection where its layout rule allows).
+    transformers' eager order in bf16/fp16 keeps the per-expert loop: one bf16 index_add_ sums
+    a call's duplicates in fp32, and a bf16 activation over all rows splits its threads
+    elsewhere."""
+    return pairs <= tuning.STREAMED_SMALL_PAIRS and (order == "fmoe" or dtype in (torch.float32, torch.float64))
 
 
 def _mm(a: Tensor, w: Tensor, transposed: bool, out: Optional[Tensor] = None) -> Tensor:
@@ -302,14 +316,11 @@ def _forward(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: GluSpec
     y = torch.zeros(T, O, dtype=compute_dtype(dt) if order == "fmoe" else dt, device=x.device)
     b = rows.bounds
     busy = [e for e in range(rows.num_experts) if b[e] < b[e + 1]]
-    # transformers' eager order in bf16/fp16 keeps the loop: one bf16 index_add_ sums a call's
-    # duplicates in fp32, and a bf16 activation over all rows splits its threads elsewhere.
-    small = b[-1] <= tuning.STREAMED_SMALL_PAIRS and (order == "fmoe" or dt in (torch.float32, torch.float64))
-    if saved is None and small:
+    if saved is None and small_path(b[-1], order, dt):
         _forward_small(x, w_rows, rows, w_out, b_in, b_out, w_in, fmt, order, busy, H, O, y)
         return y.to(dt)
     win = [w.unbind(0) for w in w_in]
-    wout_f = (w_out.transpose(1, 2) if fmt.out_transposed else w_out).unbind(0)   # op(D_e), made once
+    wout_f = _op(w_out, fmt.out_transposed).unbind(0)   # op(D_e), made once
     w_col = _gate_column(w_rows, y, order)
     ws = _Scratch(_max_rows(b), x)
     for e in busy:
@@ -354,11 +365,6 @@ def _grouped_ok(x_r: Tensor, H: int, *ws: Tensor) -> bool:
     ts = (x_r, *ws)
     return (hasattr(torch, "_grouped_mm") and all(t.dtype in _GROUPED_DTYPES for t in ts)
             and all(_grouped_layout_ok(t) for t in ts) and H * x_r.element_size() % 16 == 0)
-
-
-def _op(w: Tensor, transposed: bool) -> Tensor:
-    """op(w) [E, K, N] of a weight held [E, N, K] (transposed) or [E, K, N]."""
-    return w.transpose(1, 2) if transposed else w
 
 
 def _forward_small(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: GluSpec, order: str, busy, H, O,
