@@ -1,4 +1,6 @@
-"""Slot assignment as a numba counter walk (the fast path of :func:`fmoe.routing.assign_slots`).
+"""Slot assignment as a numba counter walk (the fast path of :func:`fmoe.routing.assign_slots`),
+and its inverse: the kept pairs listed by expert and slot (the fast path of
+:func:`fmoe.ops.streamed.routing_rows`).
 
 Kept apart from :mod:`fmoe.ops` so that routing (plain data) never imports the ops.
 """
@@ -13,7 +15,7 @@ from torch import Tensor
 
 from . import _numba  # noqa: F401  (selects numba's threading layer before any kernel compiles)
 
-__all__ = ["assign_slots_walk", "assign_slots_fast"]
+__all__ = ["assign_slots_walk", "assign_slots_fast", "kept_rows_walk", "KEPT_ROWS_ERRORS"]
 
 
 @njit(cache=True, nogil=True)
@@ -42,6 +44,53 @@ def assign_slots_walk(ids, order, num_experts, slots, counts):
                 slots[j, t] = counts[e]
                 counts[e] += 1
     return bad
+
+
+# kept_rows_walk's negative returns
+KEPT_ROWS_ERRORS = {
+    -1: "a kept pair's expert id is >= E or its slot is outside [0, min(counts[e], capacity))",
+    -2: "two kept pairs share an expert and a slot",
+    -3: "an expert has fewer kept pairs than min(counts[e], capacity) rows",
+}
+
+
+@njit(cache=True, nogil=True)
+def kept_rows_walk(ids, slots, counts, capacity, bounds, pairs):
+    """The kept pairs sorted by (expert, slot): the rows of the ragged layout, inverted.
+
+    ids, slots: int64 [k, T]; counts: int64 [E]; bounds: int64 [E + 1] out, the prefix sums
+    of min(counts[e], capacity); pairs: int64 [>= k*T] out, ``pairs[bounds[e] + s] = j*T + t``
+    for the pair (j, t) in expert e's slot s. Returns N = bounds[E], or a key of
+    :data:`KEPT_ROWS_ERRORS` for a routing whose counts disagree with its slots (nothing is
+    written outside ``pairs[:N]``).
+    """
+    k, T = ids.shape
+    E = counts.shape[0]
+    bounds[0] = 0
+    for e in range(E):
+        c = counts[e]
+        bounds[e + 1] = bounds[e] + (c if c < capacity else capacity)
+    N = bounds[E]
+    if N > pairs.shape[0]:   # more rows than pairs (the caller passes k*T)
+        return -3
+    for p in range(N):
+        pairs[p] = -1
+    for j in range(k):
+        for t in range(T):
+            e = ids[j, t]
+            s = slots[j, t]
+            if e < 0 or s >= capacity:
+                continue
+            if e >= E or s < 0 or s >= bounds[e + 1] - bounds[e]:
+                return -1
+            p = bounds[e] + s
+            if pairs[p] >= 0:
+                return -2
+            pairs[p] = j * T + t
+    for p in range(N):
+        if pairs[p] < 0:
+            return -3
+    return N
 
 
 def _plain(t: Tensor) -> Optional[Tensor]:

@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from .comm import resolve
 from .experts import ExpertSpec, apply_experts, init_experts, shared_experts, streamed_weights
-from .layout import LAYOUTS, make_layout, ragged_layout
+from .layout import LAYOUTS, make_layout
 from .losses import gshard_loss, load_importance_loss
 from .ops import combine, dispatch
 from .ops.grouped import GroupedGemm, _batched_under_vmap
@@ -50,6 +50,9 @@ class MoESpec:
         batch_prioritized: place important tokens first within each slot.
         normalize_gate: normalise the k gates (k > 1) before dropping, with the router's formula.
         is_gshard_loss: GShard loss (True) or Tutel's load/importance loss.
+        balance_loss: compute that loss; False leaves ``MoEAux.l_aux`` a zero scalar (the
+            architecture blocks: their models take their own losses from the router logits,
+            and the loss's half-dozen small ops are ~0.1 ms of a decode call).
         alignment: capacity is rounded up to a multiple of this.
         layout: 'auto' (ragged for dropless routing, ``capacity_factor == 0``, padded
             otherwise), 'padded' (Tutel's [E, C, M], bit-exact) or 'ragged' (pairs sorted by
@@ -86,6 +89,7 @@ class MoESpec:
     batch_prioritized: bool = False
     normalize_gate: bool = True
     is_gshard_loss: bool = True
+    balance_loss: bool = True
     alignment: int = 1
     layout: str = "auto"
     combine: str = "fmoe"
@@ -295,7 +299,7 @@ def _route(params, x, spec: MoESpec, kind: str, *, comm, generator, noise, train
                                  training=training, generator=generator, noise=noise,
                                  alignment=spec.alignment if alignment is None else alignment, comm=comm,
                                  capacity=capacity)
-    if gs.type == "expert_choice":  # every expert takes exactly C tokens: balanced by construction
+    if gs.type == "expert_choice" or not spec.balance_loss:  # expert choice: balanced by construction
         l_aux = out.scores.new_zeros(())
     elif spec.is_gshard_loss:
         l_aux = gshard_loss(out.scores, routing.expert_ids[0])
@@ -407,7 +411,7 @@ def _streamed_experts(spec: MoESpec, experts, compute: Tensor, routing: Routing)
     if kw is None or not _streamed.applies(compute, routing.weights, *kw["w_in"], kw["w_out"], kw["b_in"],
                                            kw["b_out"]):
         return None
-    rows = _streamed.expert_rows(ragged_layout(routing))   # kept pairs, capacity honoured
+    rows = _streamed.routing_rows(routing)   # kept pairs, capacity honoured
     w_rows = routing.weights.reshape(-1).index_select(0, rows.pairs)
     return _streamed.streamed_glu(compute, w_rows, rows, order=spec.combine, save=spec.save, **kw)
 

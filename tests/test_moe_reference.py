@@ -1,4 +1,5 @@
 """fmoe.moe against a slow, obviously-correct per-token loop."""
+import dataclasses
 import itertools
 import math
 
@@ -89,6 +90,26 @@ def test_moe_matches_token_loop(k, cf, post, bp):
         assert dropped == 0
     if cf == 0.5:
         assert dropped > 0, "the grid must exercise dropping"
+
+
+@pytest.mark.parametrize("gshard", [True, False])
+def test_balance_loss_off_leaves_everything_else(gshard):
+    gate = fmoe.GateSpec(k=2, capacity_factor=0.0, gate_noise=0.0 if gshard else 1.0)
+    spec = fmoe.MoESpec(model_dim=8, num_experts=4, gate=gate, experts=fmoe.ExpertSpec(type="gated_ffn", hidden_size=8),
+                        is_gshard_loss=gshard)
+    params = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(10, 8, generator=torch.Generator().manual_seed(1))
+    off = dataclasses.replace(spec, balance_loss=False)
+    kw = lambda: dict(training=True, generator=torch.Generator().manual_seed(2))  # noqa: E731
+    (y1, a1), (y0, a0) = fmoe.moe(params, x, spec, **kw()), fmoe.moe(params, x, off, **kw())
+    assert float(a1.l_aux) > 0 and a0.l_aux.shape == () and float(a0.l_aux) == 0.0
+    assert torch.equal(y1, y0) and torch.equal(a1.counts, a0.counts) and torch.equal(a1.scores, a0.scores)
+
+
+def test_architecture_blocks_compute_no_balance_loss():
+    from fmoe.models import qwen3_moe
+    cfg = qwen3_moe.Qwen3MoeBlockConfig(hidden_size=8, num_experts=4, top_k=2, moe_intermediate_size=4)
+    assert not qwen3_moe.moe_spec(cfg).balance_loss   # their models take the loss from the router logits
 
 
 def test_moe_keeps_input_shape_and_dtype():

@@ -381,6 +381,46 @@ def test_streamed_errors_name_the_problem():
         S.expert_rows(padded_layout(r))
 
 
+@pytest.mark.parametrize("cf", [0.0, 1.0, 1.25, -1.0])
+@pytest.mark.parametrize("T,E,k", [(1, 1, 1), (5, 3, 2), (16, 8, 4), (100, 33, 2), (64, 4, 4)])
+def test_routing_rows_equal_the_ragged_layouts_rows(T, E, k, cf):
+    # The numba walk against expert_rows(ragged_layout(.)): masked pairs, capacity drops and
+    # importance-ordered slots (which put pairs out of token order inside an expert).
+    g = _gen(T * 131 + E)
+    for importance in (None, torch.rand(T, generator=g)):
+        ids = torch.topk(torch.rand(T, E, generator=g), k, dim=1).indices.t().contiguous()
+        ids[torch.rand(k, T, generator=g) < 0.15] = -1
+        r = fmoe.make_routing(ids, torch.rand(k, T, generator=g), E, cf, importance=importance)
+        want, got = S.expert_rows(ragged_layout(r)), S.routing_rows(r)
+        assert got.bounds == want.bounds
+        assert torch.equal(got.pairs, want.pairs) and torch.equal(got.tokens, want.tokens)
+
+
+def test_routing_rows_refuse_counts_that_disagree_with_the_slots():
+    ids, w = fmoe.top_k(torch.rand(6, 4, generator=_gen(8)), 2)
+    r = fmoe.make_routing(ids, w, 4, 0.0)
+    mk = lambda i, s, c: fmoe.Routing(i, s, r.weights, c, r.capacity, 4)  # noqa: E731
+    e = int(r.expert_ids[0, 0])
+    # expert e keeps its count but loses its last pair: a row nobody fills
+    last = ((r.expert_ids == e) & (r.slots == r.counts[e] - 1)).nonzero()[0].tolist()
+    ids2, slots2 = r.expert_ids.clone(), r.slots.clone()
+    ids2[last[0], last[1]], slots2[last[0], last[1]] = -1, -1
+    with pytest.raises(ValueError, match="fewer kept pairs"):
+        S.routing_rows(mk(ids2, slots2, r.counts))
+    # one count moved from e to another expert: e's last slot lies past its rows
+    counts = r.counts.clone()
+    counts[e] -= 1
+    counts[(e + 1) % 4] += 1
+    with pytest.raises(ValueError, match="slot is outside"):
+        S.routing_rows(mk(r.expert_ids, r.slots, counts))
+    # two of e's pairs in one slot (e's last pair moved into slot 0)
+    assert r.counts[e] >= 2
+    slots3 = r.slots.clone()
+    slots3[last[0], last[1]] = 0
+    with pytest.raises(ValueError, match="share an expert and a slot"):
+        S.routing_rows(mk(r.expert_ids, slots3, r.counts))
+
+
 @pytest.mark.parametrize("expert_type", ["gated_ffn", "swiglu", "gpt_oss"])
 @pytest.mark.parametrize("M,H", [(6, 8), (8, 5), (6, 5), (50, 20)])
 def test_inference_small_batch_path_takes_rows_grouped_mm_refuses(expert_type, M, H):

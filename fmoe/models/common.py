@@ -132,11 +132,12 @@ def run_block(params: dict, x: Tensor, spec: MoESpec, *, comm=None, training: bo
 
 def block_spec(hidden_size: int, num_experts: int, gate: GateSpec, experts: ExpertSpec, *, normalize: bool,
                combine: str, layout: str, shared: Optional[str] = None) -> MoESpec:
-    """The MoESpec of an architecture block (post-scored, dropless unless the gate says otherwise)."""
+    """The MoESpec of an architecture block (post-scored, dropless unless the gate says otherwise;
+    no balance loss: the models compute theirs from the router logits in :class:`BlockAux`)."""
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     return MoESpec(model_dim=hidden_size, num_experts=num_experts, gate=gate, experts=experts,
-                   normalize_gate=normalize, combine=combine, layout=layout, shared=shared)
+                   normalize_gate=normalize, combine=combine, layout=layout, shared=shared, balance_loss=False)
 
 
 def check_tokens(x: Tensor, hidden_size: int, where: str) -> None:

@@ -56,11 +56,12 @@ from torch import Tensor
 from torch._C import _functorch
 from torch.autograd import forward_ad as _fwd_ad
 
-from ..layout import Layout
+from .. import _slots
+from ..layout import Layout, ragged_layout
 from . import tuning
 from .reference import compute_dtype
 
-__all__ = ["ORDERS", "ACTIVATIONS", "SAVES", "IN_GRAD_PAD_DIV", "in_grad_pad", "in_grad_experts", "ExpertRows", "GluSpec", "expert_rows", "streamed_glu", "applies", "small_path"]
+__all__ = ["ORDERS", "ACTIVATIONS", "SAVES", "IN_GRAD_PAD_DIV", "in_grad_pad", "in_grad_experts", "ExpertRows", "GluSpec", "expert_rows", "routing_rows", "streamed_glu", "applies", "small_path"]
 
 ORDERS = ("fmoe", "eager")
 ACTIVATIONS = ("silu", "gpt_oss")
@@ -104,6 +105,30 @@ def expert_rows(layout: Layout) -> ExpertRows:
     pairs.index_copy_(0, pos.index_select(0, kept), kept)
     T = layout.positions.shape[1]
     return ExpertRows(pairs.remainder(T), pairs, tuple(bounds))
+
+
+def routing_rows(routing) -> ExpertRows:
+    """``expert_rows(ragged_layout(routing))`` without building the layout.
+
+    On CPU one numba walk over the pairs (:func:`fmoe._slots.kept_rows_walk`) replaces the
+    layout's and the inversion's two dozen small ops, about 0.15-0.3 ms of a decode call
+    (T 16, E 32-64, 2026-12-02); elsewhere it is the layout. Raises ValueError for a routing
+    whose counts disagree with its slots (a hand-made one; :func:`fmoe.make_routing`'s agree).
+    """
+    ids = routing.expert_ids
+    if ids.device.type != "cpu":
+        return expert_rows(ragged_layout(routing))
+    k, T = ids.shape
+    E = routing.num_experts
+    bounds = torch.empty(E + 1, dtype=torch.int64)
+    pairs = torch.empty(k * T, dtype=torch.int64)
+    as_np = lambda t: t.detach().to(torch.int64).contiguous().numpy()  # noqa: E731
+    N = _slots.kept_rows_walk(as_np(ids), as_np(routing.slots), as_np(routing.counts), routing.capacity,
+                              bounds.numpy(), pairs.numpy())
+    if N < 0:
+        raise ValueError(f"routing_rows: the routing's counts disagree with its slots: {_slots.KEPT_ROWS_ERRORS[N]}")
+    pairs = pairs[:N]
+    return ExpertRows(pairs.remainder(T), pairs, tuple(bounds.tolist()))
 
 
 @dataclasses.dataclass(frozen=True)
