@@ -323,12 +323,15 @@ def _gate_column(w_rows: Tensor, y: Tensor, order: str) -> Tensor:
 
 def _accumulate(y: Tensor, tok: Tensor, y_e: Tensor, w_e: Tensor, order: str) -> None:
     """y[tok] += w_e * y_e in ``order``'s arithmetic (y is the accumulator, w_e [n, 1] from
-    :func:`_gate_column`)."""
+    :func:`_gate_column`); y_e is overwritten."""
     dt = y_e.dtype
     if order == "fmoe":
         y.index_add_(0, tok, y_e.to(y.dtype).mul_(w_e) if y.dtype != dt else y_e.mul_(w_e))
     else:  # transformers' eager: promotion, one cast, dt running sum
-        y.index_add_(0, tok, (y_e * w_e).to(dt))
+        # in place: the product is formed in the promoted dtype and rounded once to dt on
+        # store, as ``(y_e * w_e).to(dt)`` rounds it, without a fresh [n, O] tensor per expert
+        # (page faults: ~130 us per expert at prefill, T 2048, E 32, O 768, 2026-12-02)
+        y.index_add_(0, tok, y_e.mul_(w_e))
 
 
 def _forward(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: GluSpec, order: str,
