@@ -55,14 +55,15 @@ KEPT_ROWS_ERRORS = {
 
 
 @njit(cache=True, nogil=True)
-def kept_rows_walk(ids, slots, counts, capacity, bounds, pairs):
+def kept_rows_walk(ids, slots, counts, capacity, bounds, pairs, tokens, dropped):
     """The kept pairs sorted by (expert, slot): the rows of the ragged layout, inverted.
 
-    ids, slots: int64 [k, T]; counts: int64 [E]; bounds: int64 [E + 1] out, the prefix sums
-    of min(counts[e], capacity); pairs: int64 [>= k*T] out, ``pairs[bounds[e] + s] = j*T + t``
-    for the pair (j, t) in expert e's slot s. Returns N = bounds[E], or a key of
+    ids, slots: int64 [k, T]; counts: int64 [E]. Out: bounds int64 [E + 1], the prefix sums
+    of min(counts[e], capacity); pairs and tokens int64 [>= k*T], ``pairs[bounds[e] + s] =
+    j*T + t`` and ``tokens[...] = t`` for the pair (j, t) in expert e's slot s; dropped
+    int64 [1], the valid pairs at or past capacity. Returns N = bounds[E], or a key of
     :data:`KEPT_ROWS_ERRORS` for a routing whose counts disagree with its slots (nothing is
-    written outside ``pairs[:N]``).
+    written outside ``pairs[:N]`` / ``tokens[:N]``).
     """
     k, T = ids.shape
     E = counts.shape[0]
@@ -71,15 +72,19 @@ def kept_rows_walk(ids, slots, counts, capacity, bounds, pairs):
         c = counts[e]
         bounds[e + 1] = bounds[e] + (c if c < capacity else capacity)
     N = bounds[E]
-    if N > pairs.shape[0]:   # more rows than pairs (the caller passes k*T)
+    if N > pairs.shape[0] or N > tokens.shape[0]:   # more rows than pairs (the caller passes k*T)
         return -3
     for p in range(N):
         pairs[p] = -1
+    lost = 0
     for j in range(k):
         for t in range(T):
             e = ids[j, t]
             s = slots[j, t]
-            if e < 0 or s >= capacity:
+            if e < 0:
+                continue
+            if s >= capacity:
+                lost += 1
                 continue
             if e >= E or s < 0 or s >= bounds[e + 1] - bounds[e]:
                 return -1
@@ -87,9 +92,11 @@ def kept_rows_walk(ids, slots, counts, capacity, bounds, pairs):
             if pairs[p] >= 0:
                 return -2
             pairs[p] = j * T + t
+            tokens[p] = t
     for p in range(N):
         if pairs[p] < 0:
             return -3
+    dropped[0] = lost
     return N
 
 

@@ -284,12 +284,19 @@ def route(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator=None, 
     return routing, l_aux
 
 
+def _under_vmap(x: Tensor, gate_params) -> bool:
+    """A vmap batches x or a gate parameter (only inside a functorch level: the leaves are not
+    walked in plain eager calls)."""
+    return (torch._C._functorch.maybe_current_level() is not None
+            and _batched_under_vmap(x, *pytree.tree_leaves(gate_params)))
+
+
 def _route(params, x, spec: MoESpec, kind: str, *, comm, generator, noise, training, alignment
            ) -> tuple[Routing, RouterOutput, Tensor]:
     gs = spec.gate
     capacity = None
     if (kind == "ragged" and gs.capacity_factor == 0
-            and (torch.compiler.is_compiling() or _batched_under_vmap(x, *pytree.tree_leaves(params["gate"])))):
+            and (torch.compiler.is_compiling() or _under_vmap(x, params["gate"]))):
         # Dropless ragged buffers hold k*T rows whatever the loads, so the layout never needs
         # the max load; where it cannot be read (vmap, compile) report the static bound C = T
         # (a token picks an expert at most once) instead of Tutel's max-load capacity.
@@ -385,9 +392,9 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
         l_aux = x.new_zeros(())
     seen = tokens if out is None or out.tokens is None else out.tokens  # Mixtral jitter: experts see it too
     compute = seen.to(_expert_dtype(params["experts"], x.dtype))
-    y = _streamed_experts(spec, params["experts"], compute, routing) if comm.size == 1 else None
-    if y is not None:
-        return _finish(spec, params, x, y, routing, out, l_aux, seen)
+    streamed = _streamed_experts(spec, params["experts"], compute, routing) if comm.size == 1 else None
+    if streamed is not None:
+        return _finish(spec, params, x, streamed[0], routing, out, l_aux, seen, dropped=streamed[1])
     layout = make_layout(routing, kind)
     buffers = dispatch(compute, routing, weighted=not spec.is_postscore, layout=layout)
     if comm.size == 1:
@@ -403,8 +410,9 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     return _finish(spec, params, x, y, routing, out, l_aux, seen)
 
 
-def _streamed_experts(spec: MoESpec, experts, compute: Tensor, routing: Routing) -> Optional[Tensor]:
-    """[T, O] from the streamed op where it applies (see ``MoESpec.streamed``), else None."""
+def _streamed_experts(spec: MoESpec, experts, compute: Tensor, routing: Routing) -> Optional[tuple]:
+    """(y [T, O], pairs dropped int64 []) from the streamed op where it applies (see
+    ``MoESpec.streamed``), else None."""
     if not (spec.streamed and spec.is_postscore and spec.combine in _streamed.ORDERS):
         return None
     kw = streamed_weights(spec.experts, experts)
@@ -413,15 +421,16 @@ def _streamed_experts(spec: MoESpec, experts, compute: Tensor, routing: Routing)
         return None
     rows = _streamed.routing_rows(routing)   # kept pairs, capacity honoured
     w_rows = routing.weights.reshape(-1).index_select(0, rows.pairs)
-    return _streamed.streamed_glu(compute, w_rows, rows, order=spec.combine, save=spec.save, **kw)
+    return _streamed.streamed_glu(compute, w_rows, rows, order=spec.combine, save=spec.save, **kw), rows.dropped
 
 
-def _finish(spec: MoESpec, params, x: Tensor, y: Tensor, routing: Routing, out, l_aux, seen) -> tuple:
+def _finish(spec: MoESpec, params, x: Tensor, y: Tensor, routing: Routing, out, l_aux, seen,
+            dropped: Optional[Tensor] = None) -> tuple:
     y = y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
     shared_gate = None
     if spec.shared is not None:
         s, shared_gate = shared_experts(spec.shared, params, seen.to(x.dtype), activation=spec.experts.act())
         y = y + s.reshape(y.shape)
-    aux = MoEAux(l_aux, routing.counts, routing.num_dropped(), routing, routing.capacity,
+    aux = MoEAux(l_aux, routing.counts, routing.num_dropped() if dropped is None else dropped, routing, routing.capacity,
                  None if out is None else out.scores, None if out is None else out.logits, shared_gate)
     return y, aux

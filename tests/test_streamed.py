@@ -394,6 +394,9 @@ def test_routing_rows_equal_the_ragged_layouts_rows(T, E, k, cf):
         want, got = S.expert_rows(ragged_layout(r)), S.routing_rows(r)
         assert got.bounds == want.bounds
         assert torch.equal(got.pairs, want.pairs) and torch.equal(got.tokens, want.tokens)
+        assert got.dropped.dtype == torch.int64 and int(got.dropped) == int(r.num_dropped())
+        if (T, E, cf) == (100, 33, 1.0):
+            assert int(got.dropped) > 0, "the grid must exercise capacity drops"
 
 
 def test_routing_rows_refuse_counts_that_disagree_with_the_slots():

@@ -76,11 +76,14 @@ class ExpertRows:
         tokens: int64 [N]. Token of each kept pair.
         pairs: int64 [N]. Flat pair index ``j * T + t`` (gathers its gate weight).
         bounds: E + 1 host ints; expert e owns rows ``bounds[e] .. bounds[e + 1]``.
+        dropped: int64 [] tensor, the routing's valid pairs lost to capacity, where known
+            (:func:`routing_rows` counts them; a layout cannot tell them from masked pairs).
     """
 
     tokens: Tensor
     pairs: Tensor
     bounds: tuple
+    dropped: Optional[Tensor] = None
 
     @property
     def num_experts(self) -> int:
@@ -108,7 +111,8 @@ def expert_rows(layout: Layout) -> ExpertRows:
 
 
 def routing_rows(routing) -> ExpertRows:
-    """``expert_rows(ragged_layout(routing))`` without building the layout.
+    """``expert_rows(ragged_layout(routing))`` without building the layout, and the number
+    of pairs lost to capacity.
 
     On CPU one numba walk over the pairs (:func:`fmoe._slots.kept_rows_walk`) replaces the
     layout's and the inversion's two dozen small ops, about 0.15-0.3 ms of a decode call
@@ -117,18 +121,18 @@ def routing_rows(routing) -> ExpertRows:
     """
     ids = routing.expert_ids
     if ids.device.type != "cpu":
-        return expert_rows(ragged_layout(routing))
+        return dataclasses.replace(expert_rows(ragged_layout(routing)), dropped=routing.num_dropped())
     k, T = ids.shape
     E = routing.num_experts
     bounds = torch.empty(E + 1, dtype=torch.int64)
-    pairs = torch.empty(k * T, dtype=torch.int64)
-    as_np = lambda t: t.detach().to(torch.int64).contiguous().numpy()  # noqa: E731
+    pairs, tokens = torch.empty(k * T, dtype=torch.int64), torch.empty(k * T, dtype=torch.int64)
+    dropped = torch.empty((), dtype=torch.int64)
+    as_np = lambda t: (t if t.dtype == torch.int64 else t.to(torch.int64)).contiguous().numpy()  # noqa: E731
     N = _slots.kept_rows_walk(as_np(ids), as_np(routing.slots), as_np(routing.counts), routing.capacity,
-                              bounds.numpy(), pairs.numpy())
+                              bounds.numpy(), pairs.numpy(), tokens.numpy(), dropped.reshape(1).numpy())
     if N < 0:
         raise ValueError(f"routing_rows: the routing's counts disagree with its slots: {_slots.KEPT_ROWS_ERRORS[N]}")
-    pairs = pairs[:N]
-    return ExpertRows(pairs.remainder(T), pairs, tuple(bounds.tolist()))
+    return ExpertRows(tokens[:N], pairs[:N], tuple(bounds.tolist()), dropped)
 
 
 @dataclasses.dataclass(frozen=True)
