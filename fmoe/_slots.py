@@ -51,31 +51,37 @@ KEPT_ROWS_ERRORS = {
     -1: "a kept pair's expert id is >= E or its slot is outside [0, min(counts[e], capacity))",
     -2: "two kept pairs share an expert and a slot",
     -3: "an expert has fewer kept pairs than min(counts[e], capacity) rows",
+    -4: "the output buffer is shorter than E + 2 + 2*k*T",
 }
 
 
 @njit(cache=True, nogil=True)
-def kept_rows_walk(ids, slots, counts, capacity, bounds, pairs, tokens, dropped):
+def kept_rows_walk(ids, slots, counts, capacity, out):
     """The kept pairs sorted by (expert, slot): the rows of the ragged layout, inverted.
 
-    ids, slots: int64 [k, T]; counts: int64 [E]. Out: bounds int64 [E + 1], the prefix sums
-    of min(counts[e], capacity); pairs and tokens int64 [>= k*T], ``pairs[bounds[e] + s] =
-    j*T + t`` and ``tokens[...] = t`` for the pair (j, t) in expert e's slot s; dropped
-    int64 [1], the valid pairs at or past capacity. Returns N = bounds[E], or a key of
-    :data:`KEPT_ROWS_ERRORS` for a routing whose counts disagree with its slots (nothing is
-    written outside ``pairs[:N]`` / ``tokens[:N]``).
+    ids, slots: int64 [k, T]; counts: int64 [E]. ``out`` int64 [E + 2 + 2*k*T] receives, in
+    order: bounds [E + 1], the prefix sums of min(counts[e], capacity); dropped [1], the valid
+    pairs at or past capacity; pairs [k*T] and tokens [k*T], whose first N entries are
+    ``j*T + t`` and ``t`` of the pair (j, t) in expert e's slot s at ``bounds[e] + s``.
+    (One buffer: one allocation and one argument to type-check per call.) Returns N =
+    bounds[E], or a key of :data:`KEPT_ROWS_ERRORS` for a routing whose counts disagree with
+    its slots (nothing is written past ``out``'s end).
     """
     k, T = ids.shape
     E = counts.shape[0]
-    bounds[0] = 0
+    kt = k * T
+    if out.shape[0] < E + 2 + 2 * kt:
+        return -4
+    pairs0, tokens0 = E + 2, E + 2 + kt
+    out[0] = 0
     for e in range(E):
         c = counts[e]
-        bounds[e + 1] = bounds[e] + (c if c < capacity else capacity)
-    N = bounds[E]
-    if N > pairs.shape[0] or N > tokens.shape[0]:   # more rows than pairs (the caller passes k*T)
+        out[e + 1] = out[e] + (c if c < capacity else capacity)
+    N = out[E]
+    if N > kt:   # more rows than pairs
         return -3
     for p in range(N):
-        pairs[p] = -1
+        out[pairs0 + p] = -1
     lost = 0
     for j in range(k):
         for t in range(T):
@@ -86,17 +92,17 @@ def kept_rows_walk(ids, slots, counts, capacity, bounds, pairs, tokens, dropped)
             if s >= capacity:
                 lost += 1
                 continue
-            if e >= E or s < 0 or s >= bounds[e + 1] - bounds[e]:
+            if e >= E or s < 0 or s >= out[e + 1] - out[e]:
                 return -1
-            p = bounds[e] + s
-            if pairs[p] >= 0:
+            p = out[e] + s
+            if out[pairs0 + p] >= 0:
                 return -2
-            pairs[p] = j * T + t
-            tokens[p] = t
+            out[pairs0 + p] = j * T + t
+            out[tokens0 + p] = t
     for p in range(N):
-        if pairs[p] < 0:
+        if out[pairs0 + p] < 0:
             return -3
-    dropped[0] = lost
+    out[E + 1] = lost
     return N
 
 

@@ -215,9 +215,10 @@ def init_params(spec: MoESpec, *, generator: Optional[torch.Generator] = None,
     return params
 
 
-def _expect(cond: bool, msg: str) -> None:
+def _expect(cond: bool, msg) -> None:
+    """Raise ValueError naming msg() unless cond (the message is built only on failure)."""
     if not cond:
-        raise ValueError(f"parameter pytree does not match the MoESpec: {msg}")
+        raise ValueError(f"parameter pytree does not match the MoESpec: {msg()}")
 
 
 def _shape(t) -> tuple:
@@ -234,7 +235,7 @@ def check_params(params, spec: MoESpec, num_local_experts: Optional[int] = None,
     ``gate=False`` skips the router parameters (a replayed routing never reads them)."""
     need = ("gate", "experts") if gate else ("experts",)
     _expect(isinstance(params, dict) and all(k in params for k in need),
-            f"expected a dict with keys {' and '.join(repr(k) for k in need)}, got "
+            lambda: f"expected a dict with keys {' and '.join(repr(k) for k in need)}, got "
             f"{sorted(params) if isinstance(params, dict) else type(params).__name__}")
     M = spec.model_dim
     if gate:
@@ -244,31 +245,32 @@ def check_params(params, spec: MoESpec, num_local_experts: Optional[int] = None,
             raise ValueError(f"parameter pytree does not match the MoESpec: {e}") from None
     ex, es = params["experts"], spec.experts
     if spec.shared is not None:
-        _expect("shared" in params, f"shared={spec.shared!r} needs params['shared'], got keys {sorted(params)}")
+        _expect("shared" in params, lambda: f"shared={spec.shared!r} needs params['shared'], got keys {sorted(params)}")
         if spec.shared == "gated_swiglu":
-            _expect("shared_gate" in params, "shared='gated_swiglu' needs params['shared_gate']['weight'] [1, M]")
+            _expect("shared_gate" in params,
+                    lambda: "shared='gated_swiglu' needs params['shared_gate']['weight'] [1, M]")
     if es.type == "custom":
         return
-    _expect(isinstance(ex, dict), f"experts must be a dict, got {type(ex).__name__}")
+    _expect(isinstance(ex, dict), lambda: f"experts must be a dict, got {type(ex).__name__}")
     if es.type == "swiglu":
         _expect("down_proj" in ex and ("gate_up_proj" in ex or {"gate_proj", "up_proj"} <= set(ex)),
-                f"swiglu experts need 'down_proj' and 'gate_up_proj' (or 'gate_proj' + 'up_proj'), "
+                lambda: f"swiglu experts need 'down_proj' and 'gate_up_proj' (or 'gate_proj' + 'up_proj'), "
                 f"got keys {sorted(ex)}")
         return
     for key in _EXPERT_KEYS[es.type]:
-        _expect(key in ex, f"{es.type} experts need '{key}', got keys {sorted(ex)}")
+        _expect(key in ex, lambda: f"{es.type} experts need '{key}', got keys {sorted(ex)}")
     if es.type != "ffn":
         return
     n = num_local_experts
     w1, w2 = _shape(ex["fc1_w"]), _shape(ex["fc2_w"])
     n = n or w1[0]
     _expect(len(w1) == 3 and w1[0] == n and w1[2] == M,
-            f"experts.fc1_w must be [n, H, M] with n={n}, M={M}, got {w1}")
-    _expect(len(w2) == 3 and w2[0] == n, f"experts.fc2_w must be [n, H, O] with n={n}, got {w2}")
+            lambda: f"experts.fc1_w must be [n, H, M] with n={n}, M={M}, got {w1}")
+    _expect(len(w2) == 3 and w2[0] == n, lambda: f"experts.fc2_w must be [n, H, O] with n={n}, got {w2}")
     if es.has_fc1_bias:
-        _expect(ex.get("fc1_b") is not None, "ffn has_fc1_bias=True but 'fc1_b' is missing")
+        _expect(ex.get("fc1_b") is not None, lambda: "ffn has_fc1_bias=True but 'fc1_b' is missing")
     if es.has_fc2_bias:
-        _expect(ex.get("fc2_b") is not None, "ffn has_fc2_bias=True but 'fc2_b' is missing")
+        _expect(ex.get("fc2_b") is not None, lambda: "ffn has_fc2_bias=True but 'fc2_b' is missing")
 
 
 # --------------------------------------------------------------------------- forward
@@ -431,6 +433,7 @@ def _finish(spec: MoESpec, params, x: Tensor, y: Tensor, routing: Routing, out, 
     if spec.shared is not None:
         s, shared_gate = shared_experts(spec.shared, params, seen.to(x.dtype), activation=spec.experts.act())
         y = y + s.reshape(y.shape)
-    aux = MoEAux(l_aux, routing.counts, routing.num_dropped() if dropped is None else dropped, routing, routing.capacity,
+    dropped = routing.num_dropped() if dropped is None else dropped
+    aux = MoEAux(l_aux, routing.counts, dropped, routing, routing.capacity,
                  None if out is None else out.scores, None if out is None else out.logits, shared_gate)
     return y, aux

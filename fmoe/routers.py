@@ -530,9 +530,10 @@ def _check_spec(spec) -> None:
         raise TypeError(f"expected a fmoe.routers.GateSpec, got {type(spec).__name__}")
 
 
-def _fail(cond: bool, msg: str) -> None:
+def _fail(cond: bool, msg) -> None:
+    """Raise ValueError(msg()) unless cond (the message is built only on failure)."""
     if not cond:
-        raise ValueError(msg)
+        raise ValueError(msg())
 
 
 def _shape(t) -> tuple:
@@ -543,27 +544,28 @@ def check_router_params(params, spec: GateSpec, num_experts: int, model_dim: int
     """Raise ValueError naming the first key or shape of ``params`` that does not fit ``spec``."""
     _check_spec(spec)
     E, M = num_experts, model_dim
-    _fail(isinstance(params, dict), f"router params must be a dict, got {type(params).__name__}")
+    _fail(isinstance(params, dict), lambda: f"router params must be a dict, got {type(params).__name__}")
     g = params
     if spec.type == "cosine_top":
         need = {"proj_w", "proj_b", "sim_matrix", "temperature"}
-        _fail(need <= set(g), f"cosine gate needs {sorted(need)}, got keys {sorted(g)}")
+        _fail(need <= set(g), lambda: f"cosine gate needs {sorted(need)}, got keys {sorted(g)}")
         pw, sm = _shape(g["proj_w"]), _shape(g["sim_matrix"])
-        _fail(len(pw) == 2 and pw[1] == M, f"gate.proj_w must be [Pd, {M}], got {pw}")
+        _fail(len(pw) == 2 and pw[1] == M, lambda: f"gate.proj_w must be [Pd, {M}], got {pw}")
         _fail(len(sm) == 2 and sm[1] == E and sm[0] == pw[0],
-              f"gate.sim_matrix must be [Pd, {E}] with Pd={pw[0]}, got {sm}")
-        _fail(_shape(g["proj_b"]) == (pw[0],), f"gate.proj_b must be [Pd] = [{pw[0]}], got {_shape(g['proj_b'])}")
-        _fail(_shape(g["temperature"]) == (1,), f"gate.temperature must be [1], got {_shape(g['temperature'])}")
+              lambda: f"gate.sim_matrix must be [Pd, {E}] with Pd={pw[0]}, got {sm}")
+        _fail(_shape(g["proj_b"]) == (pw[0],),
+              lambda: f"gate.proj_b must be [Pd] = [{pw[0]}], got {_shape(g['proj_b'])}")
+        _fail(_shape(g["temperature"]) == (1,), lambda: f"gate.temperature must be [1], got {_shape(g['temperature'])}")
         return
     name = "linear gate" if spec.type == "top" else f"{spec.type} router"
-    _fail("wg" in g, f"{name} needs 'wg', got keys {sorted(g)}")
-    _fail(_shape(g["wg"]) == (E, M), f"gate.wg must be [E, M] = [{E}, {M}], got {_shape(g['wg'])}")
+    _fail("wg" in g, lambda: f"{name} needs 'wg', got keys {sorted(g)}")
+    _fail(_shape(g["wg"]) == (E, M), lambda: f"gate.wg must be [E, M] = [{E}, {M}], got {_shape(g['wg'])}")
     if spec.type == "gpt_oss":
-        _fail("bias" in g, f"gpt_oss router needs 'bias' [E], got keys {sorted(g)}")
+        _fail("bias" in g, lambda: f"gpt_oss router needs 'bias' [E], got keys {sorted(g)}")
     if spec.type in ("gpt_oss", "deepseek"):
         key = "bias" if spec.type == "gpt_oss" else "correction_bias"
         if g.get(key) is not None:
-            _fail(_shape(g[key]) == (E,), f"gate.{key} must be [E] = [{E}], got {_shape(g[key])}")
+            _fail(_shape(g[key]) == (E,), lambda: f"gate.{key} must be [E] = [{E}], got {_shape(g[key])}")
 
 
 # --------------------------------------------------------------------------- forward
