@@ -51,28 +51,28 @@ KEPT_ROWS_ERRORS = {
     -1: "a kept pair's expert id is >= E or its slot is outside [0, min(counts[e], capacity))",
     -2: "two kept pairs share an expert and a slot",
     -3: "an expert has fewer kept pairs than min(counts[e], capacity) rows",
-    -4: "the output buffer is shorter than E + 2 + 2*k*T",
+    -4: "an output buffer is too short (E + 2 + k*T and k*T)",
 }
 
 
 @njit(cache=True, nogil=True)
-def kept_rows_walk(ids, slots, counts, capacity, out):
+def kept_rows_walk(ids, slots, counts, capacity, out, pairs):
     """The kept pairs sorted by (expert, slot): the rows of the ragged layout, inverted.
 
-    ids, slots: int64 [k, T]; counts: int64 [E]. ``out`` int64 [E + 2 + 2*k*T] receives, in
+    ids, slots: int64 [k, T]; counts: int64 [E]. ``out`` int64 [E + 2 + k*T] receives, in
     order: bounds [E + 1], the prefix sums of min(counts[e], capacity); dropped [1], the valid
-    pairs at or past capacity; pairs [k*T] and tokens [k*T], whose first N entries are
-    ``j*T + t`` and ``t`` of the pair (j, t) in expert e's slot s at ``bounds[e] + s``.
-    (One buffer: one allocation and one argument to type-check per call.) Returns N =
-    bounds[E], or a key of :data:`KEPT_ROWS_ERRORS` for a routing whose counts disagree with
-    its slots (nothing is written past ``out``'s end).
+    pairs at or past capacity; tokens [k*T]. ``pairs`` int64 [k*T] (its own buffer: autograd
+    keeps it as the gate weights' gather index). The first N entries of tokens and pairs are
+    ``t`` and ``j*T + t`` of the pair (j, t) in expert e's slot s, at ``bounds[e] + s``.
+    Returns N = bounds[E], or a key of :data:`KEPT_ROWS_ERRORS` for a routing whose counts
+    disagree with its slots (nothing is written past either buffer's end).
     """
     k, T = ids.shape
     E = counts.shape[0]
     kt = k * T
-    if out.shape[0] < E + 2 + 2 * kt:
+    if out.shape[0] < E + 2 + kt or pairs.shape[0] < kt:
         return -4
-    pairs0, tokens0 = E + 2, E + 2 + kt
+    tokens0 = E + 2
     out[0] = 0
     for e in range(E):
         c = counts[e]
@@ -81,7 +81,7 @@ def kept_rows_walk(ids, slots, counts, capacity, out):
     if N > kt:   # more rows than pairs
         return -3
     for p in range(N):
-        out[pairs0 + p] = -1
+        pairs[p] = -1
     lost = 0
     for j in range(k):
         for t in range(T):
@@ -95,12 +95,12 @@ def kept_rows_walk(ids, slots, counts, capacity, out):
             if e >= E or s < 0 or s >= out[e + 1] - out[e]:
                 return -1
             p = out[e] + s
-            if out[pairs0 + p] >= 0:
+            if pairs[p] >= 0:
                 return -2
-            out[pairs0 + p] = j * T + t
+            pairs[p] = j * T + t
             out[tokens0 + p] = t
     for p in range(N):
-        if out[pairs0 + p] < 0:
+        if pairs[p] < 0:
             return -3
     out[E + 1] = lost
     return N

@@ -219,7 +219,7 @@ def signatures():
                 (pos, np.empty(0, np.int64), 3, np.empty((2, 2), np.int64), np.empty(3, np.int64))))
     ids, slots = np.array([[0, 1], [1, -1]], dtype=np.int64), np.array([[0, 0], [1, -1]], dtype=np.int64)
     out.append(("kept_rows_walk", kept_rows_walk,
-                (ids, slots, np.array([1, 2], np.int64), 2, np.empty(12, np.int64))))
+                (ids, slots, np.array([1, 2], np.int64), 2, np.empty(8, np.int64), np.empty(4, np.int64))))
     for dt in (np.float32, np.float64):
         x = np.ones((2, 4), dtype=dt)
         y = np.ones((3, 4), dtype=dt)

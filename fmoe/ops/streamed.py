@@ -124,14 +124,13 @@ def routing_rows(routing) -> ExpertRows:
         return dataclasses.replace(expert_rows(ragged_layout(routing)), dropped=routing.num_dropped())
     k, T = ids.shape
     E = routing.num_experts
-    out = torch.empty(E + 2 + 2 * k * T, dtype=torch.int64)
+    out, pairs = torch.empty(E + 2 + k * T, dtype=torch.int64), torch.empty(k * T, dtype=torch.int64)
     as_np = lambda t: (t if t.dtype == torch.int64 else t.to(torch.int64)).contiguous().numpy()  # noqa: E731
     N = _slots.kept_rows_walk(as_np(ids), as_np(routing.slots), as_np(routing.counts), routing.capacity,
-                              out.numpy())
+                              out.numpy(), pairs.numpy())
     if N < 0:
         raise ValueError(f"routing_rows: the routing's counts disagree with its slots: {_slots.KEPT_ROWS_ERRORS[N]}")
-    p0 = E + 2
-    return ExpertRows(out[p0 + k * T:p0 + k * T + N], out[p0:p0 + N], tuple(out[:E + 1].tolist()), out[E + 1])
+    return ExpertRows(out[E + 2:E + 2 + N], pairs[:N], tuple(out[:E + 1].tolist()), out[E + 1])
 
 
 @dataclasses.dataclass(frozen=True)
