@@ -121,7 +121,7 @@ def routing_rows(routing) -> ExpertRows:
     """
     ids = routing.expert_ids
     if ids.device.type != "cpu":
-        return dataclasses.replace(expert_rows(ragged_layout(routing)), dropped=routing.num_dropped())
+        return _routing_rows_torch(routing)
     k, T = ids.shape
     E = routing.num_experts
     out, pairs = torch.empty(E + 2 + k * T, dtype=torch.int64), torch.empty(k * T, dtype=torch.int64)
@@ -131,6 +131,11 @@ def routing_rows(routing) -> ExpertRows:
     if N < 0:
         raise ValueError(f"routing_rows: the routing's counts disagree with its slots: {_slots.KEPT_ROWS_ERRORS[N]}")
     return ExpertRows(out[E + 2:E + 2 + N], pairs[:N], tuple(out[:E + 1].tolist()), out[E + 1])
+
+
+def _routing_rows_torch(routing) -> ExpertRows:
+    """:func:`routing_rows` in torch ops, through the ragged layout (off CPU; the reference)."""
+    return dataclasses.replace(expert_rows(ragged_layout(routing)), dropped=routing.num_dropped())
 
 
 @dataclasses.dataclass(frozen=True)
