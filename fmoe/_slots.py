@@ -15,7 +15,7 @@ from torch import Tensor
 
 from . import _numba  # noqa: F401  (selects numba's threading layer before any kernel compiles)
 
-__all__ = ["assign_slots_walk", "assign_slots_fast", "kept_rows_walk", "KEPT_ROWS_ERRORS"]
+__all__ = ["assign_slots_walk", "assign_slots_fast", "kept_rows_walk", "KEPT_ROWS_ERRORS", "int64_array"]
 
 
 @njit(cache=True, nogil=True)
@@ -106,6 +106,11 @@ def kept_rows_walk(ids, slots, counts, capacity, out, pairs):
     return N
 
 
+def int64_array(t: Tensor) -> np.ndarray:
+    """A plain CPU integer tensor as a C-contiguous int64 numpy array (no copy if it is one)."""
+    return np.ascontiguousarray(t.numpy(), dtype=np.int64)
+
+
 def _plain(t: Tensor) -> Optional[Tensor]:
     """t without functorch grad wrappers; None if a vmap batches it (caller falls back)."""
     F = torch._C._functorch
@@ -133,8 +138,8 @@ def assign_slots_fast(expert_ids: Tensor, num_experts: int, order: Optional[Tens
     # Inside a torch.func transform every torch op (even .numpy()) would see the
     # transform's dispatch keys; the ids are plain integer data, so step outside.
     with torch._C._DisableFuncTorch():
-        ids = np.ascontiguousarray(ids.numpy(), dtype=np.int64)
-        perm = np.empty(0, np.int64) if perm is None else np.ascontiguousarray(perm.numpy(), dtype=np.int64)
+        ids = int64_array(ids)
+        perm = np.empty(0, np.int64) if perm is None else int64_array(perm)
         if perm.size not in (0, ids.shape[1]):
             raise ValueError(f"assign_slots: order must have T={ids.shape[1]} entries, got {perm.size}")
         slots = np.empty(ids.shape, np.int64)

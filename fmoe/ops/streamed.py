@@ -59,6 +59,7 @@ from torch.autograd import forward_ad as _fwd_ad
 from .. import _slots
 from ..layout import Layout, ragged_layout
 from . import tuning
+from .primitives import PLAIN_TENSORS
 from .reference import compute_dtype
 
 __all__ = ["ORDERS", "ACTIVATIONS", "SAVES", "IN_GRAD_PAD_DIV", "in_grad_pad", "in_grad_experts", "ExpertRows", "GluSpec", "expert_rows", "routing_rows", "streamed_glu", "applies", "small_path"]
@@ -125,9 +126,8 @@ def routing_rows(routing) -> ExpertRows:
     k, T = ids.shape
     E = routing.num_experts
     out, pairs = torch.empty(E + 2 + k * T, dtype=torch.int64), torch.empty(k * T, dtype=torch.int64)
-    as_np = lambda t: (t if t.dtype == torch.int64 else t.to(torch.int64)).contiguous().numpy()  # noqa: E731
-    N = _slots.kept_rows_walk(as_np(ids), as_np(routing.slots), as_np(routing.counts), routing.capacity,
-                              out.numpy(), pairs.numpy())
+    a = _slots.int64_array
+    N = _slots.kept_rows_walk(a(ids), a(routing.slots), a(routing.counts), routing.capacity, out.numpy(), pairs.numpy())
     if N < 0:
         raise ValueError(f"routing_rows: the routing's counts disagree with its slots: {_slots.KEPT_ROWS_ERRORS[N]}")
     return ExpertRows(out[E + 2:E + 2 + N], pairs[:N], tuple(out[:E + 1].tolist()), out[E + 1])
@@ -178,7 +178,7 @@ def applies(*ts: Optional[Tensor]) -> bool:
     if _fwd_ad._current_level >= 0:
         return False
     present = [t for t in ts if t is not None]
-    if any(type(t) is not Tensor and type(t) is not torch.nn.Parameter for t in present):
+    if any(type(t) not in PLAIN_TENSORS for t in present):
         return False
     return not torch.overrides.has_torch_function(tuple(present))
 
