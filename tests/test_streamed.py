@@ -169,6 +169,21 @@ def test_streamed_low_precision_within_rounding_and_eager_order_bit_exact(dtype,
         torch.testing.assert_close(a.float() / b.float().abs().max(), scale(b), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("combine", ["fmoe", "eager"])
+def test_streamed_forward_equals_the_out_of_place_reference_bit_for_bit(dtype, combine, monkeypatch):
+    # The per-call buffers the products are widened into (bf16/fp16 'fmoe': y in fp32) change
+    # no value: the op's forward, on its small path and per expert, is the out-of-place
+    # reference's, bit for bit.
+    x, w_rows, rows, w_in, w_out, fmt = _direct_inputs(False, E=4, T=40, M=24, H=16)
+    x, w_in, w_out = x.detach().to(dtype), tuple(w.detach().to(dtype) for w in w_in), w_out.detach().to(dtype)
+    w_rows = w_rows.detach().float()
+    ref = S._reference(x, w_rows, rows, w_out, None, None, w_in, fmt, combine)
+    assert torch.equal(S.streamed_glu(x, w_rows, rows, w_in, w_out, fmt, order=combine), ref)
+    monkeypatch.setattr(tuning, "STREAMED_SMALL_PAIRS", 0)   # every order and dtype per expert
+    assert torch.equal(S.streamed_glu(x, w_rows, rows, w_in, w_out, fmt, order=combine), ref)
+
+
 def _direct_inputs(fused_in, E=4, T=9, M=5, H=3, seed=3, gpt=False):
     g = _gen(seed)
     scores = torch.rand(T, E, generator=g, dtype=DT)

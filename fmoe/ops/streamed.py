@@ -293,6 +293,16 @@ def _max_rows(bounds) -> int:
     return max((bounds[e + 1] - bounds[e] for e in range(len(bounds) - 1)), default=0)
 
 
+def _widen(t: Tensor, dtype: torch.dtype, ws: Optional[_Scratch], name: str) -> Tensor:
+    """t [n, c] in ``dtype``: t itself, or its exact copy in ``ws``'s buffer ``name`` (a fresh
+    [n, c] per expert otherwise: the bf16/fp16 paths' widenings)."""
+    if t.dtype == dtype:
+        return t
+    if ws is None:
+        return t.to(dtype)
+    return ws.take(name, *t.shape, dtype).copy_(t)
+
+
 def _act_backward(g: Tensor, u: Tensor, gh: Tensor, fmt: GluSpec, out: tuple, parts: tuple, ws: "_Scratch") -> None:
     """dL/dg and dL/du written into ``out`` = (dg [n, H], du [n, H]) views, from gh = dL/dh
     (consumed) and the ``parts`` of :func:`_act_parts`. Both activations end in ATen's fused
@@ -328,12 +338,13 @@ def _gate_column(w_rows: Tensor, y: Tensor, order: str) -> Tensor:
     return w.to(y.dtype) if order == "fmoe" else w
 
 
-def _accumulate(y: Tensor, tok: Tensor, y_e: Tensor, w_e: Tensor, order: str) -> None:
+def _accumulate(y: Tensor, tok: Tensor, y_e: Tensor, w_e: Tensor, order: str,
+                ws: Optional["_Scratch"] = None) -> None:
     """y[tok] += w_e * y_e in ``order``'s arithmetic (y is the accumulator, w_e [n, 1] from
-    :func:`_gate_column`); y_e is overwritten."""
-    dt = y_e.dtype
+    :func:`_gate_column`); y_e is overwritten. ``ws``: where a bf16/fp16 'fmoe' product is
+    widened to y's dtype (one buffer per call instead of a fresh [n, O] per expert)."""
     if order == "fmoe":
-        y.index_add_(0, tok, y_e.to(y.dtype).mul_(w_e) if y.dtype != dt else y_e.mul_(w_e))
+        y.index_add_(0, tok, _widen(y_e, y.dtype, ws, "y_wide").mul_(w_e))
     else:  # transformers' eager: promotion, one cast, dt running sum
         # in place: the product is formed in the promoted dtype and rounded once to dt on
         # store, as ``(y_e * w_e).to(dt)`` rounds it, without a fresh [n, O] tensor per expert
@@ -371,7 +382,7 @@ def _forward(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: GluSpec
         y_e = torch.mm(_act(g, u, fmt, ws), wout_f[e], out=ws.take("y", n, O))
         if b_out is not None:
             y_e.add_(b_out[e])
-        _accumulate(y, tok, y_e, w_col[r0:r1], order)
+        _accumulate(y, tok, y_e, w_col[r0:r1], order, ws)
     return y.to(dt)
 
 
@@ -613,7 +624,7 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
             if plain:
                 torch.linalg.vecdot(gh, h, out=gw_rows[r0:r1])
             else:
-                dw = torch.linalg.vecdot(gh.to(p), h.to(p))
+                dw = torch.linalg.vecdot(_widen(gh, p, ws, "gh_wide"), _widen(h, p, ws, "h_wide"))
                 if b_out is not None:
                     dw += gy_e.to(p) @ b_out[e].to(p)
                 gw_rows[r0:r1] = dw.to(w_rows.dtype)
@@ -638,7 +649,7 @@ def _backward(gy, x, w_rows, w_out, b_in, b_out, w_in, saved, rows: ExpertRows, 
             if need_x:
                 gx_e = torch.mm(dg, win_T[0][e], out=ws.take("gx", n, M)).addmm_(du, win_T[1][e])
         if need_x:
-            gx.index_add_(0, tok, gx_e if gx_e.dtype == gx.dtype else gx_e.to(gx.dtype))
+            gx.index_add_(0, tok, _widen(gx_e, gx.dtype, ws, "gx_wide"))
     return (None if gx is None else gx.to(dt)), gw_rows, gw_out, gb_in, gb_out, gw_in
 
 
