@@ -166,8 +166,9 @@ def expert_gemms_step(counts, w_in: tuple, w_out: torch.Tensor, fmt, order: str)
 
     Issued as :mod:`fmoe.ops.streamed` issues them, on random rows, with no gather, activation,
     scatter or routing: where the op takes its small path (:func:`~fmoe.ops.streamed.small_path`,
-    decode) one ``torch._grouped_mm`` per projection over the rows sorted by expert; otherwise
-    (prefill), or where the op's own check says ``_grouped_mm`` does not take the operands, one
+    decode) one call per projection over the rows sorted by expert, the op's own choice
+    (:func:`~fmoe.ops.streamed.small_gemm`: ``torch._grouped_mm``, or the numba few-row kernels
+    where ``tuning.NUMBA_SMALL_GEMMS``); otherwise (prefill), or where that choice is None, one
     ``torch.mm`` per busy expert and projection into reused buffers, expert by expert.
     ``counts``: kept rows per expert (ints, length E). ``w_in``, ``w_out``, ``fmt``: what
     :func:`fmoe.experts.streamed_weights` returns for the experts ("w_in", "w_out", "fmt");
@@ -186,11 +187,12 @@ def expert_gemms_step(counts, w_in: tuple, w_out: torch.Tensor, fmt, order: str)
     # detached: the same memory, and an inference call's GEMMs build no graph
     ops = [(x, streamed._op(w, fmt.in_transposed).detach()) for w in w_in]
     ops.append((h, streamed._op(w_out, fmt.out_transposed).detach()))
-    if streamed.small_path(N, order, w_out.dtype) and streamed._grouped_ok(x, H, *(w for _, w in ops)):
-        offs = torch.tensor(bounds[1:], dtype=torch.int32)
+    gemm = streamed.small_gemm(x, H, fmt, bounds, w_out, w_in) if streamed.small_path(N, order, w_out.dtype) else None
+    if gemm is not None:
+        calls = [(x, w.detach(), fmt.in_transposed) for w in w_in] + [(h, w_out.detach(), fmt.out_transposed)]
 
         def step():
-            return [torch._grouped_mm(a, w, offs=offs) for a, w in ops]
+            return [gemm(a, w, t) for a, w, t in calls]
         return step
     busy = [e for e, c in enumerate(counts) if c]
     outs = [torch.empty(max(counts, default=0), w.shape[2], dtype=w.dtype) for _, w in ops]

@@ -221,17 +221,35 @@ def _recording_grouped_mm(monkeypatch):
     return calls
 
 
-@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
-def test_expert_gemms_floor_makes_the_decode_steps_grouped_mm_calls(monkeypatch):
+def _recording_small_groups(monkeypatch):
+    from fmoe.ops import ragged
+    calls = []
+    real = ragged._small_groups
+
+    def rec(x, w, tasks, transposed, y):
+        calls.append((tuple(x.shape), w.data_ptr(), tuple(w.shape), w.stride(), list(tasks), transposed))
+        return real(x, w, tasks, transposed, y)
+
+    monkeypatch.setattr(ragged, "_small_groups", rec)
+    return calls
+
+
+@pytest.mark.parametrize("numba", [False, True])
+def test_expert_gemms_floor_makes_the_decode_steps_gemm_calls(numba, monkeypatch):
     # decode's GEMM floor must be the very GEMMs the layer's decode step makes: same weights
-    # (data pointers, strides), same rows per expert, nothing else
+    # (data pointers, strides), same rows per expert, nothing else; torch._grouped_mm or,
+    # where MKL's few-row GEMMs are slow (tuning.NUMBA_SMALL_GEMMS), the numba kernels
     from fmoe.experts import streamed_weights
+    from fmoe.ops import tuning
+    if not numba and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch has no _grouped_mm")
+    monkeypatch.setattr(tuning, "NUMBA_SMALL_GEMMS", numba)
     c = bench_layer.LayerConfig("tiny_decode", 16, 32, 16, 8, 2, 0.0, False)
     layer, x = bench_layer.build(c, c.tokens, "fmoe")
     with torch.no_grad():
         _, aux = layer(x, return_aux=True)
         kw = streamed_weights(layer.specs[0].experts, layer.params()["experts"])
-    calls = _recording_grouped_mm(monkeypatch)
+    calls = (_recording_small_groups if numba else _recording_grouped_mm)(monkeypatch)
     with torch.no_grad():
         layer(x)
     in_step = list(calls)
@@ -248,13 +266,16 @@ def test_expert_gemms_floor_makes_the_decode_steps_grouped_mm_calls(monkeypatch)
                                                      (8, 4, 0, "fmoe", torch.float32),
                                                      (8, 8, 1024, "eager", torch.bfloat16),
                                                      (8, 8, 1024, "fmoe", torch.bfloat16)])
-def test_expert_gemms_floor_values_and_per_expert_form(K, H, N_small, order, dtype, monkeypatch):
-    # grouped_mm where the op takes it (its small path, aligned rows); else one mm per busy
-    # expert and projection, expert by expert, as the op's loops issue them (bf16 in
-    # transformers' eager order keeps the loop)
+@pytest.mark.parametrize("numba", [False, True])
+def test_expert_gemms_floor_values_and_per_expert_form(K, H, N_small, order, dtype, numba, monkeypatch):
+    # one call per projection where the op's small path takes one (grouped_mm on aligned
+    # rows, or the numba few-row kernels in fp32/64 where tuning.NUMBA_SMALL_GEMMS); else one
+    # mm per busy expert and projection, expert by expert, as the op's loops issue them (bf16
+    # in transformers' eager order keeps the loop)
     from fmoe.ops import tuning
     from fmoe.ops.streamed import GluSpec
     monkeypatch.setattr(tuning, "STREAMED_SMALL_PAIRS", N_small)
+    monkeypatch.setattr(tuning, "NUMBA_SMALL_GEMMS", numba)
     g = torch.Generator().manual_seed(0)
     E = 4
     param = lambda *shape: torch.nn.Parameter(torch.randn(*shape, generator=g).to(dtype))   # noqa: E731 (as models hold them)
@@ -277,9 +298,12 @@ def test_expert_gemms_floor_values_and_per_expert_form(K, H, N_small, order, dty
     monkeypatch.setattr(torch, "mm", mm)
     outs = step()
     align = 16 // torch.tensor([], dtype=dtype).element_size()
-    grouped = (hasattr(torch, "_grouped_mm") and K % align == 0 and H % align == 0 and N_small >= 6
-               and (order == "fmoe" or dtype == torch.float32))
-    if grouped:
+    small = N_small >= 6 and (order == "fmoe" or dtype == torch.float32)
+    if numba and dtype == torch.float32:
+        one_call = small
+    else:
+        one_call = small and hasattr(torch, "_grouped_mm") and K % align == 0 and H % align == 0
+    if one_call:
         assert len(outs) == 3 and not products
     else:
         assert len(products) == 3 * 3

@@ -549,3 +549,31 @@ def test_balanced_groups_are_the_references_calls_bit_for_bit(transposed):
     xs = torch.randn(int(small[-1]), 3, generator=g, dtype=torch.float64, requires_grad=True)
     ws = torch.randn(8, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, c: RG.ragged_mm(a, c, small, transposed=True), (xs, ws))
+
+
+@pytest.mark.parametrize("text,vendor", [("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n", "AuthenticAMD"),
+                                         ("processor\t: 0\nvendor_id\t: GenuineIntel\n", "GenuineIntel"),
+                                         ("Processor\t: AArch64 Processor rev 1\n", "")])
+def test_cpu_vendor_reads_the_first_vendor_id(text, vendor, tmp_path):
+    f = tmp_path / "cpuinfo"
+    f.write_text(text)
+    assert tuning.cpu_vendor(str(f)) == vendor
+    assert tuning.cpu_vendor(str(tmp_path / "missing")) == ""
+    # the kernel rule is this machine's vendor's, nothing else
+    assert tuning.NUMBA_SMALL_GEMMS == (tuning.CPU_VENDOR == "AuthenticAMD")
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("counts", [[3, 0, 20, 1], [0, 0, 0, 5], [17, 16]])
+def test_grouped_rows_equals_the_reference(transposed, counts):
+    # the forward-only entry point (the streamed op's small path): few-row experts in one
+    # numba call, the others by BLAS, every row written
+    g = torch.Generator().manual_seed(4)
+    E, K, N = len(counts), 12, 20
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    x = torch.randn(bounds[-1], K, generator=g)
+    w = torch.randn(E, N, K, generator=g) if transposed else torch.randn(E, K, N, generator=g)
+    ref = ragged_mm_reference(x, w, torch.tensor(bounds), transposed=transposed)
+    torch.testing.assert_close(RG.grouped_rows(x, w, bounds, transposed), ref, rtol=1e-5, atol=1e-5)

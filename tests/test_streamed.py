@@ -454,6 +454,34 @@ def test_inference_small_batch_path_takes_rows_grouped_mm_refuses(expert_type, M
     torch.testing.assert_close(small / scale, staged / scale, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("expert_type,split", [("gated_ffn", False), ("swiglu", False), ("swiglu", True),
+                                               ("gpt_oss", False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("T", [16, 200])
+def test_inference_small_path_numba_gemms_equal_the_staged_pipeline(expert_type, split, dtype, T, monkeypatch):
+    # Where MKL's few-row GEMMs are slow (tuning.NUMBA_SMALL_GEMMS, the CPU vendor's rule),
+    # the small path multiplies through fmoe.ops.ragged's kernels: experts with at most
+    # RAGGED_SMALL_ROWS rows in one numba call (T 16: 4 rows each), the others by BLAS (T 200:
+    # 50 rows each); equal to the staged pipeline within float rounding, biases included.
+    from fmoe.ops import ragged
+    monkeypatch.setattr(tuning, "NUMBA_SMALL_GEMMS", True)
+    spec = _spec(expert_type, 0.0, k=2, E=8, M=24, H=16)
+    p = _params(spec, dtype, split=split)
+    x = torch.randn(T, 24, generator=_gen(21)).to(dtype)
+    with torch.no_grad():
+        staged = fmoe.moe(p, x, dataclasses.replace(spec, streamed=False))[0]
+    numba_calls = []
+    real = ragged._small_groups
+    monkeypatch.setattr(ragged, "_small_groups", lambda *a: (numba_calls.append(a[2]), real(*a))[1])
+    with torch.no_grad():
+        got = fmoe.moe(p, x, spec)[0]
+    projections = 2 if split or expert_type == "gated_ffn" else 1
+    assert len(numba_calls) == (projections + 1 if T == 16 else 0)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    scale = staged.abs().max()
+    torch.testing.assert_close(got / scale, staged / scale, rtol=tol, atol=tol)
+
+
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
 def test_grouped_layout_check_matches_torch():
     # the predicate accepts exactly the operands torch._grouped_mm accepts

@@ -196,10 +196,19 @@ def _group_mm(xs: Tensor, ws: Tensor, e: int, lo: int, hi: int, transposed: bool
 def _mm_impl(x: Tensor, w: Tensor, offsets: Tensor, transposed: bool) -> Tensor:
     S = _check_mm_op(x, w, offsets, transposed)
     R = x.shape[1]
-    E = w.shape[1]
     N = w.shape[2] if transposed else w.shape[3]
-    offs = _offset_lists("ragged_mm", offsets, R)
     y = torch.empty(S, R, N, dtype=x.dtype, device=x.device)
+    _grouped_into(x, w, _offset_lists("ragged_mm", offsets, R), transposed, y)
+    return y
+
+
+def _grouped_into(x: Tensor, w: Tensor, offs: list, transposed: bool, y: Tensor) -> None:
+    """y[s][rows of e] = x[s][rows of e] @ op(w[s][e]) for every segment s and busy expert e,
+    padding rows zeroed: x [Sx, R, K], w [Sw, E, ., .], ``offs`` So lists of E + 1 checked
+    ints, y [S, R, N]. The kernel choice: groups of at most ``tuning.RAGGED_SMALL_ROWS`` rows
+    in one numba call while their weights add up to at most ``tuning.RAGGED_NUMBA_MAX_BYTES``,
+    every other group one BLAS call."""
+    S, R, E = y.shape[0], x.shape[1], w.shape[1]
     # The numba kernel reads contiguous weights. A transposed view of contiguous storage
     # (fmoe.nn.MoELayer's x @ W views of its out x in Parameters) is read as that storage,
     # the other order: no copy of the weights at every call.
@@ -227,7 +236,20 @@ def _mm_impl(x: Tensor, w: Tensor, offsets: Tensor, transposed: bool) -> Tensor:
     else:   # too many weight bytes for the numba kernel to win: one BLAS call per group
         for s, e, lo, hi in small:
             _group_mm(x[s if x.shape[0] > 1 else 0], w[s if w.shape[0] > 1 else 0], e, lo, hi, transposed, y[s])
-    return y
+
+
+def grouped_rows(x: Tensor, w: Tensor, bounds: list, transposed: bool = False) -> Tensor:
+    """y [N, cols] with y[rows of e] = x[rows of e] @ op(w[e]): :func:`ragged_mm`'s kernels on
+    rows sorted by expert, forward only (no autograd, no checks; the caller's rows).
+
+    Args:
+        x: [N, K] rows, expert e's at ``bounds[e]:bounds[e + 1]``, N = ``bounds[-1]``.
+        w: [E, K, cols] (or [E, cols, K] with ``transposed``), x's dtype and device.
+        bounds: E + 1 non-decreasing ints from 0 (python ints: no host sync).
+    """
+    y = x.new_empty((1, x.shape[0], w.shape[1] if transposed else w.shape[2]))
+    _grouped_into(x[None], w[None], [bounds], transposed, y)
+    return y[0]
 
 
 def _wgrad_impl(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:

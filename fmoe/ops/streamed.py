@@ -58,6 +58,7 @@ from torch.autograd import forward_ad as _fwd_ad
 
 from .. import _slots
 from ..layout import Layout, ragged_layout
+from . import ragged as _ragged
 from . import tuning
 from .primitives import PLAIN_TENSORS
 from .reference import compute_dtype
@@ -413,25 +414,40 @@ def _grouped_ok(x_r: Tensor, H: int, *ws: Tensor) -> bool:
             and all(_grouped_layout_ok(t) for t in ts) and H * x_r.element_size() % 16 == 0)
 
 
+def small_gemm(x_r: Tensor, H: int, fmt: GluSpec, bounds: list, w_out: Tensor, w_in: tuple):
+    """How the small path multiplies all its rows by each projection at once: a function
+    ``gemm(a, w, transposed)`` -> [N, cols] over the rows sorted by expert, or None (a
+    ``torch.mm`` per expert). Where MKL's few-row GEMMs are slow (``tuning.NUMBA_SMALL_GEMMS``)
+    the ragged kernels (:func:`fmoe.ops.ragged.grouped_rows`: few-row experts in one numba
+    call); else one ``torch._grouped_mm`` per projection where its layout rule takes the
+    operands (:func:`_grouped_ok`)."""
+    if (tuning.NUMBA_SMALL_GEMMS and x_r.device.type == "cpu"
+            and x_r.dtype in (torch.float32, torch.float64)):
+        return lambda a, w, transposed: _ragged.grouped_rows(a, w, bounds, transposed)
+    if _grouped_ok(x_r, H, _op(w_out, fmt.out_transposed), *(_op(w, fmt.in_transposed) for w in w_in)):
+        offs = torch.tensor(bounds[1:], dtype=torch.int32, device=x_r.device)
+        return lambda a, w, transposed: torch._grouped_mm(a, _op(w, transposed), offs=offs)
+    return None
+
+
 def _forward_small(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: GluSpec, order: str, busy, H, O,
                    y) -> None:
     b, N = rows.bounds, rows.bounds[-1]
     x_r = x.index_select(0, rows.tokens)
-    op_in, op_out = [_op(w, fmt.in_transposed) for w in w_in], _op(w_out, fmt.out_transposed)
-    if _grouped_ok(x_r, H, op_out, *op_in):
+    gemm = small_gemm(x_r, H, fmt, b, w_out, w_in)
+    if gemm is not None:
         # One call per projection: no per-expert launches or parallel regions (decode: -7..14%
         # against the loop below on T 16/64, E 64, k 6, 2026-12-01).
-        offs = torch.tensor(b[1:], dtype=torch.int32, device=x.device)
         expert = None    # expert id per row, for the biases
         if b_in is not None or b_out is not None:
             sizes = torch.tensor([b[e + 1] - b[e] for e in range(len(b) - 1)], device=x.device)
             expert = torch.repeat_interleave(torch.arange(len(b) - 1, device=x.device), sizes, output_size=N)
-        parts = tuple(torch._grouped_mm(x_r, w, offs=offs) for w in op_in)
+        parts = tuple(gemm(x_r, w, fmt.in_transposed) for w in w_in)
         if b_in is not None:
             parts[0].add_(b_in.index_select(0, expert))
         g, u = _split(parts[0], fmt, H) if fmt.fused_in else parts
         # contiguous [N, H] rows are what _grouped_ok checked (the activation's output already is)
-        y_r = torch._grouped_mm(_act(g, u, fmt).contiguous(), op_out, offs=offs)
+        y_r = gemm(_act(g, u, fmt).contiguous(), w_out, fmt.out_transposed)
         if b_out is not None:
             y_r.add_(b_out.index_select(0, expert))
     else:

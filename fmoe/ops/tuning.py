@@ -1,7 +1,9 @@
 """Kernel-choice thresholds, each with the measurement that chose it: the one place for them.
 
 All were measured on the 2-vCPU development machine (Intel Xeon with AVX-512, torch 2.13
-CPU build with MKL, numba 0.68 with TBB, torch's default 2 threads). The kernels read them
+CPU build with MKL, numba 0.68 with TBB, torch's default 2 threads), except where a value
+depends on the CPU's vendor (``NUMBA_SMALL_GEMMS``): those were measured on both an Intel
+Xeon and an AMD EPYC host of the same size. The kernels read them
 at call time (``tuning.NAME``), so a test or a benchmark can patch them here. The
 benchmarks named below re-measure them; BENCHMARKS.md has the tables.
 
@@ -16,8 +18,38 @@ measured speed.
 """
 from __future__ import annotations
 
-__all__ = ["STREAMED_SMALL_PAIRS", "RAGGED_SMALL_ROWS", "RAGGED_NUMBA_MAX_BYTES", "RAGGED_SERIAL_BYTES",
-           "NUMBA_SERIAL_ELEMENTS", "MATVEC_BYTES", "GEMV_ROWS"]
+__all__ = ["CPU_VENDOR", "NUMBA_SMALL_GEMMS", "STREAMED_SMALL_PAIRS", "RAGGED_SMALL_ROWS", "RAGGED_NUMBA_MAX_BYTES",
+           "RAGGED_SERIAL_BYTES", "NUMBA_SERIAL_ELEMENTS", "MATVEC_BYTES", "GEMV_ROWS"]
+
+
+def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The first ``vendor_id`` in ``cpuinfo`` ("GenuineIntel", "AuthenticAMD"); "" where there
+    is none (not Linux, or not x86)."""
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+CPU_VENDOR = cpu_vendor()
+
+# Few-row GEMMs (decode: 1-16 rows per expert) by the numba kernels of fmoe.ops.ragged
+# instead of MKL, on AMD CPUs. MKL's few-row sgemm is fast on Intel and slow on AMD; which
+# one wins is the CPU's, so the choice is the vendor's (one rule, the same every run):
+# * AMD EPYC (Zen 4, AVX-512, 2 vCPUs, 2026-12-02, ad hoc, medians of 20): over E 64 x
+#   [1024 x 512] / [512 x 1024] and E 32 x [768 x 768] fp32 weights, both orders, n = 1-8 rows
+#   per expert, the numba kernel took 0.30-0.81x the time of one torch._grouped_mm (1.0-4.0x
+#   the time of a sum over the same weights, against 2.7-9.9x for grouped_mm); at 16 rows
+#   the two were level (0.98-1.42x), at 32-64 MKL won (0.63-1.0x numba's time).
+# * Intel Xeon (Emerald Rapids, the same 2 vCPUs, sessions 6 and 8, BENCHMARKS.md "Tried and
+#   dropped"): MKL was level or ahead. Over [64, 1024, 1024] weights a numba kernel took 12.7 /
+#   14.4 / 18.0 / 20.0 ms at 1 / 4 / 6 / 8 rows per expert against MKL's 11.2 / 16.2 / 18.2 /
+#   20.0, and the ragged kernel 1.35-2.2x MKL's time at 72 MiB (RAGGED_NUMBA_MAX_BYTES below).
+NUMBA_SMALL_GEMMS = CPU_VENDOR == "AuthenticAMD"
 
 # fmoe.ops.streamed, inference: calls with at most this many kept pairs run the elementwise
 # steps once over all rows and the GEMMs as one torch._grouped_mm per projection, leaving no
@@ -37,8 +69,10 @@ STREAMED_SMALL_PAIRS = 1024
 # overhead, which one numba call saves; large ones are the weight read, where MKL's kernels
 # are faster. (Under load 8-10 MKL stalled instead: 135 ms-2.3 s for 32 groups of 1-16 rows
 # at 72 MiB, against 28-129 ms for numba.)
+# On AMD (NUMBA_SMALL_GEMMS) the numba kernel won at every weight size measured there, up to
+# 128 MiB (E 64 x [1024 x 512] fp32, 1-8 rows per expert, see above): no byte cap.
 RAGGED_SMALL_ROWS = 16
-RAGGED_NUMBA_MAX_BYTES = 4 << 20
+RAGGED_NUMBA_MAX_BYTES = 1 << 62 if NUMBA_SMALL_GEMMS else 4 << 20
 
 # fmoe.ops.ragged: below this many weight bytes the small groups take the serial numba twin.
 # Chosen so that a TBB region's start (~50 us, see NUMBA_SERIAL_ELEMENTS) stays under about
