@@ -516,6 +516,11 @@ def test_kernel_signatures_run_and_compute():
     import numpy as np
 
     for name, kern, args in RK.signatures():
+        if name.startswith("silu_glu"):
+            g, u, h = args
+            kern(*args)
+            np.testing.assert_allclose(h, g / (1 + np.exp(-g)) * u, rtol=1e-6, err_msg=name)
+            continue
         x, w, tasks, transposed, zero, y = args
         kern(*args)
         for s, e, lo, hi in tasks:
@@ -577,3 +582,20 @@ def test_grouped_rows_equals_the_reference(transposed, counts):
     w = torch.randn(E, N, K, generator=g) if transposed else torch.randn(E, K, N, generator=g)
     ref = ragged_mm_reference(x, w, torch.tensor(bounds), transposed=transposed)
     torch.testing.assert_close(RG.grouped_rows(x, w, bounds, transposed), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n,H", [(3, 5), (300, 256)])   # the serial twin, then the parallel kernel
+@pytest.mark.parametrize("fused", [False, True])
+def test_silu_glu_rows_equals_torch(dtype, n, H, fused):
+    g = torch.Generator().manual_seed(5)
+    if fused:   # the two halves of one [n, 2H] projection: strided views
+        z = torch.randn(n, 2 * H, generator=g, dtype=dtype) * 4
+        a, b = z[:, :H], z[:, H:]
+    else:
+        a, b = (torch.randn(n, H, generator=g, dtype=dtype) * 4 for _ in range(2))
+    assert (n * H <= tuning.NUMBA_SERIAL_ELEMENTS) == (n == 3)
+    got = RG.silu_glu_rows(a, b)
+    assert got.shape == (n, H) and got.is_contiguous()
+    tol = 1e-6 if dtype == torch.float32 else 1e-14
+    torch.testing.assert_close(got, torch.nn.functional.silu(a) * b, rtol=tol, atol=tol)

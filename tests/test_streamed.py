@@ -174,7 +174,9 @@ def test_streamed_low_precision_within_rounding_and_eager_order_bit_exact(dtype,
 def test_streamed_forward_equals_the_out_of_place_reference_bit_for_bit(dtype, combine, monkeypatch):
     # The per-call buffers the products are widened into (bf16/fp16 'fmoe': y in fp32) change
     # no value: the op's forward, on its small path and per expert, is the out-of-place
-    # reference's, bit for bit.
+    # reference's, bit for bit (with BLAS GEMMs: the numba few-row kernels of
+    # tuning.NUMBA_SMALL_GEMMS agree within rounding, tested below).
+    monkeypatch.setattr(tuning, "NUMBA_SMALL_GEMMS", False)
     x, w_rows, rows, w_in, w_out, fmt = _direct_inputs(False, E=4, T=40, M=24, H=16)
     x, w_in, w_out = x.detach().to(dtype), tuple(w.detach().to(dtype) for w in w_in), w_out.detach().to(dtype)
     w_rows = w_rows.detach().float()
@@ -502,7 +504,9 @@ def test_grouped_layout_check_matches_torch():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("combine", ["fmoe", "eager"])
 def test_inference_small_batch_path_equals_the_per_expert_loop(dtype, combine, monkeypatch):
-    # No grad and few pairs: GEMMs per expert into one row buffer, elementwise steps once.
+    # No grad and few pairs: GEMMs per expert into one row buffer, elementwise steps once
+    # (BLAS GEMMs; the numba few-row kernels of tuning.NUMBA_SMALL_GEMMS are tested below).
+    monkeypatch.setattr(tuning, "NUMBA_SMALL_GEMMS", False)
     spec = _spec("swiglu", 0.0, k=4, E=8, M=32, H=16, combine=combine)
     p = _params(spec, dtype)
     x = torch.randn(64, 32, generator=_gen(8)).to(dtype)

@@ -238,6 +238,17 @@ def _grouped_into(x: Tensor, w: Tensor, offs: list, transposed: bool, y: Tensor)
             _group_mm(x[s if x.shape[0] > 1 else 0], w[s if w.shape[0] > 1 else 0], e, lo, hi, transposed, y[s])
 
 
+def silu_glu_rows(g: Tensor, u: Tensor) -> Tensor:
+    """h = silu(g) * u [n, H] by the numba kernel that runs beside :func:`grouped_rows` (float32/64
+    CPU; g and u may be column slices of one [n, 2H] projection). Equal to ``F.silu(g) * u``
+    within float rounding."""
+    h = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    kern = _RK.silu_glu_serial if h.numel() <= tuning.NUMBA_SERIAL_ELEMENTS else _RK.silu_glu
+    with _numba.kernel_call():
+        kern(g.detach().numpy(), u.detach().numpy(), h.numpy())
+    return h
+
+
 def grouped_rows(x: Tensor, w: Tensor, bounds: list, transposed: bool = False) -> Tensor:
     """y [N, cols] with y[rows of e] = x[rows of e] @ op(w[e]): :func:`ragged_mm`'s kernels on
     rows sorted by expert, forward only (no autograd, no checks; the caller's rows).

@@ -414,6 +414,11 @@ def _grouped_ok(x_r: Tensor, H: int, *ws: Tensor) -> bool:
             and all(_grouped_layout_ok(t) for t in ts) and H * x_r.element_size() % 16 == 0)
 
 
+def _numba_small(x_r: Tensor) -> bool:
+    """The small path multiplies (and for SwiGLU activates) through the numba kernels."""
+    return tuning.NUMBA_SMALL_GEMMS and x_r.device.type == "cpu" and x_r.dtype in (torch.float32, torch.float64)
+
+
 def small_gemm(x_r: Tensor, H: int, fmt: GluSpec, bounds: list, w_out: Tensor, w_in: tuple):
     """How the small path multiplies all its rows by each projection at once: a function
     ``gemm(a, w, transposed)`` -> [N, cols] over the rows sorted by expert, or None (a
@@ -421,8 +426,7 @@ def small_gemm(x_r: Tensor, H: int, fmt: GluSpec, bounds: list, w_out: Tensor, w
     the ragged kernels (:func:`fmoe.ops.ragged.grouped_rows`: few-row experts in one numba
     call); else one ``torch._grouped_mm`` per projection where its layout rule takes the
     operands (:func:`_grouped_ok`)."""
-    if (tuning.NUMBA_SMALL_GEMMS and x_r.device.type == "cpu"
-            and x_r.dtype in (torch.float32, torch.float64)):
+    if _numba_small(x_r):
         return lambda a, w, transposed: _ragged.grouped_rows(a, w, bounds, transposed)
     if _grouped_ok(x_r, H, _op(w_out, fmt.out_transposed), *(_op(w, fmt.in_transposed) for w in w_in)):
         offs = torch.tensor(bounds[1:], dtype=torch.int32, device=x_r.device)
@@ -446,8 +450,9 @@ def _forward_small(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: G
         if b_in is not None:
             parts[0].add_(b_in.index_select(0, expert))
         g, u = _split(parts[0], fmt, H) if fmt.fused_in else parts
+        h = _ragged.silu_glu_rows(g, u) if fmt.activation == "silu" and _numba_small(x_r) else _act(g, u, fmt)
         # contiguous [N, H] rows are what _grouped_ok checked (the activation's output already is)
-        y_r = gemm(_act(g, u, fmt).contiguous(), w_out, fmt.out_transposed)
+        y_r = gemm(h.contiguous(), w_out, fmt.out_transposed)
         if b_out is not None:
             y_r.add_(b_out.index_select(0, expert))
     else:
