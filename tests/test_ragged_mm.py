@@ -521,6 +521,12 @@ def test_kernel_signatures_run_and_compute():
             kern(*args)
             np.testing.assert_allclose(h, g / (1 + np.exp(-g)) * u, rtol=1e-6, err_msg=name)
             continue
+        if name.startswith("gpt_oss_glu"):
+            g, u, alpha, limit, h = args
+            kern(*args)
+            gc, uc = np.minimum(g, limit), np.clip(u, -limit, limit)
+            np.testing.assert_allclose(h, (uc + 1) * gc / (1 + np.exp(-alpha * gc)), rtol=1e-6, err_msg=name)
+            continue
         x, w, tasks, transposed, zero, y = args
         kern(*args)
         for s, e, lo, hi in tasks:
@@ -587,15 +593,20 @@ def test_grouped_rows_equals_the_reference(transposed, counts):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("n,H", [(3, 5), (300, 256)])   # the serial twin, then the parallel kernel
 @pytest.mark.parametrize("fused", [False, True])
-def test_silu_glu_rows_equals_torch(dtype, n, H, fused):
+@pytest.mark.parametrize("activation", ["silu", "gpt_oss"])
+def test_glu_rows_equals_torch(dtype, n, H, fused, activation):
+    from fmoe.ops.streamed import GluSpec, _act
     g = torch.Generator().manual_seed(5)
-    if fused:   # the two halves of one [n, 2H] projection: strided views
+    if fused:   # the two halves of one [n, 2H] projection: strided views (GPT-OSS: interleaved)
         z = torch.randn(n, 2 * H, generator=g, dtype=dtype) * 4
-        a, b = z[:, :H], z[:, H:]
+        a, b = (z[:, 0::2], z[:, 1::2]) if activation == "gpt_oss" else (z[:, :H], z[:, H:])
     else:
         a, b = (torch.randn(n, H, generator=g, dtype=dtype) * 4 for _ in range(2))
+    a[0, 0], b[-1, -1] = float("nan"), float("nan")   # NaN stays NaN through the clamps
+    a[1, 1], b[1, 2], b[2, 0] = 9.0, -9.0, 9.0          # past the GPT-OSS limit, both sides
     assert (n * H <= tuning.NUMBA_SERIAL_ELEMENTS) == (n == 3)
-    got = RG.silu_glu_rows(a, b)
+    fmt = GluSpec(True, False, False, interleaved=fused, activation=activation, limit=7.0)
+    got = RG.glu_rows(a, b, None if activation == "silu" else (fmt.alpha, fmt.limit))
     assert got.shape == (n, H) and got.is_contiguous()
     tol = 1e-6 if dtype == torch.float32 else 1e-14
-    torch.testing.assert_close(got, torch.nn.functional.silu(a) * b, rtol=tol, atol=tol)
+    torch.testing.assert_close(got, _act(a, b, fmt), rtol=tol, atol=tol, equal_nan=True)

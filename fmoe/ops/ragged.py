@@ -238,14 +238,21 @@ def _grouped_into(x: Tensor, w: Tensor, offs: list, transposed: bool, y: Tensor)
             _group_mm(x[s if x.shape[0] > 1 else 0], w[s if w.shape[0] > 1 else 0], e, lo, hi, transposed, y[s])
 
 
-def silu_glu_rows(g: Tensor, u: Tensor) -> Tensor:
-    """h = silu(g) * u [n, H] by the numba kernel that runs beside :func:`grouped_rows` (float32/64
-    CPU; g and u may be column slices of one [n, 2H] projection). Equal to ``F.silu(g) * u``
-    within float rounding."""
+def glu_rows(g: Tensor, u: Tensor, gpt_oss: Optional[tuple] = None) -> Tensor:
+    """The gated activation h [n, H] by the numba kernels that run beside :func:`grouped_rows`
+    (float32/64 CPU; g and u may be column slices of one [n, 2H] projection): ``silu(g) * u``,
+    or with ``gpt_oss`` = (alpha, limit) GPT-OSS's ``(clamp(u, -limit, limit) + 1) * g'
+    sigmoid(alpha g')``, ``g' = min(g, limit)``. Equal to torch's ops within float rounding."""
     h = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-    kern = _RK.silu_glu_serial if h.numel() <= tuning.NUMBA_SERIAL_ELEMENTS else _RK.silu_glu
+    serial = h.numel() <= tuning.NUMBA_SERIAL_ELEMENTS
+    args = (g.detach().numpy(), u.detach().numpy())
+    if gpt_oss is None:
+        kern = _RK.silu_glu_serial if serial else _RK.silu_glu
+    else:
+        kern = _RK.gpt_oss_glu_serial if serial else _RK.gpt_oss_glu
+        args += tuple(np.array(c, dtype=h.numpy().dtype)[()] for c in gpt_oss)
     with _numba.kernel_call():
-        kern(g.detach().numpy(), u.detach().numpy(), h.numpy())
+        kern(*args, h.numpy())
     return h
 
 

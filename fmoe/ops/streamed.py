@@ -415,7 +415,7 @@ def _grouped_ok(x_r: Tensor, H: int, *ws: Tensor) -> bool:
 
 
 def _numba_small(x_r: Tensor) -> bool:
-    """The small path multiplies (and for SwiGLU activates) through the numba kernels."""
+    """The small path multiplies and activates through the numba kernels."""
     return tuning.NUMBA_SMALL_GEMMS and x_r.device.type == "cpu" and x_r.dtype in (torch.float32, torch.float64)
 
 
@@ -450,7 +450,10 @@ def _forward_small(x, w_rows, rows: ExpertRows, w_out, b_in, b_out, w_in, fmt: G
         if b_in is not None:
             parts[0].add_(b_in.index_select(0, expert))
         g, u = _split(parts[0], fmt, H) if fmt.fused_in else parts
-        h = _ragged.silu_glu_rows(g, u) if fmt.activation == "silu" and _numba_small(x_r) else _act(g, u, fmt)
+        if _numba_small(x_r):
+            h = _ragged.glu_rows(g, u, None if fmt.activation == "silu" else (fmt.alpha, fmt.limit))
+        else:
+            h = _act(g, u, fmt)
         # contiguous [N, H] rows are what _grouped_ok checked (the activation's output already is)
         y_r = gemm(h.contiguous(), w_out, fmt.out_transposed)
         if b_out is not None:
