@@ -191,7 +191,7 @@ def _op(w: Tensor, transposed: bool) -> Tensor:
 
 def small_path(pairs: int, order: str, dtype: torch.dtype) -> bool:
     """Inference with this many kept pairs runs :func:`_forward_small` (elementwise steps once
-    over all rows, GEMMs as one torch._grouped_mm per projection where its layout rule allows).
+    over all rows, GEMMs as one call per projection where :func:`small_gemm` has one).
     transformers' eager order in bf16/fp16 keeps the per-expert loop: one bf16 index_add_ sums
     a call's duplicates in fp32, and a bf16 activation over all rows splits its threads
     elsewhere."""

@@ -42,9 +42,10 @@ CPU_VENDOR = cpu_vendor()
 # one wins is the CPU's, so the choice is the vendor's (one rule, the same every run):
 # * AMD EPYC (Zen 4, AVX-512, 2 vCPUs, 2026-12-02, ad hoc, medians of 20): over E 64 x
 #   [1024 x 512] / [512 x 1024] and E 32 x [768 x 768] fp32 weights, both orders, n = 1-8 rows
-#   per expert, the numba kernel took 0.30-0.81x the time of one torch._grouped_mm (1.0-4.0x
+#   per expert, the numba kernel took 0.22-0.83x the time of one torch._grouped_mm (1.0-4.4x
 #   the time of a sum over the same weights, against 2.7-9.9x for grouped_mm); at 16 rows
-#   the two were level (0.98-1.42x), at 32-64 MKL won (0.63-1.0x numba's time).
+#   0.70-1.03x, at 32-64 rows 0.93-1.52x (MKL level or ahead). In the decode steps: 0.42-0.86x
+#   (BENCHMARKS.md, session 10).
 # * Intel Xeon (Emerald Rapids, the same 2 vCPUs, sessions 6 and 8, BENCHMARKS.md "Tried and
 #   dropped"): MKL was level or ahead. Over [64, 1024, 1024] weights a numba kernel took 12.7 /
 #   14.4 / 18.0 / 20.0 ms at 1 / 4 / 6 / 8 rows per expert against MKL's 11.2 / 16.2 / 18.2 /
@@ -52,8 +53,8 @@ CPU_VENDOR = cpu_vendor()
 NUMBA_SMALL_GEMMS = CPU_VENDOR == "AuthenticAMD"
 
 # fmoe.ops.streamed, inference: calls with at most this many kept pairs run the elementwise
-# steps once over all rows and the GEMMs as one torch._grouped_mm per projection, leaving no
-# per-expert Python loop. At decode (T 16, E 64, k 6, M 1024, H 512: 96 pairs over ~50
+# steps once over all rows and the GEMMs as one call per projection (torch._grouped_mm, or
+# the numba kernels where NUMBA_SMALL_GEMMS), leaving no per-expert Python loop. At decode (T 16, E 64, k 6, M 1024, H 512: 96 pairs over ~50
 # experts) the per-expert loop took 26 ms, this 19 ms, against 14 ms to read the busy
 # experts' weights (ad hoc, 2026-12-01, quiet machine). Above it the [pairs, O] row buffer
 # is not worth its memory.
