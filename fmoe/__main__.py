@@ -4,7 +4,7 @@ Commands:
     warmup   compile (or load from numba's cache) every CPU kernel signature
              ahead of time, so the first real call is fast; prints one line
              per kernel and the threading layer.
-    info     print the threading layer, thread counts and the TBB library.
+    info     print the threading layer, thread counts, the TBB library and the decode GEMM kernels.
 """
 from __future__ import annotations
 
@@ -33,13 +33,15 @@ def _info(args) -> int:
     import torch
 
     from . import _numba
-    from .ops import numba_cpu
+    from .ops import numba_cpu, tuning
 
     numba_cpu.warmup()  # the layer is only known after a parallel launch
     print(f"threading layer: {_numba.threading_layer()}")
     print(f"tbb library: {_numba.tbb_library() or 'not loaded: ' + str(_numba.TBB_ERROR)}")
     print(f"torch threads: {torch.get_num_threads()}; numba threads: {numba.get_num_threads()} "
           f"(max {numba.config.NUMBA_NUM_THREADS})")
+    kernels = "numba few-row kernels" if tuning.NUMBA_SMALL_GEMMS else "BLAS (torch._grouped_mm / torch.mm)"
+    print(f"decode GEMMs: {kernels} (CPU vendor: {tuning.CPU_VENDOR or 'unknown'}; tuning.NUMBA_SMALL_GEMMS)")
     return 0
 
 

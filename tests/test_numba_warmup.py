@@ -40,3 +40,14 @@ def test_warmup_then_first_call_is_fast():
     # including an import of scipy.linalg) even to load cached code. The bound is
     # loose because the machine is shared; uncached it is ~20 s.
     assert float(seconds) < 3.0
+
+
+def test_info_names_the_threading_layer_and_the_decode_kernels(capsys, monkeypatch):
+    from fmoe.__main__ import main
+    from fmoe.ops import tuning
+    for numba_gemms, words in ((True, "numba few-row kernels"), (False, "BLAS")):
+        monkeypatch.setattr(tuning, "NUMBA_SMALL_GEMMS", numba_gemms)
+        assert main(["info"]) == 0
+        out = capsys.readouterr().out
+        assert "threading layer: tbb" in out
+        assert f"decode GEMMs: {words}" in out and f"CPU vendor: {tuning.CPU_VENDOR or 'unknown'}" in out
