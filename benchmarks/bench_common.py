@@ -185,8 +185,6 @@ def expert_gemms_step(counts, w_in: tuple, w_out: torch.Tensor, fmt, order: str)
     x = torch.randn(N, K, dtype=w_out.dtype, generator=torch.Generator().manual_seed(2))
     h = torch.randn(N, H, dtype=w_out.dtype, generator=torch.Generator().manual_seed(3))
     # detached: the same memory, and an inference call's GEMMs build no graph
-    ops = [(x, streamed._op(w, fmt.in_transposed).detach()) for w in w_in]
-    ops.append((h, streamed._op(w_out, fmt.out_transposed).detach()))
     gemm = streamed.small_gemm(x, H, fmt, bounds, w_out, w_in) if streamed.small_path(N, order, w_out.dtype) else None
     if gemm is not None:
         calls = [(x, w.detach(), fmt.in_transposed) for w in w_in] + [(h, w_out.detach(), fmt.out_transposed)]
@@ -194,6 +192,8 @@ def expert_gemms_step(counts, w_in: tuple, w_out: torch.Tensor, fmt, order: str)
         def step():
             return [gemm(a, w, t) for a, w, t in calls]
         return step
+    ops = [(x, streamed._op(w, fmt.in_transposed).detach()) for w in w_in]
+    ops.append((h, streamed._op(w_out, fmt.out_transposed).detach()))
     busy = [e for e, c in enumerate(counts) if c]
     outs = [torch.empty(max(counts, default=0), w.shape[2], dtype=w.dtype) for _, w in ops]
 

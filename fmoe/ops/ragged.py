@@ -250,7 +250,8 @@ def glu_rows(g: Tensor, u: Tensor, gpt_oss: Optional[tuple] = None) -> Tensor:
         kern = _RK.silu_glu_serial if serial else _RK.silu_glu
     else:
         kern = _RK.gpt_oss_glu_serial if serial else _RK.gpt_oss_glu
-        args += tuple(np.array(c, dtype=h.numpy().dtype)[()] for c in gpt_oss)
+        scalar = h.numpy().dtype.type   # h's dtype: a Python float would widen fp32 arithmetic
+        args += tuple(scalar(c) for c in gpt_oss)
     with _numba.kernel_call():
         kern(*args, h.numpy())
     return h
