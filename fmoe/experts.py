@@ -37,10 +37,10 @@ from torch import Tensor
 
 from .ops.grouped import GroupedGemm
 from .ops.memory_order import stored_transposed, weight_grad
-from .ops.streamed import GluSpec
+from .engine import ExpertForm
 
 __all__ = ["ExpertSpec", "ParamLayout", "EXPERT_PARAMS", "EXPERT_TYPES", "ffn", "gated_ffn", "swiglu",
-           "gpt_oss", "apply_experts", "streamed_weights", "init_experts", "expert_matmul", "shard_axes", "swiglu_mlp",
+           "gpt_oss", "apply_experts", "engine_weights", "init_experts", "expert_matmul", "shard_axes", "swiglu_mlp",
            "shared_experts"]
 
 EXPERT_TYPES = ("ffn", "gated_ffn", "swiglu", "gpt_oss", "custom")
@@ -342,7 +342,7 @@ def _stored_transposed(w) -> bool:
 
 def _as_stored(w_in: tuple, w_out, in_t: bool, out_t: bool) -> tuple:
     """(w_in, w_out, in_t, out_t) with every weight that is a transposed view of contiguous
-    storage replaced by that storage and its flag flipped: the streamed op then multiplies by
+    storage replaced by that storage and its flag flipped: the engine then multiplies by
     the memory as it lies, and its weight gradients come out in that order (no copy into the
     parameters' strides). The in-projections flip together or not at all (one flag)."""
     if all(_stored_transposed(w) for w in w_in):
@@ -352,41 +352,48 @@ def _as_stored(w_in: tuple, w_out, in_t: bool, out_t: bool) -> tuple:
     return w_in, w_out, in_t, out_t
 
 
-def streamed_weights(spec: ExpertSpec, params) -> Optional[dict]:
-    """The keyword arguments of :func:`fmoe.ops.streamed.streamed_glu` for these experts, or None.
+def engine_weights(spec: ExpertSpec, params) -> Optional[dict]:
+    """The keyword arguments of :func:`fmoe.engine.run` for these experts, or None.
 
-    The streamed op runs gated experts with float weights and no quantized-training recipe:
-    gated_ffn (x @ W) and swiglu (fused gate_up_proj or gate_proj/up_proj, out x in) with SiLU,
-    and gpt_oss (x @ W, interleaved, clamped, with biases). A weight given as a transposed view
-    of contiguous storage (``fmoe.nn.MoELayer`` holds gated_ffn weights out x in and hands out
-    x @ W views) reaches the op as that storage. Other types (ffn, custom), other activations,
-    packed weights and low-precision recipes return None and take the staged pipeline.
+    Every built-in kind with float weights runs on the engine: ffn with any activation
+    (fc1 out x in, fc2 x @ W, optional biases), gated_ffn (x @ W) and swiglu (fused
+    gate_up_proj or gate_proj/up_proj, out x in) with any activation, and gpt_oss (x @ W,
+    interleaved, clamped, with biases). A weight given as a transposed view of contiguous
+    storage (``fmoe.nn.MoELayer`` holds gated_ffn weights out x in and hands out x @ W views)
+    reaches the engine as that storage. Custom experts, packed (quantized) weights and
+    quantized-training recipes return None and take the staged pipeline.
 
     Returns:
-        ``{"w_in": tuple, "w_out": Tensor, "fmt": GluSpec, "b_in": Tensor | None,
+        ``{"form": ExpertForm, "w_in": tuple, "w_out": Tensor, "b_in": Tensor | None,
         "b_out": Tensor | None}``.
     """
-    if spec.precision is not None:
+    if spec.precision is not None or spec.type == "custom":
         return None
     b_in = b_out = None
-    gpt = {}
-    if spec.type == "gpt_oss":
-        w_in, w_out, fused, in_t, out_t = (params["gate_up_proj"],), params["down_proj"], True, False, False
+    extra = {}
+    if spec.type == "ffn":
+        w_in, w_out, in_t, out_t, form = (params["fc1_w"],), params["fc2_w"], True, False, "ffn"
+        b_in, b_out = params.get("fc1_b"), params.get("fc2_b")
+        extra = dict(activation=spec.act())
+    elif spec.type == "gpt_oss":
+        w_in, w_out, in_t, out_t, form = (params["gate_up_proj"],), params["down_proj"], False, False, "gpt_oss"
         b_in, b_out = params["gate_up_proj_bias"], params["down_proj_bias"]
-        gpt = dict(interleaved=True, activation="gpt_oss", alpha=spec.alpha, limit=spec.limit)
-    elif spec.type not in ("gated_ffn", "swiglu") or spec.act() is not F.silu:
-        return None
+        extra = dict(alpha=spec.alpha, limit=spec.limit)
     elif spec.type == "gated_ffn":
-        w_in, w_out, fused, in_t, out_t = (params["gate_w"], params["up_w"]), params["down_w"], False, False, False
+        w_in, w_out, in_t, out_t, form = (params["gate_w"], params["up_w"]), params["down_w"], False, False, "glu"
+        extra = dict(activation=spec.act())
     elif "gate_up_proj" in params:
-        w_in, w_out, fused, in_t, out_t = (params["gate_up_proj"],), params["down_proj"], True, True, True
+        w_in, w_out, in_t, out_t, form = (params["gate_up_proj"],), params["down_proj"], True, True, "glu"
+        extra = dict(activation=spec.act())
     else:
-        w_in, w_out, fused, in_t, out_t = (params["gate_proj"], params["up_proj"]), params["down_proj"], False, True, True
+        w_in, w_out, in_t, out_t, form = (params["gate_proj"], params["up_proj"]), params["down_proj"], True, True, "glu"
+        extra = dict(activation=spec.act())
     tensors = (*w_in, w_out) + tuple(t for t in (b_in, b_out) if t is not None)
     if not all(isinstance(w, Tensor) and w.is_floating_point() for w in tensors):
         return None
     w_in, w_out, in_t, out_t = _as_stored(w_in, w_out, in_t, out_t)
-    return {"w_in": w_in, "w_out": w_out, "fmt": GluSpec(fused, in_t, out_t, **gpt), "b_in": b_in, "b_out": b_out}
+    return {"form": ExpertForm(form, in_t, out_t, **extra), "w_in": w_in, "w_out": w_out, "b_in": b_in,
+            "b_out": b_out}
 
 
 def _uniform(shape, bound: float, generator) -> Tensor:

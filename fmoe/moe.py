@@ -21,13 +21,14 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from .comm import resolve
-from .experts import ExpertSpec, apply_experts, init_experts, shared_experts, streamed_weights
+from . import engine
+from .engine import kinds as _kinds
+from .experts import ExpertSpec, apply_experts, engine_weights, init_experts, shared_experts
 from .layout import LAYOUTS, make_layout
 from .losses import gshard_loss, load_importance_loss
 from .ops import combine, dispatch
 from .ops.grouped import GroupedGemm, _batched_under_vmap
 from .ops.orders import COMBINES, eager_combine, grouped_combine
-from .ops import streamed as _streamed
 from .routers import GateSpec, RouterOutput, check_router_params, init_router
 from .routers import route as _router_route
 from .routing import Routing
@@ -63,22 +64,20 @@ class MoESpec:
         shared: shared experts run on every token and added to the routed output: None,
             'swiglu' (DeepSeek: params["shared"]) or 'gated_swiglu' (Qwen2-MoE: sigmoid gate
             params["shared_gate"]["weight"] [1, M]).
-        streamed: on one process in eager mode, run gated float experts (gated_ffn and
-            swiglu with SiLU, gpt_oss) with combine 'fmoe' or 'eager' as one streamed op
-            (:mod:`fmoe.ops.streamed`): rows gathered from x into each expert's GEMMs and
-            added straight into y, only kept pairs multiplied (either layout), the
-            gate-weight gradient without saved expert outputs. Equal to the staged pipeline
-            within float rounding; combine='eager' stays transformers' order bit for bit.
-            False: the staged pipeline (dispatch -> seam -> combine; with the padded layout
-            Tutel's arithmetic bit for bit). Under torch.func / torch.compile, with expert
-            parallelism, other expert types or quantized weights the staged pipeline runs.
-        save: with ``streamed``, where backward gets each expert's gate/up projection:
-            'in_grad' (default: written in forward into the buffer of the in-projection weights'
-            gradient and read back before that gradient overwrites it: no recomputed GEMM and
-            no memory beyond the gradients and at most M/4 rows of room in front of them;
-            experts whose loads do not fit recompute, see :func:`fmoe.ops.streamed.in_grad_pad`
-            and :func:`~fmoe.ops.streamed.in_grad_experts`), 'recompute' (one more forward
-            GEMM pair per expert) or 'separate' (its own [N, 2H] buffer).
+        streamed: on one process in eager mode, run the experts on the expert engine
+            (:mod:`fmoe.engine`) with combine 'fmoe' or 'eager': one plan of the kept pairs
+            sorted by expert, each projection one grouped-GEMM call whose kernel gathers x's
+            rows itself, the outputs added straight into y; only kept pairs are multiplied
+            (either layout). Every built-in kind with float weights (ffn with any activation,
+            gated_ffn, swiglu, gpt_oss). Equal to the staged pipeline within float rounding
+            (the k terms of a token are summed in expert order); combine='eager' stays
+            transformers' order bit for bit. False: the staged pipeline (dispatch -> seam ->
+            combine; with the padded layout Tutel's arithmetic bit for bit). Under torch.func /
+            torch.compile, with expert parallelism, custom experts, packed weights or
+            quantized-training recipes the staged pipeline runs.
+        save: with ``streamed``, what backward keeps: 'projections' (the in-projection outputs,
+            [N, H] or [N, 2H] for N kept pairs) or 'recompute' (nothing beyond the inputs: one
+            more in-projection GEMM in backward).
     """
 
     model_dim: int
@@ -95,7 +94,7 @@ class MoESpec:
     combine: str = "fmoe"
     shared: Optional[str] = None
     streamed: bool = True
-    save: str = "in_grad"
+    save: str = "projections"
 
     def __post_init__(self):
         for name in ("model_dim", "num_experts", "alignment"):
@@ -108,8 +107,8 @@ class MoESpec:
             raise ValueError(f"MoESpec.layout must be 'auto', 'padded' or 'ragged', got {self.layout!r}")
         if self.layout == "ragged" and not self.experts.layout_aware:
             raise ValueError("MoESpec.layout='ragged' needs built-in experts; custom experts take padded buffers")
-        if self.save not in _streamed.SAVES:
-            raise ValueError(f"MoESpec.save must be one of {_streamed.SAVES}, got {self.save!r}")
+        if self.save not in _kinds.SAVES:
+            raise ValueError(f"MoESpec.save must be one of {_kinds.SAVES}, got {self.save!r}")
         if self.combine not in COMBINES:
             raise ValueError(f"MoESpec.combine must be one of {COMBINES}, got {self.combine!r}")
         if self.shared is not None and self.shared not in SHARED:
@@ -394,9 +393,9 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
         l_aux = x.new_zeros(())
     seen = tokens if out is None or out.tokens is None else out.tokens  # Mixtral jitter: experts see it too
     compute = seen.to(_expert_dtype(params["experts"], x.dtype))
-    streamed = _streamed_experts(spec, params["experts"], compute, routing) if comm.size == 1 else None
-    if streamed is not None:
-        return _finish(spec, params, x, streamed[0], routing, out, l_aux, seen, dropped=streamed[1])
+    on_engine = _engine_experts(spec, params["experts"], compute, routing) if comm.size == 1 else None
+    if on_engine is not None:
+        return _finish(spec, params, x, on_engine[0], routing, out, l_aux, seen, dropped=on_engine[1])
     layout = make_layout(routing, kind)
     buffers = dispatch(compute, routing, weighted=not spec.is_postscore, layout=layout)
     if comm.size == 1:
@@ -412,18 +411,22 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     return _finish(spec, params, x, y, routing, out, l_aux, seen)
 
 
-def _streamed_experts(spec: MoESpec, experts, compute: Tensor, routing: Routing) -> Optional[tuple]:
-    """(y [T, O], pairs dropped int64 []) from the streamed op where it applies (see
+def _engine_experts(spec: MoESpec, experts, compute: Tensor, routing: Routing) -> Optional[tuple]:
+    """(y [T, O], pairs dropped int64 []) from the expert engine where it applies (see
     ``MoESpec.streamed``), else None."""
-    if not (spec.streamed and spec.is_postscore and spec.combine in _streamed.ORDERS):
+    if not (spec.streamed and spec.is_postscore and spec.combine in _kinds.ORDERS):
         return None
-    kw = streamed_weights(spec.experts, experts)
-    if kw is None or not _streamed.applies(compute, routing.weights, *kw["w_in"], kw["w_out"], kw["b_in"],
-                                           kw["b_out"]):
+    kw = engine_weights(spec.experts, experts)
+    if kw is None or not _kinds.applies(compute, routing.weights, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"]):
         return None
-    rows = _streamed.routing_rows(routing)   # kept pairs, capacity honoured
-    w_rows = routing.weights.reshape(-1).index_select(0, rows.pairs)
-    return _streamed.streamed_glu(compute, w_rows, rows, order=spec.combine, save=spec.save, **kw), rows.dropped
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad
+        for t in (compute, routing.weights, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"]))
+    plan = engine.make_plan(routing, needs_grad=needs_grad, dtype=compute.dtype)   # kept pairs, capacity honoured
+    w_rows = routing.weights.reshape(-1).index_select(0, plan.pairs)
+    y = engine.run(kw["form"], compute, w_rows, plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"],
+                   order=spec.combine, save=spec.save)
+    return y, plan.dropped
 
 
 def _finish(spec: MoESpec, params, x: Tensor, y: Tensor, routing: Routing, out, l_aux, seen,

@@ -1,0 +1,16 @@
+"""The expert engine: one plan per routing, one kernel table, one autograd Function per expert kind.
+
+    plan = make_plan(routing, needs_grad=True, dtype=x.dtype)   # rows sorted by expert, phase, dtype
+    kernel = select(plan)                                       # the one table entry for this call
+    y = run(form, x, gate_weights, plan, weights, kernel)       # gather -> GEMM -> act -> GEMM -> scatter
+
+:mod:`.plan` builds the plan, :mod:`.table` holds the kernels keyed by (device, phase, dtype,
+precision), :mod:`.kinds` the expert kinds (ffn with any activation, gated/SwiGLU, GPT-OSS) as
+one autograd Function each over the plan, with a pure-torch reference as their oracle, and
+:mod:`.native` the C++ grouped GEMM the CPU entries call.
+"""
+from .plan import ExpertPlan, make_plan
+from .table import Kernel, explain, select
+from .kinds import ExpertForm, reference, run
+
+__all__ = ["ExpertPlan", "make_plan", "Kernel", "select", "explain", "ExpertForm", "run", "reference"]

@@ -1,0 +1,311 @@
+"""The expert kinds on the engine: one autograd Function over the plan, one reference.
+
+Every built-in expert is an in-projection, an elementwise step and an out-projection:
+
+    z   = x[tokens] @ op(W_in[e]) (+ b_in[e])          one weight, or gate and up weights
+    h   = hidden(z)                                    relu/gelu/any callable; act(g) * u; GPT-OSS
+    y_r = h @ op(W_out[e]) (+ b_out[e])
+    y[t] += w_r * y_r   for every kept pair r = (t, e), in ascending expert order
+
+:class:`ExpertForm` says which (static, hashable). :func:`run` is the fast path: the GEMMs are the
+kernel table's (:mod:`.table`, rows gathered by the kernel), the rest is a handful of whole-row
+torch ops, and no Python runs per expert. Backward saves only the in-projection's output z
+(x and the weights are the caller's); it regathers x's rows inside the weight-gradient
+kernel and gets the gate-weight gradient from the out-projection's data gradient,
+``<dy, h D> = <dy D^T, h>``, so no [N, O] output is kept. Double backward re-runs the
+reference under autograd.
+
+:func:`reference` is the oracle: one ``torch.mm`` per expert and plain autograd. The fast path
+equals it bit for bit in forward where the kernel's GEMMs equal ``torch.mm`` (the tests pin
+which), and within float rounding in backward (the gate-weight gradient's other order).
+
+Orders of the final sum (``order``): 'fmoe' widens bf16/fp16 products to fp32, sums there and
+rounds once (:func:`fmoe.combine`'s arithmetic, k terms in expert order); 'eager' is
+transformers' eager loop bit for bit (``(y_e * w).to(dt)`` added in dt, one expert at a time).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch._C import _functorch
+from torch.autograd import forward_ad as _fwd_ad
+
+from ..ops.primitives import PLAIN_TENSORS
+from ..ops.reference import compute_dtype
+from .plan import ExpertPlan
+from .table import Kernel, select
+
+__all__ = ["FORMS", "ORDERS", "SAVES", "ExpertForm", "run", "reference", "forward", "applies"]
+
+FORMS = ("ffn", "glu", "gpt_oss")
+ORDERS = ("fmoe", "eager")
+SAVES = ("projections", "recompute")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertForm:
+    """How one expert kind multiplies (static).
+
+    Attributes:
+        form: 'ffn' (``h = act(z)``), 'glu' (``h = act(g) * u``: gate_w/up_w, or one fused
+            in-projection with the gate half first) or 'gpt_oss' (one fused in-projection,
+            gate/up in alternate columns, ``h = (clamp(u) + 1) * g' σ(alpha g')``, ``g' = min(g, limit)``).
+        in_transposed: in-projection weights are [E, H, M] (out x in) rather than [E, M, H].
+        out_transposed: the out-projection is [E, O, H] rather than [E, H, O].
+        activation: the elementwise callable of 'ffn' and 'glu'.
+        alpha, limit: GPT-OSS's constants.
+    """
+
+    form: str
+    in_transposed: bool
+    out_transposed: bool
+    activation: Callable[[Tensor], Tensor] = F.silu
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self):
+        if self.form not in FORMS:
+            raise ValueError(f"ExpertForm.form must be one of {FORMS}, got {self.form!r}")
+
+    def hidden(self, *z: Tensor) -> Tensor:
+        """h [N, H] from the in-projection output(s) z ([N, H]; [N, 2H] fused; or gate and up [N, H])."""
+        if self.form == "ffn":
+            return self.activation(z[0])
+        if self.form == "glu":
+            g, u = z if len(z) == 2 else z[0].chunk(2, dim=-1)
+            return self.activation(g) * u
+        g, u = z[0][..., 0::2].clamp(max=self.limit), z[0][..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return (u + 1) * (g * torch.sigmoid(g * self.alpha))
+
+
+def _check(x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out: Tensor, order: str) -> None:
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    if x.dim() != 2 or x.shape[0] != plan.num_tokens:
+        raise ValueError(f"x must be [T, M] with T={plan.num_tokens} (the plan's tokens), got {tuple(x.shape)}")
+    if w_rows.shape != (plan.num_rows,):
+        raise ValueError(f"the gate weights must be [N] = [{plan.num_rows}] (one per plan row), got "
+                         f"{tuple(w_rows.shape)}")
+    for w in (*w_in, w_out):
+        if w.dim() != 3 or w.shape[0] != plan.num_experts:
+            raise ValueError(f"expert weights must be [E, ., .] with E={plan.num_experts}, got {tuple(w.shape)}")
+        if w.dtype != x.dtype:
+            raise TypeError(f"expert weights must be in x's dtype {x.dtype}, got {w.dtype}")
+
+
+def _accumulate(y_r: Tensor, w_rows: Tensor, plan: ExpertPlan, order: str, dt: torch.dtype) -> Tensor:
+    """y [T, O] in dt: ``y[t] += w_r * y_r`` over the rows in plan (ascending expert) order."""
+    T, O = plan.num_tokens, y_r.shape[1]
+    tokens = plan.tokens
+    if order == "fmoe":
+        acc = compute_dtype(dt)
+        y = y_r.new_zeros((T, O), dtype=acc)
+        # rows are sorted by expert, and an fp32/fp64 index_add_ adds duplicates in index order
+        y.index_add_(0, tokens, y_r.to(acc) * w_rows.to(acc).unsqueeze(1))
+        return y.to(dt)
+    y = y_r.new_zeros((T, O))
+    contrib = (y_r * w_rows.unsqueeze(1)).to(dt)
+    if dt in (torch.float32, torch.float64):
+        y.index_add_(0, tokens, contrib)
+        return y
+    # a bf16/fp16 index_add_ sums one call's duplicates in fp32: transformers adds expert by expert
+    b = plan.bounds
+    for e in range(plan.num_experts):
+        if b[e + 1] > b[e]:
+            y.index_add_(0, tokens[b[e]:b[e + 1]], contrib[b[e]:b[e + 1]])
+    return y
+
+
+def _bias_rows(b: Optional[Tensor], expert: Optional[Tensor]) -> Optional[Tensor]:
+    return None if b is None else b.index_select(0, expert)
+
+
+def forward(kern: Kernel, form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple,
+            b_in: Optional[Tensor], w_out: Tensor, b_out: Optional[Tensor], order: str
+            ) -> tuple[Tensor, tuple, Optional[Tensor]]:
+    """(y [T, O] in x's dtype, z, expert-of-row [N] or None) through the kernel ``kern``."""
+    expert = plan.expert_of_rows() if (b_in is not None or b_out is not None) else None
+    z = _projections(kern, form, x, plan, w_in, b_in, expert)
+    y_r = kern.mm(form.hidden(*z), w_out, plan, transposed=form.out_transposed)
+    if b_out is not None:
+        y_r.add_(_bias_rows(b_out, expert))
+    return _accumulate(y_r, w_rows, plan, order, x.dtype), z, expert
+
+
+def reference(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, b_in: Optional[Tensor],
+              w_out: Tensor, b_out: Optional[Tensor], order: str = "fmoe") -> Tensor:
+    """The oracle: per-expert ``torch.mm`` and plain autograd (differentiable to any order).
+
+    Args:
+        form: the expert kind.
+        x: float [T, M]. w_rows: [N] gate weight of each plan row.
+        plan: the :class:`~fmoe.engine.ExpertPlan`.
+        w_in: one or two in-projection weights, [E, M, H] ([E, H, M] with ``form.in_transposed``).
+        b_in: [E, H] or None. w_out: [E, H, O] ([E, O, H] transposed). b_out: [E, O] or None.
+    Returns:
+        y [T, O] in x's dtype.
+    """
+    b = plan.bounds
+    busy = [e for e in range(plan.num_experts) if b[e + 1] > b[e]]
+
+    def mm(a_rows, w, transposed):
+        parts = [a_rows[b[e]:b[e + 1]] @ (w[e].t() if transposed else w[e]) for e in busy]
+        n = w.shape[1] if transposed else w.shape[2]
+        return torch.cat(parts) if parts else a_rows.new_zeros((0, n))
+
+    expert = plan.expert_of_rows() if (b_in is not None or b_out is not None) else None
+    x_r = x.index_select(0, plan.tokens)
+    z = [mm(x_r, w, form.in_transposed) for w in w_in]
+    if b_in is not None:
+        z[0] = z[0] + _bias_rows(b_in, expert)
+    y_r = mm(form.hidden(*z), w_out, form.out_transposed)
+    if b_out is not None:
+        y_r = y_r + _bias_rows(b_out, expert)
+    return _accumulate(y_r, w_rows, plan, order, x.dtype)
+
+
+def _projections(kern: Kernel, form: ExpertForm, x: Tensor, plan: ExpertPlan, w_in: tuple, b_in, expert) -> tuple:
+    z = tuple(kern.mm(x, w, plan, rows=plan.tokens, transposed=form.in_transposed) for w in w_in)
+    if b_in is not None:
+        z[0].add_(_bias_rows(b_in, expert))
+    return z
+
+
+_STATIC = 5   # kern, form, plan, order, save: the arguments before the tensors
+
+
+class _ExpertOp(torch.autograd.Function):
+    """:func:`forward` as one autograd node (inputs: x, w_rows, b_in, w_out, b_out, *w_in)."""
+
+    @staticmethod
+    def forward(ctx, kern, form, plan, order, save, x, w_rows, b_in, w_out, b_out, *w_in):
+        y, z, expert = forward(kern, form, x, w_rows, plan, w_in, b_in, w_out, b_out, order)
+        ctx.kern, ctx.form, ctx.plan, ctx.order = kern, form, plan, order
+        ctx.expert = expert
+        ctx.save_for_backward(x, w_rows, b_in, w_out, b_out, *w_in, *(z if save == "projections" else ()))
+        ctx.n_in = len(w_in)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        kern, form, plan, order = ctx.kern, ctx.form, ctx.plan, ctx.order
+        saved = ctx.saved_tensors
+        x, w_rows, b_in, w_out, b_out = saved[:5]
+        w_in, z = saved[5:5 + ctx.n_in], saved[5 + ctx.n_in:]
+        need = ctx.needs_input_grad[_STATIC:]
+        if torch.is_grad_enabled():   # create_graph: the reference under autograd, differentiable again
+            return (None,) * _STATIC + _reference_grads(ctx, gy, need, x, w_rows, b_in, w_out, b_out, w_in)
+        if not z:   # save='recompute': one more in-projection GEMM instead of keeping [N, H] alive
+            z = _projections(kern, form, x, plan, w_in, b_in, ctx.expert)
+        return (None,) * _STATIC + _backward(kern, form, plan, gy, need, x, w_rows, b_in, w_out, b_out, w_in, z,
+                                             ctx.expert)
+
+
+def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need, x, w_rows, b_in, w_out, b_out,
+              w_in, z, expert) -> tuple:
+    dt, tokens = x.dtype, plan.tokens
+    E = plan.num_experts
+    gu = gy.to(dt).index_select(0, tokens)                     # dL/d(w_r y_r) per row [N, O]
+    w_col = w_rows.unsqueeze(1)
+    zz = tuple(t.detach().requires_grad_() for t in z)
+    with torch.enable_grad():
+        h = form.hidden(*zz)
+    hd = h.detach()
+    # dL/dh without the gate weight: dy D^T; it also gives the gate-weight gradient <dy, h D + d>
+    gh_u = kern.mm(gu, w_out, plan, transposed=not form.out_transposed)
+    g_rows = None
+    if need[1]:
+        acc = compute_dtype(dt)
+        g_rows = (gh_u.to(acc) * hd.to(acc)).sum(1)
+        if b_out is not None:
+            g_rows = g_rows + (gu.to(acc) * b_out.to(acc).index_select(0, expert)).sum(1)
+        g_rows = g_rows.to(w_rows.dtype)
+    gyr = (gu * w_col).to(dt)                                  # dL/dy_r
+    g_out = None
+    if need[3]:
+        g_out = kern.wgrad(gyr, hd, plan) if form.out_transposed else kern.wgrad(hd, gyr, plan)
+    g_bout = None
+    if b_out is not None and need[4]:
+        g_bout = torch.zeros_like(b_out).index_add_(0, expert, gyr.to(b_out.dtype))
+    gh = (gh_u * w_col).to(dt)
+    need_z = need[0] or need[2] or any(need[5:])
+    gz = torch.autograd.grad(h, zz, gh) if need_z else (None,) * len(zz)
+    g_bin = None
+    if b_in is not None and need[2]:
+        g_bin = torch.zeros_like(b_in).index_add_(0, expert, gz[0].to(b_in.dtype))
+    g_in = []
+    x_r = None
+    for i, w in enumerate(w_in):
+        if not need[5 + i]:
+            g_in.append(None)
+        elif form.in_transposed:
+            x_r = x.index_select(0, tokens) if x_r is None else x_r
+            g_in.append(kern.wgrad(gz[i], x_r, plan))
+        else:
+            g_in.append(kern.wgrad(x, gz[i], plan, rows=tokens))
+    gx = None
+    if need[0]:
+        gx = torch.zeros_like(x)
+        for i, w in enumerate(w_in):
+            # rows sorted by expert: the k terms of a token are added in expert order
+            gx.index_add_(0, tokens, kern.mm(gz[i], w, plan, transposed=not form.in_transposed))
+    return (gx, g_rows, g_bin, g_out, g_bout, *g_in)
+
+
+def _reference_grads(ctx, gy, need, x, w_rows, b_in, w_out, b_out, w_in) -> tuple:
+    inputs = (x, w_rows, b_in, w_out, b_out, *w_in)
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() if (t is not None and n) else t for t, n in zip(inputs, need)]
+        x_, w_rows_, b_in_, w_out_, b_out_, *w_in_ = leaves
+        y = reference(ctx.form, x_, w_rows_, ctx.plan, tuple(w_in_), b_in_, w_out_, b_out_, ctx.order)
+        wanted = [t for t, n in zip(leaves, need) if t is not None and n]
+        grads = iter(torch.autograd.grad(y, wanted, gy, create_graph=True, allow_unused=True))
+    return tuple(next(grads) if (t is not None and n) else None for t, n in zip(leaves, need))
+
+
+def applies(*ts: Optional[Tensor]) -> bool:
+    """True where :func:`run` can run: eager mode (no torch.func transform, no torch.compile, no
+    forward-AD level) on plain tensors without ``__torch_function__`` overrides. Elsewhere the
+    caller runs the staged pipeline (its ops carry vmap, jvp and compile rules)."""
+    if torch.compiler.is_compiling() or _functorch.maybe_current_level() is not None:
+        return False
+    if _fwd_ad._current_level >= 0:
+        return False
+    present = [t for t in ts if t is not None]
+    if any(type(t) not in PLAIN_TENSORS for t in present):
+        return False
+    return not torch.overrides.has_torch_function(tuple(present))
+
+
+def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out: Tensor, *,
+        b_in: Optional[Tensor] = None, b_out: Optional[Tensor] = None, order: str = "fmoe",
+        save: str = "projections", kernel: Optional[Kernel] = None) -> Tensor:
+    """The experts of ``form`` on the plan's rows, summed back to tokens (eager mode).
+
+    Args:
+        form: the expert kind.
+        x: float [T, M] tokens. w_rows: [N] gate weight of each plan row (differentiable).
+        plan: :func:`~fmoe.engine.make_plan` of the routing.
+        w_in: in-projection weights in x's dtype, one ([E, M, H] or [E, M, 2H] fused) or two
+            (gate, up), transposed ([E, H, M]) with ``form.in_transposed``.
+        w_out: [E, H, O] ([E, O, H] with ``form.out_transposed``). b_in [E, H|2H], b_out [E, O]: optional.
+        order: 'fmoe' or 'eager' (see the module docstring).
+        save: what backward keeps of the forward: 'projections' (the in-projection output z
+            [N, H] / [N, 2H]) or 'recompute' (nothing: one more in-projection GEMM in backward).
+        kernel: the table entry (default :func:`~fmoe.engine.select` of the plan).
+    Returns:
+        y [T, O] in x's dtype; tokens with no kept pair are 0.
+    """
+    w_in = tuple(w_in)
+    _check(x, w_rows, plan, w_in, w_out, order)
+    if save not in SAVES:
+        raise ValueError(f"save must be one of {SAVES}, got {save!r}")
+    kern = select(plan) if kernel is None else kernel
+    ts = (x, w_rows, b_in, w_out, b_out, *w_in)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts):
+        return _ExpertOp.apply(kern, form, plan, order, save, *ts)
+    return forward(kern, form, x, w_rows, plan, w_in, b_in, w_out, b_out, order)[0]

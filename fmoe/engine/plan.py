@@ -1,0 +1,171 @@
+"""The expert plan: what every expert kind needs to know about one routing, built once.
+
+    plan = make_plan(routing, needs_grad=True, dtype=torch.float32)
+    print(plan)   # ExpertPlan(T=64, E=8, rows=128, busy=8, max_rows=23, phase=train, float32, cpu)
+
+A plan lists the kept (token, expert) pairs sorted by expert (capacity honoured, dropped pairs
+absent): ``tokens [N]`` (the token of each row), ``pairs [N]`` (the flat pair index
+``j * T + t``, which gathers the row's gate weight) and the expert bounds, both as host ints
+(the kernels' loop bounds) and as an int64 ``offsets [E + 1]`` tensor (their argument). It also
+names the call's phase, dtype and precision: the key by which :mod:`fmoe.engine.table` picks
+the kernel. Rows in a plan are exactly the rows of :func:`fmoe.make_layout` (routing,
+'ragged'); tests check it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from .. import _slots
+from ..layout import ragged_layout
+from ..routing import Routing
+
+__all__ = ["PHASES", "DECODE_ROWS", "ExpertPlan", "make_plan", "plan_from_bounds", "phase_of"]
+
+PHASES = ("train", "prefill", "decode")
+
+# Inference calls whose busy experts hold at most this many rows on average are 'decode':
+# their GEMMs read each busy expert's weights for a handful of rows, so the kernel is bound
+# by the weight stream and runs experts side by side instead of one threaded GEMM each. At
+# 16 rows an fp32 [512 x 512] expert is 16 MFLOP against 1 MiB read, near the crossover
+# of a 2-core host's GEMM rate and memory stream (both measured in BENCHMARKS.md).
+DECODE_ROWS = 16
+
+
+def phase_of(needs_grad: bool, rows: int, busy: int) -> str:
+    """'train' (a gradient will be taken), else 'decode' (at most :data:`DECODE_ROWS` rows per
+    busy expert on average) or 'prefill'."""
+    if needs_grad:
+        return "train"
+    return "decode" if rows <= DECODE_ROWS * max(busy, 1) else "prefill"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ExpertPlan:
+    """The kept pairs of one routing sorted by expert, and the call's kernel key.
+
+    Attributes:
+        tokens: int64 [N]. Token of each row (rows sorted by expert, then slot).
+        pairs: int64 [N]. Flat pair index ``j * T + t`` of each row.
+        offsets: int64 [E + 1], on tokens' device. Expert e owns rows ``offsets[e]:offsets[e+1]``.
+        bounds: the same E + 1 offsets as host ints.
+        num_tokens: T.
+        dropped: int64 [] pairs lost to capacity (None where unknown).
+        phase: one of :data:`PHASES`.
+        dtype: the compute dtype of the expert GEMMs.
+        precision: None (float GEMMs) or a quantized-training recipe.
+    """
+
+    tokens: Tensor
+    pairs: Tensor
+    offsets: Tensor
+    bounds: tuple
+    num_tokens: int
+    dropped: Optional[Tensor] = None
+    phase: str = "train"
+    dtype: torch.dtype = torch.float32
+    precision: Any = None
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def num_rows(self) -> int:
+        return self.bounds[-1]
+
+    @property
+    def sizes(self) -> list:
+        """Rows per expert (host ints)."""
+        b = self.bounds
+        return [b[e + 1] - b[e] for e in range(len(b) - 1)]
+
+    @property
+    def busy(self) -> int:
+        """Experts with at least one row."""
+        return sum(1 for n in self.sizes if n)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def expert_of_rows(self) -> Tensor:
+        """int64 [N]: the expert of each row (for per-expert biases)."""
+        E = self.num_experts
+        sizes = torch.tensor(self.sizes, dtype=torch.int64, device=self.device)
+        return torch.repeat_interleave(torch.arange(E, device=self.device), sizes, output_size=self.num_rows)
+
+    def __repr__(self) -> str:
+        sizes = self.sizes
+        return (f"ExpertPlan(T={self.num_tokens}, E={self.num_experts}, rows={self.num_rows}, busy={self.busy}, "
+                f"max_rows={max(sizes, default=0)}, phase={self.phase}, {str(self.dtype).replace('torch.', '')}, "
+                f"{self.device.type}" + ("" if self.precision is None else f", precision={self.precision}") + ")")
+
+
+def _rows_cpu(routing: Routing) -> tuple[Tensor, Tensor, tuple, Tensor]:
+    # One numba walk over the pairs replaces the ragged layout's two dozen small ops (about
+    # 0.15-0.3 ms of a decode call at T 16, E 32-64).
+    ids = routing.expert_ids
+    k, T = ids.shape
+    E = routing.num_experts
+    out, pairs = torch.empty(E + 2 + k * T, dtype=torch.int64), torch.empty(k * T, dtype=torch.int64)
+    a = _slots.int64_array
+    N = _slots.kept_rows_walk(a(ids), a(routing.slots), a(routing.counts), routing.capacity, out.numpy(), pairs.numpy())
+    if N < 0:
+        raise ValueError(f"make_plan: the routing's counts disagree with its slots: {_slots.KEPT_ROWS_ERRORS[N]}")
+    return out[E + 2:E + 2 + N], pairs[:N], tuple(out[:E + 1].tolist()), out[E + 1]
+
+
+def rows_reference(routing: Routing) -> tuple[Tensor, Tensor, tuple, Tensor]:
+    """(tokens, pairs, bounds, dropped) through the ragged layout, in torch ops: the reference
+    of the CPU walk, and the path off the CPU."""
+    layout = ragged_layout(routing)
+    sizes = layout.sizes.tolist()
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    pos = layout.positions.reshape(-1)
+    kept = torch.nonzero(pos >= 0).squeeze(1)
+    # Kept ragged positions are exactly 0 .. N-1, one pair each: a scatter inverts the map.
+    pairs = torch.empty(bounds[-1], dtype=torch.int64, device=pos.device)
+    pairs.index_copy_(0, pos.index_select(0, kept), kept)
+    return pairs.remainder(routing.num_tokens), pairs, tuple(bounds), routing.num_dropped()
+
+
+def plan_from_bounds(tokens: Tensor, pairs: Tensor, bounds, num_tokens: int, *, needs_grad: bool,
+                     dtype: torch.dtype, precision=None, dropped: Optional[Tensor] = None) -> ExpertPlan:
+    """An :class:`ExpertPlan` from rows already sorted by expert (bounds: E + 1 host ints)."""
+    bounds = tuple(int(b) for b in bounds)
+    if len(bounds) < 2 or bounds[0] != 0 or any(b1 < b0 for b0, b1 in zip(bounds, bounds[1:])):
+        raise ValueError(f"plan bounds must start at 0 and never decrease, got {bounds[:8]}...")
+    if tokens.shape != (bounds[-1],) or pairs.shape != (bounds[-1],):
+        raise ValueError(f"plan tokens and pairs must be int64 [N] with N={bounds[-1]} (the last bound), got "
+                         f"{tuple(tokens.shape)} and {tuple(pairs.shape)}")
+    busy = sum(1 for b0, b1 in zip(bounds, bounds[1:]) if b1 > b0)
+    offsets = torch.tensor(bounds, dtype=torch.int64)
+    return ExpertPlan(tokens, pairs, offsets, bounds, num_tokens, dropped, phase_of(needs_grad, bounds[-1], busy),
+                      dtype, precision)
+
+
+def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precision=None) -> ExpertPlan:
+    """The plan of ``routing``: its kept pairs sorted by expert (one host sync).
+
+    Args:
+        routing: any :class:`~fmoe.Routing` (capacity honoured: pairs past it are dropped).
+        needs_grad: a gradient will be taken through the experts (phase 'train').
+        dtype: the expert GEMMs' compute dtype.
+        precision: the quantized-training recipe, or None.
+    Raises:
+        ValueError for a routing whose counts disagree with its slots (a hand-made one).
+    """
+    if not isinstance(routing, Routing):
+        raise TypeError(f"make_plan: routing must be a fmoe.Routing, got {type(routing).__name__}")
+    if routing.expert_ids.device.type == "cpu":
+        tokens, pairs, bounds, dropped = _rows_cpu(routing)
+    else:
+        tokens, pairs, bounds, dropped = rows_reference(routing)
+    return plan_from_bounds(tokens, pairs, bounds, routing.num_tokens, needs_grad=needs_grad, dtype=dtype,
+                            precision=precision, dropped=dropped)
