@@ -3,8 +3,13 @@
 Commands:
     warmup   compile (or load from numba's cache) every CPU kernel signature
              ahead of time, so the first real call is fast; prints one line
-             per kernel and the threading layer.
-    info     print the threading layer, thread counts, the TBB library and the decode GEMM kernels.
+             per kernel and the threading layer. ``--tune SHAPE`` (repeatable) also
+             times the kernels that compete for SHAPE's GEMMs and records the winner
+             (:mod:`fmoe.engine.wisdom`).
+    info     print the threading layer, thread counts, the TBB library, whether the native
+             CPU grouped GEMM is active, and the expert engine's kernel table;
+             ``--explain SHAPE`` prints which kernel each GEMM of one step of SHAPE runs
+             and why (SHAPE: ``T=4096,M=512,H=1024,E=8,k=2,kind=ffn,dtype=float32,phase=train``).
 """
 from __future__ import annotations
 
@@ -25,6 +30,10 @@ def _warmup(args) -> int:
     times = numba_cpu.warmup(line)
     print(f"fmoe warmup: {len(times)} kernels in {time.perf_counter() - t0:.2f} s; "
           f"threading layer: {_numba.threading_layer()}", flush=True)
+    if args.tune:
+        from .engine import table
+        for shape in args.tune:
+            table.tune(shape, log=line)
     return 0
 
 
@@ -33,23 +42,40 @@ def _info(args) -> int:
     import torch
 
     from . import _numba
-    from .ops import numba_cpu, tuning
+    from .ops import numba_cpu
 
     numba_cpu.warmup()  # the layer is only known after a parallel launch
     print(f"threading layer: {_numba.threading_layer()}")
     print(f"tbb library: {_numba.tbb_library() or 'not loaded: ' + str(_numba.TBB_ERROR)}")
     print(f"torch threads: {torch.get_num_threads()}; numba threads: {numba.get_num_threads()} "
           f"(max {numba.config.NUMBA_NUM_THREADS})")
-    kernels = "numba few-row kernels" if tuning.NUMBA_SMALL_GEMMS else "BLAS (torch._grouped_mm / torch.mm)"
-    print(f"decode GEMMs: {kernels} (CPU vendor: {tuning.CPU_VENDOR or 'unknown'}; tuning.NUMBA_SMALL_GEMMS)")
+    from .engine import native, table, wisdom
+    print(native.status())
+    if args.explain:
+        print(table.explain(args.explain))
+        return 0
+    for (dev, phase, dt, _), kern in table.TABLE.items():
+        if dev == "cpu":
+            print(f"expert GEMMs cpu/{phase}/{str(dt).replace('torch.', '')}: {kern.name}")
+    tuned = wisdom.load()
+    print(f"measured choices: {len(tuned)} shape classes in {wisdom.path()}" if tuned else
+          "measured choices: none (python -m fmoe warmup --tune SHAPE records some)")
+    for cls, entry in sorted(tuned.items()):
+        print(f"  {cls}: {entry.get('choice')}")
     return 0
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fmoe", description="fmoe utilities")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("warmup", help="compile every CPU kernel signature ahead of time").set_defaults(fn=_warmup)
-    sub.add_parser("info", help="threading layer and thread counts").set_defaults(fn=_info)
+    warm = sub.add_parser("warmup", help="compile every CPU kernel signature ahead of time")
+    warm.add_argument("--tune", action="append", default=[], metavar="SHAPE",
+                      help="also measure the competing kernels of SHAPE's GEMMs and record the winner")
+    warm.set_defaults(fn=_warmup)
+    info = sub.add_parser("info", help="threading layer, thread counts and the expert engine's kernels")
+    info.add_argument("--explain", metavar="SHAPE", default=None,
+                      help="which kernel each GEMM of one step of SHAPE runs, and why")
+    info.set_defaults(fn=_info)
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -260,8 +260,8 @@ class MoELayer(nn.Module):
             as in :class:`fmoe.MoESpec`.
         dtype: parameter dtype of the experts (gates stay float32 with fp32_gate).
         streamed, save: as in :class:`fmoe.MoESpec` (``streamed=False``: the staged
-            pipeline, Tutel's arithmetic bit for bit; ``save``: where backward gets the
-            experts' gate/up projections, 'in_grad' | 'recompute' | 'separate').
+            pipeline, Tutel's arithmetic bit for bit; ``save``: what the expert engine keeps
+            for backward, 'projections' | 'recompute').
     """
 
     def __init__(self, gate_type: Union[dict, Sequence[dict]], model_dim: int, experts: Optional[dict] = None,
@@ -271,7 +271,7 @@ class MoELayer(nn.Module):
                  is_postscore: bool = True, batch_prioritized_routing: bool = False, normalize_gate: bool = True,
                  is_gshard_loss: bool = True, parallel_type: str = "adaptive:1", use_2dh: bool = False,
                  dtype: torch.dtype = torch.float32, scan_expert_func=None, group=None,
-                 local_size: Optional[int] = None, streamed: bool = True, save: str = "in_grad"):
+                 local_size: Optional[int] = None, streamed: bool = True, save: str = "projections"):
         super().__init__()
         if group is not None:
             raise ValueError("MoELayer takes an explicit communicator: pass comm=fmoe.comm.TorchDistComm(group) "

@@ -42,12 +42,14 @@ def test_warmup_then_first_call_is_fast():
     assert float(seconds) < 3.0
 
 
-def test_info_names_the_threading_layer_and_the_decode_kernels(capsys, monkeypatch):
+def test_info_names_the_threading_layer_and_the_engine_kernels(capsys):
     from fmoe.__main__ import main
-    from fmoe.ops import tuning
-    for numba_gemms, words in ((True, "numba few-row kernels"), (False, "BLAS")):
-        monkeypatch.setattr(tuning, "NUMBA_SMALL_GEMMS", numba_gemms)
-        assert main(["info"]) == 0
-        out = capsys.readouterr().out
-        assert "threading layer: tbb" in out
-        assert f"decode GEMMs: {words}" in out and f"CPU vendor: {tuning.CPU_VENDOR or 'unknown'}" in out
+    from fmoe.engine import native, table
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "threading layer: tbb" in out
+    assert native.status() in out
+    assert f"expert GEMMs cpu/train/float32: {table.kernel_for('cpu', 'train', table.DTYPES[0]).name}" in out
+    assert main(["info", "--explain", "T=64,M=32,H=16,E=4,kind=gpt_oss"]) == 0
+    out = capsys.readouterr().out
+    assert "phase: decode" in out and "forward out-projection" in out

@@ -257,14 +257,14 @@ def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need
 
 
 def _reference_grads(ctx, gy, need, x, w_rows, b_in, w_out, b_out, w_in) -> tuple:
+    # The saved inputs themselves (not detached copies): the gradients must stay connected to
+    # them for the next derivative.
     inputs = (x, w_rows, b_in, w_out, b_out, *w_in)
+    wanted = [t for t, n in zip(inputs, need) if t is not None and n]
     with torch.enable_grad():
-        leaves = [t.detach().requires_grad_() if (t is not None and n) else t for t, n in zip(inputs, need)]
-        x_, w_rows_, b_in_, w_out_, b_out_, *w_in_ = leaves
-        y = reference(ctx.form, x_, w_rows_, ctx.plan, tuple(w_in_), b_in_, w_out_, b_out_, ctx.order)
-        wanted = [t for t, n in zip(leaves, need) if t is not None and n]
+        y = reference(ctx.form, x, w_rows, ctx.plan, tuple(w_in), b_in, w_out, b_out, ctx.order)
         grads = iter(torch.autograd.grad(y, wanted, gy, create_graph=True, allow_unused=True))
-    return tuple(next(grads) if (t is not None and n) else None for t, n in zip(leaves, need))
+    return tuple(next(grads) if (t is not None and n) else None for t, n in zip(inputs, need))
 
 
 def applies(*ts: Optional[Tensor]) -> bool:

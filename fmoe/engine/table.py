@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import statistics
+import time
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from . import native
-from .plan import PHASES, ExpertPlan, phase_of
+from . import native, wisdom
+from .plan import PHASES, ExpertPlan, phase_of, plan_from_bounds
 
-__all__ = ["Kernel", "TABLE", "DTYPES", "select", "kernel_for", "explain", "parse_shape"]
+__all__ = ["Kernel", "TABLE", "DTYPES", "select", "kernel_for", "kernel_by_name", "explain", "parse_shape", "tune"]
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -44,14 +46,27 @@ class Kernel:
     wgrad: Callable = dataclasses.field(repr=False)
 
 
-def _native_kernel(impl: str):
+def _native_kernel(impl: str, regime: str = "auto"):
     def mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None, transposed: bool) -> Tensor:
-        return native.gather_mm(a, w, plan.offsets, rows=rows, transposed=transposed, impl=impl)
+        return native.gather_mm(a, w, plan.offsets, rows=rows, transposed=transposed, impl=impl, regime=regime)
 
     def wgrad(a: Tensor, b: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None) -> Tensor:
-        return native.gather_wgrad(a, b, plan.offsets, rows=rows, impl=impl)
+        return native.gather_wgrad(a, b, plan.offsets, rows=rows, impl=impl, regime=regime)
 
+    if impl == "reference":
+        def mm(a, w, plan, *, rows=None, transposed):   # noqa: F811  (the loop takes no regime)
+            return native.gather_mm(a, w, plan.offsets, rows=rows, transposed=transposed, impl=impl)
+
+        def wgrad(a, b, plan, *, rows=None):   # noqa: F811
+            return native.gather_wgrad(a, b, plan.offsets, rows=rows, impl=impl)
     return mm, wgrad
+
+
+def _numba_rows_mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None,
+                   transposed: bool) -> Tensor:
+    """Few-row experts in one numba call (:func:`fmoe.ops.ragged.grouped_rows`), forward only."""
+    from ..ops import ragged   # the staged pipeline's kernels; only this decode candidate needs them
+    return ragged.grouped_rows(a if rows is None else a.index_select(0, rows), w, list(plan.bounds), transposed)
 
 
 def _grouped_mm_ok(*ts: Tensor) -> bool:
@@ -82,9 +97,10 @@ def _grouped_mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor
 def _entry(device: str, phase: str, dtype: torch.dtype) -> Kernel:
     if device == "cpu":
         if native.AVAILABLE:
-            mm, wg = _native_kernel("native")
+            decode = phase == "decode"
+            mm, wg = _native_kernel("native", "parallel" if decode else "serial")
             how = ("experts side by side, one thread each (a few rows per expert: the weight stream bounds it)"
-                   if phase == "decode" else "experts one after another, each GEMM threaded")
+                   if decode else "experts one after another, each GEMM threaded")
             return Kernel("cpu-native", f"C++ grouped GEMM, rows gathered in C++; {how}", mm, wg)
         mm, wg = _native_kernel("reference")
         return Kernel("cpu-torch", f"per-expert torch.mm from Python ({native.status()})", mm, wg)
@@ -112,9 +128,32 @@ def kernel_for(device: str, phase: str, dtype: torch.dtype, precision=None) -> K
                          f"{[str(d).replace('torch.', '') for d in DTYPES]}, precision None") from None
 
 
-def select(plan: ExpertPlan) -> Kernel:
-    """The kernel for every GEMM of the call ``plan`` describes."""
-    return kernel_for(plan.device.type, plan.phase, plan.dtype, plan.precision)
+_COMPETING = {"cpu-numba-rows": lambda: Kernel(
+    "cpu-numba-rows", "numba few-row kernel (the measured winner of this shape class, fmoe.engine.wisdom)",
+    _numba_rows_mm, _native_kernel("reference")[1])}
+
+
+def kernel_by_name(key: tuple, name: str) -> Kernel:
+    """The kernel ``name`` among those that compete for table key (device, phase, dtype)."""
+    if name not in wisdom.CANDIDATES.get(key, ()):
+        raise ValueError(f"no kernel {name!r} competes for {key}; candidates: {wisdom.CANDIDATES.get(key, ())}")
+    return TABLE[key + (None,)] if name == TABLE[key + (None,)].name else _COMPETING[name]()
+
+
+def select(plan: ExpertPlan, matrix_bytes: int = 0, *, choice: Optional[str] = None) -> Kernel:
+    """The kernel for every GEMM of the call ``plan`` describes.
+
+    Where several kernels compete for the plan's key (:data:`fmoe.engine.wisdom.CANDIDATES`),
+    ``choice`` forces one by name; else the winner recorded for the call's shape class
+    (``matrix_bytes``: one expert weight matrix) is taken if this machine has measured it, and
+    the table's own entry otherwise."""
+    kern = kernel_for(plan.device.type, plan.phase, plan.dtype, plan.precision)
+    key = (plan.device.type, plan.phase, plan.dtype)
+    if choice is None and plan.precision is None and key in wisdom.CANDIDATES:
+        choice = wisdom.lookup(key, wisdom.shape_class(plan.dtype, plan.num_rows / max(1, plan.busy), matrix_bytes))
+    if choice is None or choice == kern.name:
+        return kern
+    return kernel_by_name(key, choice)
 
 
 # --------------------------------------------------------------------------- explain
@@ -174,3 +213,53 @@ def explain(text: str) -> str:
              f"kernel: {kern.name}: {kern.why}"]
     lines += [f"  {name:32s} {shape:52s} -> {kern.name}" for name, shape in gemms]
     return "\n".join(lines)
+
+
+def tune(text: str, *, repeats: int = 7, log=print) -> dict:
+    """Time every candidate kernel on SHAPE's GEMMs (random weights and rows) and record the
+    winner of its class in :mod:`fmoe.engine.wisdom`. SHAPE as :func:`explain` takes it.
+
+    Returns:
+        {"class": str, "choice": str, "seconds": {kernel: median seconds of one call's GEMMs}}.
+    """
+    s = parse_shape(text)
+    key = (s["device"], s["phase"], s["dtype"])
+    names = wisdom.CANDIDATES.get(key)
+    if not names:
+        raise ValueError(f"tune: no kernels compete for {key} (phase {s['phase']}, "
+                         f"{str(s['dtype']).replace('torch.', '')}): nothing to measure")
+    T, M, H, E, k = s["T"], s["M"], s["H"], s["E"], s["k"]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])        # [T, k]
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    counts = torch.bincount(ids.reshape(-1), minlength=E).tolist()
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    tokens = (order // k).to(torch.int64)
+    plan = plan_from_bounds(tokens, order.to(torch.int64), bounds, T, needs_grad=False, dtype=s["dtype"])
+    x = torch.randn(T, M, generator=g, dtype=s["dtype"])
+    w1 = torch.randn(E, H, M, generator=g, dtype=s["dtype"])
+    w2 = torch.randn(E, H, M, generator=g, dtype=s["dtype"])
+    kernels = {n: kernel_by_name(key, n) for n in names}
+
+    def step(kern):
+        h = kern.mm(x, w1, plan, rows=plan.tokens, transposed=True)
+        return kern.mm(h, w2, plan, transposed=False)
+
+    seconds = {}
+    for n in names:
+        step(kernels[n])   # compile / first-touch outside the timing
+    times = {n: [] for n in names}
+    for _ in range(repeats):   # interleaved: the machine's drift hits every candidate alike
+        for n in names:
+            t0 = time.perf_counter()
+            step(kernels[n])
+            times[n].append(time.perf_counter() - t0)
+    seconds = {n: statistics.median(v) for n, v in times.items()}
+    choice = min(seconds, key=seconds.get)
+    cls = wisdom.shape_class(s["dtype"], plan.num_rows / max(1, plan.busy), H * M * w1.element_size())
+    wisdom.record(cls, choice, seconds)
+    if log is not None:
+        log(f"wisdom {cls}: {choice} (" + ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in seconds.items()) + ")")
+    return {"class": cls, "choice": choice, "seconds": seconds}

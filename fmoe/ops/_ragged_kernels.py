@@ -141,61 +141,6 @@ def small_groups_serial(x, w, tasks, transposed, zero, y):
         _run(x, w, tasks, t, nblk, chunk, N, transposed, zero, y)
 
 
-# The streamed op's small path (decode) runs its gated activation here where its GEMMs are
-# these kernels (tuning.NUMBA_SMALL_GEMMS): a torch elementwise op between two numba calls
-# wakes torch's OpenMP team while numba's TBB workers still hold the cores, and the numba
-# call after it starts beside spinning OpenMP threads (decode_64 on a 2-vCPU EPYC: 0.88x
-# the step time with this kernel, qwen3_moe / mixtral blocks 0.93x, 2026-12-02, ad hoc).
-@njit(**_FLAGS)
-def _silu_glu_row(g, u, r, h):
-    for j in range(h.shape[1]):
-        a = g[r, j]
-        h[r, j] = a / (1 + np.exp(-a)) * u[r, j]
-
-
-@njit(**_FLAGS)
-def _gpt_oss_glu_row(g, u, alpha, limit, r, h):
-    for j in range(h.shape[1]):
-        a = g[r, j]
-        if a > limit:   # compares, not min/max: NaN stays NaN, as torch.clamp keeps it
-            a = limit
-        b = u[r, j]
-        if b > limit:
-            b = limit
-        elif b < -limit:
-            b = -limit
-        h[r, j] = (b + 1) * (a / (1 + np.exp(-a * alpha)))
-
-
-@njit(parallel=True, **_FLAGS)
-def silu_glu(g, u, h):
-    """h = silu(g) * u = g / (1 + exp(-g)) * u over [n, H] (g, u may be strided views)."""
-    for r in prange(h.shape[0]):
-        _silu_glu_row(g, u, r, h)
-
-
-@njit(**_FLAGS)
-def silu_glu_serial(g, u, h):
-    """silu_glu on the calling thread only."""
-    for r in range(h.shape[0]):
-        _silu_glu_row(g, u, r, h)
-
-
-@njit(parallel=True, **_FLAGS)
-def gpt_oss_glu(g, u, alpha, limit, h):
-    """h = (clamp(u, -limit, limit) + 1) * g' / (1 + exp(-alpha g')), g' = min(g, limit), over
-    [n, H] (g, u may be strided views); NaN stays NaN."""
-    for r in prange(h.shape[0]):
-        _gpt_oss_glu_row(g, u, alpha, limit, r, h)
-
-
-@njit(**_FLAGS)
-def gpt_oss_glu_serial(g, u, alpha, limit, h):
-    """gpt_oss_glu on the calling thread only."""
-    for r in range(h.shape[0]):
-        _gpt_oss_glu_row(g, u, alpha, limit, r, h)
-
-
 def signatures():
     """(name, kernel, example args) for every compiled signature, used by warm-up."""
     out = []
@@ -208,12 +153,4 @@ def signatures():
             for transposed in (True, False):
                 label = f"ragged_{kern.__name__}_{'nk' if transposed else 'kn'}[{name}]"
                 out.append((label, kern, (x, w, tasks, transposed, dt(0), np.empty((1, 6, 4), dt))))
-        z = np.ones((3, 8), dtype=dt)
-        for kern in (silu_glu, silu_glu_serial):
-            # contiguous halves (split weights) and the two halves of one fused projection
-            out.append((f"{kern.__name__}[{name}]", kern, (z[:, :4].copy(), z[:, 4:].copy(), np.empty((3, 4), dt))))
-            out.append((f"{kern.__name__}_views[{name}]", kern, (z[:, :4], z[:, 4:], np.empty((3, 4), dt))))
-        for kern in (gpt_oss_glu, gpt_oss_glu_serial):   # GPT-OSS's halves interleave: strided views
-            out.append((f"{kern.__name__}[{name}]", kern, (z[:, 0::2], z[:, 1::2], dt(1.702), dt(7.0),
-                                                          np.empty((3, 4), dt))))
     return out

@@ -238,25 +238,6 @@ def _grouped_into(x: Tensor, w: Tensor, offs: list, transposed: bool, y: Tensor)
             _group_mm(x[s if x.shape[0] > 1 else 0], w[s if w.shape[0] > 1 else 0], e, lo, hi, transposed, y[s])
 
 
-def glu_rows(g: Tensor, u: Tensor, gpt_oss: Optional[tuple] = None) -> Tensor:
-    """The gated activation h [n, H] by the numba kernels that run beside :func:`grouped_rows`
-    (float32/64 CPU; g and u may be column slices of one [n, 2H] projection): ``silu(g) * u``,
-    or with ``gpt_oss`` = (alpha, limit) GPT-OSS's ``(clamp(u, -limit, limit) + 1) * g'
-    sigmoid(alpha g')``, ``g' = min(g, limit)``. Equal to torch's ops within float rounding."""
-    h = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-    serial = h.numel() <= tuning.NUMBA_SERIAL_ELEMENTS
-    args = (g.detach().numpy(), u.detach().numpy())
-    if gpt_oss is None:
-        kern = _RK.silu_glu_serial if serial else _RK.silu_glu
-    else:
-        kern = _RK.gpt_oss_glu_serial if serial else _RK.gpt_oss_glu
-        scalar = h.numpy().dtype.type   # h's dtype: a Python float would widen fp32 arithmetic
-        args += tuple(scalar(c) for c in gpt_oss)
-    with _numba.kernel_call():
-        kern(*args, h.numpy())
-    return h
-
-
 def grouped_rows(x: Tensor, w: Tensor, bounds: list, transposed: bool = False) -> Tensor:
     """y [N, cols] with y[rows of e] = x[rows of e] @ op(w[e]): :func:`ragged_mm`'s kernels on
     rows sorted by expert, forward only (no autograd, no checks; the caller's rows).

@@ -1,0 +1,416 @@
+"""The expert engine (fmoe.engine): the plan, the kernel table and the expert kinds' autograd
+Function against the staged pipeline, the per-expert reference, per-pair loops and finite
+differences, for every expert kind (ffn with relu / gelu / a user's callable, gated_ffn,
+swiglu fused and split, gpt_oss), both layouts, capacity modes, dtypes, both accumulation
+orders, both save modes, weights given as transposed views, retained graphs, double backward,
+saved memory and errors."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+
+import fmoe
+from fmoe import engine
+from fmoe.engine import kinds as K
+from fmoe.engine import native, table
+from fmoe.engine.plan import make_plan, plan_from_bounds, rows_reference
+from fmoe.experts import engine_weights
+from fmoe.layout import ragged_layout
+from tests.test_pipeline import _saved_bytes
+
+DT = torch.float64
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _softplus_sq(z):   # a user's elementwise callable
+    return F.softplus(z) ** 2
+
+
+ACTS = {"relu": F.relu, "gelu": F.gelu, "user": _softplus_sq}
+
+
+def _spec(expert_type="gated_ffn", cf=0.0, k=3, E=6, M=12, H=10, act=None, **kw):
+    return fmoe.MoESpec(model_dim=M, num_experts=E, gate=fmoe.GateSpec(k=k, capacity_factor=cf, fp32_gate=False),
+                        experts=fmoe.ExpertSpec(type=expert_type, hidden_size=H, activation=ACTS.get(act)), **kw)
+
+
+def _params(spec, dtype=DT, split=False, seed=0):
+    p = fmoe.init_params(spec, generator=_gen(seed), dtype=dtype)
+    scale = 1.0 if spec.experts.type == "ffn" else 20.0   # O(1) activations, not 1e-3
+    p = pytree.tree_map(lambda t: (t.double() * scale).to(dtype), p)
+    g = _gen(seed + 100)
+    for name in ("gate_up_proj_bias", "down_proj_bias", "fc1_b", "fc2_b"):   # non-zero biases
+        if name in p["experts"]:
+            b = p["experts"][name]
+            p["experts"][name] = (torch.randn(b.shape, generator=g, dtype=torch.float64) * 4).to(dtype)
+    if split:
+        gu = p["experts"].pop("gate_up_proj")
+        H = gu.shape[1] // 2
+        p["experts"]["gate_proj"], p["experts"]["up_proj"] = gu[:, :H].contiguous(), gu[:, H:].contiguous()
+    return p
+
+
+def _step(spec, p, x):
+    """y, dx and every parameter gradient (gate included) of sum(y * c) + l_aux."""
+    q = pytree.tree_map(lambda t: t.detach().clone().requires_grad_(True), p)
+    xx = x.detach().clone().requires_grad_(True)
+    y, aux = fmoe.moe(q, xx, spec)
+    c = torch.linspace(-1, 1, y.numel(), dtype=torch.float64).reshape(y.shape).to(y.dtype)
+    ((y * c).sum() + aux.l_aux).backward()
+    return y.detach(), xx.grad, [t.grad for t in pytree.tree_leaves(q)]
+
+
+def _count_engine(monkeypatch):
+    calls = []
+    real = K._ExpertOp.apply
+    monkeypatch.setattr(K._ExpertOp, "apply", lambda *a: calls.append(a[4]) or real(*a))   # a[4]: save
+    return calls
+
+
+CASES = [("ffn", "relu", 0.0, False), ("ffn", "gelu", 1.25, False), ("ffn", "user", -0.5, False),
+         ("ffn", "relu", 2.0, False), ("gated_ffn", None, 0.0, False), ("gated_ffn", None, 1.25, False),
+         ("swiglu", None, 0.0, False), ("swiglu", None, 1.0, True), ("swiglu", "gelu", 0.0, True),
+         ("gpt_oss", None, 0.0, False), ("gpt_oss", None, 1.25, False)]
+
+
+@pytest.mark.parametrize("save", K.SAVES)
+@pytest.mark.parametrize("expert_type,act,cf,split", CASES)
+def test_engine_equals_the_staged_pipeline(expert_type, act, cf, split, save, monkeypatch):
+    spec = _spec(expert_type, cf, M=32, act=act, save=save)
+    p = _params(spec, split=split)
+    x = torch.randn(40, 32, generator=_gen(1), dtype=DT)
+    calls = _count_engine(monkeypatch)
+    ys, gxs, gps = _step(spec, p, x)
+    assert calls == [save], "the engine did not run"
+    yr, gxr, gpr = _step(dataclasses.replace(spec, streamed=False), p, x)
+    assert len(calls) == 1
+    torch.testing.assert_close(ys, yr, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gxs, gxr, rtol=1e-11, atol=1e-11)
+    for a, b in zip(gps, gpr):       # router weights too: the gate-weight gradient path
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+
+
+def test_engine_runs_on_the_padded_layout_and_counts_drops(monkeypatch):
+    spec = _spec("ffn", 1.0, k=2, M=16, act="relu", layout="padded")
+    p = _params(spec)
+    x = torch.randn(50, 16, generator=_gen(2), dtype=DT)
+    calls = _count_engine(monkeypatch)
+    ys, gxs, gps = _step(spec, p, x)
+    yr, gxr, gpr = _step(dataclasses.replace(spec, streamed=False), p, x)
+    assert calls
+    torch.testing.assert_close(ys, yr, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        a, b = fmoe.moe(p, x, spec)[1], fmoe.moe(p, x, dataclasses.replace(spec, streamed=False))[1]
+    assert int(a.dropped) == int(b.dropped) > 0
+
+
+STORED = {"gated_ffn": (("gate_w", "up_w"), "down_w", False), "swiglu": (("gate_up_proj",), "down_proj", True),
+          "swiglu_split": (("gate_proj", "up_proj"), "down_proj", True),
+          "gpt_oss": (("gate_up_proj",), "down_proj", False), "ffn": (("fc1_w",), "fc2_w", True)}
+
+
+@pytest.mark.parametrize("form", list(STORED))
+def test_weights_given_as_transposed_views_run_in_their_storage_order(form, monkeypatch):
+    """Expert weights given as transposed views of contiguous storage (as MoELayer holds gated_ffn:
+    out x in, handed out as x @ W views) reach the engine as that storage (no copy, each flag
+    flipped), and equal the weights as given in values and gradients."""
+    expert_type = form.split("_split")[0]
+    spec = _spec(expert_type, 1.25, M=32, act="relu" if expert_type == "ffn" else None)
+    p = _params(spec, split=form.endswith("_split"))
+    x = torch.randn(40, 32, generator=_gen(1), dtype=DT)
+    names_in, name_out, in_t = STORED[form]
+    out_t = in_t if expert_type != "ffn" else False
+    store = {k: (v.transpose(1, 2).contiguous() if v.dim() == 3 else v.clone()).requires_grad_(True)
+             for k, v in p["experts"].items()}
+    views = {k: v.transpose(1, 2) if v.dim() == 3 else v for k, v in store.items()}
+    kw = engine_weights(spec.experts, views)
+    assert (kw["form"].in_transposed, kw["form"].out_transposed) == (not in_t, not out_t)
+    assert [w.data_ptr() for w in (*kw["w_in"], kw["w_out"])] == [store[k].data_ptr()
+                                                                  for k in (*names_in, name_out)]
+    assert all(w.is_contiguous() for w in (*kw["w_in"], kw["w_out"]))
+    as_given = engine_weights(spec.experts, p["experts"])["form"]
+    assert (as_given.in_transposed, as_given.out_transposed) == (in_t, out_t)
+    calls = _count_engine(monkeypatch)
+    xx = x.clone().requires_grad_(True)
+    y, aux = fmoe.moe({"gate": p["gate"], "experts": views}, xx, spec)
+    c = torch.linspace(-1, 1, y.numel(), dtype=DT).reshape(y.shape)
+    ((y * c).sum() + aux.l_aux).backward()
+    assert len(calls) == 1
+    q = pytree.tree_map(lambda t: t.detach().clone().requires_grad_(True), p)
+    xr = x.clone().requires_grad_(True)
+    yr, aux = fmoe.moe(q, xr, dataclasses.replace(spec, streamed=False))
+    ((yr * c).sum() + aux.l_aux).backward()
+    torch.testing.assert_close(y, yr, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(xx.grad, xr.grad, rtol=1e-11, atol=1e-11)
+    for k, t in store.items():
+        assert t.grad.is_contiguous()
+        g = t.grad.transpose(1, 2) if t.dim() == 3 else t.grad
+        torch.testing.assert_close(g, q["experts"][k].grad, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("expert_type", ["ffn", "swiglu", "gpt_oss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("combine", ["fmoe", "eager"])
+def test_low_precision_within_rounding_and_eager_order_bit_exact(expert_type, dtype, combine):
+    spec = _spec(expert_type, 0.0, k=4, E=8, M=32, H=16, combine=combine, act="gelu" if expert_type == "ffn" else None)
+    p = _params(spec, dtype)
+    x = torch.randn(64, 32, generator=_gen(2)).to(dtype)
+    ys, gxs, gps = _step(spec, p, x)
+    yr, gxr, gpr = _step(dataclasses.replace(spec, streamed=False), p, x)
+    if combine == "eager" and expert_type == "swiglu":   # transformers' eager order, bit for bit
+        assert torch.equal(ys, yr)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=2e-5, atol=2e-5)
+    scale = lambda t: t.float() / t.float().abs().max()  # noqa: E731
+    torch.testing.assert_close(scale(ys), scale(yr), **tol)
+    torch.testing.assert_close(scale(gxs), scale(gxr), **tol)
+    for a, b in zip(gps, gpr):
+        torch.testing.assert_close(a.float() / b.float().abs().max(), scale(b), **tol)
+
+
+def _direct(form, E=4, T=9, M=5, H=3, seed=3, dtype=DT, cf=0.0):
+    """(ExpertForm, x, w_rows, plan, w_in, b_in, w_out, b_out) with every tensor a leaf."""
+    g = _gen(seed)
+    scores = torch.rand(T, E, generator=g, dtype=DT)
+    ids, w = fmoe.top_k(scores, 2)
+    r = fmoe.make_routing(ids, w, E, cf)
+    plan = make_plan(r, needs_grad=True, dtype=dtype)
+    leaf = lambda t: t.to(dtype).requires_grad_()  # noqa: E731
+    w_rows = leaf(torch.rand(plan.num_rows, generator=g, dtype=DT))
+    x = leaf(torch.randn(T, M, generator=g, dtype=DT))
+    b_in = b_out = None
+    if form == "gpt_oss":   # [E, M, 2H] interleaved, clamped, biases; weights large enough to clamp
+        f = K.ExpertForm("gpt_oss", False, False, limit=2.0)
+        w_in = (leaf(torch.randn(E, M, 2 * H, generator=g, dtype=DT) * 4),)
+        b_in, b_out = leaf(torch.randn(E, 2 * H, generator=g, dtype=DT)), leaf(torch.randn(E, M, generator=g, dtype=DT))
+        w_out = leaf(torch.randn(E, H, M, generator=g, dtype=DT))
+    elif form == "fused":
+        f = K.ExpertForm("glu", True, True)
+        w_in = (leaf(torch.randn(E, 2 * H, M, generator=g, dtype=DT)),)
+        w_out = leaf(torch.randn(E, M, H, generator=g, dtype=DT))
+    elif form == "split":
+        f = K.ExpertForm("glu", False, False)
+        w_in = tuple(leaf(torch.randn(E, M, H, generator=g, dtype=DT)) for _ in range(2))
+        w_out = leaf(torch.randn(E, H, M, generator=g, dtype=DT))
+    else:   # ffn: fc1 out x in, fc2 x @ W, both biases
+        f = K.ExpertForm("ffn", True, False, activation=ACTS[form])
+        w_in = (leaf(torch.randn(E, H, M, generator=g, dtype=DT)),)
+        b_in, b_out = leaf(torch.randn(E, H, generator=g, dtype=DT)), leaf(torch.randn(E, M, generator=g, dtype=DT))
+        w_out = leaf(torch.randn(E, H, M, generator=g, dtype=DT))
+    return f, x, w_rows, plan, w_in, b_in, w_out, b_out
+
+
+FORMS = ["relu", "gelu", "user", "fused", "split", "gpt_oss"]
+
+
+@pytest.mark.parametrize("save", K.SAVES)
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_match_finite_differences_and_double_backward(form, save):
+    f, x, w_rows, plan, w_in, b_in, w_out, b_out = _direct(form)
+    n = len(w_in)
+
+    def fn(x, w_rows, w_out, b_in, b_out, *w_in):
+        return engine.run(f, x, w_rows, plan, w_in, w_out, b_in=b_in, b_out=b_out, save=save)
+
+    args = (x, w_rows, w_out, b_in, b_out, *w_in)
+    assert len(args) == 5 + n
+    assert torch.autograd.gradcheck(fn, args)
+    if form != "relu":   # relu's second derivative is 0 almost everywhere, a kink gradgradcheck trips on
+        assert torch.autograd.gradgradcheck(fn, args)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_run_matches_a_per_pair_loop_and_skips_unused_grads(form):
+    f, x, w_rows, plan, w_in, b_in, w_out, b_out = _direct(form, seed=4)
+    y = engine.run(f, x, w_rows, plan, w_in, w_out, b_in=b_in, b_out=b_out)
+    want = torch.zeros_like(y)
+    b = plan.bounds
+    for e in range(plan.num_experts):
+        for r in range(b[e], b[e + 1]):
+            t = int(plan.tokens[r])
+            z = [x[t] @ (w[e].t() if f.in_transposed else w[e]) for w in w_in]
+            if b_in is not None:
+                z[0] = z[0] + b_in[e]
+            h = f.hidden(*[zi[None] for zi in z])[0]
+            o = h @ (w_out[e].t() if f.out_transposed else w_out[e])
+            want[t] += w_rows[r] * (o + (0 if b_out is None else b_out[e]))
+    torch.testing.assert_close(y, want, rtol=1e-13, atol=1e-13)
+    with torch.no_grad():    # the inference path builds no graph and gives the same values
+        assert torch.equal(engine.run(f, x, w_rows, plan, w_in, w_out, b_in=b_in, b_out=b_out), y.detach())
+    # only x needs a gradient: the weight grads are never formed
+    det = lambda t: None if t is None else t.detach()  # noqa: E731
+    gx, = torch.autograd.grad(engine.run(f, x, det(w_rows), plan, tuple(det(w) for w in w_in), det(w_out),
+                                         b_in=det(b_in), b_out=det(b_out)).sum(), x)
+    gx_all, = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(gx, gx_all, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("order", K.ORDERS)
+@pytest.mark.parametrize("form", ["gelu", "fused", "split", "gpt_oss"])
+def test_forward_equals_the_reference_bit_for_bit(form, dtype, order):
+    # The fast path differs from the oracle only in who issues the GEMMs (the kernel table's
+    # grouped call against one torch.mm per expert from Python): same products, same roundings.
+    f, x, w_rows, plan, w_in, b_in, w_out, b_out = _direct(form, E=6, T=40, M=24, H=16, seed=7, dtype=dtype)
+    with torch.no_grad():
+        w_rows = w_rows.float()
+        ref = engine.reference(f, x, w_rows, plan, w_in, b_in, w_out, b_out, order)
+        for kern in {table.select(plan), table.kernel_for("cpu", "decode", dtype), table.kernel_for("cpu", "train", dtype)}:
+            got = engine.run(f, x, w_rows, plan, w_in, w_out, b_in=b_in, b_out=b_out, order=order, kernel=kern)
+            assert torch.equal(got, ref), kern.name
+
+
+def test_gradients_equal_the_reference_within_rounding():
+    # Backward forms the gate-weight gradient as <dy D^T, h> instead of autograd's <dy, h D>:
+    # equal within float rounding (and every other gradient is the reference's products).
+    f, x, w_rows, plan, w_in, b_in, w_out, b_out = _direct("gpt_oss", E=6, T=40, M=24, H=16, seed=8,
+                                                           dtype=torch.float32)
+    args = (x, w_rows, b_in, w_out, b_out, *w_in)
+    c = torch.randn(40, 24, generator=_gen(9))
+    fast = torch.autograd.grad((engine.run(f, x, w_rows, plan, w_in, w_out, b_in=b_in, b_out=b_out) * c).sum(), args)
+    ref = torch.autograd.grad((engine.reference(f, x, w_rows, plan, w_in, b_in, w_out, b_out) * c).sum(), args)
+    for a, b in zip(fast, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_saved_memory_is_the_projections_or_nothing():
+    spec = _spec("ffn", 1.25, k=2, E=4, M=32, H=8, act="relu")
+    p = pytree.tree_map(lambda t: t.requires_grad_(True), _params(spec))
+    x = torch.randn(50, 32, generator=_gen(5), dtype=DT, requires_grad=True)
+
+    def saved(s):
+        return _saved_bytes(lambda: fmoe.moe(p, x, s)[0])[1]
+
+    base = sum(t.numel() * 8 for t in pytree.tree_leaves(p)) + x.numel() * 8
+    N = int(fmoe.moe(p, x, spec)[1].routing.kept().sum())
+    routing_sized = 100 * 8 * 8
+    projections = saved(spec) - base
+    recompute = saved(dataclasses.replace(spec, save="recompute")) - base
+    staged = saved(dataclasses.replace(spec, streamed=False)) - base
+    assert recompute < routing_sized
+    assert N * 8 * 8 <= projections < N * 8 * 8 + routing_sized     # z [N, H] and routing-sized tensors
+    assert staged - projections >= 2 * N * 32 * 8                     # staged keeps [R, M]-sized buffers
+
+
+def test_retained_graph_backward_twice_gives_the_same_gradients():
+    f, x, w_rows, plan, w_in, b_in, w_out, b_out = _direct("fused", seed=11)
+    y = engine.run(f, x, w_rows, plan, w_in, w_out)
+    g1 = torch.autograd.grad(y.sum(), (x, *w_in), retain_graph=True)
+    g2 = torch.autograd.grad(y.sum(), (x, *w_in))
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+
+
+def test_engine_falls_back_under_vmap_compile_and_for_custom_and_quantized(monkeypatch):
+    spec = _spec("ffn", 0.0, act="relu")
+    p = _params(spec)
+    x = torch.randn(8, 12, generator=_gen(6), dtype=DT)
+    calls = _count_engine(monkeypatch)
+    torch.func.grad(lambda q: fmoe.moe(q, x, spec)[0].sum())(p)
+    assert not calls                                  # torch.func: the staged pipeline
+    xs = torch.randn(3, 8, 12, generator=_gen(7), dtype=DT)
+    torch.func.vmap(lambda t: fmoe.moe(p, t, spec)[0])(xs)
+    assert not calls
+    fmoe.moe(p, x, dataclasses.replace(spec, experts=dataclasses.replace(spec.experts, precision="fp8_block")))
+    assert not calls                                  # a quantized-training recipe
+    fmoe.moe(pytree.tree_map(lambda t: t.requires_grad_(True), p), x, spec)
+    assert calls
+
+
+def test_plan_rows_equal_the_ragged_layouts_rows_and_print():
+    for T, E, k, cf in [(1, 1, 1, 0.0), (5, 3, 2, 1.0), (16, 8, 4, 1.25), (100, 33, 2, -1.0), (64, 4, 4, 0.0)]:
+        g = _gen(T + E)
+        ids, w = fmoe.top_k(torch.rand(T, E, generator=g), k)
+        r = fmoe.make_routing(ids, w, E, cf)
+        plan = make_plan(r, needs_grad=False, dtype=torch.float32)
+        tokens, pairs, bounds, dropped = rows_reference(r)
+        assert torch.equal(plan.tokens, tokens) and torch.equal(plan.pairs, pairs) and plan.bounds == bounds
+        assert int(plan.dropped) == int(dropped) == int(r.num_dropped())
+        assert plan.offsets.tolist() == list(bounds)
+        lay = ragged_layout(r)
+        assert plan.sizes == lay.sizes.tolist()
+        assert plan.phase == ("decode" if plan.num_rows <= 16 * max(plan.busy, 1) else "prefill")
+        assert repr(plan).startswith(f"ExpertPlan(T={T}, E={E}, rows={plan.num_rows}, busy={plan.busy}")
+    assert make_plan(r, needs_grad=True, dtype=torch.float32).phase == "train"
+
+
+def test_plan_and_run_errors_name_the_problem():
+    f, x, w_rows, plan, w_in, b_in, w_out, b_out = _direct("split")
+    with pytest.raises(TypeError, match="routing must be a fmoe.Routing"):
+        make_plan("routing", needs_grad=False, dtype=DT)
+    ids, w = fmoe.top_k(torch.rand(6, 4, generator=_gen(8)), 2)
+    r = fmoe.make_routing(ids, w, 4, 0.0)
+    mk = lambda i, s, c: fmoe.Routing(i, s, r.weights, c, r.capacity, 4)  # noqa: E731
+    e = int(r.expert_ids[0, 0])
+    # expert e keeps its count but loses its last pair: a row nobody fills
+    last = ((r.expert_ids == e) & (r.slots == r.counts[e] - 1)).nonzero()[0].tolist()
+    ids2, slots2 = r.expert_ids.clone(), r.slots.clone()
+    ids2[last[0], last[1]], slots2[last[0], last[1]] = -1, -1
+    with pytest.raises(ValueError, match="counts disagree with its slots: .*fewer kept pairs"):
+        make_plan(mk(ids2, slots2, r.counts), needs_grad=False, dtype=DT)
+    # one count moved from e to another expert: e's last slot lies past its rows
+    counts = r.counts.clone()
+    counts[e] -= 1
+    counts[(e + 1) % 4] += 1
+    with pytest.raises(ValueError, match="slot is outside"):
+        make_plan(mk(r.expert_ids, r.slots, counts), needs_grad=False, dtype=DT)
+    # two of e's pairs in one slot (e's last pair moved into slot 0)
+    slots3 = r.slots.clone()
+    slots3[last[0], last[1]] = 0
+    with pytest.raises(ValueError, match="share an expert and a slot"):
+        make_plan(mk(r.expert_ids, slots3, r.counts), needs_grad=False, dtype=DT)
+    with pytest.raises(ValueError, match="plan bounds must start at 0"):
+        plan_from_bounds(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), [0, 3, 2], 4,
+                         needs_grad=False, dtype=DT)
+    with pytest.raises(ValueError, match=r"x must be \[T, M\] with T=9"):
+        engine.run(f, x[:5], w_rows, plan, w_in, w_out)
+    with pytest.raises(ValueError, match=r"gate weights must be \[N\]"):
+        engine.run(f, x, w_rows[:-1], plan, w_in, w_out)
+    with pytest.raises(ValueError, match="expert weights must be"):
+        engine.run(f, x, w_rows, plan, w_in, w_out[:2])
+    with pytest.raises(TypeError, match="in x's dtype"):
+        engine.run(f, x, w_rows, plan, w_in, w_out.float())
+    with pytest.raises(ValueError, match="order must be one of"):
+        engine.run(f, x, w_rows, plan, w_in, w_out, order="grouped")
+    with pytest.raises(ValueError, match="save must be one of"):
+        engine.run(f, x, w_rows, plan, w_in, w_out, save="in_grad")
+    with pytest.raises(ValueError, match="MoESpec.save must be one of"):
+        _spec(save="in_grad")
+    with pytest.raises(ValueError, match="ExpertForm.form must be one of"):
+        K.ExpertForm("moe", False, False)
+    with pytest.raises(ValueError, match="no kernel for device='tpu'"):
+        table.kernel_for("tpu", "train", torch.float32)
+
+
+def test_table_has_one_kernel_per_key_and_explains_a_step():
+    assert len(table.TABLE) == 2 * 3 * 4
+    for (dev, phase, dt, prec), kern in table.TABLE.items():
+        assert prec is None and kern.name.startswith(dev)
+    cpu = table.kernel_for("cpu", "train", torch.float32)
+    assert cpu.name == ("cpu-native" if native.AVAILABLE else "cpu-torch")
+    text = table.explain("T=4096,M=512,H=1024,E=8,k=2,kind=swiglu,phase=train")
+    assert "phase: train" in text and text.count(f"-> {cpu.name}") == 6
+    assert "[8192 x 512] @ [512 x 2048]" in text
+    text = table.explain("T=16,M=512,H=1024,E=64")
+    assert "phase: decode" in text and text.count("->") == 2
+    for bad, msg in [("T=1,M=2", "needs H, E"), ("T=x,M=1,H=1,E=1", "T must be int"),
+                     ("T=1,M=1,H=1,E=1,kind=moe", "kind must be"), ("T=1,M=1,H=1,E=1,dtype=int8", "dtype must be"),
+                     ("T=1,M=1,H=1,E=1,phase=warm", "phase must be"), ("Q=1", "bad field")]:
+        with pytest.raises(ValueError, match=msg):
+            table.explain(bad)
+
+
+def test_grouped_mm_kernel_equals_the_reference():
+    # The CUDA bf16 entry's torch._grouped_mm form, run on the CPU (where torch has it too).
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch has no _grouped_mm")
+    f, x, w_rows, plan, w_in, b_in, w_out, b_out = _direct("split", E=4, T=40, M=16, H=16, dtype=torch.float32)
+    with torch.no_grad():
+        for w in w_in:
+            got = table._grouped_mm(x, w, plan, rows=plan.tokens, transposed=False)
+            ref = native.gather_mm_reference(x, w, plan.offsets, rows=plan.tokens)
+            torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
