@@ -1,85 +1,164 @@
-"""Cost of the fault checks per call: the collective header and the step agreement.
+"""Cost of the cross-rank checks: a distributed fmoe.moe forward under each ``checks`` setting.
 
-    mpiexec -n 2 python benchmarks/bench_agreement.py [--iters 2000] [--json out.json]
+    mpiexec -n 2 python benchmarks/bench_agreement.py [--rounds 15] [--tokens 64,4096] [--no-gloo]
+                                                     [--json out.json]
 
-Prints the median and the best round's microseconds per call (rank 0; on a shared, loaded machine the
-best round is the closer estimate of the intrinsic cost), measured round-robin so load hits all alike:
-raw mpi4py collectives (no header), MPIComm's matched collectives (header exchange + data), the
-agreement check alone, and a small distributed fmoe.moe forward with and without the check.
+For each backend (MPIComm over mpi4py; TorchDistComm over gloo, set up over TCP inside the same
+job) and each T, times ``fmoe.moe(params, x, spec, comm=c)`` (forward only, T tokens per rank,
+M=H=64, E=2W, top-2, capacity factor 1) with communicators built with ``checks="off"``,
+``"step"``, ``"full"`` (the default), and ``previous``: the checks as they were before the
+control exchange (a separate 128-byte header all-gather before every collective's data, and the
+agreement record as a matched all-gather of its own: three exchanges more than "off" per forward).
+Rounds are interleaved (every case once per round, in a rotating order) so load on a shared
+machine hits every case alike; prints per case the median over rounds of the mean ms per call,
+and the ratio of each median to "off". A few micro cases (one small all_reduce) come last.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import time
 
+import numpy as np
 import torch
+
+
+def _previous(base):
+    """A subclass of ``base`` (MPIComm or TorchDistComm) with the checks as they were before."""
+    from fmoe.comm import matching
+
+    class Previous(base):
+        _stage_agreement = None  # the agreement goes through self.all_gather: header, then the record
+
+        def _begin(self, kind, x=None, *, op="", error=None, payload=None):
+            self._calls += 1
+            call = self._calls
+            hdr = matching.header(kind, call, x, op=op, failed=error is not None)
+            table = self._raw_gather_words(hdr)
+            matching.check(table, self.rank, kind, error, self._gather_text)
+            return call, None  # the data then moves as an unchecked collective, as it did after the header
+
+    return Previous
+
+
+def _mpi_words(comm):
+    def gather(words):
+        out = np.empty((comm.size, words.size), dtype=np.int64)
+        comm.mpi_comm.Allgather(words, out)
+        return out
+    return gather
+
+
+def _gloo_words(comm):
+    import torch.distributed as dist
+
+    def gather(words):
+        out = torch.empty(comm.size * words.size, dtype=torch.int64)
+        dist.all_gather_into_tensor(out, torch.from_numpy(words), group=comm.group)
+        return out.reshape(comm.size, words.size).numpy()
+    return gather
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--tokens", default="64,4096")
+    ap.add_argument("--no-gloo", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from mpi4py import MPI
 
     import fmoe
     from fmoe._io import atomic_write_text
-    from fmoe.comm.agreement import agree_across_ranks
-    from fmoe.parallel import ParallelSpec, parallel_fields, shard_experts
+    from fmoe.parallel import shard_experts
     from mpi_backend import MPIComm
 
+    torch.set_num_threads(1)
     world = MPI.COMM_WORLD
-    comm = MPIComm(world)
-    W = comm.size
+    W, rank = world.Get_size(), world.Get_rank()
     spec = fmoe.MoESpec(model_dim=64, num_experts=2 * W, gate=fmoe.GateSpec(k=2, capacity_factor=1.0),
                         experts=fmoe.ExpertSpec(type="ffn", hidden_size=64))
     full = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))
-    params = {"gate": full["gate"], "experts": shard_experts("ffn", full["experts"], spec.num_experts, comm.rank, W)}
-    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(comm.rank))
-    fields = parallel_fields(spec, ParallelSpec(), W, x.dtype, params["experts"])
-    small = torch.ones(8)
-    rec = torch.zeros(1, 30, dtype=torch.int64)
-    out8, out_rec = small.numpy().copy(), torch.zeros(W, 30, dtype=torch.int64).numpy()
-    on, off = ParallelSpec(check=True), ParallelSpec(check=False)
+    params = {"gate": full["gate"], "experts": shard_experts("ffn", full["experts"], spec.num_experts, rank, W)}
+    tokens = [int(t) for t in a.tokens.split(",")]
+    xs = {T: torch.randn(T, 64, generator=torch.Generator().manual_seed(rank)) for T in tokens}
+    settings = ("off", "step", "full", "previous")
 
-    cases = {
-        "raw Allreduce 8 fp32": lambda: world.Allreduce(small.numpy(), out8),
-        "MPIComm.all_reduce 8 fp32": lambda: comm.all_reduce(small, "sum"),
-        "raw Allgather 30 int64": lambda: world.Allgather(rec.numpy(), out_rec),
-        "MPIComm.all_gather 30 int64": lambda: comm.all_gather(rec, 0),
-        "agree_across_ranks (moe fields)": lambda: agree_across_ranks(comm, fields),
-        "moe forward T=64, check on": lambda: fmoe.moe(params, x, spec, comm=comm, parallel=on),
-        "moe forward T=64, check off": lambda: fmoe.moe(params, x, spec, comm=comm, parallel=off),
-    }
-    times = {k: [] for k in cases}
-    reps = {k: (a.iters // 20 if k.startswith("moe") else a.iters) for k in cases}
-    for name, fn in cases.items():  # warm up
-        for _ in range(5):
+    comms = {}
+    PrevMPI = _previous(MPIComm)
+    for s in settings:
+        c = PrevMPI(world) if s == "previous" else MPIComm(world, checks=s)
+        if s == "previous":
+            c._raw_gather_words = _mpi_words(c)
+        comms[("mpi", s)] = c
+    backends = ["mpi"]
+    if not a.no_gloo:
+        import torch.distributed as dist
+        from fmoe.comm.torch_dist import TorchDistComm
+        port = np.zeros(1, dtype=np.int64)
+        if rank == 0:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port[0] = sock.getsockname()[1]
+        world.Bcast(port, root=0)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(port[0])}", rank=rank, world_size=W)
+        PrevGloo = _previous(TorchDistComm)
+        for s in settings:
+            c = PrevGloo() if s == "previous" else TorchDistComm(checks=s)
+            if s == "previous":
+                c._raw_gather_words = _gloo_words(c)
+            comms[("gloo", s)] = c
+        backends.append("gloo")
+
+    cases = {}
+    for b in backends:
+        for T in tokens:
+            for s in settings:
+                c = comms[(b, s)]
+                cases[(b, T, s)] = (lambda c=c, T=T: fmoe.moe(params, xs[T], spec, comm=c))
+    small = torch.ones(8)
+    out8 = small.numpy().copy()
+    micro = {("mpi", "all_reduce 8 fp32", "raw mpi4py"): lambda: world.Allreduce(small.numpy(), out8)}
+    for s in settings:
+        micro[("mpi", "all_reduce 8 fp32", s)] = (lambda c=comms[("mpi", s)]: c.all_reduce(small, "sum"))
+    cases.update(micro)
+    reps = {k: (1 if isinstance(k[1], int) and k[1] >= 1024 else 10) if isinstance(k[1], int) else 200
+            for k in cases}
+
+    for fn in cases.values():  # warm up: allocator, numba/threads, sub-communicators
+        for _ in range(3):
             fn()
-    rounds = 10
-    for _ in range(rounds):
-        for name, fn in cases.items():
-            n = max(reps[name] // rounds, 1)
+    times = {k: [] for k in cases}
+    keys = list(cases)
+    for r in range(a.rounds):
+        order = keys[r % len(keys):] + keys[:r % len(keys)]
+        for k in order:
             world.Barrier()
             t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            times[name].append((time.perf_counter() - t0) / n * 1e6)
-    res = {k: statistics.median(v) for k, v in times.items()}
-    best = {k: min(v) for k, v in times.items()}
-    if comm.rank == 0:
-        print(f"world size {W}; us per call over {rounds} rounds: median, best")
-        for k in res:
-            print(f"  {k:34s} {res[k]:9.1f} {best[k]:9.1f}")
-        for label, a_, b_ in (("header overhead (all_reduce)", "MPIComm.all_reduce 8 fp32", "raw Allreduce 8 fp32"),
-                              ("check share of a moe forward", "moe forward T=64, check on",
-                               "moe forward T=64, check off")):
-            print(f"  {label:34s} {res[a_] - res[b_]:9.1f} {best[a_] - best[b_]:9.1f}")
+            for _ in range(reps[k]):
+                cases[k]()
+            times[k].append((time.perf_counter() - t0) / reps[k] * 1e3)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    if rank == 0:
+        print(f"world size {W}; ms per call, median over {a.rounds} interleaved rounds; ratio = median / off")
+        for b in backends:
+            for T in tokens:
+                base = med[(b, T, "off")]
+                row = "  ".join(f"{s} {med[(b, T, s)]:7.3f} ({med[(b, T, s)] / base:5.3f})" for s in settings)
+                print(f"  {b:4s} moe forward T={T:<5d} {row}")
+        base = med[("mpi", "all_reduce 8 fp32", "raw mpi4py")]
+        row = "  ".join(f"{s} {med[('mpi', 'all_reduce 8 fp32', s)] * 1e3:6.1f} us" for s in settings)
+        print(f"  mpi  all_reduce 8 fp32    raw {base * 1e3:6.1f} us  {row}")
         if a.json:
-            atomic_write_text(a.json, json.dumps({"world_size": W, "median_us": res, "best_us": best}, indent=1))
-    comm.close()
+            atomic_write_text(a.json, json.dumps(
+                {"world_size": W, "rounds": a.rounds,
+                 "median_ms": {" ".join(map(str, k)): v for k, v in med.items()},
+                 "all_ms": {" ".join(map(str, k)): v for k, v in times.items()}}, indent=1))
+    for c in comms.values():
+        c.close() if not isinstance(c, MPIComm) else None
+    comms[("mpi", "full")].close()
 
 
 if __name__ == "__main__":

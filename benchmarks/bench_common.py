@@ -161,45 +161,37 @@ def weight_stream(weights) -> tuple[Callable[[], object], int]:
     return (lambda: [w.sum() for w in ws]), sum(w.numel() * w.element_size() for w in ws)
 
 
-def expert_gemms_step(counts, w_in: tuple, w_out: torch.Tensor, fmt, order: str) -> Callable[[], object]:
+def expert_gemms_step(counts, kw: dict, order: str = "fmoe", num_tokens: Optional[int] = None) -> Callable[[], object]:
     """The routed experts' GEMMs of one inference call alone: its GEMM floor.
 
-    Issued as :mod:`fmoe.ops.streamed` issues them, on random rows, with no gather, activation,
-    scatter or routing: where the op takes its small path (:func:`~fmoe.ops.streamed.small_path`,
-    decode) one call per projection over the rows sorted by expert, the op's own choice
-    (:func:`~fmoe.ops.streamed.small_gemm`: ``torch._grouped_mm``, or the numba few-row kernels
-    where ``tuning.NUMBA_SMALL_GEMMS``); otherwise (prefill), or where that choice is None, one
-    ``torch.mm`` per busy expert and projection into reused buffers, expert by expert.
-    ``counts``: kept rows per expert (ints, length E). ``w_in``, ``w_out``, ``fmt``: what
-    :func:`fmoe.experts.streamed_weights` returns for the experts ("w_in", "w_out", "fmt");
-    ``order``: the call's combine order (``MoESpec.combine``).
+    The expert engine's own calls (:func:`fmoe.engine.select`'s kernel for the call's plan,
+    one grouped call per projection, rows gathered by the kernel) on the same weights and per-
+    expert row counts, with random rows and no activation, scatter or routing. ``counts``:
+    kept rows per expert (ints, length E); ``kw``: what :func:`fmoe.experts.engine_weights`
+    returns for the experts; ``order`` is accepted for the callers' symmetry (the GEMMs do
+    not depend on it); ``num_tokens``: the T rows gathered from (default: one per pair).
     """
-    from fmoe.ops import streamed   # the op's own choices between the forms
+    from fmoe import engine
+    from fmoe.engine.plan import plan_from_bounds
     counts = [int(c) for c in counts]
     bounds = [0]
     for c in counts:
         bounds.append(bounds[-1] + c)
     N = bounds[-1]
-    K = w_in[0].shape[2 if fmt.in_transposed else 1]
-    H = w_out.shape[2 if fmt.out_transposed else 1]
-    x = torch.randn(N, K, dtype=w_out.dtype, generator=torch.Generator().manual_seed(2))
-    h = torch.randn(N, H, dtype=w_out.dtype, generator=torch.Generator().manual_seed(3))
-    # detached: the same memory, and an inference call's GEMMs build no graph
-    gemm = streamed.small_gemm(x, H, fmt, bounds, w_out, w_in) if streamed.small_path(N, order, w_out.dtype) else None
-    if gemm is not None:
-        calls = [(x, w.detach(), fmt.in_transposed) for w in w_in] + [(h, w_out.detach(), fmt.out_transposed)]
-
-        def step():
-            return [gemm(a, w, t) for a, w, t in calls]
-        return step
-    ops = [(x, streamed._op(w, fmt.in_transposed).detach()) for w in w_in]
-    ops.append((h, streamed._op(w_out, fmt.out_transposed).detach()))
-    busy = [e for e, c in enumerate(counts) if c]
-    outs = [torch.empty(max(counts, default=0), w.shape[2], dtype=w.dtype) for _, w in ops]
+    form, w_in, w_out = kw["form"], tuple(w.detach() for w in kw["w_in"]), kw["w_out"].detach()
+    K = w_in[0].shape[2 if form.in_transposed else 1]
+    H = w_out.shape[2 if form.out_transposed else 1]
+    dt = w_out.dtype
+    T = N if num_tokens is None else num_tokens
+    tokens = torch.randint(max(T, 1), (N,), generator=torch.Generator().manual_seed(1))
+    plan = plan_from_bounds(tokens, tokens.clone(), bounds, T, needs_grad=False, dtype=dt)
+    kern = engine.select(plan, w_out[0].numel() * w_out.element_size())
+    x = torch.randn(T, K, dtype=dt, generator=torch.Generator().manual_seed(2))
+    h = torch.randn(N, H, dtype=dt, generator=torch.Generator().manual_seed(3))
 
     def step():
-        return [torch.mm(a[bounds[e]:bounds[e + 1]], w[e], out=o[:counts[e]])
-                for e in busy for (a, w), o in zip(ops, outs)]
+        outs = [kern.mm(x, w, plan, rows=plan.tokens, transposed=form.in_transposed) for w in w_in]
+        return outs + [kern.mm(h, w_out, plan, transposed=form.out_transposed)]
     return step
 
 

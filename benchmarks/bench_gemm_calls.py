@@ -37,7 +37,7 @@ QUICK_CALLS = {"e16_n32": (16, 32, 128, 64)}
 BATCHES = (1, 2, 4, 8)
 DECODE = {"E": 64, "K": 1024, "N": 512, "rows": (1, 2, 4, 6)}
 QUICK_DECODE = {"E": 8, "K": 128, "N": 64, "rows": (1, 2)}
-STORAGE = ("decode_16", "decode_64", "coarse", "fine_cf125", "fine_e64k8", "fine_e128k8")
+STORAGE = tuple(f"{b}.gated_ffn" for b in ("decode_16", "decode_64", "coarse", "fine_cf125", "fine_e64k8", "fine_e128k8"))
 QUICK_STORAGE = ("smoke",)
 
 

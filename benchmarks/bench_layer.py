@@ -2,17 +2,23 @@
 weights, vs the dense-GEMM roofline (training) and the weight-stream bound (decode), with the
 peak memory of each variant measured in its own process.
 
-Per config, timed round-robin one step each per repeat (medians):
+Every config runs once per expert kind a user can pick (``KINDS``: ffn with relu, ffn with gelu,
+gated_ffn, swiglu, gpt_oss), named ``<config>.<kind>``. Per config, timed round-robin one step
+each per repeat (medians):
 
-    fmoe           MoELayer(gate_type={'type': 'top', k, capacity_factor}, experts gated_ffn,
-                   no biases) -- defaults otherwise; training = forward + backward with a fixed
+    fmoe           MoELayer(gate_type={'type': 'top', k, capacity_factor}, experts of the kind:
+                   ffn with Tutel's defaults (both biases), gated_ffn without biases, swiglu,
+                   gpt_oss) -- defaults otherwise; training = forward + backward with a fixed
                    upstream gradient (y.backward(dy)) and x.requires_grad (dx is computed, as
                    inside a network);
                    decode = eval() forward under no_grad
-    tutel          tutel.moe.moe_layer with experts 'llama_ffn' (the same SwiGLU math), its
-                   state dict loaded from the fmoe layer's (same names, same weights; the
-                   outputs are compared once); column skipped with the reason when
-                   ``import tutel`` fails
+    tutel          tutel.moe.moe_layer with the same experts ('ffn' with the same activation,
+                   'llama_ffn' for gated_ffn), its state dict loaded from the fmoe layer's (same
+                   names, same weights; the outputs are compared once); for swiglu, Tutel's
+                   'llama_ffn' of the same sizes (the same SwiGLU math, its own weights); skipped
+                   for gpt_oss (Tutel has no clamped GLU) and when ``import tutel`` fails
+    fmoe_staged    the staged pipeline (``streamed=False``: dispatch -> seam -> combine)
+    fmoe_recompute gated_ffn training only: ``save='recompute'``
     dense_flat     training only: the 9 GEMMs of a SwiGLU FFN fwd+bwd on one [kept, M] matrix
     dense_batched  training only: the same on [E, ceil(kept/E), M] (per-expert shapes, balanced)
     dense_loop     training only: dense_batched's shapes as one torch.mm per expert (the calls a
@@ -24,7 +30,7 @@ Per config, timed round-robin one step each per repeat (medians):
                    floor that no gather, activation or scatter work can lower
 
 Useful GFLOP/s counts the expert GEMMs on kept (routed, non-dropped) rows only: kept x 6·M·H
-(x3 for training). "vs dense" divides it by dense_batched's rate (the same per-expert shapes,
+(x3 for training; 4·M·H per row for ffn's two GEMMs). "vs dense" divides it by dense_batched's rate (the same per-expert shapes,
 perfectly balanced) of the same run; "vs flat" by dense_flat's (one GEMM of the same FLOPs).
 """
 from __future__ import annotations
@@ -34,9 +40,10 @@ import math
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 import fmoe.nn
-from fmoe.experts import streamed_weights
+from fmoe.experts import engine_weights
 
 from . import bench_common as bc
 
@@ -55,12 +62,22 @@ class LayerConfig:
     cf: float          # > 0 padded capacity factor, 0 dropless (Tutel's meaning too)
     train: bool
     quick_tokens: Optional[int] = None
+    expert: str = "gated_ffn"
 
     def flop_per_row(self) -> int:
-        return 3 * 2 * self.model_dim * self.hidden
+        gemms = 2 if self.expert.startswith("ffn") else 3
+        return gemms * 2 * self.model_dim * self.hidden
 
 
-CONFIGS = [
+# name -> (MoELayer experts dict extras, Tutel experts dict or None)
+KINDS = {"ffn_relu": ({"type": "ffn", "activation_fn": F.relu}, {"type": "ffn", "activation_fn": F.relu}),
+         "ffn_gelu": ({"type": "ffn", "activation_fn": F.gelu}, {"type": "ffn", "activation_fn": F.gelu}),
+         "gated_ffn": ({"type": "gated_ffn", "has_fc1_bias": False, "has_fc2_bias": False}, {"type": "llama_ffn"}),
+         "swiglu": ({"type": "swiglu"}, {"type": "llama_ffn"}),
+         "gpt_oss": ({"type": "gpt_oss"}, None)}
+WEIGHTS_COPIED = ("ffn_relu", "ffn_gelu", "gated_ffn")   # Tutel gets fmoe's state dict (same names)
+
+BASES = [
     LayerConfig("coarse", 2048, 512, 1024, 8, 2, 1.25, True, quick_tokens=256),
     LayerConfig("fine_cf125", 4096, 768, 384, 32, 4, 1.25, True, quick_tokens=512),
     LayerConfig("fine_cf2", 4096, 768, 384, 32, 4, 2.0, True, quick_tokens=512),
@@ -70,15 +87,17 @@ CONFIGS = [
     LayerConfig("decode_16", 16, 1024, 512, 64, 6, 0.0, False),
     LayerConfig("decode_64", 64, 1024, 512, 64, 6, 0.0, False),
 ]
+CONFIGS = [dataclasses.replace(b, name=f"{b.name}.{k}", expert=k) for b in BASES for k in KINDS]
 # Not in the full run: "smoke", a seconds-long config for tests/test_benchmarks.py; "overhead",
 # M = H = 8 with 64 experts, where a step is the per-expert Python and dispatch cost and little else
 # (python -m benchmarks.bench_ab --only overhead).
 SMOKE = LayerConfig("smoke", 256, 128, 64, 8, 2, 1.25, True)
 OVERHEAD = LayerConfig("overhead", 2048, 8, 8, 64, 4, 0.0, True)
 BY_NAME = {c.name: c for c in CONFIGS + [SMOKE, OVERHEAD]}
-QUICK = ("fine_cf125",)      # what --quick runs when no --only is given
-TUTEL_GEOMEAN = ("coarse", "fine_cf125", "fine_cf2", "decode_16")   # issue 11, target 3
-MEMORY_VS_TUTEL = ("fine_cf125", "dropless")                       # issue 11, target 5
+BY_BASE = {b.name: [c.name for c in CONFIGS if c.name.startswith(b.name + ".")] for b in BASES}
+QUICK = ("fine_cf125.gated_ffn",)      # what --quick runs when no --only is given
+TUTEL_GEOMEAN = tuple(f"{b}.{k}" for b in ("coarse", "fine_cf125", "fine_cf2", "decode_16") for k in KINDS)
+MEMORY_VS_TUTEL = tuple(f"{b}.{k}" for b in ("fine_cf125", "dropless") for k in KINDS)
 
 
 def tutel_status() -> Optional[str]:
@@ -90,26 +109,36 @@ def tutel_status() -> Optional[str]:
     return None
 
 
-# fmoe variants beside the default layer (streamed, projections kept in the gradient buffers):
-# the streamed op recomputing them, and the staged pipeline it replaced.
+# fmoe variants beside the default layer (the expert engine, projections saved for backward):
+# the engine recomputing them, and the staged pipeline.
 FMOE_VARIANTS = {"fmoe": {}, "fmoe_recompute": {"save": "recompute"}, "fmoe_staged": {"streamed": False}}
 
 
+def variants_of(c: LayerConfig) -> list:
+    """The fmoe variants timed beside the default for this config (recompute: gated_ffn training)."""
+    return [n for n in FMOE_VARIANTS if n != "fmoe" and (n != "fmoe_recompute" or (c.train and c.expert == "gated_ffn"))]
+
+
 def build(c: LayerConfig, tokens: int, variant: str):
-    """(layer, x) for one variant; the fmoe layer's weights are drawn from seed 0, Tutel gets a copy."""
+    """(layer, x) for one variant; the fmoe layer's weights are drawn from seed 0, Tutel gets a copy
+    where its experts hold the same names (:data:`WEIGHTS_COPIED`)."""
+    if c.expert not in KINDS:
+        raise ValueError(f"unknown expert kind {c.expert!r}; one of {sorted(KINDS)}")
+    kind, tutel_kind = KINDS[c.expert]
     layer = fmoe.nn.MoELayer({"type": "top", "k": c.k, "capacity_factor": c.cf}, c.model_dim,
-                             experts={"type": "gated_ffn", "num_experts_per_device": c.experts,
-                                      "hidden_size_per_expert": c.hidden, "has_fc1_bias": False,
-                                      "has_fc2_bias": False},
+                             experts={**kind, "num_experts_per_device": c.experts, "hidden_size_per_expert": c.hidden},
                              generator=torch.Generator().manual_seed(0),
                              **FMOE_VARIANTS.get(variant, {}))
     if variant == "tutel":
+        if tutel_kind is None:
+            raise ValueError(f"Tutel has no {c.expert} expert")
         from tutel import moe as tutel_moe
         t = tutel_moe.moe_layer(gate_type={"type": "top", "k": c.k, "capacity_factor": c.cf, "fp32_gate": True},
                                 model_dim=c.model_dim,
-                                experts={"type": "llama_ffn", "num_experts_per_device": c.experts,
+                                experts={**tutel_kind, "num_experts_per_device": c.experts,
                                          "hidden_size_per_expert": c.hidden})
-        t.load_state_dict(layer.state_dict())
+        if c.expert in WEIGHTS_COPIED:
+            t.load_state_dict(layer.state_dict())
         layer = t
     elif variant not in FMOE_VARIANTS:
         raise ValueError(f"unknown layer variant {variant!r}")
@@ -167,34 +196,35 @@ def bench_config(c: LayerConfig, tokens: int, repeats: int, memory: bool, log: C
     steps, flops = {}, {}
     steps["fmoe"], _ = step_fns(fm, x, c.train)
     flops["fmoe"] = useful
-    others = [n for n in FMOE_VARIANTS if n != "fmoe" and (c.train or n != "fmoe_recompute")]  # training only
+    others = variants_of(c)
     for name in others:
         steps[name], _ = step_fns(build(c, tokens, name)[0], x, c.train)
         flops[name] = useful
     why = tutel_status()
+    if why is None and KINDS[c.expert][1] is None:
+        why = f"Tutel has no {c.expert} expert"
     if why is None:
         tl, _ = build(c, tokens, "tutel")
-        with torch.no_grad():
-            fm.eval(), tl.eval()
-            diff = (fm(x) - tl(x)).abs().max().item()
-            if c.train:
-                fm.train(), tl.train()
-        res["tutel_max_abs_diff"] = diff
+        if c.expert in WEIGHTS_COPIED:
+            with torch.no_grad():
+                fm.eval(), tl.eval()
+                res["tutel_max_abs_diff"] = (fm(x) - tl(x)).abs().max().item()
+                if c.train:
+                    fm.train(), tl.train()
         steps["tutel"], _ = step_fns(tl, x, c.train)
         flops["tutel"] = useful
     else:
         res["variants"]["tutel"] = {"skipped": why}
         log(f"  {c.name} tutel: skipped: {why}")
-    if c.train:
+    if c.train:   # the dense rate of the same per-expert shapes (a SwiGLU FFN's GEMMs)
         dsteps, dflops = bc.dense_ffn_steps(kept, c.model_dim, c.hidden, c.experts)
         steps.update(dsteps)
         flops.update(dflops)
     else:
         steps["weights_read"], all_bytes = bc.weight_stream(fm.experts.parameters())   # as stored
         with torch.no_grad():
-            kw = streamed_weights(fm.specs[0].experts, fm.params()["experts"])
-        steps["expert_gemms"] = bc.expert_gemms_step(kept_per_expert.tolist(), kw["w_in"], kw["w_out"], kw["fmt"],
-                                                     fm.specs[0].combine)
+            kw = engine_weights(fm.specs[0].experts, fm.params()["experts"])
+        steps["expert_gemms"] = bc.expert_gemms_step(kept_per_expert.tolist(), kw, fm.specs[0].combine, tokens)
         res["weight_bytes_all"] = all_bytes
         res["weight_bytes_busy"] = all_bytes * busy // c.experts
     for name, m in bc.round_robin(steps, repeats, max_seconds=MAX_SECONDS).items():
@@ -233,7 +263,7 @@ def bench_config(c: LayerConfig, tokens: int, repeats: int, memory: bool, log: C
             res[f"{name}_vs_dense"] = v[name]["gflops"] / res["dense_gflops"]
         if "seconds" in v.get("tutel", {}):
             res[f"{name}_time_vs_tutel"] = v[name]["seconds"] / v["tutel"]["seconds"]
-    if memory:
+    if memory and (c.name in MEMORY_VS_TUTEL or c not in CONFIGS):   # T5's configs (and the test configs)
         for variant in (*(others if c.train else ()), "fmoe", "tutel"):
             if variant == "tutel" and why is not None:
                 res["memory"][variant] = {"skipped": why}
@@ -317,7 +347,10 @@ def run(quick: bool, only: Optional[str], log: Callable[[str], None] = print, me
     """Run the layer suite; returns a JSON-able dict (configs, targets). ``checkpoint`` gets the
     partial result after each config (so a run cut short still leaves its numbers on disk)."""
     repeats = 2 if quick else 8   # slow phases of seconds come and go on this VM: 4 left medians bimodal
-    names = [only] if only in BY_NAME else (list(QUICK) if quick else [c.name for c in CONFIGS])
+    if only in BY_BASE:
+        names = BY_BASE[only]
+    else:
+        names = [only] if only in BY_NAME else (list(QUICK) if quick else [c.name for c in CONFIGS])
     try:
         from fmoe.ops import numba_cpu
         numba_cpu.warmup()

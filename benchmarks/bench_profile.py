@@ -1,6 +1,6 @@
 """Where a training step's time and memory go (issue 11 analysis), for one layer config.
 
-    python -m benchmarks.bench_profile --config fine_cf125 [--variant fmoe|tutel] [--tokens N]
+    python -m benchmarks.bench_profile --config fine_cf125.gated_ffn [--variant fmoe|tutel] [--tokens N]
 
 Same layer, weights and step as ``bench_layer`` (forward + backward with a fixed upstream gradient).
 Prints, and writes to ``--out`` as JSON:
@@ -184,7 +184,7 @@ def rss_timeline(forward, reset, dy) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_profile", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="fine_cf125", choices=sorted(bl.BY_NAME))
+    ap.add_argument("--config", default="fine_cf125.gated_ffn", choices=sorted(bl.BY_NAME))
     ap.add_argument("--variant", default="fmoe", choices=["fmoe", "tutel"])
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--steps", type=int, default=3)
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
     return 0
 
 
-PROFILED = ("fine_cf125", "dropless")
+PROFILED = ("fine_cf125.gated_ffn", "dropless.gated_ffn")
 
 
 def run(quick: bool, only, log=print) -> dict:

@@ -127,8 +127,8 @@ def layer_tables(lay: dict) -> list[str]:
                      f"{_fmt(r.get('fmoe_vs_dense_loop'))} | {_fmt(r.get('tutel_vs_dense'))} | {_mem(r['memory'].get('fmoe'))} | "
                      f"{_mem(r['memory'].get('tutel'))} | {_fmt(r.get('fmoe_mem_vs_tutel'))} |")
     if train and any("fmoe_recompute" in r["variants"] for r in train.values()):
-        L += ["", "fmoe variants: `fmoe` = default (streamed, `save='in_grad'`: gate/up projections kept in the "
-              "weight gradients' buffers); `recompute` = `save='recompute'` (recomputed in backward); `staged` = "
+        L += ["", "fmoe variants: `fmoe` = default (the expert engine, `save='projections'`: the in-projection "
+              "outputs kept for backward); `recompute` = `save='recompute'` (recomputed in backward); `staged` = "
               "`streamed=False` (dispatch -> seam -> combine, Tutel's arithmetic bit for bit). Same round-robin as "
               "the table above.", "",
               "| config | fmoe ms | recompute ms | staged ms | fmoe vs dense | recompute vs dense | staged vs dense | "
@@ -390,7 +390,7 @@ def select(only):
         return {only: (DEFAULT_SUITES[only], None)}
     if only in EXTRA_SUITES:
         return {only: (EXTRA_SUITES[only], only)}
-    if only in bench_layer.BY_NAME:
+    if only in bench_layer.BY_NAME or only in bench_layer.BY_BASE:
         return {"layer": (bench_layer, only)}
     if only in bench_blocks.ARCHS:
         return {"blocks": (bench_blocks, only)}

@@ -148,39 +148,6 @@ def test_block_flop_and_byte_accounting():
     assert math.isclose(bench_common.MIB, 1 << 20)
 
 
-def test_bench_ab_swaps_the_op_of_each_revision_and_restores_the_real_one(monkeypatch):
-    from benchmarks import bench_ab
-    import fmoe.ops.streamed as real
-    moe_mod = sys.modules["fmoe.moe"]
-    op = bench_ab.load_op(bench_ab.WORKTREE)
-    assert op is not real and op.__package__ == "fmoe.ops" and op.SAVES == real.SAVES
-    calls = []
-    original = bench_ab.load_op
-
-    def load(rev):
-        m = original(rev)
-        inner = m.streamed_glu
-        m.streamed_glu = lambda *a, **k: calls.append(rev) or inner(*a, **k)
-        return m
-    monkeypatch.setattr(bench_ab, "load_op", load)
-    res = bench_ab.run(["HEAD", bench_ab.WORKTREE], ["smoke"], [], repeats=2)
-    r = res["layer"]["smoke"]
-    assert list(r) == ["HEAD", "WORKTREE"] and r["HEAD"]["vs_first"] == 1.0
-    assert all(v["seconds"] > 0 and v["cpu_seconds"] > 0 for v in r.values())
-    # warm-up + 2 repeats each, and every step ran the variant it was timed as
-    assert calls.count("HEAD") == 3 and calls.count("WORKTREE") == 3
-    assert moe_mod._streamed is real
-
-
-def test_bench_ab_reports_a_revision_it_cannot_read(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "benchmarks.bench_ab", "--rev", "no-such-rev-xyz", "--rev", "WORKTREE",
-                        "--only", "smoke", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 2 and "cannot read fmoe/ops/streamed.py" in p.stderr
-    p = subprocess.run([sys.executable, "-m", "benchmarks.bench_ab", "--rev", "HEAD", "--rev", "WORKTREE",
-                        "--only", "decode_16"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 2 and "not a training config" in p.stderr
-
-
 def test_gemm_calls_suite_quick():
     from benchmarks import bench_gemm_calls
     res = bench_gemm_calls.run(quick=True, only="gemm_calls", log=lambda s: None)
@@ -209,108 +176,59 @@ def test_round_robin_order_alternates_only_when_asked():
         assert all(m["steps"] == 3 and len(m["all_seconds"]) == 3 for m in res.values())
 
 
-def _recording_grouped_mm(monkeypatch):
+def _recording_gather_mm(monkeypatch):
+    from fmoe.engine import native
     calls = []
-    real = torch._grouped_mm
+    real = native.gather_mm
 
-    def rec(a, w, offs=None, **kw):
-        calls.append((tuple(a.shape), w.data_ptr(), tuple(w.shape), w.stride(), offs.tolist()))
-        return real(a, w, offs=offs, **kw)
+    def rec(x, w, offsets, **kw):
+        rows = kw.get("rows")
+        calls.append((tuple(x.shape), w.data_ptr(), tuple(w.shape), w.stride(), offsets.tolist(),
+                      None if rows is None else rows.shape[0], kw.get("transposed"), kw.get("regime")))
+        return real(x, w, offsets, **kw)
 
-    monkeypatch.setattr(torch, "_grouped_mm", rec)
+    monkeypatch.setattr(native, "gather_mm", rec)
     return calls
 
 
-def _recording_small_groups(monkeypatch):
-    from fmoe.ops import ragged
-    calls = []
-    real = ragged._small_groups
-
-    def rec(x, w, tasks, transposed, y):
-        calls.append((tuple(x.shape), w.data_ptr(), tuple(w.shape), w.stride(), list(tasks), transposed))
-        return real(x, w, tasks, transposed, y)
-
-    monkeypatch.setattr(ragged, "_small_groups", rec)
-    return calls
-
-
-@pytest.mark.parametrize("numba", [False, True])
-def test_expert_gemms_floor_makes_the_decode_steps_gemm_calls(numba, monkeypatch):
+@pytest.mark.parametrize("expert_type", ["gated_ffn", "ffn_relu", "gpt_oss"])
+def test_expert_gemms_floor_makes_the_decode_steps_gemm_calls(expert_type, monkeypatch):
     # decode's GEMM floor must be the very GEMMs the layer's decode step makes: same weights
-    # (data pointers, strides), same rows per expert, nothing else; torch._grouped_mm or,
-    # where MKL's few-row GEMMs are slow (tuning.NUMBA_SMALL_GEMMS), the numba kernels
-    from fmoe.experts import streamed_weights
-    from fmoe.ops import tuning
-    if not numba and not hasattr(torch, "_grouped_mm"):
-        pytest.skip("torch has no _grouped_mm")
-    monkeypatch.setattr(tuning, "NUMBA_SMALL_GEMMS", numba)
-    c = bench_layer.LayerConfig("tiny_decode", 16, 32, 16, 8, 2, 0.0, False)
+    # (data pointers, strides), same rows per expert, the same kernel, nothing else
+    from fmoe.experts import engine_weights
+    c = bench_layer.LayerConfig("tiny_decode", 16, 32, 16, 8, 2, 0.0, False, expert=expert_type)
     layer, x = bench_layer.build(c, c.tokens, "fmoe")
     with torch.no_grad():
         _, aux = layer(x, return_aux=True)
-        kw = streamed_weights(layer.specs[0].experts, layer.params()["experts"])
-    calls = (_recording_small_groups if numba else _recording_grouped_mm)(monkeypatch)
+        kw = engine_weights(layer.specs[0].experts, layer.params()["experts"])
+    calls = _recording_gather_mm(monkeypatch)
     with torch.no_grad():
         layer(x)
     in_step = list(calls)
     calls.clear()
-    step = bench_common.expert_gemms_step(aux.routing.counts.tolist(), kw["w_in"], kw["w_out"], kw["fmt"],
-                                          layer.specs[0].combine)
+    step = bench_common.expert_gemms_step(aux.routing.counts.tolist(), kw, layer.specs[0].combine, c.tokens)
     outs = step()
-    assert len(in_step) == 3 and calls == in_step
-    assert [tuple(o.shape) for o in outs] == [(c.tokens * c.k, c.hidden)] * 2 + [(c.tokens * c.k, c.model_dim)]
+    n_in = 2 if expert_type == "gated_ffn" else 1   # gpt_oss: one fused in-projection
+    assert len(in_step) == n_in + 1 and calls == in_step
+    width = 2 * c.hidden if expert_type == "gpt_oss" else c.hidden   # gate/up fused
+    assert [tuple(o.shape) for o in outs] == [(c.tokens * c.k, width)] * n_in + [(c.tokens * c.k, c.model_dim)]
 
 
-@pytest.mark.parametrize("K,H,N_small,order,dtype", [(8, 4, 1024, "fmoe", torch.float32),
-                                                     (6, 5, 1024, "fmoe", torch.float32),
-                                                     (8, 4, 0, "fmoe", torch.float32),
-                                                     (8, 8, 1024, "eager", torch.bfloat16),
-                                                     (8, 8, 1024, "fmoe", torch.bfloat16)])
-@pytest.mark.parametrize("numba", [False, True])
-def test_expert_gemms_floor_values_and_per_expert_form(K, H, N_small, order, dtype, numba, monkeypatch):
-    # one call per projection where the op's small path takes one (grouped_mm on aligned
-    # rows, or the numba few-row kernels in fp32/64 where tuning.NUMBA_SMALL_GEMMS); else one
-    # mm per busy expert and projection, expert by expert, as the op's loops issue them (bf16
-    # in transformers' eager order keeps the loop)
-    from fmoe.ops import tuning
-    from fmoe.ops.streamed import GluSpec
-    monkeypatch.setattr(tuning, "STREAMED_SMALL_PAIRS", N_small)
-    monkeypatch.setattr(tuning, "NUMBA_SMALL_GEMMS", numba)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_gemms_floor_values(dtype):
     g = torch.Generator().manual_seed(0)
-    E = 4
-    param = lambda *shape: torch.nn.Parameter(torch.randn(*shape, generator=g).to(dtype))   # noqa: E731 (as models hold them)
-    w_in = (param(E, H, K), param(E, H, K))   # out x in
-    w_out = param(E, K, H)
-    fmt = GluSpec(fused_in=False, in_transposed=True, out_transposed=True)
+    E, K, H = 4, 8, 6
+    param = lambda *shape: torch.nn.Parameter(torch.randn(*shape, generator=g).to(dtype))   # noqa: E731
+    from fmoe.engine import ExpertForm
+    kw = {"form": ExpertForm("glu", True, True), "w_in": (param(E, H, K), param(E, H, K)), "w_out": param(E, K, H)}
     counts = [2, 0, 3, 1]
     b = [0, 2, 2, 5, 6]
+    outs = bench_common.expert_gemms_step(counts, kw)()
+    assert len(outs) == 3 and [tuple(o.shape) for o in outs] == [(6, H), (6, H), (6, K)]
+    assert not any(o.requires_grad for o in outs)
     x = torch.randn(6, K, generator=torch.Generator().manual_seed(2)).to(dtype)
-    h = torch.randn(6, H, generator=torch.Generator().manual_seed(3)).to(dtype)
-    step = bench_common.expert_gemms_step(counts, w_in, w_out, fmt, order)
-    products = []
-    real_mm = torch.mm
-
-    def mm(a, w, out=None):
-        r = real_mm(a, w, out=out)
-        products.append(r.clone())
-        return r
-
-    monkeypatch.setattr(torch, "mm", mm)
-    outs = step()
-    align = 16 // torch.tensor([], dtype=dtype).element_size()
-    small = N_small >= 6 and (order == "fmoe" or dtype == torch.float32)
-    if numba and dtype == torch.float32:
-        one_call = small
-    else:
-        one_call = small and hasattr(torch, "_grouped_mm") and K % align == 0 and H % align == 0
-    if one_call:
-        assert len(outs) == 3 and not products
-    else:
-        assert len(products) == 3 * 3
-        outs = [torch.cat(products[j::3]) for j in range(3)]
-    for o, (a, w) in zip(outs, ((x, w_in[0]), (x, w_in[1]), (h, w_out))):
-        assert not o.requires_grad
-        torch.testing.assert_close(o.float(), torch.cat([a[b[e]:b[e + 1]].float() @ w[e].detach().float().t()
-                                                         for e in range(E) if b[e] < b[e + 1]]),
-                                   rtol=2e-2 if dtype == torch.bfloat16 else 1.3e-6,
-                                   atol=5e-2 if dtype == torch.bfloat16 else 1e-5)
+    tokens = torch.randint(6, (6,), generator=torch.Generator().manual_seed(1))
+    want = torch.cat([x[tokens[b[e]:b[e + 1]]].float() @ kw["w_in"][0][e].detach().float().t()
+                      for e in range(E) if b[e] < b[e + 1]])
+    tol = dict(rtol=2e-2, atol=5e-2) if dtype == torch.bfloat16 else dict(rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(outs[0].float(), want, **tol)
