@@ -1,9 +1,13 @@
 """Quantized expert training (fmoe.quant.training): quantizers, dgrad/wgrad, SR, Hadamard, torch.func."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from fmoe.layout import Layout
+from fmoe.ops.grouped import GroupedGemm
 from fmoe.quant import _codecs as C
 from fmoe.quant import formats as F
 from fmoe.quant import training as QT
@@ -353,3 +357,184 @@ def test_charlm_50_steps_per_precision(name, fp32_charlm, tmp_path):
     assert abs(s["final_val_loss"] - ref["final_val_loss"]) < 0.1 * ref["final_val_loss"]
     if save:  # activation compression: the expert GEMM inputs are kept as FP8 rows
         assert s["saved_activation_bytes"] < ref["saved_activation_bytes"]
+
+
+# --- per-expert quantization blocks: no scale block spans two experts -------------------------
+
+# uneven experts: not multiples of 16/32/128, an empty one, a 1-row one, one longer than a
+# 128-token tile; rows 211..219 are the ragged layout's padding rows (no expert)
+SIZES = (37, 0, 1, 150, 23)
+R_ROWS = 220
+KR, NR = 64, 96
+SEG_RECIPES = [TrainPrecision(weights=f, activations=True, grads=True, stochastic_rounding=False)
+               for f in ("bf16",) + QFORMATS]
+SEG_RECIPES.append(TrainPrecision(weights="nvfp4", activations=True, grads=True,
+                                  stochastic_rounding=False, hadamard=True))
+
+
+def _ragged(sizes, rows):
+    sizes_t = torch.tensor(sizes, dtype=torch.int64)
+    starts = torch.cumsum(sizes_t, 0) - sizes_t
+    return Layout(torch.zeros(1, 1, dtype=torch.int64), starts, sizes_t, "ragged", rows,
+                  len(sizes), max(max(sizes), 1))
+
+
+def _padded(sizes, cap):
+    E_ = len(sizes)
+    return Layout(torch.zeros(1, 1, dtype=torch.int64), torch.arange(E_) * cap,
+                  torch.tensor(sizes, dtype=torch.int64), "padded", E_ * cap, E_, cap)
+
+
+def _seg_data(transposed, seed=20):
+    g = torch.Generator().manual_seed(seed)
+    n_rows = sum(SIZES)
+    x = torch.randn(R_ROWS, KR, generator=g)
+    x[n_rows:] = 0                     # padding rows (dispatch leaves them zero)
+    x[:37] *= 50                       # experts of very different magnitudes: a shared scale
+    x[38:188] *= 1e-3                  # block would flush the small one
+    gy = torch.randn(R_ROWS, NR, generator=g)
+    gy[n_rows:] = 0                    # combine sends padding rows no gradient
+    gy[38:188] *= 1e-3
+    w = torch.randn((len(SIZES), NR, KR) if transposed else (len(SIZES), KR, NR), generator=g) * 0.1
+    return x, w, gy
+
+
+def _run_gemm(gemm, x, w, gy, transposed, seed=5):
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    gemm = dataclasses.replace(gemm, generator=torch.Generator().manual_seed(seed))
+    y = gemm.mm(xr, wr, transposed=transposed)
+    dx, dw = torch.autograd.grad(y, (xr, wr), gy)
+    return y, dx, dw
+
+
+def _name(r):
+    return r.weights + ("+hadamard" if r.hadamard else "")
+
+
+@pytest.mark.parametrize("transposed", (True, False))
+@pytest.mark.parametrize("recipe", SEG_RECIPES, ids=_name)
+def test_ragged_blocks_never_span_two_experts(recipe, transposed):
+    """quantized_mm on ragged rows == the same recipe run expert by expert on its rows alone
+    (forward, dgrad and wgrad; bit for bit: the same decoded operands, the same GEMM calls)."""
+    x, w, gy = _seg_data(transposed)
+    y, dx, dw = _run_gemm(GroupedGemm(_ragged(SIZES, R_ROWS), precision=recipe), x, w, gy, transposed)
+    assert dw.shape == w.shape
+    s = 0
+    for e, n in enumerate(SIZES):
+        sl = slice(s, s + n)
+        s += n
+        if n == 0:
+            assert torch.equal(dw[e], torch.zeros_like(dw[e]))  # an empty expert: no gradient
+            continue
+        one = GroupedGemm(_ragged((n,), n), precision=recipe)
+        y_e, dx_e, dw_e = _run_gemm(one, x[sl], w[e:e + 1], gy[sl], transposed)
+        assert torch.equal(y[sl], y_e), (e, "y")
+        assert torch.equal(dx[sl], dx_e), (e, "dx")
+        assert torch.equal(dw[e], dw_e[0]), (e, "dw")
+    assert torch.equal(y[s:], torch.zeros_like(y[s:]))  # padding rows
+    assert torch.equal(dx[s:], torch.zeros_like(dx[s:]))
+
+
+@pytest.mark.parametrize("recipe", SEG_RECIPES, ids=_name)
+def test_padded_blocks_are_per_expert(recipe):
+    """The padded [E, C, K] buffers already quantize per expert: expert e's results are those
+    of a buffer holding expert e alone, bit for bit; and its rows alone (an n-row buffer)
+    decode to the same operands, so they agree up to the BLAS summation order over C vs n
+    rows (zero rows add nothing)."""
+    transposed = True
+    cap = 160
+    x_r, w, gy_r = _seg_data(transposed)
+    x = torch.zeros(len(SIZES), cap, KR)
+    gy = torch.zeros(len(SIZES), cap, NR)
+    s = 0
+    for e, n in enumerate(SIZES):
+        x[e, :n], gy[e, :n] = x_r[s:s + n], gy_r[s:s + n]
+        s += n
+    y, dx, dw = _run_gemm(GroupedGemm(_padded(SIZES, cap), precision=recipe), x, w, gy, transposed)
+    for e, n in enumerate(SIZES):
+        if n == 0:
+            assert torch.equal(dw[e], torch.zeros_like(dw[e]))
+            continue
+        alone = GroupedGemm(_padded((n,), cap), precision=recipe)
+        y_a, dx_a, dw_a = _run_gemm(alone, x[e:e + 1], w[e:e + 1], gy[e:e + 1], transposed)
+        assert torch.equal(y[e], y_a[0]) and torch.equal(dx[e], dx_a[0]) and torch.equal(dw[e], dw_a[0]), e
+        rows = GroupedGemm(_padded((n,), n), precision=recipe)
+        y_e, dx_e, dw_e = _run_gemm(rows, x[e:e + 1, :n], w[e:e + 1], gy[e:e + 1, :n], transposed)
+        torch.testing.assert_close(y[e, :n], y_e[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dx[e, :n], dx_e[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dw[e], dw_e[0], rtol=1e-5, atol=1e-5)
+
+
+def _pad_tok(tT, mult):
+    return torch.nn.functional.pad(tT, (0, (-tT.shape[-1]) % mult))
+
+
+@pytest.mark.parametrize("name", ("mxfp4", "nvfp4"))
+def test_ragged_stochastic_rounding_and_hadamard_go_expert_by_expert(name):
+    """The full FP4 recipes (stochastic rounding; nvfp4 also the random Hadamard transform) on
+    ragged rows: dw[e] is expert e's rows alone, transformed, padded and quantized on their
+    own, the draws taken expert by expert (written here from the public quantizers)."""
+    r = recipe_from_name(name)
+    x, w, gy = _seg_data(True, seed=21)
+    _, _, dw = _run_gemm(GroupedGemm(_ragged(SIZES, R_ROWS), precision=r), x, w, gy, True, seed=9)
+    g = torch.Generator().manual_seed(9)
+    # backward draws: dgrad's gradient quantization first (NVFP4: one global scale per expert)
+    n_rows, s = sum(SIZES), 0
+    if name == "nvfp4":
+        for n in SIZES + (R_ROWS - n_rows,):
+            if n:
+                QT.fake_quantize(gy[s:s + n], name, "act", sr=True, generator=g)
+            s += n
+    else:
+        QT.fake_quantize(gy, name, "act", sr=True, generator=g)
+    signs = None
+    if r.uses_hadamard:
+        signs = torch.randint(0, 2, (16,), generator=g).float().mul_(2).sub_(1)
+    s = 0
+    for e, n in enumerate(SIZES):
+        lo, s = s, s + n
+        if n == 0:
+            assert torch.equal(dw[e], torch.zeros_like(dw[e]))
+            continue
+        mult = 32 if name == "mxfp4" else 16   # the block (and Hadamard) size
+        gT, xT = _pad_tok(gy[lo:s].T, mult), _pad_tok(x[lo:s].T, mult)
+        if signs is not None:
+            gT, xT = QT.hadamard_along_tokens(gT, signs), QT.hadamard_along_tokens(xT, signs)
+        gq = QT.fake_quantize(gT.contiguous(), name, "act", sr=True, generator=g)
+        xq = QT.fake_quantize(xT.contiguous(), name, "act")
+        if signs is None:  # cropped back to the expert's rows for the layout's wgrad
+            ref = gq[:, :n] @ xq[:, :n].T
+        else:              # the transform mixed the padding in: the whole padded axis
+            ref = gq @ xq.T
+        assert torch.equal(dw[e], ref), e
+
+
+def test_ragged_offsets_with_plain_callables():
+    """offsets= gives plain mm / wgrad callables the same per-expert blocks as a GroupedGemm
+    (which hands over its layout's offsets itself); without offsets [R, K] rows are one group."""
+    r = TrainPrecision(weights="fp8_block", activations=True, grads=True)
+    x, w, gy = _seg_data(True)
+    lay = _ragged(SIZES, R_ROWS)
+    offs = lay.offsets.tolist()
+
+    def mm(a, b, t):
+        out = torch.cat([a[offs[e]:offs[e + 1]] @ (b[e].T if t else b[e]) for e in range(len(SIZES))])
+        return torch.cat([out, a.new_zeros(a.shape[0] - offs[-1], out.shape[1])])
+
+    def wgrad(a, b):
+        return torch.stack([a[offs[e]:offs[e + 1]].T @ b[offs[e]:offs[e + 1]] for e in range(len(SIZES))])
+
+    _, _, dw_gemm = _run_gemm(GroupedGemm(lay, precision=r), x, w, gy, True)
+    for offsets, same, path in ((lay.offsets, True, "auto"), (lay.offsets, True, "reference"),
+                                (None, False, "auto")):
+        wr = w.clone().requires_grad_()
+        y = quantized_mm(x, wr, r, transposed=True, mm=mm, wgrad=wgrad, offsets=offsets, path=path)
+        (dw,) = torch.autograd.grad(y, wr, gy)
+        assert torch.equal(dw, dw_gemm) == same
+    with pytest.raises(ValueError, match="offsets has 4 experts"):
+        quantized_mm(x, w, r, transposed=True, mm=mm, wgrad=wgrad, offsets=lay.offsets[:-1])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        quantized_mm(x, w.requires_grad_(), r, transposed=True, mm=mm, wgrad=wgrad,
+                     offsets=torch.tensor([0, 40, 30, 100, 200, 211]))
+    with pytest.raises(ValueError, match="offsets are for ragged rows"):
+        quantized_mm(torch.zeros(5, 8, KR), w, r, transposed=True, mm=MM, wgrad=WGRAD, offsets=lay.offsets)

@@ -8,6 +8,9 @@ two callables it is given:
     mm(a, b, transposed)  -> per-expert a @ (b^T if transposed else b)   (float)
     wgrad(a, b)           -> per-expert a^T b, shape [E, P, Q]            (float)
 
+and, for ragged rows, in ``offsets`` [E + 1] (the quantizers' blocks follow the experts; a
+:class:`fmoe.ops.grouped.GroupedGemm` hands its layout's offsets over through its ``wgrad``).
+
 Forward, dgrad and wgrad (the three GEMMs of a linear layer) each quantize their operands
 along that GEMM's reduction axis, as a low-precision tensor core needs them:
 
@@ -27,19 +30,22 @@ weight as is. Which operands are quantized is a :class:`TrainPrecision` recipe:
                   when ``stochastic_rounding`` (unbiased: E[q(g)] = g inside the range)
     hadamard      random Hadamard transform (16-point, random signs) of both wgrad operands
                   along the token axis before quantizing (NVFP4 training recipe); exact in
-                  real arithmetic since the transform is orthogonal. Padded [E, C, K] buffers
-                  only; the wgrad then runs as torch.bmm (or the fused kernel) over the
-                  16-padded token axis rather than through the layout's wgrad
+                  real arithmetic since the transform is orthogonal. Per expert: padded
+                  [E, C, K] buffers, or ragged rows with their offsets; the wgrad then runs
+                  as torch.bmm (or the fused kernel; on ragged rows one mm per expert) over
+                  each expert's 16-padded token axis rather than through the layout's wgrad
     save_activations  "fp8": keep the x saved for backward as FP8 rows (1 byte per element
                   plus one FP32 scale per row) instead of x's dtype (activation compression)
 
 Activation/gradient formats: "fp8_row" per token row (one FP32 scale), "fp8_block" 1x128
 tiles with s = max(amax, 1e-4)/448 (DeepSeek act_quant), MX and NVFP4 their own 1-D blocks
-(NVFP4 with one FP32 global scale per matrix: per expert for [E, C, K], per tensor for
-[R, K]). FP8 amax comes from the current tensor (no delayed scaling). Along the token axis
-a block may span two experts in the ragged layout (the scales are then shared by both; the
-result is still a valid quantization of the rows), and the token axis is zero-padded to the
-block size (zeros change no amax) and cropped after decoding.
+(NVFP4 with one FP32 global scale per matrix: per expert). FP8 amax comes from the current
+tensor (no delayed scaling). No scale block spans two experts: padded buffers are per expert
+by construction, and ragged rows (``offsets``) are quantized expert by expert along the
+token axis (each expert's first row starts a block; its FP8 row scales and NVFP4 global
+scale are its own), so every expert's GEMMs see exactly the operands a call on its rows
+alone would. The token axis is zero-padded to the block size per expert (zeros change no
+amax) and cropped after decoding.
 
 Randomness (stochastic rounding, Hadamard signs) comes only from the ``generator`` passed
 in; a recipe that needs it raises without one.
@@ -413,10 +419,32 @@ def _weight_values(w: Tensor, recipe: TrainPrecision, transposed: bool, which: s
     return vals.transpose(-1, -2) if transposed else vals
 
 
-def _x_operand(x: Tensor, recipe: TrainPrecision, impl: str) -> Tensor:
+def _row_pieces(groups: list, rows: int) -> list:
+    """[lo, hi) row ranges that tile [0, rows): the experts' groups, then the padding rows."""
+    pieces = [(lo, hi) for lo, hi in groups if hi > lo]
+    end = groups[-1][1] if groups else 0
+    if rows > end:
+        pieces.append((end, rows))
+    return pieces
+
+
+def _fq_along_k(t: Tensor, fmt: str, sr: bool, generator, impl: str, groups) -> Tensor:
+    """fake_quantize of an activation/gradient t along its last axis K. On ragged rows
+    (``groups``: each expert's [lo, hi)) NVFP4's per-matrix FP32 global scale is taken per
+    expert (as on padded buffers); every other format's scales are per row already."""
+    if groups is None or fmt != "nvfp4" or t.dim() != 2:
+        return fake_quantize(t, fmt, "act", sr=sr, generator=generator, impl=impl)
+    pieces = _row_pieces(groups, t.shape[0])
+    if not pieces:
+        return t.float()
+    return torch.cat([fake_quantize(t[lo:hi], fmt, "act", sr=sr, generator=generator, impl=impl)
+                      for lo, hi in pieces])
+
+
+def _x_operand(x: Tensor, recipe: TrainPrecision, impl: str, groups=None) -> Tensor:
     if not recipe.activations:
         return x.float()
-    return fake_quantize(x, recipe.weights, "act", impl=impl)
+    return _fq_along_k(x, recipe.weights, False, None, impl, groups)
 
 
 def _native_forward(x, w, recipe, transposed, path):
@@ -449,12 +477,12 @@ def _native_forward(x, w, recipe, transposed, path):
     return native.fp8_block_matmul(a, F.quantize_fp8_block(w_nk))
 
 
-def _forward(x, w, recipe, transposed, mm, path):
+def _forward(x, w, recipe, transposed, mm, path, groups=None):
     if path in ("auto", "native") and x.is_cuda:
         y = _native_forward(x, w, recipe, transposed, path)
         if y is not None:
             return y.to(x.dtype)
-    xq = _x_operand(x, recipe, _impl(path))
+    xq = _x_operand(x, recipe, _impl(path), groups)
     if _fused_ok(x, recipe.weights, path, x.shape[-2] if x.dim() == 3 else 0, w):
         y = _fused(xq, _weight_qts(w, recipe, transposed, "fwd"))
     else:
@@ -462,10 +490,9 @@ def _forward(x, w, recipe, transposed, mm, path):
     return y.to(x.dtype)
 
 
-def _dgrad(gy, w, recipe, transposed, mm, path, generator, x_dtype):
+def _dgrad(gy, w, recipe, transposed, mm, path, generator, x_dtype, groups=None):
     if recipe.grads:
-        gq = fake_quantize(gy, recipe.weights, "act", sr=recipe.uses_sr, generator=generator,
-                           impl=_impl(path))
+        gq = _fq_along_k(gy, recipe.weights, recipe.uses_sr, generator, _impl(path), groups)
     else:
         gq = gy.float()
     if _fused_ok(gy, recipe.weights, path, gy.shape[-2] if gy.dim() == 3 else 0, w):
@@ -475,8 +502,11 @@ def _dgrad(gy, w, recipe, transposed, mm, path, generator, x_dtype):
     return dx.to(x_dtype)
 
 
-def _wgrad(x, gy, w, recipe, transposed, wgrad, path, generator):
-    """dw (w's shape) from x [..., T, K] and gy [..., T, N], both quantized along T."""
+def _wgrad(x, gy, w, recipe, transposed, wgrad, path, generator, groups=None):
+    """dw (w's shape) from x [..., T, K] and gy [..., T, N], both quantized along T.
+
+    groups: ragged rows [R, .] only, each expert's row range [lo, hi): the token axis is
+    quantized expert by expert (see :func:`_wgrad_ragged`)."""
     fmt = recipe.weights
     signs = None
     if recipe.uses_hadamard:
@@ -484,6 +514,9 @@ def _wgrad(x, gy, w, recipe, transposed, wgrad, path, generator):
                               device=generator.device).float().mul_(2).sub_(1)
     x_fmt = fmt if recipe.activations else None
     g_fmt = fmt if recipe.grads else None
+    if x.dim() == 2:
+        return _wgrad_ragged(x, gy, w, recipe, transposed, wgrad, path, generator, signs,
+                             x_fmt, g_fmt, [(0, x.shape[0])] if groups is None else groups)
     fused = (x_fmt is not None and fmt not in _FLOAT_FORMATS and x.dim() == 3 and
              _fused_ok(gy, fmt, path, gy.shape[-1], x))
     gT, _, T = _token_operand(gy, g_fmt, recipe.uses_sr, generator, signs, False, _impl(path))
@@ -507,6 +540,49 @@ def _wgrad(x, gy, w, recipe, transposed, wgrad, path, generator):
     return dw.to(w.dtype)
 
 
+def _wgrad_ragged(x, gy, w, recipe, transposed, wgrad, path, generator, signs, x_fmt, g_fmt,
+                  groups):
+    """wgrad over ragged rows x [R, K], gy [R, N]: no token-axis block spans two experts.
+
+    Each expert's rows [lo, hi) are quantized on their own along the token axis, exactly as
+    a call on that expert's rows alone would: its first row starts a block, its last block is
+    zero-padded to the block size, the FP8 row scales and the NVFP4 global scale are its own,
+    stochastic rounding draws expert by expert. Without the Hadamard transform the decoded
+    operands are cropped back to the expert's rows (padding rows: zero) and the layout's
+    ``wgrad`` runs on them; with it, each expert's padded token axis is multiplied whole
+    (the transform mixed the padding in), an empty expert gets a zero gradient.
+    """
+    impl = _impl(path)
+
+    def per_expert(t, fmt, sr):
+        if signs is None and (fmt is None or fmt in _FLOAT_FORMATS):
+            return None  # element-wise rounding: no blocks, the whole tensor at once below
+        return [None if hi <= lo else _token_operand(t[lo:hi], fmt, sr, generator, signs, False, impl)[0]
+                for lo, hi in groups]
+
+    g_parts = per_expert(gy, g_fmt, recipe.uses_sr)
+    x_parts = per_expert(x, x_fmt, False)
+    if signs is not None:
+        P, Q = gy.shape[-1], x.shape[-1]
+        dw_nk = torch.stack([torch.zeros(P, Q, device=x.device) if gT is None else gT @ xT.transpose(0, 1)
+                             for gT, xT in zip(g_parts, x_parts)])
+        dw = dw_nk if transposed else dw_nk.transpose(-1, -2)
+        return dw.contiguous().to(w.dtype)
+
+    def token_major(parts, t, fmt):
+        if parts is None:
+            return fake_quantize(t, fmt or "fp32", "act")
+        rows = [p[:, :hi - lo].transpose(0, 1) for p, (lo, hi) in zip(parts, groups) if p is not None]
+        end = groups[-1][1] if groups else 0
+        if t.shape[0] > end:  # the layout's padding rows (no expert): zero
+            rows.append(t.new_zeros(t.shape[0] - end, t.shape[1], dtype=torch.float32))
+        return torch.cat(rows) if rows else t.new_zeros(t.shape, dtype=torch.float32)
+
+    g_tm, x_tm = token_major(g_parts, gy, g_fmt), token_major(x_parts, x, x_fmt)
+    dw = wgrad(g_tm, x_tm) if transposed else wgrad(x_tm, g_tm)
+    return dw.to(w.dtype)
+
+
 def _compress_saved(x: Tensor):
     qt = F.quantize_fp8_rowwise(x, amax_floor=0.0)
     return qt.data, qt.scales
@@ -518,14 +594,15 @@ def _restore_saved(data: Tensor, scales: Tensor, dtype) -> Tensor:
 
 class _QuantizedMM(torch.autograd.Function):
     @staticmethod
-    def forward(x, w, recipe, transposed, mm, wgrad, generator, path):
-        return _forward(x, w, recipe, transposed, mm, path)
+    def forward(x, w, recipe, transposed, mm, wgrad, generator, path, offsets):
+        return _forward(x, w, recipe, transposed, mm, path, _groups(offsets, x))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, w, recipe, transposed, mm, wgrad, generator, path = inputs
+        x, w, recipe, transposed, mm, wgrad, generator, path, offsets = inputs
         ctx.recipe, ctx.transposed, ctx.mm, ctx.wgrad = recipe, transposed, mm, wgrad
         ctx.generator, ctx.path, ctx.x_dtype = generator, path, x.dtype
+        ctx.groups = _groups(offsets, x)
         if recipe.save_activations == "fp8":
             data, scales = _compress_saved(x.detach())
             ctx.save_for_backward(data, scales, w)
@@ -544,25 +621,57 @@ class _QuantizedMM(torch.autograd.Function):
         r = ctx.recipe
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _dgrad(gy, w, r, ctx.transposed, ctx.mm, ctx.path, ctx.generator, ctx.x_dtype)
+            dx = _dgrad(gy, w, r, ctx.transposed, ctx.mm, ctx.path, ctx.generator, ctx.x_dtype,
+                        ctx.groups)
         if ctx.needs_input_grad[1]:
-            dw = _wgrad(x, gy, w, r, ctx.transposed, ctx.wgrad, ctx.path, ctx.generator)
-        return dx, dw, None, None, None, None, None, None
+            dw = _wgrad(x, gy, w, r, ctx.transposed, ctx.wgrad, ctx.path, ctx.generator, ctx.groups)
+        return dx, dw, None, None, None, None, None, None, None
 
     @staticmethod
-    def vmap(info, in_dims, x, w, recipe, transposed, mm, wgrad, generator, path):
+    def vmap(info, in_dims, x, w, recipe, transposed, mm, wgrad, generator, path, offsets):
         # One call per batch element: the quantizers and kernels are not batching rules;
         # each element is quantized on its own (its own scales), as an unbatched call would.
         def pick(t, d, b):
             return t if d is None else t.select(d, b)
 
         outs = [_QuantizedMM.apply(pick(x, in_dims[0], b), pick(w, in_dims[1], b), recipe,
-                                   transposed, mm, wgrad, generator, path)
+                                   transposed, mm, wgrad, generator, path,
+                                   None if offsets is None else pick(offsets, in_dims[8], b))
                 for b in range(info.batch_size)]
         return torch.stack(outs), 0
 
 
-def _check_call(x, w, recipe, transposed, generator, path):
+def _groups(offsets: Optional[Tensor], x: Tensor):
+    """Each expert's row range [lo, hi) of ragged rows x [R, K] from offsets [E + 1], or None
+    (padded buffers, or ragged rows whose offsets were not given: one group)."""
+    if offsets is None or x.dim() != 2:
+        return None
+    o = [int(v) for v in offsets.tolist()]
+    if o[0] != 0 or any(b < a for a, b in zip(o, o[1:])) or o[-1] > x.shape[0]:
+        raise ValueError(f"quantized_mm: offsets must start at 0, be non-decreasing and end at "
+                         f"most at R = {x.shape[0]}; got {o}")
+    return list(zip(o[:-1], o[1:]))
+
+
+def _layout_offsets(x: Tensor, wgrad: Callable, offsets: Optional[Tensor]) -> Optional[Tensor]:
+    """The ragged group boundaries: ``offsets`` if given, else those of the layout a bound
+    :class:`fmoe.ops.grouped.GroupedGemm` ``wgrad`` belongs to; None for padded buffers."""
+    if x.dim() != 2:
+        if offsets is not None:
+            raise ValueError(f"quantized_mm: offsets are for ragged rows [R, K]; padded buffers "
+                             f"{tuple(x.shape)} are per expert already")
+        return None
+    if offsets is not None:
+        if not isinstance(offsets, Tensor) or offsets.dim() != 1 or torch.is_floating_point(offsets):
+            raise TypeError(f"quantized_mm: offsets must be an int tensor [E + 1], got {offsets!r}")
+        return offsets
+    lay = getattr(getattr(wgrad, "__self__", None), "layout", None)
+    if lay is not None and getattr(lay, "kind", None) == "ragged":
+        return lay.offsets
+    return None
+
+
+def _check_call(x, w, recipe, transposed, generator, path, offsets=None):
     if not isinstance(recipe, TrainPrecision):
         raise TypeError(f"quantized_mm: recipe must be a TrainPrecision, got {type(recipe).__name__}")
     if not isinstance(x, Tensor) or not torch.is_floating_point(x):
@@ -581,10 +690,14 @@ def _check_call(x, w, recipe, transposed, generator, path):
         raise ValueError("quantized_mm: this recipe uses stochastic rounding or a random Hadamard "
                          "transform; pass generator=torch.Generator() (fmoe never draws from the "
                          "global RNG)")
-    if recipe.uses_hadamard and x.dim() != 3:
+    if recipe.uses_hadamard and x.dim() != 3 and offsets is None:
         raise ValueError(f"quantized_mm: the Hadamard transform runs along each expert's token "
-                         f"axis and needs padded [E, C, K] buffers (a 16-token block must not span "
-                         f"two experts); got x {tuple(x.shape)}")
+                         f"axis and needs padded [E, C, K] buffers or ragged rows with their "
+                         f"offsets= (a 16-token block must not span two experts); got x "
+                         f"{tuple(x.shape)} without offsets")
+    if offsets is not None and offsets.shape[0] - 1 != w.shape[0]:
+        raise ValueError(f"quantized_mm: offsets has {offsets.shape[0] - 1} experts, w "
+                         f"{tuple(w.shape)} has {w.shape[0]}")
     fmt = recipe.weights
     if fmt in _AXIS_BLOCK:
         b = _AXIS_BLOCK[fmt]
@@ -597,7 +710,7 @@ def _check_call(x, w, recipe, transposed, generator, path):
 
 def quantized_mm(x: Tensor, w: Tensor, recipe: Optional[TrainPrecision], *, transposed: bool,
                  mm: Callable, wgrad: Callable, generator: Optional[torch.Generator] = None,
-                 path: str = "auto") -> Tensor:
+                 path: str = "auto", offsets: Optional[Tensor] = None) -> Tensor:
     """One expert GEMM with quantized operands and float master weights.
 
     Args:
@@ -610,14 +723,20 @@ def quantized_mm(x: Tensor, w: Tensor, recipe: Optional[TrainPrecision], *, tran
         generator: torch.Generator for stochastic rounding / Hadamard signs (required when
             the recipe uses them; advanced once per backward).
         path: "auto" | "fused" | "reference" (see the module docstring).
+        offsets: ragged rows only, int64 [E + 1] (expert e owns rows offsets[e]:offsets[e+1]):
+            every token-axis block, FP8 row scale and NVFP4 global scale is then per expert
+            (no block spans two experts; each expert is quantized as its rows alone would
+            be). Taken from the layout when ``wgrad`` is a GroupedGemm's bound method; [R, K]
+            rows without offsets are one group (one expert's rows).
     Returns:
         y in x's dtype ([E, C, N] or [R, N]). Backward: dx in x's dtype, dw on w (its dtype).
     Composes with torch.func.grad / vjp and (per batch element) vmap.
     """
     if recipe is None:
         return mm(x, w, transposed)
-    _check_call(x, w, recipe, transposed, generator, path)
-    return _QuantizedMM.apply(x, w, recipe, bool(transposed), mm, wgrad, generator, path)
+    offsets = _layout_offsets(x, wgrad, offsets)
+    _check_call(x, w, recipe, transposed, generator, path, offsets)
+    return _QuantizedMM.apply(x, w, recipe, bool(transposed), mm, wgrad, generator, path, offsets)
 
 
 def quantized_mm_reference(x: Tensor, w: Tensor, recipe: TrainPrecision, *, transposed: bool,
