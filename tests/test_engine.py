@@ -414,3 +414,25 @@ def test_grouped_mm_kernel_equals_the_reference():
             got = table._grouped_mm(x, w, plan, rows=plan.tokens, transposed=False)
             ref = native.gather_mm_reference(x, w, plan.offsets, rows=plan.tokens)
             torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_a_stochastic_activation_runs_once_and_equals_the_staged_pipeline(monkeypatch):
+    # Tutel's examples put dropout inside the activation: the engine calls it once, in forward,
+    # on the ragged layout's rows, and keeps its graph (the same mask in backward, the same RNG draws)
+    drop = torch.nn.Dropout(0.5)
+    spec = fmoe.MoESpec(model_dim=16, num_experts=4, gate=fmoe.GateSpec(k=2, capacity_factor=0.0),
+                        experts=fmoe.ExpertSpec(type="ffn", hidden_size=8, activation=lambda z: drop(F.relu(z))))
+    assert not engine_weights(spec.experts, _params(spec)["experts"])["form"].pure
+    p = _params(spec)
+    x = torch.randn(30, 16, generator=_gen(12), dtype=DT)
+    calls = _count_engine(monkeypatch)
+    torch.manual_seed(3)
+    got = _step(spec, p, x)
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    want = _step(dataclasses.replace(spec, streamed=False), p, x)
+    assert calls and torch.equal(after, torch.get_rng_state())
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-11, atol=1e-11)
+    for a, b in zip(got[2], want[2]):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)

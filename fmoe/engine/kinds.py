@@ -10,10 +10,12 @@ Every built-in expert is an in-projection, an elementwise step and an out-projec
 :class:`ExpertForm` says which (static, hashable). :func:`run` is the fast path: the GEMMs are the
 kernel table's (:mod:`.table`, rows gathered by the kernel), the rest is a handful of whole-row
 torch ops, and no Python runs per expert. Backward saves only the in-projection's output z
-(x and the weights are the caller's); it regathers x's rows inside the weight-gradient
-kernel and gets the gate-weight gradient from the out-projection's data gradient,
-``<dy, h D> = <dy D^T, h>``, so no [N, O] output is kept. Double backward re-runs the
-reference under autograd.
+(x and the weights are the caller's) and recomputes h from it; it regathers x's rows inside
+the weight-gradient kernel and gets the gate-weight gradient from the out-projection's data
+gradient, ``<dy, h D> = <dy D^T, h>``, so no [N, O] output is kept. A user's activation
+callable (:attr:`ExpertForm.pure` is False: it may hold dropout, as Tutel's examples do) runs
+once, in forward, under autograd, and its graph is kept for backward instead. Double backward
+re-runs the reference under autograd (an impure activation is then called again).
 
 :func:`reference` is the oracle: one ``torch.mm`` per expert and plain autograd. The fast path
 equals it bit for bit in forward where the kernel's GEMMs equal ``torch.mm`` (the tests pin
@@ -42,6 +44,8 @@ from .table import Kernel, select
 __all__ = ["FORMS", "ORDERS", "SAVES", "ExpertForm", "run", "reference", "forward", "applies"]
 
 FORMS = ("ffn", "glu", "gpt_oss")
+PURE_ACTIVATIONS = frozenset({F.relu, F.gelu, F.silu, F.sigmoid, F.tanh, F.softplus, F.elu, F.leaky_relu, F.mish,
+                              F.selu, F.hardswish, torch.relu, torch.sigmoid, torch.tanh})
 ORDERS = ("fmoe", "eager")
 SAVES = ("projections", "recompute")
 
@@ -70,6 +74,13 @@ class ExpertForm:
     def __post_init__(self):
         if self.form not in FORMS:
             raise ValueError(f"ExpertForm.form must be one of {FORMS}, got {self.form!r}")
+
+    @property
+    def pure(self) -> bool:
+        """The elementwise step is a known deterministic function, so backward may recompute it
+        from z. A user's callable may draw random numbers (Tutel's examples put dropout in the
+        activation) or hold state: its autograd graph is kept from forward instead."""
+        return self.form == "gpt_oss" or self.activation in PURE_ACTIVATIONS
 
     def hidden(self, *z: Tensor) -> Tensor:
         """h [N, H] from the in-projection output(s) z ([N, H]; [N, 2H] fused; or gate and up [N, H])."""
@@ -125,15 +136,23 @@ def _bias_rows(b: Optional[Tensor], expert: Optional[Tensor]) -> Optional[Tensor
 
 
 def forward(kern: Kernel, form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple,
-            b_in: Optional[Tensor], w_out: Tensor, b_out: Optional[Tensor], order: str
-            ) -> tuple[Tensor, tuple, Optional[Tensor]]:
-    """(y [T, O] in x's dtype, z, expert-of-row [N] or None) through the kernel ``kern``."""
+            b_in: Optional[Tensor], w_out: Tensor, b_out: Optional[Tensor], order: str, keep_graph: bool = False
+            ) -> tuple[Tensor, tuple, Optional[Tensor], Optional[tuple]]:
+    """(y [T, O] in x's dtype, z, expert-of-row [N] or None, graph) through the kernel ``kern``;
+    with ``keep_graph`` the elementwise step runs under autograd on z and graph is (z, h)."""
     expert = plan.expert_of_rows() if (b_in is not None or b_out is not None) else None
     z = _projections(kern, form, x, plan, w_in, b_in, expert)
-    y_r = kern.mm(form.hidden(*z), w_out, plan, transposed=form.out_transposed)
+    graph = None
+    if keep_graph:
+        with torch.enable_grad():
+            h = form.hidden(*(t.requires_grad_() for t in z))
+        graph, h = (z, h), h.detach()
+    else:
+        h = form.hidden(*z)
+    y_r = kern.mm(h, w_out, plan, transposed=form.out_transposed)
     if b_out is not None:
         y_r.add_(_bias_rows(b_out, expert))
-    return _accumulate(y_r, w_rows, plan, order, x.dtype), z, expert
+    return _accumulate(y_r, w_rows, plan, order, x.dtype), z, expert, graph
 
 
 def reference(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, b_in: Optional[Tensor],
@@ -183,10 +202,12 @@ class _ExpertOp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, kern, form, plan, order, save, x, w_rows, b_in, w_out, b_out, *w_in):
-        y, z, expert = forward(kern, form, x, w_rows, plan, w_in, b_in, w_out, b_out, order)
+        y, z, expert, graph = forward(kern, form, x, w_rows, plan, w_in, b_in, w_out, b_out, order,
+                                      keep_graph=not form.pure)
         ctx.kern, ctx.form, ctx.plan, ctx.order = kern, form, plan, order
-        ctx.expert = expert
-        ctx.save_for_backward(x, w_rows, b_in, w_out, b_out, *w_in, *(z if save == "projections" else ()))
+        ctx.expert, ctx.graph = expert, graph   # graph: an impure activation's, kept whatever ``save`` says
+        keep = save == "projections" and graph is None
+        ctx.save_for_backward(x, w_rows, b_in, w_out, b_out, *w_in, *(z if keep else ()))
         ctx.n_in = len(w_in)
         return y
 
@@ -199,21 +220,24 @@ class _ExpertOp(torch.autograd.Function):
         need = ctx.needs_input_grad[_STATIC:]
         if torch.is_grad_enabled():   # create_graph: the reference under autograd, differentiable again
             return (None,) * _STATIC + _reference_grads(ctx, gy, need, x, w_rows, b_in, w_out, b_out, w_in)
-        if not z:   # save='recompute': one more in-projection GEMM instead of keeping [N, H] alive
+        graph = ctx.graph
+        if graph is None and not z:   # save='recompute': one more in-projection GEMM, no [N, H] kept
             z = _projections(kern, form, x, plan, w_in, b_in, ctx.expert)
         return (None,) * _STATIC + _backward(kern, form, plan, gy, need, x, w_rows, b_in, w_out, b_out, w_in, z,
-                                             ctx.expert)
+                                             ctx.expert, graph)
 
 
 def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need, x, w_rows, b_in, w_out, b_out,
-              w_in, z, expert) -> tuple:
+              w_in, z, expert, graph=None) -> tuple:
     dt, tokens = x.dtype, plan.tokens
-    E = plan.num_experts
     gu = gy.to(dt).index_select(0, tokens)                     # dL/d(w_r y_r) per row [N, O]
     w_col = w_rows.unsqueeze(1)
-    zz = tuple(t.detach().requires_grad_() for t in z)
-    with torch.enable_grad():
-        h = form.hidden(*zz)
+    if graph is None:   # a pure activation: recomputed from z
+        zz = tuple(t.detach().requires_grad_() for t in z)
+        with torch.enable_grad():
+            h = form.hidden(*zz)
+    else:
+        zz, h = graph
     hd = h.detach()
     # dL/dh without the gate weight: dy D^T; it also gives the gate-weight gradient <dy, h D + d>
     gh_u = kern.mm(gu, w_out, plan, transposed=not form.out_transposed)
@@ -233,7 +257,8 @@ def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need
         g_bout = torch.zeros_like(b_out).index_add_(0, expert, gyr.to(b_out.dtype))
     gh = (gh_u * w_col).to(dt)
     need_z = need[0] or need[2] or any(need[5:])
-    gz = torch.autograd.grad(h, zz, gh) if need_z else (None,) * len(zz)
+    # a kept graph stays usable for a second backward through a retained outer graph
+    gz = torch.autograd.grad(h, zz, gh, retain_graph=graph is not None) if need_z else (None,) * len(zz)
     g_bin = None
     if b_in is not None and need[2]:
         g_bin = torch.zeros_like(b_in).index_add_(0, expert, gz[0].to(b_in.dtype))
