@@ -21,6 +21,13 @@ def test_functional_api_snippet_runs():
     assert ns["per_example"]["experts"]["fc1_w"].shape[0] == 4
 
 
+def test_engine_snippet_runs(capsys):
+    code = next(b for b in _blocks() if "fmoe.engine.make_plan" in b)
+    ns = {}
+    exec(compile(code, "README:engine", "exec"), ns)
+    assert ns["plan"].num_rows == 128 and "phase=" in capsys.readouterr().out
+
+
 def test_research_snippet_runs(tmp_path, monkeypatch):
     setup = next(b for b in _blocks() if "fmoe.MoESpec(" in b).split("# The primitives")[0]
     code = next(b for b in _blocks() if "fmoe.ablate.Point" in b)
