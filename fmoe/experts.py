@@ -103,6 +103,12 @@ class ExpertSpec:
         alpha, limit: GPT-OSS clamped SwiGLU constants.
         fn, init: the custom expert function ``fn(params, x[E, C, M]) -> [E, C, O]`` and its
             initialiser ``init(num_experts, model_dim, spec, generator, dtype)``.
+        takes_plan: custom experts only: ``fn(params, x[T, M], plan) -> [N, O]`` instead, on the
+            expert engine's :class:`~fmoe.engine.ExpertPlan` (the kept pairs sorted by expert;
+            one process, eager mode): the rows of expert e are ``plan.bounds[e]:plan.bounds[e+1]``,
+            and :func:`fmoe.engine.grouped_mm` multiplies all experts at once through the
+            kernel table (differentiable). fmoe weights the rows by their gates and sums them
+            back to tokens.
         exact_rows: padded layout: multiply exactly the filled rows of each expert buffer (at
             decode one GEMV per routed row and no weight reads for idle experts). Outputs then
             equal the default (the padded C-row GEMM's order, bit for bit equal to Tutel's)
@@ -124,6 +130,7 @@ class ExpertSpec:
     init: Optional[Callable] = None
     exact_rows: bool = False
     precision: Any = None
+    takes_plan: bool = False
 
     def __post_init__(self):
         if self.type == "llama_ffn":  # Tutel's name for the same SwiGLU expert
@@ -136,6 +143,8 @@ class ExpertSpec:
                                  "generator, dtype)")
         elif not isinstance(self.hidden_size, int) or self.hidden_size < 1:
             raise ValueError(f"hidden_size must be a positive int, got {self.hidden_size!r}")
+        if self.takes_plan and self.type != "custom":
+            raise ValueError(f"takes_plan is for custom experts; {self.type!r} experts run on the engine already")
         if isinstance(self.precision, str):
             from .quant import training as _qt  # validates the name; keeps the spec hashable
             object.__setattr__(self, "precision", _qt.recipe_from_name(self.precision))

@@ -393,6 +393,9 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
         l_aux = x.new_zeros(())
     seen = tokens if out is None or out.tokens is None else out.tokens  # Mixtral jitter: experts see it too
     compute = seen.to(_expert_dtype(params["experts"], x.dtype))
+    if spec.experts.takes_plan and comm.size > 1:
+        raise ValueError("custom experts with takes_plan=True run on one process; use takes_plan=False (padded "
+                         "[E, C, M] buffers) with expert parallelism")
     on_engine = _engine_experts(spec, params["experts"], compute, routing) if comm.size == 1 else None
     if on_engine is not None:
         return _finish(spec, params, x, on_engine[0], routing, out, l_aux, seen, dropped=on_engine[1])
@@ -414,6 +417,8 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
 def _engine_experts(spec: MoESpec, experts, compute: Tensor, routing: Routing) -> Optional[tuple]:
     """(y [T, O], pairs dropped int64 []) from the expert engine where it applies (see
     ``MoESpec.streamed``), else None."""
+    if spec.experts.takes_plan:
+        return _custom_on_plan(spec, experts, compute, routing)
     if not (spec.streamed and spec.is_postscore and spec.combine in _kinds.ORDERS):
         return None
     kw = engine_weights(spec.experts, experts)
@@ -427,6 +432,21 @@ def _engine_experts(spec: MoESpec, experts, compute: Tensor, routing: Routing) -
     y = engine.run(kw["form"], compute, w_rows, plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"],
                    order=spec.combine, save=spec.save)
     return y, plan.dropped
+
+
+def _custom_on_plan(spec: MoESpec, experts, compute: Tensor, routing: Routing) -> tuple:
+    """A custom expert with ``takes_plan``: ``fn(params, x, plan) -> [N, O]``, gate-weighted and summed."""
+    if not (spec.is_postscore and spec.combine in _kinds.ORDERS and _kinds.applies(compute, routing.weights)):
+        raise ValueError("custom experts with takes_plan=True run on one process in eager mode (no torch.func "
+                         "transform, no torch.compile) with is_postscore=True and combine 'fmoe' or 'eager'; "
+                         "use takes_plan=False (padded [E, C, M] buffers) there")
+    plan = engine.make_plan(routing, needs_grad=torch.is_grad_enabled(), dtype=compute.dtype)
+    y_rows = spec.experts.fn(experts, compute, plan)
+    if not isinstance(y_rows, Tensor) or y_rows.dim() != 2 or y_rows.shape[0] != plan.num_rows:
+        raise ValueError(f"a custom expert with takes_plan=True must return [N, O] with N={plan.num_rows} (one row "
+                         f"per plan row), got {getattr(y_rows, 'shape', type(y_rows).__name__)}")
+    w_rows = routing.weights.reshape(-1).index_select(0, plan.pairs)
+    return engine.combine_rows(y_rows, w_rows, plan, spec.combine).to(compute.dtype), plan.dropped
 
 
 def _finish(spec: MoESpec, params, x: Tensor, y: Tensor, routing: Routing, out, l_aux, seen,

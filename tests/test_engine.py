@@ -436,3 +436,47 @@ def test_a_stochastic_activation_runs_once_and_equals_the_staged_pipeline(monkey
     torch.testing.assert_close(got[1], want[1], rtol=1e-11, atol=1e-11)
     for a, b in zip(got[2], want[2]):
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+
+
+def _plan_swiglu(params, x, plan):
+    """A custom expert on the plan: gated_ffn written with the engine's differentiable grouped GEMM."""
+    g = engine.grouped_mm(x, params["gate_w"], plan, rows=plan.tokens)
+    u = engine.grouped_mm(x, params["up_w"], plan, rows=plan.tokens)
+    return engine.grouped_mm(F.silu(g) * u, params["down_w"], plan)
+
+
+@pytest.mark.parametrize("cf", [0.0, 1.25])
+def test_custom_experts_on_the_plan_equal_the_built_in_kind(cf, monkeypatch):
+    builtin = _spec("gated_ffn", cf, M=16)
+    p = _params(builtin)
+    init = lambda n, m, s, g, d: fmoe.init_params(builtin, generator=g, dtype=d)["experts"]  # noqa: E731
+    custom = dataclasses.replace(builtin, experts=fmoe.ExpertSpec(type="custom", fn=_plan_swiglu, init=init,
+                                                                 takes_plan=True))
+    x = torch.randn(40, 16, generator=_gen(13), dtype=DT)
+    got, want = _step(custom, p, x), _step(builtin, p, x)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-11, atol=1e-11)
+    for a, b in zip(got[2], want[2]):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+
+
+def test_grouped_mm_gradients_and_custom_plan_errors():
+    f, x, w_rows, plan, w_in, b_in, w_out, b_out = _direct("split", seed=14)
+    assert torch.autograd.gradcheck(lambda a, w: engine.grouped_mm(a, w, plan, rows=plan.tokens), (x, w_in[0]))
+    h = torch.randn(plan.num_rows, 3, generator=_gen(15), dtype=DT, requires_grad=True)
+    wt = torch.randn(4, 5, 3, generator=_gen(16), dtype=DT, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, w: engine.grouped_mm(a, w, plan, transposed=True), (h, wt))
+    with pytest.raises(ValueError, match="without rows x must be"):
+        engine.grouped_mm(x, w_in[0], plan)
+    with pytest.raises(TypeError, match="share a dtype"):
+        engine.grouped_mm(x, w_in[0].float(), plan, rows=plan.tokens)
+    with pytest.raises(ValueError, match="takes_plan is for custom experts"):
+        fmoe.ExpertSpec(type="ffn", hidden_size=4, takes_plan=True)
+    bad = fmoe.MoESpec(model_dim=5, num_experts=4, gate=fmoe.GateSpec(k=2, capacity_factor=0.0),
+                       experts=fmoe.ExpertSpec(type="custom", fn=lambda p, x, plan: x, init=lambda *a: {},
+                                               takes_plan=True))
+    params = fmoe.init_params(bad, generator=_gen(17))
+    with pytest.raises(ValueError, match="must return \\[N, O\\] with N="):
+        fmoe.moe(params, torch.randn(9, 5), bad)
+    with pytest.raises(ValueError, match="run on one process in eager mode"):
+        torch.func.grad(lambda q: fmoe.moe(q, torch.randn(9, 5), bad)[0].sum())(params)

@@ -41,7 +41,7 @@ from ..ops.reference import compute_dtype
 from .plan import ExpertPlan
 from .table import Kernel, select
 
-__all__ = ["FORMS", "ORDERS", "SAVES", "ExpertForm", "run", "reference", "forward", "applies"]
+__all__ = ["FORMS", "ORDERS", "SAVES", "ExpertForm", "run", "reference", "forward", "applies", "combine_rows"]
 
 FORMS = ("ffn", "glu", "gpt_oss")
 PURE_ACTIVATIONS = frozenset({F.relu, F.gelu, F.silu, F.sigmoid, F.tanh, F.softplus, F.elu, F.leaky_relu, F.mish,
@@ -129,6 +129,14 @@ def _accumulate(y_r: Tensor, w_rows: Tensor, plan: ExpertPlan, order: str, dt: t
         if b[e + 1] > b[e]:
             y.index_add_(0, tokens[b[e]:b[e + 1]], contrib[b[e]:b[e + 1]])
     return y
+
+
+def combine_rows(y_r: Tensor, w_rows: Tensor, plan: ExpertPlan, order: str = "fmoe") -> Tensor:
+    """y [T, O] in y_r's dtype: every plan row weighted by its gate and summed into its token, in
+    ascending expert order (differentiable; what custom experts on the plan return into)."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    return _accumulate(y_r, w_rows, plan, order, y_r.dtype)
 
 
 def _bias_rows(b: Optional[Tensor], expert: Optional[Tensor]) -> Optional[Tensor]:
