@@ -157,10 +157,17 @@ def forward(kern: Kernel, form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Exp
         graph, h = (z, h), h.detach()
     else:
         h = form.hidden(*z)
+    dt = x.dtype
+    if b_out is None and (order == "fmoe" or dt in (torch.float32, torch.float64)):
+        # straight into y: the same products, roundings and order as _accumulate, no [N, O] buffer
+        y = x.new_zeros((plan.num_tokens, w_out.shape[1] if form.out_transposed else w_out.shape[2]),
+                        dtype=compute_dtype(dt) if order == "fmoe" else dt)
+        kern.scatter(h, w_out, plan, index=plan.tokens, out=y, scale=w_rows, transposed=form.out_transposed)
+        return y.to(dt), z, expert, graph
     y_r = kern.mm(h, w_out, plan, transposed=form.out_transposed)
     if b_out is not None:
         y_r.add_(_bias_rows(b_out, expert))
-    return _accumulate(y_r, w_rows, plan, order, x.dtype), z, expert, graph
+    return _accumulate(y_r, w_rows, plan, order, dt), z, expert, graph
 
 
 def reference(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, b_in: Optional[Tensor],
@@ -283,9 +290,8 @@ def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need
     gx = None
     if need[0]:
         gx = torch.zeros_like(x)
-        for i, w in enumerate(w_in):
-            # rows sorted by expert: the k terms of a token are added in expert order
-            gx.index_add_(0, tokens, kern.mm(gz[i], w, plan, transposed=not form.in_transposed))
+        for i, w in enumerate(w_in):   # the k terms of a token added in expert order, straight into dx
+            kern.scatter(gz[i].contiguous(), w, plan, index=tokens, out=gx, transposed=not form.in_transposed)
     return (gx, g_rows, g_bin, g_out, g_bout, *g_in)
 
 

@@ -6,6 +6,9 @@ Every expert GEMM of the engine is one of two grouped forms over a plan's rows:
   (``rows=None``: a is already [N, k] in plan order). op(w) is w [E, k, n] or, with
   ``transposed``, w [E, n, k] read as its transpose (nn.Linear's out x in).
 * ``wgrad(a, b, plan, rows=)`` -> [E, P, Q]: ``sum over e's rows of a[rows[r]]^T b[r]``.
+* ``scatter(a, w, plan, index=, out=, scale=, transposed=)``: ``out[index[r]] += scale[r] * (a[r] @
+  op(w[e]))``, a token's terms in ascending expert order (the output projection straight into
+  y, the data gradient straight into dx: no [N, n] buffer).
 
 :func:`select` is the one place that picks a kernel; :func:`explain` prints what each GEMM of
 a step would run and why (``python -m fmoe info --explain SHAPE``).
@@ -38,28 +41,32 @@ class Kernel:
         why: one line: why this entry has this kernel.
         mm: ``mm(a, w, plan, *, rows, transposed) -> [N, n]`` in a's dtype.
         wgrad: ``wgrad(a, b, plan, *, rows) -> [E, P, Q]`` in a's dtype.
+        scatter: ``scatter(a, w, plan, *, index, out, scale, transposed) -> out``.
     """
 
     name: str
     why: str
     mm: Callable = dataclasses.field(repr=False)
     wgrad: Callable = dataclasses.field(repr=False)
+    scatter: Callable = dataclasses.field(repr=False)
 
 
-def _native_kernel(impl: str, regime: str = "auto"):
+def _native_kernel(impl: str, regime: str = "auto") -> tuple:
+    """(mm, wgrad, scatter) over :mod:`.native` (impl 'native': the C++ kernels with this
+    threading regime; 'reference': their per-expert torch.mm twins)."""
+    kw = {} if impl == "reference" else {"regime": regime}
+
     def mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None, transposed: bool) -> Tensor:
-        return native.gather_mm(a, w, plan.offsets, rows=rows, transposed=transposed, impl=impl, regime=regime)
+        return native.gather_mm(a, w, plan.offsets, rows=rows, transposed=transposed, impl=impl, **kw)
 
     def wgrad(a: Tensor, b: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None) -> Tensor:
-        return native.gather_wgrad(a, b, plan.offsets, rows=rows, impl=impl, regime=regime)
+        return native.gather_wgrad(a, b, plan.offsets, rows=rows, impl=impl, **kw)
 
-    if impl == "reference":
-        def mm(a, w, plan, *, rows=None, transposed):   # noqa: F811  (the loop takes no regime)
-            return native.gather_mm(a, w, plan.offsets, rows=rows, transposed=transposed, impl=impl)
+    def scatter(a: Tensor, w: Tensor, plan: ExpertPlan, *, index: Tensor, out: Tensor, scale: Optional[Tensor] = None,
+                transposed: bool) -> Tensor:
+        return native.mm_scatter(a, w, plan.offsets, index, out, scale=scale, transposed=transposed, impl=impl, **kw)
 
-        def wgrad(a, b, plan, *, rows=None):   # noqa: F811
-            return native.gather_wgrad(a, b, plan.offsets, rows=rows, impl=impl)
-    return mm, wgrad
+    return mm, wgrad, scatter
 
 
 def _numba_rows_mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None,
@@ -94,23 +101,31 @@ def _grouped_mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor
     return native.gather_mm_reference(a, w, plan.offsets.to(a.device), transposed=transposed)
 
 
+def _scatter_through(mm: Callable) -> Callable:
+    """A scatter from an ``mm``: the products into a buffer, then one index_add_ (rows in expert order)."""
+    def scatter(a, w, plan, *, index, out, scale=None, transposed):
+        y = mm(a, w, plan, transposed=transposed).to(out.dtype)
+        return out.index_add_(0, index, y if scale is None else y * scale.to(out.dtype).unsqueeze(1))
+    return scatter
+
+
 def _entry(device: str, phase: str, dtype: torch.dtype) -> Kernel:
     if device == "cpu":
         if native.AVAILABLE:
             decode = phase == "decode"
-            mm, wg = _native_kernel("native", "parallel" if decode else "serial")
-            how = ("experts side by side, one thread each (a few rows per expert: the weight stream bounds it)"
-                   if decode else "experts one after another, each GEMM threaded")
-            return Kernel("cpu-native", f"C++ grouped GEMM, rows gathered in C++; {how}", mm, wg)
-        mm, wg = _native_kernel("reference")
-        return Kernel("cpu-torch", f"per-expert torch.mm from Python ({native.status()})", mm, wg)
+            # decode: side by side or one after another by the kernel's measured rule
+            # (native.regime_for: rows per expert and matrix size); otherwise one after another
+            mm, wg, sc = _native_kernel("native", "auto" if decode else "serial")
+            how = ("experts side by side, one thread each, where few rows per expert leave the weight stream "
+                   "the bound (native.regime_for)" if decode else "experts one after another, each GEMM threaded")
+            return Kernel("cpu-native", f"C++ grouped GEMM, rows gathered in C++; {how}", mm, wg, sc)
+        return Kernel("cpu-torch", f"per-expert torch.mm from Python ({native.status()})",
+                      *_native_kernel("reference"))
     if dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-        mm, wg = _grouped_mm, _native_kernel("reference")[1]
         return Kernel("cuda-grouped-mm", "torch._grouped_mm over all experts (bf16); weight gradients per expert",
-                      mm, wg)
-    mm, wg = _native_kernel("reference")
+                      _grouped_mm, _native_kernel("reference")[1], _scatter_through(_grouped_mm))
     return Kernel("cuda-torch", f"per-expert torch.mm ({str(dtype).replace('torch.', '')}: no grouped kernel)",
-                  mm, wg)
+                  *_native_kernel("reference"))
 
 
 TABLE: dict = {(dev, phase, dt, None): _entry(dev, phase, dt)
@@ -130,7 +145,7 @@ def kernel_for(device: str, phase: str, dtype: torch.dtype, precision=None) -> K
 
 _COMPETING = {"cpu-numba-rows": lambda: Kernel(
     "cpu-numba-rows", "numba few-row kernel (the measured winner of this shape class, fmoe.engine.wisdom)",
-    _numba_rows_mm, _native_kernel("reference")[1])}
+    _numba_rows_mm, _native_kernel("reference")[1], _scatter_through(_numba_rows_mm))}
 
 
 def kernel_by_name(key: tuple, name: str) -> Kernel:
