@@ -1,0 +1,273 @@
+// Native CPU grouped GEMM for the ragged (expert-sorted) layout: every expert of one
+// projection in one call, rows gathered and experts looped here, so no Python runs per
+// expert. The Python front (fmoe/engine/native.py) validates every argument, allocates
+// the outputs and picks the threading regime; the checks below are only a backstop
+// so that a caller who skips the front still cannot make us read outside a buffer.
+//
+// Regimes (chosen by the caller, `parallel`):
+//   serial   - experts one after the other; each at::mm uses the intra-op threads.
+//   parallel - at::parallel_for over the busy experts, each at::mm single-threaded
+//              (MKL and ATen both run one thread inside an OpenMP parallel region).
+//              Pays when experts have few rows (decode): the per-call overhead and the
+//              weight read, not the flops, are the time then.
+//
+// Numerics: each expert's product is the same at::mm call on operands of the same
+// shape, strides and contiguity as the pure-torch reference in native.py, and the
+// scatter-add does the reference's element-wise roundings in the same order, so the
+// serial regime equals the reference bit for bit.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+struct Span {
+  int64_t expert;
+  int64_t lo;
+  int64_t n;
+};
+
+// Busy experts in ascending id, after checking offsets: [E + 1], 0 = o[0] <= ... <= o[E] = R.
+std::vector<Span> busy_spans(const at::Tensor& offsets, int64_t E, int64_t R) {
+  TORCH_CHECK_VALUE(offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
+                        offsets.size(0) == E + 1 && offsets.is_contiguous(),
+                    "offsets must be contiguous int64 [E + 1] = [", E + 1, "]");
+  const int64_t* o = offsets.const_data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(o[0] == 0 && o[E] == R, "offsets must start at 0 and end at R = ", R);
+  std::vector<Span> spans;
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK_VALUE(o[e] <= o[e + 1], "offsets must be non-decreasing (at expert ", e, ")");
+    if (o[e + 1] > o[e]) spans.push_back({e, o[e], o[e + 1] - o[e]});
+  }
+  return spans;
+}
+
+int64_t max_rows(const std::vector<Span>& spans) {
+  int64_t m = 0;
+  for (const auto& s : spans) m = std::max(m, s.n);
+  return m;
+}
+
+void check_index(const at::Tensor& idx, int64_t R, int64_t bound, const char* name) {
+  TORCH_CHECK_VALUE(idx.scalar_type() == at::kLong && idx.dim() == 1 && idx.size(0) == R &&
+                        idx.is_contiguous(),
+                    name, " must be contiguous int64 [", R, "]");
+  const int64_t* p = idx.const_data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK_VALUE(p[r] >= 0 && p[r] < bound, name, "[", r, "] = ", p[r],
+                      " is outside [0, ", bound, ")");
+}
+
+at::Tensor expert_weight(const at::Tensor& w, int64_t e, bool transposed) {
+  at::Tensor we = w.select(0, e);
+  return transposed ? we.t() : we;
+}
+
+// dst[i] = src[rows[i]] for i < n; src and dst contiguous 2-D of one dtype and width.
+// A plain copy: the gathered operand is byte-identical to the reference's index_select.
+void gather_rows(const at::Tensor& src, const int64_t* rows, int64_t n, at::Tensor& dst) {
+  const int64_t row_bytes = src.size(1) * src.element_size();
+  const char* s = static_cast<const char*>(src.const_data_ptr());
+  char* d = static_cast<char*>(dst.data_ptr());
+  // Worth threads only for a large copy; inside a parallel region this runs inline.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(row_bytes, 1));
+  at::parallel_for(0, n, grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      std::memcpy(d + i * row_bytes, s + rows[i] * row_bytes, static_cast<size_t>(row_bytes));
+  });
+}
+
+// The operand of expert span s: x's rows in place, or gathered into `scratch` (>= s.n rows).
+at::Tensor expert_rows(const at::Tensor& x, const int64_t* rows, const Span& s, at::Tensor& scratch) {
+  if (rows == nullptr) return x.narrow(0, s.lo, s.n);
+  at::Tensor g = scratch.narrow(0, 0, s.n);
+  gather_rows(x, rows + s.lo, s.n, g);
+  return g;
+}
+
+// out[index[r]] += p[r] * scale[r] for r < n, serially in r (so a token that several
+// experts reach sums them in ascending expert order). p and scale are already in out's
+// dtype; the product is rounded to that dtype before the add, as the reference's
+// separate mul and index_add_ do. Threads split columns, never rows, which keeps the
+// order of the additions into each element fixed.
+template <typename T>
+void scatter_add_rows(const T* p, const int64_t* index, const T* scale, int64_t n, int64_t N, T* out) {
+  // Threads only for a big block: at least 32 Ki elements and 64 columns a chunk.
+  constexpr int64_t kMinChunk = int64_t{1} << 15;
+  const int64_t grain = n * N < kMinChunk ? N : std::max<int64_t>(64, kMinChunk / n);
+  at::parallel_for(0, N, grain, [&](int64_t j0, int64_t j1) {
+    for (int64_t r = 0; r < n; ++r) {
+      T* o = out + index[r] * N;
+      const T* pr = p + r * N;
+      if (scale != nullptr) {
+        const T s = scale[r];
+        for (int64_t j = j0; j < j1; ++j) o[j] = o[j] + static_cast<T>(pr[j] * s);
+      } else {
+        for (int64_t j = j0; j < j1; ++j) o[j] = o[j] + pr[j];
+      }
+    }
+  });
+}
+
+void scatter_add(const at::Tensor& p, const int64_t* index, const at::Tensor& scale_o, int64_t offset,
+                 at::Tensor& out) {
+  const at::Tensor pc = p.to(out.scalar_type()).contiguous();
+  const int64_t n = pc.size(0), N = out.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "fmoe_scatter_add", [&] {
+    const scalar_t* s = scale_o.defined() ? scale_o.const_data_ptr<scalar_t>() + offset : nullptr;
+    scatter_add_rows<scalar_t>(pc.const_data_ptr<scalar_t>(), index + offset, s, n, N,
+                               out.data_ptr<scalar_t>());
+  });
+}
+
+// Runs body(span) for every busy expert, the experts spread over the intra-op threads
+// (inline when there is one expert or we already are inside a parallel region).
+template <typename F>
+void parallel_over_experts(const std::vector<Span>& spans, const F& body) {
+  if (spans.size() > 1 && !at::in_parallel_region()) {
+    at::parallel_for(0, static_cast<int64_t>(spans.size()), 1, [&](int64_t b0, int64_t b1) {
+      // Grad mode is thread-local: the worker threads need the guard of their own.
+      at::AutoDispatchBelowADInplaceOrView guard;
+      for (int64_t b = b0; b < b1; ++b) body(spans[b]);
+    });
+  } else {
+    for (const auto& s : spans) body(s);
+  }
+}
+
+void check_cpu_contiguous_out(const at::Tensor& out, const char* name) {
+  TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous(), name, " must be a contiguous CPU tensor");
+}
+
+// y[r] = x[rows[r]] @ op(w[e]) for r in expert e's rows, written into out [R, N].
+void gather_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offsets,
+               const c10::optional<at::Tensor>& rows, bool transposed, at::Tensor out, bool parallel) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  check_cpu_contiguous_out(out, "out");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && w.dim() == 3 && out.dim() == 2,
+                    "x must be contiguous 2-D, w 3-D, out 2-D");
+  const int64_t E = w.size(0), R = out.size(0);
+  const int64_t K = transposed ? w.size(2) : w.size(1);
+  const int64_t N = transposed ? w.size(1) : w.size(2);
+  TORCH_CHECK_VALUE(x.size(1) == K && out.size(1) == N, "x [., K] / out [R, N] do not match w");
+  const auto spans = busy_spans(offsets, E, R);
+  const int64_t* rp = nullptr;
+  if (rows.has_value()) {
+    check_index(*rows, R, x.size(0), "rows");
+    rp = rows->const_data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK_VALUE(x.size(0) == R, "x must have R = ", R, " rows when rows is None");
+  }
+  if (parallel) {
+    // One gather buffer, each expert filling its own slice: no sharing between threads.
+    at::Tensor g = rp ? at::empty({R, K}, x.options()) : at::Tensor();
+    parallel_over_experts(spans, [&](const Span& s) {
+      at::Tensor xe = rp ? g.narrow(0, s.lo, s.n) : x.narrow(0, s.lo, s.n);
+      if (rp) gather_rows(x, rp + s.lo, s.n, xe);
+      at::Tensor o = out.narrow(0, s.lo, s.n);
+      at::mm_out(o, xe, expert_weight(w, s.expert, transposed));
+    });
+  } else {
+    // One scratch the size of the largest expert, reused: stays in cache, bounded memory.
+    at::Tensor scratch = rp ? at::empty({max_rows(spans), K}, x.options()) : at::Tensor();
+    for (const auto& s : spans) {
+      at::Tensor o = out.narrow(0, s.lo, s.n);
+      at::mm_out(o, expert_rows(x, rp, s, scratch), expert_weight(w, s.expert, transposed));
+    }
+  }
+}
+
+// out[index[r]] += scale[r] * (a[r] @ op(w[e])) for r in expert e's rows, ascending e.
+void mm_scatter(const at::Tensor& a, const at::Tensor& w, const at::Tensor& offsets,
+                const at::Tensor& index, at::Tensor out, const c10::optional<at::Tensor>& scale,
+                bool transposed, bool parallel) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  check_cpu_contiguous_out(out, "out");
+  TORCH_CHECK_VALUE(a.dim() == 2 && a.is_contiguous() && w.dim() == 3 && out.dim() == 2,
+                    "a must be contiguous 2-D, w 3-D, out 2-D");
+  const int64_t E = w.size(0), R = a.size(0);
+  const int64_t K = transposed ? w.size(2) : w.size(1);
+  const int64_t N = transposed ? w.size(1) : w.size(2);
+  TORCH_CHECK_VALUE(a.size(1) == K && out.size(1) == N, "a [R, K] / out [T, N] do not match w");
+  const auto spans = busy_spans(offsets, E, R);
+  check_index(index, R, out.size(0), "index");
+  at::Tensor scale_o;
+  if (scale.has_value()) {
+    TORCH_CHECK_VALUE(scale->dim() == 1 && scale->size(0) == R, "scale must be [R] = [", R, "]");
+    scale_o = scale->to(out.scalar_type()).contiguous();
+  }
+  const int64_t* ip = index.const_data_ptr<int64_t>();
+  if (parallel) {
+    // Products in parallel into one buffer, then one serial (ascending-row) scatter.
+    at::Tensor p = at::empty({R, N}, a.options());
+    parallel_over_experts(spans, [&](const Span& s) {
+      at::Tensor pe = p.narrow(0, s.lo, s.n);
+      at::mm_out(pe, a.narrow(0, s.lo, s.n), expert_weight(w, s.expert, transposed));
+    });
+    scatter_add(p, ip, scale_o, 0, out);
+  } else {
+    at::Tensor scratch = at::empty({max_rows(spans), N}, a.options());
+    for (const auto& s : spans) {
+      at::Tensor pe = scratch.narrow(0, 0, s.n);
+      at::mm_out(pe, a.narrow(0, s.lo, s.n), expert_weight(w, s.expert, transposed));
+      scatter_add(pe, ip, scale_o, s.lo, out);
+    }
+  }
+}
+
+// z[e] = a[rows of e]^T @ b[rows of e] into out [E, P, Q]; experts without rows get zeros.
+void gather_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets,
+                  const c10::optional<at::Tensor>& rows, at::Tensor out, bool parallel) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  check_cpu_contiguous_out(out, "out");
+  TORCH_CHECK_VALUE(a.dim() == 2 && a.is_contiguous() && b.dim() == 2 && b.is_contiguous() &&
+                        out.dim() == 3,
+                    "a and b must be contiguous 2-D, out 3-D");
+  const int64_t E = out.size(0), R = b.size(0), P = a.size(1);
+  TORCH_CHECK_VALUE(out.size(1) == P && out.size(2) == b.size(1), "out must be [E, P, Q]");
+  const auto spans = busy_spans(offsets, E, R);
+  const int64_t* rp = nullptr;
+  if (rows.has_value()) {
+    check_index(*rows, R, a.size(0), "rows");
+    rp = rows->const_data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK_VALUE(a.size(0) == R, "a must have R = ", R, " rows when rows is None");
+  }
+  {
+    const int64_t* o = offsets.const_data_ptr<int64_t>();
+    for (int64_t e = 0; e < E; ++e)
+      if (o[e + 1] == o[e]) out.select(0, e).zero_();
+  }
+  auto product = [&](const Span& s, const at::Tensor& ae) {
+    at::Tensor z = out.select(0, s.expert);
+    at::mm_out(z, ae.t(), b.narrow(0, s.lo, s.n));
+  };
+  if (parallel) {
+    at::Tensor g = rp ? at::empty({R, P}, a.options()) : at::Tensor();
+    parallel_over_experts(spans, [&](const Span& s) {
+      at::Tensor ae = rp ? g.narrow(0, s.lo, s.n) : a.narrow(0, s.lo, s.n);
+      if (rp) gather_rows(a, rp + s.lo, s.n, ae);
+      product(s, ae);
+    });
+  } else {
+    at::Tensor scratch = rp ? at::empty({max_rows(spans), P}, a.options()) : at::Tensor();
+    for (const auto& s : spans) product(s, expert_rows(a, rp, s, scratch));
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fmoe native CPU grouped GEMM (see fmoe/engine/native.py for the API and semantics)";
+  m.def("gather_mm", &gather_mm, "y[r] = x[rows[r]] @ op(w[e]) into out", py::arg("x"), py::arg("w"),
+        py::arg("offsets"), py::arg("rows"), py::arg("transposed"), py::arg("out"), py::arg("parallel"));
+  m.def("mm_scatter", &mm_scatter, "out[index[r]] += scale[r] * (a[r] @ op(w[e]))", py::arg("a"),
+        py::arg("w"), py::arg("offsets"), py::arg("index"), py::arg("out"), py::arg("scale"),
+        py::arg("transposed"), py::arg("parallel"));
+  m.def("gather_wgrad", &gather_wgrad, "z[e] = a[rows of e]^T b[rows of e] into out", py::arg("a"),
+        py::arg("b"), py::arg("offsets"), py::arg("rows"), py::arg("out"), py::arg("parallel"));
+}

@@ -1,0 +1,422 @@
+"""The native CPU grouped GEMM (fmoe.engine.native) against its pure-torch references.
+
+Where a C++ compiler is present the extension must build and be active (no silent skip).
+
+Serial regime: bit for bit equal to the reference in every dtype (same at::mm calls on
+the same operands, same roundings in the scatter).
+
+Parallel-over-experts regime: each at::mm runs single-threaded, and MKL's single-threaded
+small GEMM/GEMV splits the K-term reduction differently from its multi-threaded one
+(measured on the 2-core Xeon: float32 x @ W with 1 row per expert, float64 with 1-2 rows,
+differ in the last bits). There the tests allow the forward-error bound of a K-term dot
+product, ``K * eps_acc * (|x| @ |op(w)|)`` (eps_acc: float32's for bfloat16/float16, which
+accumulate in float32), plus a few roundings of the result's own dtype.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fmoe.engine import native
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_COMPILER = native._compiler() is not None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if HAS_COMPILER:
+        native.build(verbose=False)  # a no-op when already built for this key
+    yield
+
+
+def test_active_when_a_compiler_is_present():
+    if HAS_COMPILER:
+        assert native.AVAILABLE, native.status()
+        assert native.status().startswith("native CPU grouped GEMM: active (")
+        assert os.path.exists(native.library_path())
+    else:
+        assert not native.AVAILABLE
+        assert "no C++ compiler" in native.status()
+
+
+def test_status_command_prints_active():
+    r = subprocess.run([sys.executable, "-m", "fmoe.engine.native", "status"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert ("active" if HAS_COMPILER else "no C++ compiler") in r.stdout
+
+
+def test_build_command_without_a_compiler_exits_0():
+    r = subprocess.run([sys.executable, "-m", "fmoe.engine.native", "build"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": ""})
+    assert r.returncode == 0, r.stderr
+    assert "no C++ compiler" in r.stdout
+
+
+def test_missing_or_broken_library_is_inactive_not_an_error(monkeypatch, tmp_path):
+    missing = str(tmp_path / "none" / "x.so")
+    broken = tmp_path / "broken.so"
+    broken.write_bytes(b"not an ELF file")
+    try:
+        monkeypatch.setattr(native, "library_path", lambda: missing)
+        native._try_load()
+        assert not native.AVAILABLE
+        assert ("not built: run `python -m fmoe.engine.native build`" if HAS_COMPILER
+                else "no C++ compiler") in native.status()
+        with pytest.raises(RuntimeError, match=r"python -m fmoe\.engine\.native build"):
+            native.gather_mm(torch.ones(1, 2), torch.ones(1, 2, 3), torch.tensor([0, 1]), impl="native")
+        # 'auto' falls back to the reference
+        y = native.gather_mm(torch.ones(1, 2), torch.ones(1, 2, 3), torch.tensor([0, 1]))
+        assert torch.equal(y, torch.full((1, 3), 2.0))
+        monkeypatch.setattr(native, "library_path", lambda: str(broken))
+        native._try_load()
+        assert not native.AVAILABLE and "failed" in native.status()
+    finally:
+        monkeypatch.undo()
+        native._try_load()
+    assert native.AVAILABLE == HAS_COMPILER
+
+
+# --------------------------------------------------------------------------- cases
+
+def _bounds(counts):
+    off = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    off[1:] = torch.tensor(counts, dtype=torch.int64).cumsum(0)
+    return off
+
+
+def _rows(counts, T, g):
+    """Token of each row: distinct tokens within an expert (a token meets an expert once)."""
+    parts = [torch.randperm(T, generator=g)[:n] for n in counts]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def _counts(name, g):
+    if name == "decode":       # 64 experts, 1-4 rows each: the parallel regime under 'auto'
+        return torch.randint(1, 5, (64,), generator=g).tolist(), 64
+    if name == "train":        # thousands of rows over 8 experts: the serial regime
+        return torch.randint(300, 500, (8,), generator=g).tolist(), 600
+    return {"empty_experts": ([0, 5, 0, 0, 7, 0], 16), "one_expert": ([0, 0, 40, 0, 0], 40),
+            "E1": ([33], 50), "R0": ([0, 0, 0, 0], 8)}[name]
+
+
+_DIMS = {"decode": (128, 96), "train": (64, 48)}  # others: odd K, N (misaligned row starts)
+SHAPES = ["decode", "train", "empty_experts", "one_expert", "E1", "R0"]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+# (shape, regime, dtype): with one busy expert or none the parallel regime runs as the serial
+# one, so it is not repeated; the degenerate shapes test structure, float32 is enough there.
+CASES = [(s, r, d) for s in SHAPES for r in ("serial", "parallel") for d in DTYPES
+         if (r == "serial" or s in SHAPES[:3]) and (d == torch.float32 or s in SHAPES[:3])]
+CASE_IDS = [f"{s}-{r}-{str(d)[6:]}" for s, r, d in CASES]
+
+
+def _make(shape, dtype, transposed, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    counts, T = _counts(shape, g)
+    K, N = _DIMS.get(shape, (37, 29))
+    E = len(counts)
+    w = torch.randn(E, N, K, generator=g) if transposed else torch.randn(E, K, N, generator=g)
+    x = torch.randn(T, K, generator=g)
+    return dict(x=x.to(dtype), w=w.to(dtype), off=_bounds(counts), rows=_rows(counts, T, g),
+                T=T, K=K, N=N, E=E, g=g)
+
+
+def _eps(dtype):
+    return torch.finfo(dtype).eps
+
+
+def _acc_eps(dtype):
+    # bfloat16/float16 GEMMs accumulate in float32
+    return _eps(torch.float32) if dtype in (torch.bfloat16, torch.float16) else _eps(dtype)
+
+
+def _check(got, want, bound, terms, dtype, exact, rounding_steps=2):
+    """exact: bit for bit; else |got - want| <= (terms * acc_eps + steps * eps) * bound().
+    bound: a callable giving the reference on |inputs| in float64 (built only when needed)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if exact:
+        assert torch.equal(got, want), (got.double() - want.double()).abs().max()
+        return
+    bound = bound()
+    tol = (terms * _acc_eps(dtype) + rounding_steps * _eps(dtype)) * bound + torch.finfo(dtype).tiny
+    err = (got.double() - want.double()).abs()
+    assert bool((err <= tol).all()), f"max err {err.max().item()} vs tol {tol[err > tol].min().item()}"
+
+
+def _abs(t):
+    return t.double().abs()
+
+
+# --------------------------------------------------------------------------- gather_mm
+
+@pytest.mark.parametrize("gathered", [True, False], ids=["rows", "rows=None"])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shape,regime,dtype", CASES, ids=CASE_IDS)
+def test_gather_mm_matches_reference(shape, regime, dtype, transposed, gathered):
+    c = _make(shape, dtype, transposed)
+    x, rows = (c["x"], c["rows"]) if gathered else (c["x"][c["rows"]], None)
+    got = native.gather_mm(x, c["w"], c["off"], rows=rows, transposed=transposed,
+                           impl="native" if HAS_COMPILER else "auto", regime=regime)
+    want = native.gather_mm_reference(x, c["w"], c["off"], rows=rows, transposed=transposed)
+    bound = lambda: native.gather_mm_reference(_abs(x), _abs(c["w"]), c["off"], rows=rows, transposed=transposed)
+    exact = regime == "serial" or not HAS_COMPILER
+    _check(got, want, bound, c["K"], dtype, exact)
+    assert got.shape == (c["rows"].numel(), c["N"])
+
+
+@pytest.mark.parametrize("storage_swapped", [False, True])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gather_mm_weight_views_are_taken_as_they_are(transposed, storage_swapped):
+    """Each expert's matrix contiguous or a transposed contiguous one: same results."""
+    c = _make("train", torch.float32, transposed)
+    w = c["w"].transpose(1, 2).contiguous().transpose(1, 2) if storage_swapped else c["w"]
+    got = native.gather_mm(c["x"], w, c["off"], rows=c["rows"], transposed=transposed, regime="serial")
+    want = native.gather_mm_reference(c["x"], w, c["off"], rows=c["rows"], transposed=transposed)
+    assert torch.equal(got, want)
+
+
+def test_gather_mm_out_is_written_and_returned():
+    c = _make("empty_experts", torch.float32, False)
+    out = torch.full((c["rows"].numel(), c["N"]), float("nan"))
+    y = native.gather_mm(c["x"], c["w"], c["off"], rows=c["rows"], out=out)
+    assert y is out
+    assert torch.equal(y, native.gather_mm_reference(c["x"], c["w"], c["off"], rows=c["rows"]))
+
+
+def test_auto_regime_parallel_for_decode_serial_for_training():
+    for shape, expect in (("decode", "parallel"), ("train", "serial")):
+        c = _make(shape, torch.float32, False)
+        mat = c["K"] * c["N"] * 4
+        assert native.regime_for(c["off"].tolist(), mat) == (expect if torch.get_num_threads() > 1 else "serial")
+        got = native.gather_mm(c["x"], c["w"], c["off"], rows=c["rows"])
+        forced = native.gather_mm(c["x"], c["w"], c["off"], rows=c["rows"], regime=expect)
+        assert torch.equal(got, forced)
+    # a big matrix only runs side by side at a very few rows per expert
+    assert native.regime_for([0, 8, 16], native.PARALLEL_SMALL_MATRIX_BYTES + 1) == "serial"
+    assert native.regime_for([0, 2, 4], native.PARALLEL_SMALL_MATRIX_BYTES + 1) in ("parallel", "serial")
+
+
+def test_native_ignores_autograd_state():
+    """The kernels write into out= buffers from worker threads: requires_grad must not matter."""
+    c = _make("decode", torch.float32, False)
+    w = c["w"].clone().requires_grad_()
+    for regime in ("serial", "parallel"):
+        y = native.gather_mm(c["x"], w, c["off"], rows=c["rows"], regime=regime)
+        assert not y.requires_grad
+        with torch.inference_mode():  # inference tensors written from worker threads
+            yi = native.gather_mm(c["x"], w, c["off"], rows=c["rows"], regime=regime)
+            native.mm_scatter(yi, w.transpose(1, 2), c["off"], c["rows"], torch.zeros(c["T"], c["K"]),
+                              regime=regime)
+            native.gather_wgrad(c["x"], yi, c["off"], rows=c["rows"], regime=regime)
+        assert torch.equal(yi, y)
+        _check(y, native.gather_mm_reference(c["x"], w.detach(), c["off"], rows=c["rows"]),
+               lambda: native.gather_mm_reference(_abs(c["x"]), _abs(w.detach()), c["off"], rows=c["rows"]),
+               c["K"], torch.float32, exact=regime == "serial")
+
+
+# --------------------------------------------------------------------------- mm_scatter
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["scale", "scale=None"])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shape,regime,dtype", CASES, ids=CASE_IDS)
+def test_mm_scatter_matches_reference(shape, regime, dtype, transposed, scaled):
+    c = _make(shape, dtype, transposed)
+    R, g = c["rows"].numel(), c["g"]
+    a = torch.randn(R, c["K"], generator=g).to(dtype)
+    scale = torch.rand(R, generator=g) if scaled else None
+    out0 = torch.randn(c["T"], c["N"], generator=g).to(dtype)  # accumulates into what is there
+    out = out0.clone()
+    got = native.mm_scatter(a, c["w"], c["off"], c["rows"], out, scale=scale, transposed=transposed,
+                            impl="native" if HAS_COMPILER else "auto", regime=regime)
+    assert got is out
+    want = native.mm_scatter_reference(a, c["w"], c["off"], c["rows"], out0.clone(), scale=scale,
+                                       transposed=transposed)
+    bound = lambda: native.mm_scatter_reference(
+        _abs(a), _abs(c["w"]), c["off"], c["rows"], _abs(out0),
+        scale=None if scale is None else _abs(scale), transposed=transposed)
+    exact = regime == "serial" or not HAS_COMPILER
+    # roundings: product, cast, scale, and one add per expert reaching a token
+    reach = int(torch.bincount(c["rows"]).max()) if R else 0
+    _check(got, want, bound, c["K"], dtype, exact, rounding_steps=4 + reach)
+
+
+def test_mm_scatter_sums_a_token_over_experts_deterministically():
+    """k experts per token: every run gives the same bits (ascending expert order)."""
+    g = torch.Generator().manual_seed(1)
+    T, E, k, K, N = 48, 16, 4, 40, 24
+    eid = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])  # [T, k] distinct
+    tok = torch.arange(T).repeat_interleave(k)
+    order = torch.sort(eid.reshape(-1), stable=True).indices
+    index = tok[order]
+    off = _bounds(torch.bincount(eid.reshape(-1), minlength=E).tolist())
+    a = torch.randn(T * k, K, generator=g)
+    w = torch.randn(E, K, N, generator=g)
+    scale = torch.rand(T * k, generator=g)
+    runs = [native.mm_scatter(a, w, off, index, torch.zeros(T, N), scale=scale, regime=r)
+            for r in ("parallel", "parallel", "serial", "serial")]
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[2], runs[3])
+    assert torch.equal(runs[2], native.mm_scatter_reference(a, w, off, index, torch.zeros(T, N), scale=scale))
+
+
+@pytest.mark.parametrize("regime", ["serial", "parallel"])
+def test_mm_scatter_bf16_products_into_fp32_out(regime):
+    c = _make("decode", torch.bfloat16, True)
+    R = c["rows"].numel()
+    a = torch.randn(R, c["K"], generator=c["g"]).bfloat16()
+    scale = torch.rand(R, generator=c["g"]).bfloat16()
+    got = native.mm_scatter(a, c["w"], c["off"], c["rows"], torch.ones(c["T"], c["N"]), scale=scale,
+                            transposed=True, regime=regime)
+    want = native.mm_scatter_reference(a, c["w"], c["off"], c["rows"], torch.ones(c["T"], c["N"]),
+                                       scale=scale, transposed=True)
+    assert got.dtype == torch.float32
+    bound = lambda: native.mm_scatter_reference(_abs(a), _abs(c["w"]), c["off"], c["rows"],
+                                                torch.ones(c["T"], c["N"], dtype=torch.float64),
+                                                scale=_abs(scale), transposed=True)
+    # the products are bfloat16: allow their rounding on top of the fp32 accumulation
+    _check(got, want, bound, c["K"], torch.float32, exact=regime == "serial" or not HAS_COMPILER,
+           rounding_steps=int(4 * _eps(torch.bfloat16) / _eps(torch.float32)))
+
+
+def test_half_precision_float16():
+    c = _make("empty_experts", torch.float16, False)
+    for regime in ("serial", "parallel"):
+        got = native.gather_mm(c["x"], c["w"], c["off"], rows=c["rows"], regime=regime)
+        want = native.gather_mm_reference(c["x"], c["w"], c["off"], rows=c["rows"])
+        bound = lambda: native.gather_mm_reference(_abs(c["x"]), _abs(c["w"]), c["off"], rows=c["rows"])
+        _check(got, want, bound, c["K"], torch.float16, exact=regime == "serial")
+
+
+# --------------------------------------------------------------------------- gather_wgrad
+
+@pytest.mark.parametrize("gathered", [True, False], ids=["rows", "rows=None"])
+@pytest.mark.parametrize("shape,regime,dtype", CASES, ids=CASE_IDS)
+def test_gather_wgrad_matches_reference(shape, regime, dtype, gathered):
+    c = _make(shape, dtype, False)
+    R = c["rows"].numel()
+    a, rows = (c["x"], c["rows"]) if gathered else (c["x"][c["rows"]], None)
+    b = torch.randn(R, c["N"], generator=c["g"]).to(dtype)
+    got = native.gather_wgrad(a, b, c["off"], rows=rows, impl="native" if HAS_COMPILER else "auto",
+                              regime=regime)
+    want = native.gather_wgrad_reference(a, b, c["off"], rows=rows)
+    bound = lambda: native.gather_wgrad_reference(_abs(a), _abs(b), c["off"], rows=rows)
+    most_rows = int(c["off"].diff().max()) if c["E"] else 0
+    _check(got, want, bound, most_rows, dtype, exact=regime == "serial" or not HAS_COMPILER)
+    assert got.shape == (c["E"], c["K"], c["N"])
+    empty = c["off"].diff() == 0
+    assert bool((got[empty] == 0).all())
+
+
+def test_gather_wgrad_out_is_overwritten_and_empty_experts_zeroed():
+    c = _make("empty_experts", torch.float32, False)
+    b = torch.randn(c["rows"].numel(), c["N"], generator=c["g"])
+    out = torch.full((c["E"], c["K"], c["N"]), float("nan"))
+    z = native.gather_wgrad(c["x"], b, c["off"], rows=c["rows"], out=out)
+    assert z is out
+    assert torch.equal(z, native.gather_wgrad_reference(c["x"], b, c["off"], rows=c["rows"]))
+
+
+# --------------------------------------------------------------------------- errors
+
+def _base():
+    x = torch.randn(10, 4)
+    w = torch.randn(3, 4, 5)
+    off = torch.tensor([0, 2, 2, 6])
+    rows = torch.tensor([0, 9, 1, 2, 3, 4])
+    return x, w, off, rows
+
+
+def _gm(**kw):
+    x, w, off, rows = _base()
+    args = dict(x=x, w=w, offsets=off, rows=rows)
+    args.update(kw)
+    return lambda impl: native.gather_mm(impl=impl, **args)
+
+
+def _ms(**kw):
+    x, w, off, rows = _base()
+    args = dict(a=torch.randn(6, 4), w=w, offsets=off, index=rows, out=torch.zeros(10, 5))
+    args.update(kw)
+    return lambda impl: native.mm_scatter(impl=impl, **args)
+
+
+def _wg(**kw):
+    x, w, off, rows = _base()
+    args = dict(a=x, b=torch.randn(6, 5), offsets=off, rows=rows)
+    args.update(kw)
+    return lambda impl: native.gather_wgrad(impl=impl, **args)
+
+
+BAD = [
+    ("offsets_len", _gm(offsets=torch.tensor([0, 2, 6])), ValueError,
+     r"gather_mm: offsets must be \[E \+ 1\] = \[4\] for E = 3 experts \(w.shape\[0\]\), got \(3,\)"),
+    ("offsets_end", _gm(offsets=torch.tensor([0, 2, 2, 5])), ValueError,
+     r"offsets\[-1\] = 5 must equal R = 6"),
+    ("offsets_start", _gm(offsets=torch.tensor([1, 2, 2, 6])), ValueError, r"offsets\[0\] must be 0, got 1"),
+    ("offsets_monotone", _gm(offsets=torch.tensor([0, 3, 2, 6])), ValueError,
+     r"non-decreasing: offsets\[1\] = 3 > offsets\[2\] = 2"),
+    ("offsets_dtype", _gm(offsets=torch.tensor([0, 2, 2, 6], dtype=torch.int32)), TypeError,
+     r"offsets has dtype torch.int32; expected one of torch.int64"),
+    ("rows_high", _gm(rows=torch.tensor([0, 10, 1, 2, 3, 4])), ValueError,
+     r"rows holds values in \[0, 10\] but must lie in \[0, 10\) \(x has 10 rows\)"),
+    ("rows_negative", _gm(rows=torch.tensor([0, -1, 1, 2, 3, 4])), ValueError,
+     r"rows holds values in \[-1, 4\] but must lie in \[0, 10\)"),
+    ("rows_len", _gm(rows=torch.tensor([0, 1, 2])), ValueError, r"offsets\[-1\] = 6 must equal R = 3"),
+    ("x_w_dtype", _gm(w=torch.randn(3, 4, 5, dtype=torch.float64)), TypeError,
+     r"w has dtype torch.float64 but x has torch.float32; cast one"),
+    ("int_x", _gm(x=torch.ones(10, 4, dtype=torch.int64), w=torch.ones(3, 4, 5, dtype=torch.int64)),
+     TypeError, r"x has dtype torch.int64; expected one of torch.float32"),
+    ("device", _gm(x=torch.randn(10, 4, device="meta")), ValueError,
+     r"x is on meta; this grouped GEMM is CPU-only: pass x.cpu\(\)"),
+    ("K", _gm(x=torch.randn(10, 3)), ValueError, r"x is \(10, 3\) but op\(w\[e\]\) is \[K, N\] = \[4, 5\]"),
+    ("w_ndim", _gm(w=torch.randn(4, 5)), ValueError, r"w must be 3-D, got shape \(4, 5\)"),
+    ("out_shape", _gm(out=torch.empty(6, 4)), ValueError, r"out must be \[6, 5\]"),
+    ("out_strided", _gm(out=torch.empty(5, 6).t()), ValueError, r"out must be contiguous"),
+    ("not_tensor", _gm(x=[[1.0]]), TypeError, r"x must be a torch.Tensor, got list"),
+    ("ms_index", _ms(index=torch.tensor([0, 1, 2, 3, 4, 10])), ValueError,
+     r"mm_scatter: index holds values in \[0, 10\] but must lie in \[0, 10\) \(out has 10 rows\)"),
+    ("ms_index_len", _ms(index=torch.tensor([0, 1])), ValueError, r"index must be \[R\] = \[6\]"),
+    ("ms_scale", _ms(scale=torch.ones(5)), ValueError, r"scale must be \[R\] = \[6\]"),
+    ("ms_out_N", _ms(out=torch.zeros(10, 4)), ValueError, r"out must be \[T, N\] with N = 5"),
+    ("ms_a_w_dtype", _ms(a=torch.randn(6, 4, dtype=torch.bfloat16)), TypeError,
+     r"w has dtype torch.float32 but a has torch.bfloat16"),
+    ("ms_offsets", _ms(offsets=torch.tensor([0, 2, 2, 7])), ValueError, r"offsets\[-1\] = 7 must equal R = 6"),
+    ("ms_device", _ms(out=torch.zeros(10, 5, device="meta")), ValueError, r"out is on meta"),
+    ("wg_rows", _wg(rows=torch.tensor([0, 1, 2, 3, 4, 11])), ValueError,
+     r"gather_wgrad: rows holds values in \[0, 11\] but must lie in \[0, 10\) \(a has 10 rows\)"),
+    ("wg_a_rows", _wg(rows=None), ValueError, r"a is \(10, 4\) but must have R = 6 rows when rows is None"),
+    ("wg_dtype", _wg(b=torch.randn(6, 5, dtype=torch.float64)), TypeError, r"b has dtype torch.float64"),
+    ("wg_out", _wg(out=torch.zeros(3, 5, 4)), ValueError, r"out must be \[3, 4, 5\]"),
+    ("wg_offsets_2d", _wg(offsets=torch.zeros(2, 2, dtype=torch.int64)), ValueError, r"offsets must be 1-D"),
+    ("wg_offsets_empty", _wg(offsets=torch.zeros(0, dtype=torch.int64)), ValueError,
+     r"offsets must be \[E \+ 1\] with at least one entry"),
+    ("impl", _gm(), ValueError, r"impl must be 'auto', 'native' or 'reference'"),
+]
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+@pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_raises_a_clear_error(case, impl):
+    _, call, exc, match = case
+    if case[0] == "impl":
+        impl = "fastest"
+    elif impl == "native" and not HAS_COMPILER:
+        impl = "auto"
+    with pytest.raises(exc, match=match):
+        call(impl)
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+def test_bad_regime_raises(impl):
+    x, w, off, rows = _base()
+    impl = impl if HAS_COMPILER else "auto"
+    with pytest.raises(ValueError, match=r"regime must be 'auto', 'serial' or 'parallel'"):
+        native.gather_mm(x, w, off, rows=rows, regime="threads", impl=impl)
+    with pytest.raises(ValueError, match=r"regime must be"):
+        native.mm_scatter(torch.randn(6, 4), w, off, rows, torch.zeros(10, 5), regime="x", impl=impl)
+    with pytest.raises(ValueError, match=r"regime must be"):
+        native.gather_wgrad(x, torch.randn(6, 5), off, rows=rows, regime="x", impl=impl)
