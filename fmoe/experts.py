@@ -36,11 +36,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .ops.grouped import GroupedGemm
-from .ops.memory_order import stored_transposed, weight_grad
+from .ops.memory_order import stored_transposed
 from .engine import ExpertForm
 
 __all__ = ["ExpertSpec", "ParamLayout", "EXPERT_PARAMS", "EXPERT_TYPES", "ffn", "gated_ffn", "swiglu",
-           "gpt_oss", "apply_experts", "engine_weights", "init_experts", "expert_matmul", "shard_axes", "swiglu_mlp",
+           "gpt_oss", "apply_experts", "apply_form", "expert_form", "engine_weights", "init_experts", "expert_matmul", "shard_axes", "swiglu_mlp",
            "shared_experts"]
 
 EXPERT_TYPES = ("ffn", "gated_ffn", "swiglu", "gpt_oss", "custom")
@@ -190,6 +190,52 @@ def _bias(gemm: Optional[GroupedGemm], b: Tensor, like: Tensor) -> Tensor:
     return b.to(like.dtype).unsqueeze(1) if gemm is None else gemm.bias(b, like)
 
 
+def expert_form(spec: "ExpertSpec", params) -> dict:
+    """Every built-in kind as one description: ``{"form": ExpertForm, "w_in": tuple, "w_out",
+    "b_in", "b_out"}`` over the weights as given (float, or quantized: always out x in).
+
+    The staged pipeline (:func:`apply_experts`) and the engine (:func:`engine_weights`) both read
+    it, so a kind is defined once."""
+    b_in = b_out = None
+    if spec.type == "ffn":   # fc1 out x in; float fc2 keeps Tutel's hidden x out, quantized fc2 is out x in
+        w_in, w_out, b_in, b_out = (params["fc1_w"],), params["fc2_w"], params.get("fc1_b"), params.get("fc2_b")
+        form = ExpertForm("ffn", True, _is_quantized(params["fc2_w"]), activation=spec.act())
+    elif spec.type == "gpt_oss":   # float x @ W, quantized out x in
+        w_in, w_out = (params["gate_up_proj"],), params["down_proj"]
+        b_in, b_out = params["gate_up_proj_bias"], params["down_proj_bias"]
+        form = ExpertForm("gpt_oss", _is_quantized(w_in[0]), _is_quantized(w_out), alpha=spec.alpha, limit=spec.limit)
+    elif spec.type == "gated_ffn":   # float x @ W, quantized out x in
+        w_in, w_out = (params["gate_w"], params["up_w"]), params["down_w"]
+        form = ExpertForm("glu", _is_quantized(w_in[0]), _is_quantized(w_out), activation=spec.act())
+    elif spec.type == "swiglu":   # out x in (nn.Linear), gate rows first when fused
+        w_in = (params["gate_up_proj"],) if "gate_up_proj" in params else (params["gate_proj"], params["up_proj"])
+        w_out = params["down_proj"]
+        form = ExpertForm("glu", True, True, activation=spec.act())
+    else:
+        raise ValueError(f"custom experts have no built-in form (type {spec.type!r})")
+    return {"form": form, "w_in": w_in, "w_out": w_out, "b_in": b_in, "b_out": b_out}
+
+
+def apply_form(form: ExpertForm, x: Tensor, w_in: tuple, w_out, b_in: Optional[Tensor] = None,
+               b_out: Optional[Tensor] = None, gemm: Optional[GroupedGemm] = None) -> Tensor:
+    """``y = hidden(x W_in + b_in) W_out + b_out`` per expert over the seam (the staged pipeline's
+    expert stage for every built-in kind).
+
+    Args:
+        form: the kind (:class:`fmoe.engine.ExpertForm`).
+        x: the layout's buffer, [E, C, M] or [R, M].
+        w_in, w_out, b_in, b_out: as :func:`expert_form` returns them.
+        gemm: the seam (None: every row of padded buffers).
+    Returns:
+        [E, C, O] or [R, O]. Rows holding no pair are not meaningful (0, or the biases' output).
+    """
+    z = [expert_matmul(x, w, gemm, transposed=form.in_transposed) for w in w_in]
+    if b_in is not None:
+        z[0] = z[0] + _bias(gemm, b_in, z[0])
+    y = expert_matmul(form.hidden(*z), w_out, gemm, transposed=form.out_transposed)
+    return y if b_out is None else y + _bias(gemm, b_out, y)
+
+
 def ffn(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *,
         activation: Callable[[Tensor], Tensor] = F.relu) -> Tensor:
     """h = act(x W1^T + b1); y = h W2 + b2 for each expert (Tutel 'ffn').
@@ -197,70 +243,11 @@ def ffn(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *,
     Args:
         params: ``{"fc1_w": [E, H, M], "fc1_b": [E, H] (optional), "fc2_w": [E, H, O],
             "fc2_b": [E, O] (optional)}``.
-        x: the layout's buffer, [E, C, M] or [R, M].
-        gemm: the seam (None: every row of padded buffers).
+        x: the layout's buffer, [E, C, M] or [R, M]. gemm: the seam (None: every row of padded buffers).
     Returns:
         [E, C, O] or [R, O]. Rows holding no pair are not meaningful (0 + bias).
     """
-    h = expert_matmul(x, params["fc1_w"], gemm, transposed=True)
-    if params.get("fc1_b") is not None:
-        h = h + _bias(gemm, params["fc1_b"], h)
-    h = activation(h)
-    w2 = params["fc2_w"]
-    # Quantized fc2 is stored out x in ([E, O, H]); float fc2 keeps Tutel's hidden x out.
-    y = expert_matmul(h, w2, gemm, transposed=_is_quantized(w2))
-    if params.get("fc2_b") is not None:
-        y = y + _bias(gemm, params["fc2_b"], y)
-    return y
-
-
-# --------------------------------------------------------------------------- fused SwiGLU + down projection
-
-class _SwigluDown(torch.autograd.Function):
-    """y = (silu(gate) * up) @ op(w) over the seam, saving gate, up and w only.
-
-    The unfused autograd graph keeps four [rows, H] tensors (gate, silu(gate), up and their
-    product); this keeps two and recomputes the product and silu in backward (elementwise,
-    cheap). The backward is built from differentiable ops (the seam's GEMMs), so double
-    backward works. Used in plain eager autograd only (see :func:`_fused_swiglu_ok`); under
-    torch.func transforms and torch.compile the unfused composition runs.
-    """
-
-    @staticmethod
-    def forward(ctx, gate, up, w, gemm, transposed):
-        ctx.save_for_backward(gate, up, w)
-        ctx.gemm, ctx.transposed = gemm, transposed
-        return gemm.mm(F.silu(gate) * up, w, transposed=transposed)
-
-    @staticmethod
-    def backward(ctx, gy):
-        gate, up, w = ctx.saved_tensors
-        gemm, t = ctx.gemm, ctx.transposed
-        s = torch.sigmoid(gate)
-        silu = gate * s
-        gh = gemm.mm(gy, w, transposed=not t)                          # dgrad of the down GEMM
-        gw = None
-        if ctx.needs_input_grad[2]:
-            h = silu * up                                               # recomputed, not saved
-            # In the order of w's memory (no copy into the Parameter's strides); eager only.
-            gw = weight_grad(gemm.wgrad, h, gy, t, _stored_transposed(w))
-        ggate = gh * up * (s * (1 + gate * (1 - s)))                   # d silu / d gate
-        return ggate, gh * silu, gw, None, None
-
-
-def _fused_swiglu_ok(activation, gemm, *ts) -> bool:
-    """Eager training with SiLU, float weights and the plain seam: the fused path applies."""
-    from .ops.primitives import forward_only
-    return (activation is F.silu and gemm is not None and gemm.precision is None
-            and all(isinstance(t, Tensor) for t in ts)
-            and not torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is None
-            and torch.autograd.forward_ad._current_level < 0 and not forward_only(*ts))
-
-
-def _swiglu_down(gate: Tensor, up: Tensor, w, gemm: Optional[GroupedGemm], activation, transposed: bool) -> Tensor:
-    if _fused_swiglu_ok(activation, gemm, gate, up, w):
-        return _SwigluDown.apply(gate, up, w.to(gate.dtype), gemm, transposed)
-    return expert_matmul(activation(gate) * up, w, gemm, transposed=transposed)
+    return apply_form(**expert_form(ExpertSpec("ffn", 1, activation=activation), params), x=x, gemm=gemm)
 
 
 def gated_ffn(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *,
@@ -274,11 +261,7 @@ def gated_ffn(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *,
     Returns:
         [E, C, M_out] or [R, M_out].
     """
-    def mm(inp, w):
-        return expert_matmul(inp, w, gemm, transposed=_is_quantized(w))
-
-    wd = params["down_w"]
-    return _swiglu_down(mm(x, params["gate_w"]), mm(x, params["up_w"]), wd, gemm, activation, _is_quantized(wd))
+    return apply_form(**expert_form(ExpertSpec("gated_ffn", 1, activation=activation), params), x=x, gemm=gemm)
 
 
 def swiglu(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *,
@@ -292,12 +275,7 @@ def swiglu(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *,
     Returns:
         [E, C, M] or [R, M]. Rows holding no pair are 0.
     """
-    if "gate_up_proj" in params:
-        gate, up = expert_matmul(x, params["gate_up_proj"], gemm, transposed=True).chunk(2, dim=-1)
-    else:
-        gate = expert_matmul(x, params["gate_proj"], gemm, transposed=True)
-        up = expert_matmul(x, params["up_proj"], gemm, transposed=True)
-    return _swiglu_down(gate, up, params["down_proj"], gemm, activation, True)
+    return apply_form(**expert_form(ExpertSpec("swiglu", 1, activation=activation), params), x=x, gemm=gemm)
 
 
 def gpt_oss(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *, alpha: float = 1.702,
@@ -315,15 +293,7 @@ def gpt_oss(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *, alph
     Returns:
         [E, C, M] or [R, M]. Rows holding no pair give d_e, not 0; they are never combined.
     """
-    w1, w2 = params["gate_up_proj"], params["down_proj"]
-    z = expert_matmul(x, w1, gemm, transposed=_is_quantized(w1))
-    z = z + _bias(gemm, params["gate_up_proj_bias"], z)
-    gate, up = z[..., 0::2], z[..., 1::2]
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    h = (up + 1) * (gate * torch.sigmoid(gate * alpha))
-    y = expert_matmul(h, w2, gemm, transposed=_is_quantized(w2))
-    return y + _bias(gemm, params["down_proj_bias"], y)
+    return apply_form(**expert_form(ExpertSpec("gpt_oss", 1, alpha=alpha, limit=limit), params), x=x, gemm=gemm)
 
 
 def apply_experts(spec: ExpertSpec, params, x: Tensor, gemm: Optional[GroupedGemm] = None) -> Tensor:
@@ -331,14 +301,8 @@ def apply_experts(spec: ExpertSpec, params, x: Tensor, gemm: Optional[GroupedGem
 
     Custom experts are called as ``spec.fn(params, x)`` on padded buffers [E, C, M].
     """
-    if spec.type == "ffn":
-        return ffn(params, x, gemm, activation=spec.act())
-    if spec.type == "gated_ffn":
-        return gated_ffn(params, x, gemm, activation=spec.act())
-    if spec.type == "swiglu":
-        return swiglu(params, x, gemm, activation=spec.act())
-    if spec.type == "gpt_oss":
-        return gpt_oss(params, x, gemm, alpha=spec.alpha, limit=spec.limit)
+    if spec.type != "custom":
+        return apply_form(**expert_form(spec, params), x=x, gemm=gemm)
     if gemm is not None and gemm.layout.kind != "padded":
         raise ValueError("custom experts take padded buffers [E, C, M]; route them with layout='padded'")
     return spec.fn(params, x)
@@ -364,13 +328,11 @@ def _as_stored(w_in: tuple, w_out, in_t: bool, out_t: bool) -> tuple:
 def engine_weights(spec: ExpertSpec, params) -> Optional[dict]:
     """The keyword arguments of :func:`fmoe.engine.run` for these experts, or None.
 
-    Every built-in kind with float weights runs on the engine: ffn with any activation
-    (fc1 out x in, fc2 x @ W, optional biases), gated_ffn (x @ W) and swiglu (fused
-    gate_up_proj or gate_proj/up_proj, out x in) with any activation, and gpt_oss (x @ W,
-    interleaved, clamped, with biases). A weight given as a transposed view of contiguous
-    storage (``fmoe.nn.MoELayer`` holds gated_ffn weights out x in and hands out x @ W views)
-    reaches the engine as that storage. Custom experts, packed (quantized) weights and
-    quantized-training recipes return None and take the staged pipeline.
+    Every built-in kind with float weights runs on the engine (:func:`expert_form`). A weight
+    given as a transposed view of contiguous storage (``fmoe.nn.MoELayer`` holds gated_ffn
+    weights out x in and hands out x @ W views) reaches the engine as that storage. Custom
+    experts, packed (quantized) weights and quantized-training recipes return None and take
+    the staged pipeline.
 
     Returns:
         ``{"form": ExpertForm, "w_in": tuple, "w_out": Tensor, "b_in": Tensor | None,
@@ -378,31 +340,13 @@ def engine_weights(spec: ExpertSpec, params) -> Optional[dict]:
     """
     if spec.precision is not None or spec.type == "custom":
         return None
-    b_in = b_out = None
-    extra = {}
-    if spec.type == "ffn":
-        w_in, w_out, in_t, out_t, form = (params["fc1_w"],), params["fc2_w"], True, False, "ffn"
-        b_in, b_out = params.get("fc1_b"), params.get("fc2_b")
-        extra = dict(activation=spec.act())
-    elif spec.type == "gpt_oss":
-        w_in, w_out, in_t, out_t, form = (params["gate_up_proj"],), params["down_proj"], False, False, "gpt_oss"
-        b_in, b_out = params["gate_up_proj_bias"], params["down_proj_bias"]
-        extra = dict(alpha=spec.alpha, limit=spec.limit)
-    elif spec.type == "gated_ffn":
-        w_in, w_out, in_t, out_t, form = (params["gate_w"], params["up_w"]), params["down_w"], False, False, "glu"
-        extra = dict(activation=spec.act())
-    elif "gate_up_proj" in params:
-        w_in, w_out, in_t, out_t, form = (params["gate_up_proj"],), params["down_proj"], True, True, "glu"
-        extra = dict(activation=spec.act())
-    else:
-        w_in, w_out, in_t, out_t, form = (params["gate_proj"], params["up_proj"]), params["down_proj"], True, True, "glu"
-        extra = dict(activation=spec.act())
-    tensors = (*w_in, w_out) + tuple(t for t in (b_in, b_out) if t is not None)
+    kw = expert_form(spec, params)
+    tensors = (*kw["w_in"], kw["w_out"]) + tuple(t for t in (kw["b_in"], kw["b_out"]) if t is not None)
     if not all(isinstance(w, Tensor) and w.is_floating_point() for w in tensors):
         return None
-    w_in, w_out, in_t, out_t = _as_stored(w_in, w_out, in_t, out_t)
-    return {"form": ExpertForm(form, in_t, out_t, **extra), "w_in": w_in, "w_out": w_out, "b_in": b_in,
-            "b_out": b_out}
+    form = kw["form"]
+    w_in, w_out, in_t, out_t = _as_stored(kw["w_in"], kw["w_out"], form.in_transposed, form.out_transposed)
+    return dict(kw, form=dataclasses.replace(form, in_transposed=in_t, out_transposed=out_t), w_in=w_in, w_out=w_out)
 
 
 def _uniform(shape, bound: float, generator) -> Tensor:
