@@ -8,6 +8,8 @@ take a ``comm`` argument implementing :class:`Communicator`; ``None`` or
   ``mpi_backend.MPIComm`` (mpi4py), :class:`Hierarchical2DComm` (2DH wrapper).
 * Differentiable collectives for models: :func:`all_to_all`, :func:`all_gather`,
   :func:`reduce_scatter`, :func:`all_to_all_v` (torch.func and torch.compile safe).
+* Meshes: :func:`mesh` (a (pp, dp, ep) DeviceMesh under torchrun), :func:`mesh_comm`,
+  :func:`mesh_from_comm` (the same over MPIComm by splits); :class:`MoEMesh` (:mod:`.mesh`).
 * Launch helpers: :func:`from_env`, :func:`abort_on_error`, :func:`install_excepthook`,
   :func:`get_logger`.
 * Fault handling: every distributed call agrees on its step and settings first
@@ -21,6 +23,9 @@ from .base import Communicator, LocalComm, resolve
 from .collectives import all_gather, all_to_all, all_to_all_v, reduce_scatter
 from .hierarchical import Hierarchical2DComm
 from .launch import abort, abort_on_error, from_env, get_logger, install_excepthook
+# The function ``mesh`` deliberately shadows its module's name on the package: ``fmoe.comm.mesh(ep=2)``
+# builds a mesh; ``from fmoe.comm.mesh import MoEMesh`` still reaches the module (sys.modules).
+from .mesh import MoEMesh, mesh, mesh_comm, mesh_from_comm
 from .registry import forget, handle_of
 
 
@@ -35,4 +40,5 @@ def __getattr__(name):
 __all__ = ["Communicator", "LocalComm", "TorchDistComm", "Hierarchical2DComm", "resolve",
            "all_to_all", "all_gather", "reduce_scatter", "all_to_all_v",
            "from_env", "abort", "abort_on_error", "install_excepthook", "get_logger",
-           "handle_of", "forget", "InconsistentRanksError", "StepMismatchError", "CollectiveMismatchError"]
+           "handle_of", "forget", "InconsistentRanksError", "StepMismatchError", "CollectiveMismatchError",
+           "MoEMesh", "mesh", "mesh_comm", "mesh_from_comm"]

@@ -2,6 +2,8 @@
 
     python -m fmoe.examples.charlm                 # 600 steps, ~1.5 minutes on 2 CPU cores
     python -m fmoe.examples.charlm --steps 2000 --model_dim 256
+    torchrun --nproc_per_node=4 -m fmoe.examples.charlm --mesh ep=2,dp=2 --steps 20   # FSDP2
+    torchrun --nproc_per_node=4 -m fmoe.examples.charlm --mesh pp=2,ep=2 --steps 20   # pipeline
 
 Every machine with Python has the corpus (the ``.py`` files of ``sysconfig``'s
 stdlib path), so this is real text without a download. The model is a small
@@ -326,7 +328,104 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="store the expert GEMM inputs saved for backward in FP8 (activation compression)")
     p.add_argument("--a2a_precision", default="fp32", choices=A2A_PRECISIONS,
                    help="wire format of the dispatch/combine all-to-alls (under mpiexec / torchrun)")
+    p.add_argument("--mesh", default=None,
+                   help="torchrun only: a (pp, dp, ep) mesh such as 'ep=2,dp=2' or 'pp=2,ep=2' "
+                        "(fmoe.comm.mesh); pp=1 trains with --recipe, pp>1 with pipeline stages")
+    p.add_argument("--recipe", default="fsdp", choices=("fsdp", "ddp"),
+                   help="with --mesh: FSDP2 (fully_shard, pp=1 only) or DDP for the dense parameters "
+                        "(pp>1: 'ddp' wraps each stage in DDP, 'fsdp' reduces with explicit all-reduces)")
+    p.add_argument("--microbatches", type=int, default=2, help="with --mesh and pp>1: microbatches per step")
     return p.parse_args(argv)
+
+
+def train_on_mesh(argv=None, mesh=None) -> dict:
+    """Train on a (pp, dp, ep) mesh with torch's engines (:mod:`fmoe.distributed`).
+
+    Experts are spread over ``mesh.ep_comm``; every rank of a stage reads its own batches
+    (``--batch_size`` rows each); pp=1 wraps the model with FSDP2 or DDP (``--recipe``), pp>1
+    splits its blocks into pipeline stages (1F1B over ``--microbatches``; ``--recipe ddp`` wraps
+    each stage in DDP, otherwise the stage's gradients are reduced by explicit all-reduces). Gradients are those of
+    the mean loss over all data shards, clipped by the global norm. Prints the loss every
+    ``--eval_every`` steps (no validation pass) and returns a summary (the same on every rank).
+    """
+    import torch.distributed as dist
+    from fmoe.distributed import ddp, fsdp
+    from fmoe.distributed.pipeline import CharLMPipeline
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.expert_precision != "fp32" or args.a2a_precision != "fp32" or args.save_activations:
+        raise ValueError("--mesh trains in fp32: drop --expert_precision / --a2a_precision / --save_activations")
+    m = mesh
+    cfg = CharLMConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(CharLMConfig)})
+    train_data, _ = split_by_file(load_files(args.corpus_bytes), 0.05, seed=args.split_seed)
+    model = CharLM(cfg, seed=args.seed, comm=m.ep_comm)
+    n_params = sum(p.numel() for p in model.parameters())
+    rank = dist.get_rank()
+    if m.pp > 1:
+        use_ddp = args.recipe == "ddp"
+        engine = CharLMPipeline(model, m, batch_size=args.batch_size, microbatches=args.microbatches, ddp=use_ddp)
+        params = list(engine.stage.parameters())
+        how = f"pipeline 1F1B x {args.microbatches} microbatches" + (" + DDP" if use_ddp else "")
+    elif args.recipe == "fsdp":
+        engine = fsdp.shard(model, m, units=list(model.blocks))
+        params, how = list(model.parameters()), "FSDP2"
+    else:
+        engine = ddp.wrap(model, m)
+        params, how = list(model.parameters()), "DDP"
+    # foreach=False: FSDP2's parameters live on two meshes (dense and expert), and the fused
+    # multi-tensor kernels want one.
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, foreach=False)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
+    it = batches(train_data, args.batch_size, cfg.context, torch.Generator().manual_seed(args.seed + m.data_rank))
+    if rank == 0:
+        print(f"{m.describe()}; {how}; model: {n_params:,} parameters on this rank before sharding, "
+              f"{cfg.num_layers} MoE layers x {cfg.num_experts} experts (top-{cfg.top_k}, "
+              f"{cfg.num_experts // m.ep} per rank)", flush=True)
+    curve, step_times = [], []
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        inputs, targets = next(it)
+        ts = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        if m.pp > 1:
+            loss = engine.step(inputs, targets)           # None except on the last stage
+            if engine.ddp:                                  # DDP reduced the dense gradients
+                ddp.reduce_expert_grads(engine.stage, m)
+            else:
+                ddp.reduce_grads(engine.stage, m)
+            ddp.clip_grad_norm_(engine.stage, m, 1.0)
+        else:
+            logits, l_aux = engine(inputs)
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)) + cfg.aux_weight * l_aux
+            loss.backward()
+            if args.recipe == "ddp":
+                ddp.reduce_expert_grads(engine, m)
+                ddp.clip_grad_norm_(engine, m, 1.0)
+            else:
+                fsdp.clip_grad_norm_(engine, m, 1.0)
+        opt.step()
+        sched.step()
+        step_times.append(time.perf_counter() - ts)
+        # The mean loss over the data shards (the last stage's ranks hold it under pipelining).
+        last = m.pp_rank == m.pp - 1
+        total = (loss.detach() if last else torch.zeros(())).reshape(1).clone()
+        dist.all_reduce(total)
+        curve.append(float(total[0]) / m.data_size)
+        if rank == 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps or step == 0):
+            print(f"step {step + 1}/{args.steps}: loss {curve[-1]:.4f} (cross-entropy + "
+                  f"{cfg.aux_weight} x aux)", flush=True)
+    elapsed = time.perf_counter() - t0
+    summary = {"mesh": {"pp": m.pp, "dp": m.dp, "ep": m.ep}, "recipe": how, "steps": args.steps,
+               "initial_loss": curve[0], "final_loss": curve[-1], "train_curve": curve, "seconds": elapsed,
+               "step_seconds": statistics.median(step_times[10:] or step_times), "config": dataclasses.asdict(cfg)}
+    if rank == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(f"done: {args.steps} steps in {elapsed:.1f} s, loss {curve[0]:.3f} -> {curve[-1]:.3f}; "
+              f"wrote {out}/summary.json", flush=True)
+    return summary
 
 
 def main(argv=None, comm=None) -> dict:
@@ -432,8 +531,19 @@ if __name__ == "__main__":
     # Expert parallel: `mpiexec -n 2 python -m fmoe.examples.charlm ...` or
     # `torchrun --nproc_per_node=2 -m fmoe.examples.charlm ...`; experts are split
     # over the ranks, everything else is data parallel.
+    # With --mesh (torchrun): `torchrun --nproc_per_node=4 -m fmoe.examples.charlm --mesh ep=2,dp=2`
+    # (FSDP2 or --recipe ddp) or `--mesh pp=2,ep=2` (pipeline stages, each expert parallel).
+    import sys
     from fmoe.comm import abort_on_error, from_env
-    _comm = from_env()
-    with abort_on_error(_comm):
-        main(comm=_comm)
+    _args = parse_args()
+    if _args.mesh:
+        from fmoe.comm import TorchDistComm, mesh
+        from fmoe.comm.mesh import parse_mesh
+        _comm = TorchDistComm.from_env()
+        with abort_on_error(_comm):
+            train_on_mesh(sys.argv[1:], mesh(**parse_mesh(_args.mesh), num_experts=_args.num_experts))
+    else:
+        _comm = from_env()
+        with abort_on_error(_comm):
+            main(comm=_comm)
     _comm.close()  # collective shutdown: torch.distributed aborts at exit without it

@@ -47,7 +47,9 @@ threading_layer = _numba.threading_layer
 
 def _view(t: Tensor) -> np.ndarray:
     # detach: autograd-tracked tensors refuse .numpy(); the kernel is below autograd anyway.
-    return t.detach().numpy()
+    # DLPack, not .numpy(): .numpy() marks the storage non-resizable for good, and FSDP2 frees
+    # its parameters' storage by resizing it ("Trying to resize storage that is not resizable").
+    return np.from_dlpack(t.detach())
 
 
 def _weights(weights: Optional[Tensor], acc: torch.dtype, pos: np.ndarray):

@@ -185,7 +185,8 @@ def _small_groups(x: Tensor, w: Tensor, tasks: list, transposed: bool, y: Tensor
     streamed = per_row * len(tasks)
     kern = _RK.small_groups_serial if streamed <= tuning.RAGGED_SERIAL_BYTES else _RK.small_groups
     with _numba.kernel_call():
-        kern(xc.numpy(), w.detach().numpy(), t, transposed, _NP_ZERO[x.dtype], y.numpy())
+        # the weights through DLPack: .numpy() would pin their storage's size (FSDP2 resizes it)
+        kern(xc.numpy(), np.from_dlpack(w.detach()), t, transposed, _NP_ZERO[x.dtype], y.numpy())
 
 
 def _group_mm(xs: Tensor, ws: Tensor, e: int, lo: int, hi: int, transposed: bool, ys: Tensor) -> None:
