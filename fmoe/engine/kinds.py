@@ -245,7 +245,7 @@ class _ExpertOp(torch.autograd.Function):
 def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need, x, w_rows, b_in, w_out, b_out,
               w_in, z, expert, graph=None) -> tuple:
     dt, tokens = x.dtype, plan.tokens
-    gu = gy.to(dt).index_select(0, tokens)                     # dL/d(w_r y_r) per row [N, O]
+    gy = gy.to(dt).contiguous()
     w_col = w_rows.unsqueeze(1)
     if graph is None:   # a pure activation: recomputed from z
         zz = tuple(t.detach().requires_grad_() for t in z)
@@ -254,23 +254,31 @@ def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need
     else:
         zz, h = graph
     hd = h.detach()
+    # An out x in down projection (D [E, O, H]) takes gy's rows through the kernels' own gather
+    # and folds the gate weight into h (sum gy_t^T (w h)); a x @ W one needs gy's rows [N, O]
+    # as an operand of its weight gradient, so they are gathered once.
+    gu = None if form.out_transposed and b_out is None else gy.index_select(0, tokens)
+    rows = tokens if gu is None else None
     # dL/dh without the gate weight: dy D^T; it also gives the gate-weight gradient <dy, h D + d>
-    gh_u = kern.mm(gu, w_out, plan, transposed=not form.out_transposed)
+    gh_u = kern.mm(gy if gu is None else gu, w_out, plan, rows=rows, transposed=not form.out_transposed)
     g_rows = None
     if need[1]:
         acc = compute_dtype(dt)
-        g_rows = (gh_u.to(acc) * hd.to(acc)).sum(1)
+        g_rows = torch.linalg.vecdot(gh_u.to(acc), hd.to(acc))
         if b_out is not None:
-            g_rows = g_rows + (gu.to(acc) * b_out.to(acc).index_select(0, expert)).sum(1)
+            g_rows = g_rows + torch.linalg.vecdot(gu.to(acc), b_out.to(acc).index_select(0, expert))
         g_rows = g_rows.to(w_rows.dtype)
-    gyr = (gu * w_col).to(dt)                                  # dL/dy_r
-    g_out = None
-    if need[3]:
-        g_out = kern.wgrad(gyr, hd, plan) if form.out_transposed else kern.wgrad(hd, gyr, plan)
-    g_bout = None
-    if b_out is not None and need[4]:
-        g_bout = torch.zeros_like(b_out).index_add_(0, expert, gyr.to(b_out.dtype))
-    gh = (gh_u * w_col).to(dt)
+    g_out = g_bout = None
+    if gu is None:
+        if need[3]:
+            g_out = kern.wgrad(gy, (hd * w_col).to(dt), plan, rows=tokens)
+    else:
+        gyr = gu.mul_(w_col)                                   # dL/dy_r, in gu's place
+        if need[3]:
+            g_out = kern.wgrad(gyr, hd, plan) if form.out_transposed else kern.wgrad(hd, gyr, plan)
+        if b_out is not None and need[4]:
+            g_bout = torch.zeros_like(b_out).index_add_(0, expert, gyr.to(b_out.dtype))
+    gh = gh_u.mul_(w_col)
     need_z = need[0] or need[2] or any(need[5:])
     # a kept graph stays usable for a second backward through a retained outer graph
     gz = torch.autograd.grad(h, zz, gh, retain_graph=graph is not None) if need_z else (None,) * len(zz)
