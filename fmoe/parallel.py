@@ -29,6 +29,7 @@ contiguous run of rows, so exactly the kept rows are sent (E >= W; r in {0, 1}; 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Callable, Optional
@@ -39,15 +40,16 @@ from torch.utils import _pytree as pytree
 
 from .comm.collectives import all_gather, all_to_all, all_to_all_v
 from .comm import compress as _compress
+from .comm import matching
 from .comm.agreement import InconsistentRanksError, agree_across_ranks  # step agreement, re-exported
 from .comm.hierarchical import Hierarchical2DComm
-from .comm.registry import cache_of
-from .experts import apply_experts, shard_axes
+from .comm.registry import cache_of, calls_of
+from .experts import EXPERT_PARAMS, apply_experts, shard_axes
 from .layout import Layout
 from .ops.grouped import GroupedGemm
 
 __all__ = ["ParallelSpec", "sharding", "shard_experts", "capacity_alignment", "expert_parallel",
-           "agree_across_ranks", "InconsistentRanksError"]
+           "check_expert_layout", "agree_across_ranks", "InconsistentRanksError"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +61,10 @@ class ParallelSpec:
             [0, s]; must be 0 or a divisor of s).
         overlap_degree: d in [1, 32]: chunks along capacity (spec §12.5).
         local_size: ranks per node for the 2DH all-to-all (None: flat).
-        check: all-gather a fingerprint of the static settings first and raise
-            :class:`InconsistentRanksError` on every rank if they differ.
+        check: agree on a fingerprint of the static settings (and the step) before any data
+            moves and raise :class:`InconsistentRanksError` on every rank if they differ; on
+            fmoe's communicators the fingerprint rides on the call's first collective, and their
+            ``checks="off"`` skips it whatever this says.
         wire: payload format of the dispatch and combine all-to-alls (and all-to-all-v for
             ragged rows): 'fp32' (the compute dtype, uncompressed), 'bf16', 'fp8' (E4M3 with
             per-row scales), 'fp8_block' (per-128 scales) or 'mxfp8'; scales travel with the
@@ -116,11 +120,22 @@ def sharding(num_experts: int, world: int) -> tuple[int, int]:
     E, W = num_experts, world
     if E >= W:
         if E % W:
-            raise ValueError(f"{E} experts cannot be spread evenly over {W} ranks (need E % W == 0 or W % E == 0)")
+            raise ValueError(f"{E} experts cannot be spread evenly over {W} ranks (need E % W == 0 or W % E == 0): "
+                             + _layout_fix(E, W))
         return E // W, 1
     if W % E:
-        raise ValueError(f"{E} experts cannot be shared evenly by {W} ranks (need W % E == 0)")
+        raise ValueError(f"{E} experts cannot be shared evenly by {W} ranks (need W % E == 0): " + _layout_fix(E, W))
     return 1, W // E
+
+
+def _layout_fix(E: int, W: int) -> str:
+    """The nearest expert counts and world sizes that do fit, for an error message."""
+    sizes = [w for w in range(1, 2 * max(W, E) + 1) if E % w == 0 or w % E == 0]
+    counts = [e for e in range(1, 2 * max(E, W) + 1) if e % W == 0 or W % e == 0]
+    near_w = sorted(sizes, key=lambda w: (abs(w - W), w))[:3]
+    near_e = sorted(counts, key=lambda e: (abs(e - E), e))[:3]
+    return (f"use MoESpec.num_experts in {sorted(near_e)} for {W} ranks, or a world size in {sorted(near_w)} "
+            f"for {E} experts")
 
 
 def capacity_alignment(num_experts: int, world: int, parallel: Optional[ParallelSpec] = None,
@@ -173,6 +188,9 @@ def _axes(expert_type: str, params: dict) -> dict:
 # --------------------------------------------------------------------------- agreement
 
 def _leaf_sig(params) -> str:
+    if isinstance(params, dict) and all(isinstance(v, Tensor) for v in params.values()):
+        # the common pytree, described without flattening (this runs on every call)
+        return "|".join(f"{k}:{tuple(v.shape)}:{v.dtype}" for k, v in params.items())
     leaves, spec = pytree.tree_flatten(params)
     return str(spec) + "|" + ";".join(f"{tuple(getattr(t, 'shape', ()))}:{getattr(t, 'dtype', type(t).__name__)}"
                                       for t in leaves)
@@ -182,7 +200,7 @@ def parallel_fields(spec, parallel: ParallelSpec, world: int, dtype, expert_para
     """The static settings every rank must share for one MoE call."""
     return {"world_size": world, "num_experts": spec.num_experts, "model_dim": spec.model_dim,
             "k": spec.gate.k, "capacity_factor": spec.gate.capacity_factor, "output_dim": spec.output_dim,
-            "spec": spec, "parallel": dataclasses.replace(parallel, check=True),
+            "spec": spec, "parallel": parallel if parallel.check else dataclasses.replace(parallel, check=True),
             "dtype": str(dtype), "expert_params": _leaf_sig(expert_params)}
 
 
@@ -309,13 +327,25 @@ def expert_parallel(experts, expert_params, buffers: Tensor, comm, parallel: Opt
     n, s = sharding(E, W)
     r = parallel.degree(s)
     d = parallel.overlap_degree
+    agreed = _agreed_by_moe(comm)
     if parallel.check:
         fields = {"world_size": W, "num_experts": E, "output_dim": output_dim, "experts": experts,
                   "parallel": dataclasses.replace(parallel, check=True), "layout": layout.kind,
                   "dtype": str(buffers.dtype), "expert_params": _leaf_sig(expert_params)}
         if layout.kind == "padded":
             fields["capacity"] = layout.capacity
-        agree_across_ranks(comm, fields)
+        agree_across_ranks(comm, fields, defer=True)
+        agreed = True
+    # An agreed call's collectives on comm follow from the agreed settings (kind, order, dtype, shape):
+    # under checks="full" they need no control record each. Not while tracing (a context variable is
+    # no graph op): compiled calls keep their records.
+    scope = matching.covered(comm) if agreed and not torch.compiler.is_compiling() else contextlib.nullcontext()
+    with scope:
+        return _expert_stage(experts, expert_params, buffers, comm, parallel, layout, E, n, s, r, d, output_dim,
+                             generator)
+
+
+def _expert_stage(experts, expert_params, buffers, comm, parallel, layout, E, n, s, r, d, output_dim, generator):
     if layout.kind == "ragged":
         return _ragged_expert_parallel(experts, expert_params, buffers, comm, parallel, layout, r, d, generator)
     _, C, M = buffers.shape
@@ -395,13 +425,27 @@ def _ragged_expert_parallel(experts, expert_params, rows: Tensor, comm, parallel
     return torch.cat([ret, ret.new_zeros(R - N, ret.shape[1])])
 
 
+_AGREED = "fmoe.parallel: agreed call"  # registry cache key: the agreement number of the moe call in flight
+
+
+def _agreed_by_moe(comm) -> bool:
+    """Whether :func:`check_moe_call` agreed the call now reaching its expert stage (consumed once)."""
+    token = cache_of(comm).pop(_AGREED, None)
+    return token is not None and token == calls_of(comm)
+
+
 def check_moe_call(comm, spec, parallel: ParallelSpec, x, params, routing, local_check: Callable[[], None]) -> None:
     """The agreement step of a distributed :func:`fmoe.moe` call, run before any other collective.
 
-    Local input errors and cross-rank mismatches both raise on every rank.
+    Local input errors (``local_check``, then :func:`check_expert_layout`: parameters that do not
+    fit the spec and the communicator's size) and cross-rank mismatches both raise on every rank.
+    The agreement record travels with the call's first collective (no exchange of its own) on
+    fmoe's communicators; their ``checks="off"`` skips it.
     """
+    cache_of(comm).pop(_AGREED, None)  # a token left by a call that failed before its expert stage
     if not parallel.check:
         local_check()
+        check_expert_layout(spec, params["experts"], comm.size, comm.rank)
         return
     experts = params.get("experts") if isinstance(params, dict) else None
     fields = parallel_fields(spec, parallel, comm.size, getattr(x, "dtype", None), experts)
@@ -411,4 +455,86 @@ def check_moe_call(comm, spec, parallel: ParallelSpec, x, params, routing, local
         local_check()
         n, s = sharding(spec.num_experts, comm.size)
         parallel.degree(s)
-    agree_across_ranks(comm, fields, check)
+        check_expert_layout(spec, params["experts"], comm.size, comm.rank)
+    agree_across_ranks(comm, fields, check, defer=True)
+    cache_of(comm)[_AGREED] = calls_of(comm)
+
+
+def _lead(t) -> Optional[tuple]:
+    shape = getattr(t, "logical_shape", None) or getattr(t, "shape", None)
+    return tuple(shape) if shape is not None else None
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def check_expert_layout(spec, experts, world: int, rank: int) -> None:
+    """Raise ValueError, naming the counts and the fix, unless ``experts`` is rank ``rank``'s part of
+    ``spec.num_experts`` experts on ``world`` ranks (:func:`shard_experts`' layout).
+
+    Checked: E against W (one must divide the other); every expert leaf's leading dim (E/W experts
+    per rank, or 1 when W/E ranks share an expert); for shared 'ffn' / 'gated_ffn' experts, the
+    hidden axis of each leaf (H/s units of the expert, fc2 bias ceil(O/s) entries) and for whole
+    experts the full H. Custom expert types are not checked (their pytree is the user's).
+
+    Args:
+        spec: the :class:`~fmoe.MoESpec`; experts: this rank's expert pytree (leaves [n, ...]).
+        world, rank: W and this rank.
+    """
+    E, W = spec.num_experts, world
+    n, s = sharding(E, W)
+    et = spec.experts.type
+    if et not in EXPERT_PARAMS or not isinstance(experts, dict):
+        return
+    fix = (f"pass fmoe.parallel.shard_experts({et!r}, full_experts, {E}, comm.rank, comm.size) or "
+           "fmoe.init_params(spec, comm=comm)")
+    layouts = {p.name: p for p in EXPERT_PARAMS[et]}
+    for key, leaf in experts.items():
+        shape = _lead(leaf)
+        if key not in layouts or not shape:
+            continue
+        lead = shape[0]
+        if lead != n:
+            if lead == E and W > 1:
+                what = f"all {E} experts"
+            else:
+                what = f"{lead} expert{'s' if lead != 1 else ''}"
+            if lead > 0 and E % lead == 0:
+                where = f" (the layout of {E // lead} rank{'s' if E // lead != 1 else ''})"
+            else:
+                where = (f" (which fits no layout of {E} experts: a rank holds E/W of them for a world size W "
+                         "dividing E, or 1 when W/E ranks share each)")
+            need = f"{n} per rank" if s == 1 else f"a 1/{s} shard of one expert per rank ({s} ranks share each)"
+            raise ValueError(
+                f"expert parameter experts[{key!r}] {list(shape)} holds {what} on rank {rank} of {W}{where}; "
+                f"MoESpec.num_experts={E} on {W} ranks needs {need}: {fix}")
+    axes = shard_axes(et)
+    if axes is None:
+        return
+    H, O = spec.experts.hidden_size, spec.output_dim
+    for key, leaf in experts.items():
+        lay = axes.get(key)
+        shape = _lead(leaf)
+        if lay is None or not shape or len(shape) <= lay.shard_axis:
+            continue
+        full = O if lay.padded else H
+        want = -(-full // s) if lay.padded else full // s
+        got = shape[lay.shard_axis]
+        if got == want:
+            continue
+        axis = "output entries" if lay.padded else "hidden units"
+        if s == 1:
+            raise ValueError(
+                f"expert parameter experts[{key!r}] {list(shape)} has {got} {axis} along dim {lay.shard_axis} on "
+                f"rank {rank} of {W}; whole experts ({_n(E, 'expert')} on {W} ranks) need all {full} (a shard of an "
+                f"expert is only for E < W): {fix}")
+        if not lay.padded and H % s:
+            raise ValueError(f"hidden_size={H} cannot be cut into {s} shards ({W} ranks share {E} experts): use "
+                             f"a hidden_size divisible by {s}")
+        part = "the whole expert" if got == full else f"{got} of them"
+        raise ValueError(
+            f"expert parameter experts[{key!r}] {list(shape)} holds {part} ({axis} along dim {lay.shard_axis}) on "
+            f"rank {rank} of {W}; {_n(E, 'expert')} on {W} ranks {'are each' if E > 1 else 'is'} shared by {s} "
+            f"ranks, so each rank holds "
+            f"shard {rank % s} of expert {rank // s}: {want} of {full} {axis}: {fix}")

@@ -11,15 +11,18 @@ prints what it was waiting for and aborts the whole job (a collective that one
 peer never joins cannot be cancelled in MPI, so abort is the only exit: a
 timeout never returns).
 
-Matched collectives: MPI matches collectives by order, not kind, so every
-collective first all-gathers a fixed-size header (kind, call number, dtype,
-shape, op; :mod:`fmoe.comm.matching`) and moves data only when all ranks
+Matched collectives: MPI matches collectives by order, not kind, so a checked
+collective first all-gathers a fixed-size control record (kind, call number,
+dtype, shape, op, the pending step-agreement record, and the data itself when
+it is small; :mod:`fmoe.comm.matching`) and moves data only when all ranks
 agree; otherwise every rank raises ``CollectiveMismatchError``. Invalid
 arguments on one rank raise on every rank. The call number is this object's
-own count of its collectives.
+own count of its collectives. ``checks=`` chooses what is checked (``"full"``,
+``"step"``, ``"off"``; see :class:`MPIComm`).
 """
 from __future__ import annotations
 
+import array
 import sys
 import time
 from typing import Optional, Sequence
@@ -83,13 +86,21 @@ class MPIComm:
         comm: an mpi4py intracommunicator; None means ``MPI.COMM_WORLD``.
         timeout: seconds any single collective may wait before the job is
             aborted with a message naming the collective; None waits forever.
+        checks: what is verified across ranks (:mod:`fmoe.comm.matching`):
+            ``"full"`` (default) every collective is matched (kind, order, dtype, shape,
+            op) and every fmoe call agrees on its step and settings; ``"step"`` only the
+            step agreement, once per fmoe call; ``"off"`` nothing (a mismatch then
+            pairs data wrongly or waits for ``timeout``). On an fmoe forward
+            ``"full"`` and ``"step"`` make no exchange more than ``"off"``; ``"full"``
+            adds one small exchange before each collective outside a checked fmoe
+            call's forward (e.g. the backward all-to-alls, a user's own collectives).
 
     Attributes:
         rank, size: this process's place in ``comm``.
         mpi_comm: the wrapped mpi4py communicator.
     """
 
-    def __init__(self, comm=None, *, timeout: Optional[float] = None):
+    def __init__(self, comm=None, *, timeout: Optional[float] = None, checks: str = "full"):
         MPI = _mpi()
         self.mpi_comm = MPI.COMM_WORLD if comm is None else comm
         self.rank = self.mpi_comm.Get_rank()
@@ -97,24 +108,52 @@ class MPIComm:
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         self.timeout = timeout
+        self.checks = matching.check_mode(checks)
         self._calls = 0  # collectives started on this object (the header's call number)
+        self._pending = None  # an fmoe call's agreement record waiting for this object's next collective
 
     def __repr__(self) -> str:
-        return f"MPIComm(rank={self.rank}, size={self.size}, timeout={self.timeout})"
+        return f"MPIComm(rank={self.rank}, size={self.size}, timeout={self.timeout}, checks={self.checks!r})"
 
     # ------------------------------------------------------------------ plumbing
 
+    def _stage_agreement(self, pending, *, defer: bool) -> None:
+        """Take an fmoe call's agreement record (:class:`fmoe.comm.agreement.Pending`); it travels in
+        the control record of this object's next collective, or now unless ``defer`` (or on a local error)."""
+        if self._pending is not None:  # an earlier call's record that no collective carried
+            self._begin("agreement")
+        self._pending = pending
+        if not defer or pending.error is not None:
+            self._begin("agreement")
+
     def _begin(self, kind: str, x: Optional[Tensor] = None, *, op: str = "",
-               error: Optional[BaseException] = None) -> int:
-        """Header exchange of the next collective; returns its call number, raises on a mismatch."""
+               error: Optional[BaseException] = None, payload: Optional[Tensor] = None):
+        """Start the next collective: (call number, gathered control records: W lists of CTRL ints, or None).
+
+        None: the collective moves unchecked (``checks`` is not "full", or an agreed fmoe call
+        covers it) and raises ``error`` here. Otherwise the control exchange carried the header,
+        the pending agreement record and ``payload`` (whose result the caller reads off the table);
+        it raised on every rank unless all agree.
+        """
         self._calls += 1
         call = self._calls
-        hdr = matching.header(kind, call, x, op=op, failed=error is not None)
-        table = np.empty((self.size, matching.HEADER), dtype=np.int64)
-        self._run(f"{kind} #{call} (header)", lambda: self.mpi_comm.Allgather(hdr, table),
-                  lambda: self.mpi_comm.Iallgather(hdr, table))
-        matching.check(table, self.rank, kind, error, self._gather_text)
-        return call
+        pending = self._pending
+        if pending is None and (self.checks != "full" or matching.is_covered(self)):
+            if error is not None:
+                raise error
+            return call, None
+        self._pending = None
+        # array.array, not numpy: a few plain buffer ops (this path runs between cache-cold tensor ops)
+        words = array.array("q", matching.control_words(kind, call, x, op=op, failed=error is not None,
+                                                        record=None if pending is None else pending.record,
+                                                        payload=payload))
+        got = array.array("q", bytes(8 * self.size * matching.CTRL))
+        self._run(f"{kind} #{call} (header)", lambda: self.mpi_comm.Allgather(words, got),
+                  lambda: self.mpi_comm.Iallgather(words, got))
+        flat, n = got.tolist(), matching.CTRL
+        table = [flat[u * n:(u + 1) * n] for u in range(self.size)]
+        matching.check_control(table, self.rank, kind, error, self._gather_text, pending)
+        return call, table
 
     def _gather_text(self, text: str, width: int = 400) -> list[str]:
         raw = text.encode()[:width]
@@ -151,8 +190,9 @@ class MPIComm:
         self.mpi_comm.Abort(code)
 
     def barrier(self) -> None:
-        call = self._begin("barrier")
-        self._run(f"barrier #{call}", self.mpi_comm.Barrier, self.mpi_comm.Ibarrier)
+        call, table = self._begin("barrier")
+        if table is None:  # a control all-gather already held every rank until all had entered
+            self._run(f"barrier #{call}", self.mpi_comm.Barrier, self.mpi_comm.Ibarrier)
 
     def close(self) -> None:
         """End-of-job shutdown (collective). mpi4py finalizes MPI at interpreter exit; this checks that
@@ -182,7 +222,7 @@ class MPIComm:
             err = ValueError(f"exchange: out must be contiguous {tuple(front.shape)} {front.dtype}")
         elif front.device.type != "cpu":
             err = ValueError(f"MPIComm moves CPU tensors only, got a tensor on {front.device}")
-        call = self._begin("all_to_all", front, error=err)
+        call, _ = self._begin("all_to_all", front, error=err)
         front = front.contiguous()
         if out is None:
             out = torch.empty_like(front)
@@ -207,13 +247,18 @@ class MPIComm:
         """Variable all-to-all of rows (dim 0) with MPI_Alltoallv; rows travel as one derived type."""
         MPI = _mpi()
         send, recv, err = a2av_counts(x, send_counts, recv_counts, self.size)
-        call = self._begin("all_to_all_v", x, error=err)
-        table = torch.empty(self.size, 2 * self.size, dtype=torch.int64)
         mine = torch.tensor(send + recv, dtype=torch.int64)
-        sb, rb = _bytes(mine), _bytes(table)
-        self._run(f"all_to_all_v #{call} (counts)", lambda: self.mpi_comm.Allgather(sb, rb),
-                  lambda: self.mpi_comm.Iallgather(sb, rb))
-        matching.check_counts(table, call)
+        inline = err is None and matching.fits(mine)
+        call, ctrl = self._begin("all_to_all_v", x, error=err, payload=mine if inline else None)
+        if ctrl is not None:  # checked: the counts must pair up (recv[u] on w == send[w] on u)
+            if inline:
+                table = matching.payload_of(ctrl, mine)
+            else:
+                table = torch.empty(self.size, 2 * self.size, dtype=torch.int64)
+                sb, rb = _bytes(mine), _bytes(table)
+                self._run(f"all_to_all_v #{call} (counts)", lambda: self.mpi_comm.Allgather(sb, rb),
+                          lambda: self.mpi_comm.Iallgather(sb, rb))
+            matching.check_counts(table, call)
         x = x.contiguous()
         out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
         row_bytes = x[0:1].numel() * x.element_size() if x.dim() > 1 else x.element_size()
@@ -236,7 +281,11 @@ class MPIComm:
         """Elementwise reduction over ranks; half precisions are reduced in fp32."""
         MPI = _mpi()
         err = None if op in _REDUCE else ValueError(f"all_reduce op must be one of {_REDUCE}, got {op!r}")
-        call = self._begin("all_reduce", x, op=op if err is None else "", error=err)
+        inline = err is None and matching.fits(x)
+        call, ctrl = self._begin("all_reduce", x, op=op if err is None else "", error=err,
+                                 payload=x if inline else None)
+        if ctrl is not None and inline:  # the data came with the control records
+            return matching.reduce_rows(ctrl, x, op)
         mpi_op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
         work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         if work.dtype == torch.bool:
@@ -257,10 +306,14 @@ class MPIComm:
             err = None
         except ValueError as e:
             err = e
-        call = self._begin("all_gather", x, error=err)
+        inline = err is None and matching.fits(x)
+        call, ctrl = self._begin("all_gather", x, error=err, payload=x if inline else None)
         x = x.contiguous()
-        out = x.new_empty((self.size,) + tuple(x.shape))
-        if x.numel():
+        if ctrl is not None and inline:  # the data came with the control records
+            out = matching.payload_of(ctrl, x)
+        else:
+            out = x.new_empty((self.size,) + tuple(x.shape))
+        if x.numel() and not (ctrl is not None and inline):
             s, r = _bytes(x), _bytes(out)
             self._run(f"all_gather #{call}", lambda: self.mpi_comm.Allgather(s, r),
                       lambda: self.mpi_comm.Iallgather(s, r))
@@ -272,4 +325,4 @@ class MPIComm:
         """MPI_Comm_split: ranks with equal ``color``, ordered by ``key`` (default: rank)."""
         self._begin("split")
         sub = self.mpi_comm.Split(int(color), self.rank if key is None else int(key))
-        return MPIComm(sub, timeout=self.timeout)
+        return MPIComm(sub, timeout=self.timeout, checks=self.checks)

@@ -85,3 +85,58 @@ def test_single_process_end_check_and_abort_on_error_are_transparent():
     with pytest.raises(RuntimeError, match="boom"):
         with abort_on_error(c):
             raise RuntimeError("boom")
+
+
+def test_checks_setting_names_the_choices():
+    assert [matching.check_mode(c) for c in matching.CHECKS] == ["full", "step", "off"]
+    with pytest.raises(ValueError, match=r"checks must be one of \('full', 'step', 'off'\)"):
+        matching.check_mode("auto")
+    with pytest.raises(ValueError, match="checks must be one of"):
+        from fmoe.comm import from_env
+        from_env("local", checks=True)
+
+
+def test_control_record_carries_header_record_and_inline_data():
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    rec = _record(1, 4, False, {"k": 2}).numpy()
+    w = matching.control("all_reduce", 7, x, op="sum", record=rec, payload=x)
+    assert w.shape == (matching.CTRL,) and w.dtype == np.int64 and matching.CTRL * 8 == 512
+    assert np.array_equal(w[:matching.HEADER], matching.header("all_reduce", 7, x, op="sum"))
+    table = np.stack([w, w])
+    matching.check_control(table, 0, "all_reduce", None, lambda t: [t, t], None)  # all agree: no error
+    assert torch.equal(matching.payload_of(table, x), torch.stack([x, x]))
+    assert torch.equal(matching.reduce_rows(table, x, "sum"), 2 * x)
+    for dtype in (torch.bfloat16, torch.bool, torch.int32):  # tensor path and numpy path
+        y = torch.ones(5, dtype=dtype)
+        t = np.stack([matching.control("all_reduce", 1, y, op="max", payload=y)] * 3)
+        assert torch.equal(matching.reduce_rows(t, y, "max"), y) and matching.reduce_rows(t, y, "sum").dtype == dtype
+    assert matching.fits(torch.ones(matching.PAYLOAD_BYTES // 4)) and not matching.fits(torch.ones(37))
+
+
+def test_control_table_decisions():
+    from fmoe.comm.agreement import Pending, StepMismatchError, _kind
+    x = torch.ones(3)
+    rec = _record(_kind("call"), 2, False, {"k": 2}).numpy()
+    pend = Pending(rec, 2, None, {"k": 2})
+    inside = matching.control("all_reduce", 5, x, op="sum", record=rec)
+    outside = matching.control("all_reduce", 5, x, op="sum")
+    with pytest.raises(StepMismatchError, match=r"rank 0 is in fmoe call #2; rank 1 is in all_reduce\(sum\) #5 "
+                                                r"float32 \[3\], outside any fmoe call"):
+        matching.check_control(np.stack([inside, outside]), 0, "all_reduce", None, lambda t: [t, t], pend)
+    ahead = matching.control("all_reduce", 5, x, op="sum", record=_record(_kind("call"), 3, False, {"k": 2}).numpy())
+    with pytest.raises(StepMismatchError, match=r"rank 0 is in fmoe call #2; rank 1 is in fmoe call #3"):
+        matching.check_control(np.stack([inside, ahead]), 0, "all_reduce", None, lambda t: [t, t], pend)
+    other = matching.control("all_gather", 5, x)
+    with pytest.raises(matching.CollectiveMismatchError, match="ranks entered different collectives"):
+        matching.check_control(np.stack([outside, other]), 0, "all_reduce", None, lambda t: [t, t], None)
+
+
+def test_covered_scope_is_per_communicator_and_leaves_no_trace():
+    a, b = Plain(), Plain()
+    before = dict(vars(a))
+    with matching.covered(a):
+        assert matching.is_covered(a) and not matching.is_covered(b)
+        with matching.covered(b):
+            assert matching.is_covered(a) and matching.is_covered(b)
+        assert not matching.is_covered(b)
+    assert not matching.is_covered(a) and vars(a) == before

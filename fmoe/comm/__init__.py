@@ -13,8 +13,9 @@ take a ``comm`` argument implementing :class:`Communicator`; ``None`` or
 * Launch helpers: :func:`from_env`, :func:`abort_on_error`, :func:`install_excepthook`,
   :func:`get_logger`.
 * Fault handling: every distributed call agrees on its step and settings first
-  (:mod:`.agreement`), every collective of MPIComm/TorchDistComm is matched by a header
-  (:mod:`.matching`); mismatches raise :class:`StepMismatchError` / :class:`CollectiveMismatchError`.
+  (:mod:`.agreement`; the record rides on the call's first exchange), and with
+  ``checks="full"`` (the default) every collective of MPIComm/TorchDistComm is matched by a small
+  control record (:mod:`.matching`; ``checks="step"`` / ``"off"`` trade that away); mismatches raise :class:`StepMismatchError` / :class:`CollectiveMismatchError`.
 """
 from __future__ import annotations
 

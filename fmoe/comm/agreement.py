@@ -1,7 +1,7 @@
 """Cross-rank agreement: every rank is in the same call of the same program step, with the same settings.
 
-A distributed fmoe call starts with one fixed-size int64 all-gather (the
-*agreement record*) before any other collective:
+A distributed fmoe call exchanges one fixed-size int64 record per rank (the
+*agreement record*) before any of its data moves:
 
     [MAGIC, kind, call number, error flag, settings digest, field count, field 0, ..., field F-1]
 
@@ -25,8 +25,12 @@ The decision to raise is taken from the gathered table, identical on every
 rank, so all ranks leave the check the same way (further text exchanges for
 the message happen on all ranks or on none).
 
-Cost: one all-gather of ``8 * (6 + FIELDS)`` bytes per rank per call (see
-``benchmarks`` notes in the README "Failure behaviour" section).
+Cost: with fmoe's communicators the record rides in the control exchange of the
+call's first collective (:mod:`.matching`; a small all_reduce/all_gather such as the
+router's capacity agreement is then matched, agreed and done in one exchange), so a
+checked call makes no exchange more than an unchecked one; with any other
+communicator it is one all-gather of ``8 * (6 + FIELDS)`` bytes per rank per call.
+``checks="off"`` on the communicator skips it (README "Failure behaviour").
 """
 from __future__ import annotations
 
@@ -41,11 +45,12 @@ import torch
 from . import registry
 
 __all__ = ["InconsistentRanksError", "StepMismatchError", "CollectiveMismatchError", "agree_across_ranks",
-           "end_of_job_check", "FIELDS"]
+           "end_of_job_check", "check_records", "Pending", "FIELDS", "RECORD"]
 
 MAGIC = 0x664D6F4541475245  # "fMoEAGRE"
 FIELDS = 24                 # field slots in the record; more fields are folded into the last slot
 _HEAD = 6
+RECORD = _HEAD + FIELDS     # int64 words of one record
 
 
 class InconsistentRanksError(ValueError):
@@ -88,18 +93,36 @@ def _cacheable(v) -> bool:
     return params is not None and params.frozen and params.eq
 
 
+# id -> (object, fingerprint) of frozen specs seen lately: the same spec object comes back every call,
+# and finding it by identity skips hashing it (a nested frozen dataclass hashes all its fields each time).
+# The object is held, so its id cannot be reused while it is here.
+_BY_ID: dict = {}
+
+
 def _fingerprint(fields: dict) -> list[int]:
     out = []
     for v in fields.values():
-        if isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2 ** 62:
+        if type(v) is int and abs(v) < 2 ** 62:
             out.append(v)
             continue
+        if type(v) in (str, float, type(None)):  # often built afresh per call: found by value
+            out.append(_h64_of_hashable(type(v), v))
+            continue
         if _cacheable(v):  # frozen specs repeat every call: describing them dominated the check's cost
-            try:
-                out.append(_h64_of_hashable(type(v), v))
+            hit = _BY_ID.get(id(v))
+            if hit is not None and hit[0] is v:
+                out.append(hit[1])
                 continue
+            try:
+                fp = _h64_of_hashable(type(v), v)
             except (TypeError, RuntimeError):  # an unhashable field, or a tensor field compared on a collision
-                pass
+                out.append(_h64(_stable(v)))
+                continue
+            if len(_BY_ID) >= 512:
+                _BY_ID.clear()
+            _BY_ID[id(v)] = (v, fp)
+            out.append(fp)
+            continue
         out.append(_h64(_stable(v)))
     return out
 
@@ -116,21 +139,46 @@ def _gather_text(comm, text: str, width: int = 400) -> list[str]:
 _KINDS: dict[int, str] = {}
 
 
+_CODES: dict[str, int] = {}
+
+
 def _kind(name: str) -> int:
-    code = _h64("kind:" + name)
-    _KINDS.setdefault(code, name)
+    code = _CODES.get(name)
+    if code is None:
+        code = _CODES[name] = _h64("kind:" + name)
+        _KINDS.setdefault(code, name)
     return code
 
 
 _CALL, _END = _kind("call"), _kind("end")
 
 
-def _record(kind: int, call: int, failed: bool, fields: dict) -> torch.Tensor:
+# (name, fingerprint) pairs -> record tail: the digest and slots of settings seen before.
+_TAILS: dict = {}
+
+
+def _tail(fields: dict) -> list[int]:
+    """[digest, field count, slot 0..FIELDS-1] of a record."""
     fp = _fingerprint(fields)
-    digest = _h64("|".join(f"{n}={v}" for n, v in zip(fields, fp)))
-    slots = fp[:FIELDS - 1] + ([_h64(repr(fp[FIELDS - 1:]))] if len(fp) >= FIELDS else [])
-    slots += [0] * (FIELDS - len(slots))
-    return torch.tensor([MAGIC, kind, call, int(failed), digest, len(fp)] + slots, dtype=torch.int64)
+    key = tuple(zip(fields, fp))
+    tail = _TAILS.get(key)
+    if tail is None:
+        digest = _h64("|".join(f"{n}={v}" for n, v in key))
+        slots = fp[:FIELDS - 1] + ([_h64(repr(fp[FIELDS - 1:]))] if len(fp) >= FIELDS else [])
+        tail = [digest, len(fp)] + slots + [0] * (FIELDS - len(slots))
+        if len(_TAILS) >= 256:
+            _TAILS.clear()
+        _TAILS[key] = tail
+    return tail
+
+
+def _record_values(kind: int, call: int, failed: bool, fields: dict) -> list[int]:
+    return [MAGIC, kind, call, int(failed)] + _tail(fields)
+
+
+def _record(kind: int, call: int, failed: bool, fields: dict) -> torch.Tensor:
+    """The record as int64 [RECORD]."""
+    return torch.tensor(_record_values(kind, call, failed, fields), dtype=torch.int64)
 
 
 def _describe(row) -> str:
@@ -139,8 +187,25 @@ def _describe(row) -> str:
     return f"{'end-of-job check' if name == 'end' else 'fmoe ' + name} #{call}"
 
 
+@dataclasses.dataclass
+class Pending:
+    """One rank's agreement record waiting to travel with its communicator's next exchange.
+
+    Attributes:
+        record: this rank's record, RECORD = _HEAD + FIELDS ints (:func:`_record`'s values).
+        call: the agreement call number it carries.
+        error: this rank's local input error (then it is exchanged at once), or None.
+        fields: the settings it fingerprints (named in the error messages).
+    """
+
+    record: object
+    call: int
+    error: Optional[BaseException]
+    fields: dict
+
+
 def agree_across_ranks(comm, fields: dict, local_check: Optional[Callable[[], None]] = None, *,
-                       kind: str = "call") -> None:
+                       kind: str = "call", defer: bool = False) -> None:
     """Collective guard run before the first exchange of a distributed call.
 
     Runs ``local_check`` (input validation) on every rank, then all-gathers the
@@ -150,6 +215,12 @@ def agree_across_ranks(comm, fields: dict, local_check: Optional[Callable[[], No
     :class:`InconsistentRanksError` quoting it), or if any field differs
     (:class:`InconsistentRanksError` naming the field and every rank's value).
 
+    A communicator with ``checks="off"`` skips the exchange (``local_check`` still
+    raises, on this rank only). fmoe's own communicators (MPIComm, TorchDistComm) send the
+    record in their fixed-size control exchange (:mod:`.matching`); with ``defer`` it waits
+    there for the communicator's next collective and travels with it (no exchange of its
+    own), except when ``local_check`` failed: then it goes at once, so the peers raise too.
+
     Args:
         comm: communicator (size W); its call counter advances by one.
         fields: name -> static value (int, or anything with a stable repr).
@@ -157,6 +228,8 @@ def agree_across_ranks(comm, fields: dict, local_check: Optional[Callable[[], No
         local_check: callable raising ValueError/TypeError on invalid local input.
         kind: which agreement point this is ('call' for fmoe's functions,
             'end' for :func:`end_of_job_check`).
+        defer: let the record ride on the communicator's next collective (the errors
+            above are then raised by that collective, on every rank).
     """
     err: Optional[BaseException] = None
     if local_check is not None:
@@ -164,7 +237,16 @@ def agree_across_ranks(comm, fields: dict, local_check: Optional[Callable[[], No
             local_check()
         except (ValueError, TypeError) as e:
             err = e
+    if getattr(comm, "checks", "full") == "off":
+        if err is not None:
+            raise err
+        return
     call = registry.next_call(comm)
+    stage = getattr(comm, "_stage_agreement", None)
+    if stage is not None:
+        # ints, not a tensor: inside a torch.func transform a fresh tensor is wrapped and has no storage
+        stage(Pending(_record_values(_kind(kind), call, err is not None, fields), call, err, fields), defer=defer)
+        return
     mine = _record(_kind(kind), call, err is not None, fields)
     table = comm.all_gather(mine.unsqueeze(0), 0)  # [W, HEAD + FIELDS]
     if table.shape != (comm.size, mine.numel()) or table.dtype != torch.int64:
@@ -176,6 +258,21 @@ def agree_across_ranks(comm, fields: dict, local_check: Optional[Callable[[], No
         raise CollectiveMismatchError(
             f"rank(s) {bad} answered the agreement exchange of call #{call} with data that is not an agreement "
             "record: they were in a different collective (mismatched program order)")
+    check_records(rows, Pending(None, call, err, fields), lambda text: _gather_text(comm, text))
+
+
+def describe(row) -> str:
+    """'fmoe call #3' / 'end-of-job check #2' for one gathered record row."""
+    return _describe(row)
+
+
+def check_records(rows: list, mine: Pending, gather_text: Callable[[str], list]) -> None:
+    """Decide from the gathered records (W lists of _HEAD + FIELDS ints, identical on every rank).
+
+    Raises on every rank alike (see :func:`agree_across_ranks`); ``gather_text`` all-gathers one
+    string per rank and is called on all ranks or on none.
+    """
+    err, fields = mine.error, mine.fields
     if any(row[1:3] != rows[0][1:3] for row in rows):
         raise StepMismatchError(
             "ranks are at different steps: " + "; ".join(f"rank {r} is in {_describe(row)}"
@@ -184,7 +281,7 @@ def agree_across_ranks(comm, fields: dict, local_check: Optional[Callable[[], No
             "same order on this communicator).")
     failed = [r for r, row in enumerate(rows) if row[3]]
     if failed:
-        msg = _gather_text(comm, "" if err is None else f"{type(err).__name__}: {err}")
+        msg = gather_text("" if err is None else f"{type(err).__name__}: {err}")
         if err is not None:
             raise err
         raise InconsistentRanksError("invalid input on rank(s) " + "; ".join(f"{r}: {msg[r]}" for r in failed))
@@ -197,7 +294,7 @@ def agree_across_ranks(comm, fields: dict, local_check: Optional[Callable[[], No
     diff = [i for i in range(FIELDS) if any(row[_HEAD + i] != rows[0][_HEAD + i] for row in rows)]
     diff_names = [names[i] if i < FIELDS - 1 else "the settings after " + names[FIELDS - 2] for i in diff]
     name = names[diff[0]] if diff and diff[0] < len(names) else None
-    values = _gather_text(comm, _stable(fields[name])[:200] if name else "")
+    values = gather_text(_stable(fields[name])[:200] if name else "")
     per_rank = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values)) if name else ""
     raise InconsistentRanksError(
         f"ranks disagree on {', '.join(diff_names) or 'the settings digest'}"

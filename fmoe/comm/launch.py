@@ -25,7 +25,8 @@ def _torchrun_launched() -> bool:
                                                    and "WORLD_SIZE" in os.environ)
 
 
-def from_env(kind: str = "auto", *, timeout: Optional[float] = None, backend: str = "gloo"):
+def from_env(kind: str = "auto", *, timeout: Optional[float] = None, backend: str = "gloo",
+             checks: str = "full"):
     """The communicator for how this process was launched.
 
     Args:
@@ -36,19 +37,23 @@ def from_env(kind: str = "auto", *, timeout: Optional[float] = None, backend: st
         timeout: seconds a collective may wait before the job is aborted
             (MPI: per collective; torch: the process group timeout).
         backend: torch.distributed backend for kind 'torch'.
+        checks: the communicator's cross-rank checks, 'full' (default), 'step' or 'off'
+            (:mod:`fmoe.comm.matching`; ignored by LocalComm, which has no peers).
     """
     if kind not in KINDS:
         raise ValueError(f"from_env: kind must be one of {KINDS}, got {kind!r}")
     if kind == "auto":
         from mpi_backend.comm import mpi_launched
         kind = "torch" if _torchrun_launched() else "mpi" if mpi_launched() else "local"
+    from .matching import check_mode
+    check_mode(checks)
     if kind == "local":
         return LocalComm()
     if kind == "torch":
         from .torch_dist import TorchDistComm
-        return TorchDistComm.from_env(backend=backend, timeout=timeout)
+        return TorchDistComm.from_env(backend=backend, timeout=timeout, checks=checks)
     from mpi_backend import MPIComm
-    return MPIComm(timeout=timeout)
+    return MPIComm(timeout=timeout, checks=checks)
 
 
 def abort(comm, message: str = "", code: int = 1) -> None:

@@ -27,33 +27,39 @@ class TorchDistComm:
     Args:
         group: a process group; None means the default (WORLD) group, which
             must already be initialised (see :meth:`from_env`).
+        checks: ``"full"`` (default), ``"step"`` or ``"off"``, as for ``mpi_backend.MPIComm``
+            (:mod:`fmoe.comm.matching`).
 
     Collective timeouts are the process group's own (``init_process_group(timeout=...)``); a
     collective that fails (timeout, dead peer) aborts this process with a message naming it, and
-    torchrun then stops the others. Every collective first exchanges a header (kind, call number,
-    dtype, shape; :mod:`fmoe.comm.matching`), so mismatched calls raise on every rank instead of
-    pairing up.
+    torchrun then stops the others. Under ``checks="full"`` every collective is matched by a
+    control record (kind, call number, dtype, shape; :mod:`fmoe.comm.matching`), so mismatched
+    calls raise on every rank instead of pairing up.
     """
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, *, checks: str = "full"):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchDistComm needs an initialised torch.distributed process group; "
                                "call TorchDistComm.from_env() under torchrun, or init_process_group first")
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        self.checks = matching.check_mode(checks)
         self._calls = 0  # collectives started on this object (the header's call number)
+        self._pending = None  # an fmoe call's agreement record waiting for this object's next collective
 
     @classmethod
-    def from_env(cls, backend: str = "gloo", timeout: Optional[float] = None) -> "TorchDistComm":
+    def from_env(cls, backend: str = "gloo", timeout: Optional[float] = None, *,
+                 checks: str = "full") -> "TorchDistComm":
         """Initialise the default group from torchrun's variables (env://) unless already done."""
         if not dist.is_initialized():
             kw = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
             dist.init_process_group(backend=backend, init_method="env://", **kw)
-        return cls()
+        return cls(checks=checks)
 
     def __repr__(self) -> str:
-        return f"TorchDistComm(rank={self.rank}, size={self.size}, backend={dist.get_backend(self.group)})"
+        return (f"TorchDistComm(rank={self.rank}, size={self.size}, backend={dist.get_backend(self.group)}, "
+                f"checks={self.checks!r})")
 
     def close(self) -> None:
         """Shut the default process group down cleanly (collective: every rank calls it at the end).
@@ -88,16 +94,35 @@ class TorchDistComm:
             self.abort(f"{what} failed: {type(e).__name__}: {str(e)[:500]} (a peer rank crashed, never joined "
                        "it, or is stuck; the process group timeout bounds the wait)")
 
+    def _stage_agreement(self, pending, *, defer: bool) -> None:
+        """Take an fmoe call's agreement record (:class:`fmoe.comm.agreement.Pending`); it travels in
+        the control record of this object's next collective, or now unless ``defer`` (or on a local error)."""
+        if self._pending is not None:  # an earlier call's record that no collective carried
+            self._begin("agreement")
+        self._pending = pending
+        if not defer or pending.error is not None:
+            self._begin("agreement")
+
     def _begin(self, kind: str, x: Optional[Tensor] = None, *, op: str = "",
-               error: Optional[BaseException] = None) -> int:
-        """Header exchange of the next collective; returns its call number, raises on a mismatch."""
+               error: Optional[BaseException] = None, payload: Optional[Tensor] = None):
+        """Start the next collective: (call number, gathered control records (W lists of CTRL ints), or None
+        when it moves unchecked); see ``mpi_backend.MPIComm._begin``."""
         self._calls += 1
         call = self._calls
-        hdr = torch.from_numpy(matching.header(kind, call, x, op=op, failed=error is not None))
-        table = torch.empty(self.size * matching.HEADER, dtype=torch.int64)
-        self._do(f"{kind} #{call} (header)", lambda: dist.all_gather_into_tensor(table, hdr, group=self.group))
-        matching.check(table.reshape(self.size, matching.HEADER), self.rank, kind, error, self._gather_text)
-        return call
+        pending = self._pending
+        if pending is None and (self.checks != "full" or matching.is_covered(self)):
+            if error is not None:
+                raise error
+            return call, None
+        self._pending = None
+        words = torch.tensor(matching.control_words(kind, call, x, op=op, failed=error is not None,
+                                                    record=None if pending is None else pending.record,
+                                                    payload=payload), dtype=torch.int64)
+        table = torch.empty(self.size * matching.CTRL, dtype=torch.int64)
+        self._do(f"{kind} #{call} (header)", lambda: dist.all_gather_into_tensor(table, words, group=self.group))
+        table = table.reshape(self.size, matching.CTRL).tolist()
+        matching.check_control(table, self.rank, kind, error, self._gather_text, pending)
+        return call, table
 
     def _gather_text(self, text: str, width: int = 400) -> list[str]:
         raw = text.encode()[:width]
@@ -108,8 +133,9 @@ class TorchDistComm:
         return [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in out.reshape(self.size, width)]
 
     def barrier(self) -> None:
-        call = self._begin("barrier")
-        self._do(f"barrier #{call}", lambda: dist.barrier(self.group))
+        call, table = self._begin("barrier")
+        if table is None:  # a control all-gather already held every rank until all had entered
+            self._do(f"barrier #{call}", lambda: dist.barrier(self.group))
 
     @raw_collective
     def exchange(self, front: Tensor) -> Tensor:
@@ -117,7 +143,7 @@ class TorchDistComm:
         err = None
         if front.dim() == 0 or front.shape[0] != self.size:
             err = ValueError(f"exchange: leading dim must be {self.size}, got {tuple(front.shape)}")
-        call = self._begin("all_to_all", front, error=err)
+        call, _ = self._begin("all_to_all", front, error=err)
         front = front.contiguous()
         out = torch.empty_like(front)
         if front.numel():
@@ -136,12 +162,17 @@ class TorchDistComm:
     @raw_collective
     def all_to_all_v(self, x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> Tensor:
         send, recv, err = a2av_counts(x, send_counts, recv_counts, self.size)
-        call = self._begin("all_to_all_v", x, error=err)
-        table = torch.empty(self.size * 2 * self.size, dtype=torch.int64)
         mine = torch.tensor(send + recv, dtype=torch.int64)
-        self._do(f"all_to_all_v #{call} (counts)",
-                 lambda: dist.all_gather_into_tensor(table, mine, group=self.group))
-        matching.check_counts(table.reshape(self.size, 2 * self.size), call)
+        inline = err is None and matching.fits(mine)
+        call, ctrl = self._begin("all_to_all_v", x, error=err, payload=mine if inline else None)
+        if ctrl is not None:  # checked: the counts must pair up (recv[u] on w == send[w] on u)
+            if inline:
+                table = matching.payload_of(ctrl, mine)
+            else:
+                table = torch.empty(self.size * 2 * self.size, dtype=torch.int64)
+                self._do(f"all_to_all_v #{call} (counts)",
+                         lambda: dist.all_gather_into_tensor(table, mine, group=self.group))
+            matching.check_counts(table.reshape(self.size, 2 * self.size), call)
         x = x.contiguous()
         out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
         self._do(f"all_to_all_v #{call}", lambda: dist.all_to_all_single(
@@ -151,7 +182,11 @@ class TorchDistComm:
     @raw_collective
     def all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
         err = None if op in _OPS else ValueError(f"all_reduce op must be one of {tuple(_OPS)}, got {op!r}")
-        call = self._begin("all_reduce", x, op=op if err is None else "", error=err)
+        inline = err is None and matching.fits(x)
+        call, ctrl = self._begin("all_reduce", x, op=op if err is None else "", error=err,
+                                 payload=x if inline else None)
+        if ctrl is not None and inline:  # the data came with the control records
+            return matching.reduce_rows(ctrl, x, op)
         out = x.detach().clone().contiguous()
         self._do(f"all_reduce({op}) #{call}", lambda: dist.all_reduce(out, op=_OPS[op], group=self.group))
         return out
@@ -163,11 +198,15 @@ class TorchDistComm:
             axis = norm_axis(axis, max(x.dim(), 1))
         except ValueError as e:
             err = e
-        call = self._begin("all_gather", x, error=err)
+        inline = err is None and matching.fits(x)
+        call, ctrl = self._begin("all_gather", x, error=err, payload=x if inline else None)
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        self._do(f"all_gather #{call}", lambda: dist.all_gather(parts, x, group=self.group))
-        out = torch.stack(parts)
+        if ctrl is not None and inline:  # the data came with the control records
+            out = matching.payload_of(ctrl, x)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            self._do(f"all_gather #{call}", lambda: dist.all_gather(parts, x, group=self.group))
+            out = torch.stack(parts)
         return out if x.dim() == 0 else gathered_to_axis(out, axis)
 
     def split(self, color: int, key: Optional[int] = None) -> "TorchDistComm":
@@ -182,4 +221,4 @@ class TorchDistComm:
                              f"got (key, global rank) pairs {members}")
         # Only the members create the group, so disjoint colours do not wait on each other.
         sub = dist.new_group([g for _, g in members], use_local_synchronization=True)
-        return TorchDistComm(sub)
+        return TorchDistComm(sub, checks=self.checks)

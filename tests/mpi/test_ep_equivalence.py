@@ -89,3 +89,16 @@ def test_mode_switch_needs_no_resharding(comm):
     ys = [distributed(spec, local, x, comm, ParallelSpec(mode=f"adaptive:{r}"))[0] for r in _modes(s) * 2]
     for y in ys[1:]:
         allclose(y, ys[0], "mode switch")
+
+
+@pytest.mark.parametrize("checks", ["step", "off"])
+def test_every_checks_setting_matches_single_process(comm, checks):
+    """'step' and 'off' move the same data as the default 'full' (sharded, ragged and overlapped paths too)."""
+    from mpi_backend import MPIComm
+    c = MPIComm(comm.mpi_comm, timeout=60, checks=checks)
+    for E in _expert_counts(comm.size):
+        _, s = sharding(E, comm.size)
+        _check(c, make_spec(E, 2, 1.0), ParallelSpec(mode="model"))
+        if E >= comm.size:
+            _check(c, make_spec(E, 2, 0.0), ParallelSpec())
+    _check(c, make_spec(2 * comm.size, 1, 1.0), ParallelSpec(overlap_degree=2))
