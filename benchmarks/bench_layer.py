@@ -347,10 +347,10 @@ def run(quick: bool, only: Optional[str], log: Callable[[str], None] = print, me
     """Run the layer suite; returns a JSON-able dict (configs, targets). ``checkpoint`` gets the
     partial result after each config (so a run cut short still leaves its numbers on disk)."""
     repeats = 2 if quick else 8   # slow phases of seconds come and go on this VM: 4 left medians bimodal
-    if only in BY_BASE:
-        names = BY_BASE[only]
+    if only:   # config names or bases (every kind of that config), comma-separated
+        names = [n for part in only.split(",") for n in (BY_BASE.get(part) or [part]) if n in BY_NAME]
     else:
-        names = [only] if only in BY_NAME else (list(QUICK) if quick else [c.name for c in CONFIGS])
+        names = list(QUICK) if quick else [c.name for c in CONFIGS]
     try:
         from fmoe.ops import numba_cpu
         numba_cpu.warmup()

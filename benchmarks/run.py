@@ -390,7 +390,7 @@ def select(only):
         return {only: (DEFAULT_SUITES[only], None)}
     if only in EXTRA_SUITES:
         return {only: (EXTRA_SUITES[only], only)}
-    if only in bench_layer.BY_NAME or only in bench_layer.BY_BASE:
+    if all(part in bench_layer.BY_NAME or part in bench_layer.BY_BASE for part in only.split(",")):
         return {"layer": (bench_layer, only)}
     if only in bench_blocks.ARCHS:
         return {"blocks": (bench_blocks, only)}
@@ -401,8 +401,8 @@ def select(only):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small shapes, 2 repeats, a subset (< 60 s): a smoke run")
-    p.add_argument("--only", default=None, help="a suite (layer, blocks, core, layouts, routing, profile, gemm_calls), a layer config "
-                   "or an arch")
+    p.add_argument("--only", default=None, help="a suite (layer, blocks, core, layouts, routing, profile, gemm_calls), "
+                   "layer configs (comma-separated; a config's base name runs every expert kind of it) or an arch")
     p.add_argument("--out", default=os.path.join("benchmarks", "out"), help="output directory")
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant peak-memory subprocesses")
     args = p.parse_args(argv)
