@@ -6,6 +6,8 @@ Commands:
              per kernel and the threading layer. ``--tune SHAPE`` (repeatable) also
              times the kernels that compete for SHAPE's GEMMs and records the winner
              (:mod:`fmoe.engine.wisdom`).
+    build    build the native CPU grouped GEMM (a torch C++ extension, ~30 s; the set-up
+             scripts run it); without a C++ compiler it says so and fmoe runs the torch fallback.
     info     print the threading layer, thread counts, the TBB library, whether the native
              CPU grouped GEMM is active, and the expert engine's kernel table;
              ``--explain SHAPE`` prints which kernel each GEMM of one step of SHAPE runs
@@ -65,6 +67,11 @@ def _info(args) -> int:
     return 0
 
 
+def _build(args) -> int:
+    from .engine import native
+    return native.build_command()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fmoe", description="fmoe utilities")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +79,7 @@ def main(argv=None) -> int:
     warm.add_argument("--tune", action="append", default=[], metavar="SHAPE",
                       help="also measure the competing kernels of SHAPE's GEMMs and record the winner")
     warm.set_defaults(fn=_warmup)
+    sub.add_parser("build", help="build the native CPU grouped GEMM").set_defaults(fn=_build)
     info = sub.add_parser("info", help="threading layer, thread counts and the expert engine's kernels")
     info.add_argument("--explain", metavar="SHAPE", default=None,
                       help="which kernel each GEMM of one step of SHAPE runs, and why")

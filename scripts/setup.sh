@@ -19,5 +19,5 @@ echo "[setup] installing fmoe and its dependencies"
 "$VPY" -m pip install -q -e ".[test,examples]"
 # The native CPU grouped GEMM (fmoe/engine/csrc): prints why and exits 0 without a C++
 # compiler (fmoe then uses the torch fallback), non-zero when a present compiler fails.
-"$VPY" -m fmoe.engine.native build
+"$VPY" -m fmoe build
 "$VPY" -c "import torch, numba, fmoe; print(f'[setup] torch {torch.__version__}, numba {numba.__version__}, fmoe {fmoe.__version__}')"

@@ -45,14 +45,14 @@ def test_active_when_a_compiler_is_present():
 
 
 def test_status_command_prints_active():
-    r = subprocess.run([sys.executable, "-m", "fmoe.engine.native", "status"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "fmoe", "info"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert ("active" if HAS_COMPILER else "no C++ compiler") in r.stdout
 
 
 def test_build_command_without_a_compiler_exits_0():
-    r = subprocess.run([sys.executable, "-m", "fmoe.engine.native", "build"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "fmoe", "build"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": ""})
     assert r.returncode == 0, r.stderr
     assert "no C++ compiler" in r.stdout
@@ -66,9 +66,9 @@ def test_missing_or_broken_library_is_inactive_not_an_error(monkeypatch, tmp_pat
         monkeypatch.setattr(native, "library_path", lambda: missing)
         native._try_load()
         assert not native.AVAILABLE
-        assert ("not built: run `python -m fmoe.engine.native build`" if HAS_COMPILER
+        assert ("not built: run `python -m fmoe build`" if HAS_COMPILER
                 else "no C++ compiler") in native.status()
-        with pytest.raises(RuntimeError, match=r"python -m fmoe\.engine\.native build"):
+        with pytest.raises(RuntimeError, match=r"python -m fmoe build"):
             native.gather_mm(torch.ones(1, 2), torch.ones(1, 2, 3), torch.tensor([0, 1]), impl="native")
         # 'auto' falls back to the reference
         y = native.gather_mm(torch.ones(1, 2), torch.ones(1, 2, 3), torch.tensor([0, 1]))

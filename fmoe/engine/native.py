@@ -45,12 +45,12 @@ bfloat16 matched exactly). The parallel regime is therefore specified, and teste
 the forward-error bound of a K-term dot product, ``|native - reference| <= K * eps *
 (|x| @ |op(w)|)`` (and ``|scale| *`` that, for mm_scatter), not bit for bit.
 
-Build and load. ``python -m fmoe.engine.native build`` compiles ``csrc/grouped_gemm.cpp``
+Build and load. ``python -m fmoe build`` compiles ``csrc/grouped_gemm.cpp``
 (torch.utils.cpp_extension with ninja, ``-O3``, no ``-march=native``) into
 ``~/.cache/fmoe/native-cpu/<key>/``; the key holds the torch and Python versions and a
 hash of the source and flags, so a stale build is never loaded. Import never compiles:
 it loads the built library for the current key if there is one. ``python -m
-fmoe.engine.native status`` says whether it is active and why not.
+fmoe info`` says whether it is active and why not.
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "grou
 _CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 _LDFLAGS = ("-fopenmp",)
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_BUILD_CMD = "python -m fmoe.engine.native build"
+_BUILD_CMD = "python -m fmoe build"
 
 _EXT = None          # the loaded extension module, or None
 _WHY = ""            # why it is not active (empty when active)
@@ -494,28 +494,17 @@ AVAILABLE = False
 _try_load()
 
 
-def _main(argv: list) -> int:
-    cmd = argv[0] if argv else "status"
-    if cmd == "status":
-        print(status())
+def build_command() -> int:
+    """``python -m fmoe build``: build the extension; 0 without a compiler (fmoe then runs the
+    torch fallback), 1 when a present compiler fails."""
+    if not _compiler():
+        print("[fmoe.native] no C++ compiler (c++/g++) on PATH: not building; "
+              "fmoe uses the pure-torch grouped GEMM")
         return 0
-    if cmd == "build":
-        if not _compiler():
-            print("[fmoe.native] no C++ compiler (c++/g++) on PATH: not building; "
-                  "fmoe uses the pure-torch grouped GEMM")
-            return 0
-        try:
-            build(verbose=True)
-        except Exception as e:
-            print(f"[fmoe.native] build failed: {type(e).__name__}: {e}", file=sys.stderr)
-            return 1
-        print(status())
-        return 0
-    print("usage: python -m fmoe.engine.native [status|build]", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    # Run the package's copy of this module, so there is one extension state, not two.
-    from fmoe.engine import native as _package_copy
-    sys.exit(_package_copy._main(sys.argv[1:]))
+    try:
+        build(verbose=True)
+    except Exception as e:
+        print(f"[fmoe.native] build failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(status())
+    return 0
