@@ -121,3 +121,17 @@ def load_logical(model: nn.Module, mesh, state: dict[str, Tensor]) -> None:
             raise ValueError(f"{name}: logical tensor has shape {tuple(v.shape)} for this rank, the model "
                              f"expects {want}")
         _assign(p, v)
+
+
+def scale_to_norm(grads: list, sq: Tensor, mesh, max_norm: float) -> Tensor:
+    """Clip ``grads`` in place to ``max_norm`` given this stage's squared norm ``sq`` (float64 [1],
+    already summed over the stage's ranks): summed over pipeline stages, scaled once. Returns the
+    global norm."""
+    if mesh.pp > 1:
+        sq = mesh.pp_comm.all_reduce(sq, "sum")
+    norm = sq[0].sqrt()
+    scale = max_norm / (float(norm) + 1e-6)
+    if scale < 1.0:
+        for g in grads:
+            g.mul_(scale)
+    return norm

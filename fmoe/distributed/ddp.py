@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._params import expert_parameter_names, named_parameters_by_kind, unwrap
+from ._params import expert_parameter_names, named_parameters_by_kind, scale_to_norm, unwrap
 
 __all__ = ["wrap", "reduce_expert_grads", "reduce_grads", "clip_grad_norm_"]
 
@@ -93,14 +93,7 @@ def clip_grad_norm_(model: nn.Module, mesh, max_norm: float) -> torch.Tensor:
         grads.append(p.grad)
         (expert if is_expert else dense).add_(p.grad.double().pow(2).sum())
     sq = dense + (mesh.ep_comm.all_reduce(expert, "sum") if mesh.ep > 1 else expert)
-    if mesh.pp > 1:
-        sq = mesh.pp_comm.all_reduce(sq, "sum")
-    norm = sq[0].sqrt()
-    scale = max_norm / (float(norm) + 1e-6)
-    if scale < 1.0:
-        for g in grads:
-            g.mul_(scale)
-    return norm
+    return scale_to_norm(grads, sq, mesh, max_norm)
 
 
 def reduce_grads(model: nn.Module, mesh) -> None:

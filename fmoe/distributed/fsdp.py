@@ -35,7 +35,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from ._params import expert_parameter_names, unwrap
+from ._params import expert_parameter_names, scale_to_norm, unwrap
 
 __all__ = ["shard", "clip_grad_norm_"]
 
@@ -118,11 +118,4 @@ def clip_grad_norm_(model: nn.Module, mesh, max_norm: float) -> torch.Tensor:
     for g in grads:
         sq += g.double().pow(2).sum()
     sq = mesh.dense_comm.all_reduce(sq, "sum")
-    if mesh.pp > 1:
-        sq = mesh.pp_comm.all_reduce(sq, "sum")
-    norm = sq[0].sqrt()
-    scale = max_norm / (float(norm) + 1e-6)
-    if scale < 1.0:
-        for g in grads:
-            g.mul_(scale)
-    return norm
+    return scale_to_norm(grads, sq, mesh, max_norm)
