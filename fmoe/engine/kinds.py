@@ -278,10 +278,12 @@ def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need
             g_out = kern.wgrad(gyr, hd, plan) if form.out_transposed else kern.wgrad(hd, gyr, plan)
         if b_out is not None and need[4]:
             g_bout = torch.zeros_like(b_out).index_add_(0, expert, gyr.to(b_out.dtype))
+    gu = gyr = None   # gy's rows [N, O] are done with
     gh = gh_u.mul_(w_col)
     need_z = need[0] or need[2] or any(need[5:])
     # a kept graph stays usable for a second backward through a retained outer graph
     gz = torch.autograd.grad(h, zz, gh, retain_graph=graph is not None) if need_z else (None,) * len(zz)
+    del h, hd, gh, gh_u, zz   # the [N, H] rows are done with: the peak below is x's rows and dx
     g_bin = None
     if b_in is not None and need[2]:
         g_bin = torch.zeros_like(b_in).index_add_(0, expert, gz[0].to(b_in.dtype))
@@ -295,6 +297,7 @@ def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need
             g_in.append(kern.wgrad(gz[i], x_r, plan))
         else:
             g_in.append(kern.wgrad(x, gz[i], plan, rows=tokens))
+    del x_r
     gx = None
     if need[0]:
         gx = torch.zeros_like(x)
