@@ -168,10 +168,12 @@ def expert_gemms_step(counts, kw: dict, order: str = "fmoe", num_tokens: Optiona
     one grouped call per projection, rows gathered by the kernel) on the same weights and per-
     expert row counts, with random rows and no activation, scatter or routing. ``counts``:
     kept rows per expert (ints, length E); ``kw``: what :func:`fmoe.experts.engine_weights`
-    returns for the experts; ``order`` is accepted for the callers' symmetry (the GEMMs do
-    not depend on it); ``num_tokens``: the T rows gathered from (default: one per pair).
+    returns for the experts; ``order``: the call's combine order (whether the output projection
+    scatters straight into y, :func:`fmoe.engine.kinds.scatters_output`); ``num_tokens``: the T
+    rows gathered from and scattered into (default: one per pair).
     """
     from fmoe import engine
+    from fmoe.engine.kinds import scatters_output
     from fmoe.engine.plan import plan_from_bounds
     counts = [int(c) for c in counts]
     bounds = [0]
@@ -189,8 +191,16 @@ def expert_gemms_step(counts, kw: dict, order: str = "fmoe", num_tokens: Optiona
     x = torch.randn(T, K, dtype=dt, generator=torch.Generator().manual_seed(2))
     h = torch.randn(N, H, dtype=dt, generator=torch.Generator().manual_seed(3))
 
+    out_dim = w_out.shape[1] if form.out_transposed else w_out.shape[2]
+    scatter = scatters_output(kw["b_out"], order, dt)   # the out-projection straight into y, as the engine does
+    scale = torch.rand(N, generator=torch.Generator().manual_seed(4)).to(dt)
+    y = torch.zeros(T, out_dim, dtype=dt)
+
     def step():
         outs = [kern.mm(x, w, plan, rows=plan.tokens, transposed=form.in_transposed) for w in w_in]
+        if scatter:
+            return outs + [kern.scatter(h, w_out, plan, index=plan.tokens, out=y.zero_(), scale=scale,
+                                        transposed=form.out_transposed)]
         return outs + [kern.mm(h, w_out, plan, transposed=form.out_transposed)]
     return step
 

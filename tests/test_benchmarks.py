@@ -177,17 +177,25 @@ def test_round_robin_order_alternates_only_when_asked():
 
 
 def _recording_gather_mm(monkeypatch):
+    """Every native grouped call (gather_mm and mm_scatter): operand shapes, the weight's data
+    pointer, shape and strides, the offsets, the gathered row count, the order and the regime."""
     from fmoe.engine import native
     calls = []
-    real = native.gather_mm
+    real_mm, real_scatter = native.gather_mm, native.mm_scatter
 
     def rec(x, w, offsets, **kw):
         rows = kw.get("rows")
-        calls.append((tuple(x.shape), w.data_ptr(), tuple(w.shape), w.stride(), offsets.tolist(),
+        calls.append(("mm", tuple(x.shape), w.data_ptr(), tuple(w.shape), w.stride(), offsets.tolist(),
                       None if rows is None else rows.shape[0], kw.get("transposed"), kw.get("regime")))
-        return real(x, w, offsets, **kw)
+        return real_mm(x, w, offsets, **kw)
+
+    def rec_scatter(a, w, offsets, index, out, **kw):
+        calls.append(("scatter", tuple(a.shape), w.data_ptr(), tuple(w.shape), w.stride(), offsets.tolist(),
+                      tuple(out.shape), kw.get("transposed"), kw.get("regime")))
+        return real_scatter(a, w, offsets, index, out, **kw)
 
     monkeypatch.setattr(native, "gather_mm", rec)
+    monkeypatch.setattr(native, "mm_scatter", rec_scatter)
     return calls
 
 
@@ -211,7 +219,10 @@ def test_expert_gemms_floor_makes_the_decode_steps_gemm_calls(expert_type, monke
     n_in = 2 if expert_type == "gated_ffn" else 1   # gpt_oss: one fused in-projection
     assert len(in_step) == n_in + 1 and calls == in_step
     width = 2 * c.hidden if expert_type == "gpt_oss" else c.hidden   # gate/up fused
-    assert [tuple(o.shape) for o in outs] == [(c.tokens * c.k, width)] * n_in + [(c.tokens * c.k, c.model_dim)]
+    # gated_ffn (no out-bias) scatters its output projection straight into y; ffn and gpt_oss have a bias
+    out_rows = c.tokens if expert_type == "gated_ffn" else c.tokens * c.k
+    assert [tuple(o.shape) for o in outs] == [(c.tokens * c.k, width)] * n_in + [(out_rows, c.model_dim)]
+    assert [k[0] for k in in_step] == ["mm"] * n_in + ["scatter" if expert_type == "gated_ffn" else "mm"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -223,7 +234,7 @@ def test_expert_gemms_floor_values(dtype):
     kw = {"form": ExpertForm("glu", True, True), "w_in": (param(E, H, K), param(E, H, K)), "w_out": param(E, K, H)}
     counts = [2, 0, 3, 1]
     b = [0, 2, 2, 5, 6]
-    outs = bench_common.expert_gemms_step(counts, kw)()
+    outs = bench_common.expert_gemms_step(counts, dict(kw, b_out=None))()
     assert len(outs) == 3 and [tuple(o.shape) for o in outs] == [(6, H), (6, H), (6, K)]
     assert not any(o.requires_grad for o in outs)
     x = torch.randn(6, K, generator=torch.Generator().manual_seed(2)).to(dtype)

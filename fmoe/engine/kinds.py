@@ -41,7 +41,7 @@ from ..ops.reference import compute_dtype
 from .plan import ExpertPlan
 from .table import Kernel, select
 
-__all__ = ["FORMS", "ORDERS", "SAVES", "ExpertForm", "run", "reference", "forward", "applies", "combine_rows"]
+__all__ = ["FORMS", "ORDERS", "SAVES", "ExpertForm", "run", "reference", "forward", "applies", "combine_rows", "scatters_output"]
 
 FORMS = ("ffn", "glu", "gpt_oss")
 PURE_ACTIVATIONS = frozenset({F.relu, F.gelu, F.silu, F.sigmoid, F.tanh, F.softplus, F.elu, F.leaky_relu, F.mish,
@@ -139,6 +139,13 @@ def combine_rows(y_r: Tensor, w_rows: Tensor, plan: ExpertPlan, order: str = "fm
     return _accumulate(y_r, w_rows, plan, order, y_r.dtype)
 
 
+def scatters_output(b_out: Optional[Tensor], order: str, dtype: torch.dtype) -> bool:
+    """The output projection goes straight into y (the kernel's scatter) rather than through an
+    [N, O] buffer: no out-bias (it is added before the gate weight), and an order whose roundings
+    the scatter reproduces (transformers' bf16/fp16 eager order rounds each term to dt first)."""
+    return b_out is None and (order == "fmoe" or dtype in (torch.float32, torch.float64))
+
+
 def _bias_rows(b: Optional[Tensor], expert: Optional[Tensor]) -> Optional[Tensor]:
     return None if b is None else b.index_select(0, expert)
 
@@ -158,7 +165,7 @@ def forward(kern: Kernel, form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Exp
     else:
         h = form.hidden(*z)
     dt = x.dtype
-    if b_out is None and (order == "fmoe" or dt in (torch.float32, torch.float64)):
+    if scatters_output(b_out, order, dt):
         # straight into y: the same products, roundings and order as _accumulate, no [N, O] buffer
         y = x.new_zeros((plan.num_tokens, w_out.shape[1] if form.out_transposed else w_out.shape[2]),
                         dtype=compute_dtype(dt) if order == "fmoe" else dt)
