@@ -79,7 +79,7 @@ def _bytes(t: Tensor):
     return _mpi().buffer.fromaddress(t.data_ptr(), t.numel() * t.element_size())
 
 
-class MPIComm:
+class MPIComm(matching.ControlExchange):
     """Communicator over ``mpi4py.MPI.Comm`` (default ``COMM_WORLD``).
 
     Args:
@@ -117,43 +117,13 @@ class MPIComm:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _stage_agreement(self, pending, *, defer: bool) -> None:
-        """Take an fmoe call's agreement record (:class:`fmoe.comm.agreement.Pending`); it travels in
-        the control record of this object's next collective, or now unless ``defer`` (or on a local error)."""
-        if self._pending is not None:  # an earlier call's record that no collective carried
-            self._begin("agreement")
-        self._pending = pending
-        if not defer or pending.error is not None:
-            self._begin("agreement")
-
-    def _begin(self, kind: str, x: Optional[Tensor] = None, *, op: str = "",
-               error: Optional[BaseException] = None, payload: Optional[Tensor] = None):
-        """Start the next collective: (call number, gathered control records: W lists of CTRL ints, or None).
-
-        None: the collective moves unchecked (``checks`` is not "full", or an agreed fmoe call
-        covers it) and raises ``error`` here. Otherwise the control exchange carried the header,
-        the pending agreement record and ``payload`` (whose result the caller reads off the table);
-        it raised on every rank unless all agree.
-        """
-        self._calls += 1
-        call = self._calls
-        pending = self._pending
-        if pending is None and (self.checks != "full" or matching.is_covered(self)):
-            if error is not None:
-                raise error
-            return call, None
-        self._pending = None
+    def _exchange_control(self, words: list, what: str) -> list:
         # array.array, not numpy: a few plain buffer ops (this path runs between cache-cold tensor ops)
-        words = array.array("q", matching.control_words(kind, call, x, op=op, failed=error is not None,
-                                                        record=None if pending is None else pending.record,
-                                                        payload=payload))
+        w = array.array("q", words)
         got = array.array("q", bytes(8 * self.size * matching.CTRL))
-        self._run(f"{kind} #{call} (header)", lambda: self.mpi_comm.Allgather(words, got),
-                  lambda: self.mpi_comm.Iallgather(words, got))
+        self._run(what, lambda: self.mpi_comm.Allgather(w, got), lambda: self.mpi_comm.Iallgather(w, got))
         flat, n = got.tolist(), matching.CTRL
-        table = [flat[u * n:(u + 1) * n] for u in range(self.size)]
-        matching.check_control(table, self.rank, kind, error, self._gather_text, pending)
-        return call, table
+        return [flat[u * n:(u + 1) * n] for u in range(self.size)]
 
     def _gather_text(self, text: str, width: int = 400) -> list[str]:
         raw = text.encode()[:width]

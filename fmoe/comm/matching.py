@@ -316,3 +316,44 @@ def check_control(table, rank: int, kind: str, error: Optional[BaseException],
         if has.all():
             agreement.check_records(recs.tolist(), pending, gather_text)
     check(heads, rank, kind, error, gather_text)
+
+
+class ControlExchange:
+    """The collective-matching protocol MPIComm and TorchDistComm share: the call counter, the
+    pending agreement record of an fmoe call, and the control exchange that carries both.
+
+    A communicator sets ``checks``, ``rank``, ``_calls = 0`` and ``_pending = None``, and provides
+    ``_exchange_control(words, what) -> table`` (one all-gather of this rank's ``CTRL`` ints:
+    W lists of ``CTRL`` ints) and ``_gather_text(text, width)``."""
+
+    def _stage_agreement(self, pending, *, defer: bool) -> None:
+        """Take an fmoe call's agreement record (:class:`fmoe.comm.agreement.Pending`); it travels in
+        the control record of this object's next collective, or now unless ``defer`` (or on a local error)."""
+        if self._pending is not None:  # an earlier call's record that no collective carried
+            self._begin("agreement")
+        self._pending = pending
+        if not defer or pending.error is not None:
+            self._begin("agreement")
+
+    def _begin(self, kind: str, x: Optional[Tensor] = None, *, op: str = "",
+               error: Optional[BaseException] = None, payload: Optional[Tensor] = None):
+        """Start the next collective: (call number, gathered control records: W lists of CTRL ints, or None).
+
+        None: the collective moves unchecked (``checks`` is not "full", or an agreed fmoe call
+        covers it) and raises ``error`` here. Otherwise the control exchange carried the header,
+        the pending agreement record and ``payload`` (whose result the caller reads off the table);
+        it raised on every rank unless all agree.
+        """
+        self._calls += 1
+        call = self._calls
+        pending = self._pending
+        if pending is None and (self.checks != "full" or is_covered(self)):
+            if error is not None:
+                raise error
+            return call, None
+        self._pending = None
+        words = control_words(kind, call, x, op=op, failed=error is not None,
+                              record=None if pending is None else pending.record, payload=payload)
+        table = self._exchange_control(words, f"{kind} #{call} (header)")
+        check_control(table, self.rank, kind, error, self._gather_text, pending)
+        return call, table

@@ -21,7 +21,7 @@ __all__ = ["TorchDistComm"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-class TorchDistComm:
+class TorchDistComm(matching.ControlExchange):
     """Communicator over a ``torch.distributed`` process group.
 
     Args:
@@ -94,35 +94,11 @@ class TorchDistComm:
             self.abort(f"{what} failed: {type(e).__name__}: {str(e)[:500]} (a peer rank crashed, never joined "
                        "it, or is stuck; the process group timeout bounds the wait)")
 
-    def _stage_agreement(self, pending, *, defer: bool) -> None:
-        """Take an fmoe call's agreement record (:class:`fmoe.comm.agreement.Pending`); it travels in
-        the control record of this object's next collective, or now unless ``defer`` (or on a local error)."""
-        if self._pending is not None:  # an earlier call's record that no collective carried
-            self._begin("agreement")
-        self._pending = pending
-        if not defer or pending.error is not None:
-            self._begin("agreement")
-
-    def _begin(self, kind: str, x: Optional[Tensor] = None, *, op: str = "",
-               error: Optional[BaseException] = None, payload: Optional[Tensor] = None):
-        """Start the next collective: (call number, gathered control records (W lists of CTRL ints), or None
-        when it moves unchecked); see ``mpi_backend.MPIComm._begin``."""
-        self._calls += 1
-        call = self._calls
-        pending = self._pending
-        if pending is None and (self.checks != "full" or matching.is_covered(self)):
-            if error is not None:
-                raise error
-            return call, None
-        self._pending = None
-        words = torch.tensor(matching.control_words(kind, call, x, op=op, failed=error is not None,
-                                                    record=None if pending is None else pending.record,
-                                                    payload=payload), dtype=torch.int64)
+    def _exchange_control(self, words: list, what: str) -> list:
+        w = torch.tensor(words, dtype=torch.int64)
         table = torch.empty(self.size * matching.CTRL, dtype=torch.int64)
-        self._do(f"{kind} #{call} (header)", lambda: dist.all_gather_into_tensor(table, words, group=self.group))
-        table = table.reshape(self.size, matching.CTRL).tolist()
-        matching.check_control(table, self.rank, kind, error, self._gather_text, pending)
-        return call, table
+        self._do(what, lambda: dist.all_gather_into_tensor(table, w, group=self.group))
+        return table.reshape(self.size, matching.CTRL).tolist()
 
     def _gather_text(self, text: str, width: int = 400) -> list[str]:
         raw = text.encode()[:width]
