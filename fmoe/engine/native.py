@@ -274,6 +274,18 @@ def _inner_dims(w: Tensor, transposed: bool) -> tuple:
     return (w.shape[2], w.shape[1]) if transposed else (w.shape[1], w.shape[2])
 
 
+def _check_operands(fn: str, name: str, x, w, transposed: bool) -> tuple:
+    """(K, N) of op(w[e]) after checking x [., K] against w [E, ., .] (ranks, dtypes, the inner dim)."""
+    _check_tensor(fn, name, x, 2)
+    _check_tensor(fn, "w", w, 3)
+    _check_same_dtype(fn, name, x, "w", w)
+    K, N = _inner_dims(w, transposed)
+    if x.shape[1] != K:
+        _fail(fn, f"{name} is {tuple(x.shape)} but op(w[e]) is [K, N] = [{K}, {N}] "
+                  f"(w {tuple(w.shape)}, transposed={transposed}): {name}.shape[1] must be K")
+    return K, N
+
+
 def _check_out(fn: str, out, shape: tuple, dtype: Optional[torch.dtype], how: str) -> None:
     _check_tensor(fn, "out", out, len(shape))
     if tuple(out.shape) != shape:
@@ -384,13 +396,7 @@ def gather_mm(x: Tensor, w: Tensor, offsets: Tensor, *, rows: Optional[Tensor] =
         y [R, N] in x's dtype (``out`` when given).
     """
     fn = "gather_mm"
-    _check_tensor(fn, "x", x, 2)
-    _check_tensor(fn, "w", w, 3)
-    _check_same_dtype(fn, "x", x, "w", w)
-    K, N = _inner_dims(w, transposed)
-    if x.shape[1] != K:
-        _fail(fn, f"x is {tuple(x.shape)} but op(w[e]) is [K, N] = [{K}, {N}] "
-                  f"(w {tuple(w.shape)}, transposed={transposed}): x.shape[1] must be K")
+    K, N = _check_operands(fn, "x", x, w, transposed)
     if rows is not None:
         _check_tensor(fn, "rows", rows, 1, dtypes=(torch.int64,))
     o = _check_offsets(fn, offsets, w.shape[0], x.shape[0] if rows is None else rows.shape[0])
@@ -425,13 +431,7 @@ def mm_scatter(a: Tensor, w: Tensor, offsets: Tensor, index: Tensor, out: Tensor
         scale multiply and the add; a token's terms added in ascending expert id.
     """
     fn = "mm_scatter"
-    _check_tensor(fn, "a", a, 2)
-    _check_tensor(fn, "w", w, 3)
-    _check_same_dtype(fn, "a", a, "w", w)
-    K, N = _inner_dims(w, transposed)
-    if a.shape[1] != K:
-        _fail(fn, f"a is {tuple(a.shape)} but op(w[e]) is [K, N] = [{K}, {N}] "
-                  f"(w {tuple(w.shape)}, transposed={transposed}): a.shape[1] must be K")
+    K, N = _check_operands(fn, "a", a, w, transposed)
     o = _check_offsets(fn, offsets, w.shape[0], a.shape[0])
     R = o[-1]
     _check_tensor(fn, "out", out, 2)
