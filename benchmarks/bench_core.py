@@ -7,11 +7,11 @@ ratio compares numbers taken minutes apart on the same (noisy, shared) machine:
 * copy bandwidth: one large tensor copy (the bound for dispatch/combine);
 * MoE layer step (training: forward + backward; decode: forward under no_grad) for
     reference   fmoe.moe with the pure-torch ops (numba_cpu.disabled())
-    numba       fmoe.moe with the numba ops (default: expert GEMMs on the filled rows,
-                rounded up so the results stay bit-identical to the padded GEMMs)
-    numba+rows  the same pipeline spelled out (apply_experts(rows=min(counts, C)))
-    numba+exact fmoe.moe with ExpertSpec(exact_rows=True): exactly the filled rows (GEMVs at
-                decode, idle experts untouched); equal to the others within float rounding
+    numba       fmoe.moe with the numba ops (default: on one process in eager mode the
+                expert engine, which multiplies only the kept pairs)
+    numba+staged  the staged pipeline spelled out (route -> dispatch into the padded layout ->
+                apply_experts through GroupedGemm, one torch.bmm over the full buffers ->
+                combine); equal to the engine within float rounding
     transformers  Qwen3-MoE sparse block (dropless peer), when transformers is installed
   reported as useful GFLOP/s = FLOPs of the expert GEMMs on routed, non-dropped rows / time;
 * dispatch + combine alone, forward and backward, against bytes moved / copy bandwidth;
@@ -35,7 +35,7 @@ import torch
 import fmoe
 from fmoe import experts as fx
 from fmoe.ops import numba_cpu
-from fmoe.ops.grouped import filled_rows
+from fmoe.ops.grouped import GroupedGemm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,13 +139,14 @@ def _spec(c: Config) -> fmoe.MoESpec:
                                                 has_fc1_bias=False, has_fc2_bias=False))
 
 
-def _moe_rows(params, x, spec):
-    """fmoe.moe's single-process pipeline, expert GEMMs on filled rows with the bit-exact row rule."""
+def _moe_staged(params, x, spec):
+    """fmoe.moe's single-process staged pipeline on the padded layout, spelled out: the expert
+    GEMMs are GroupedGemm's, one torch.bmm over every row of every expert buffer."""
     routing, l_aux = fmoe.route(params, x, spec)
-    buf = fmoe.dispatch(x, routing, weighted=not spec.is_postscore)
-    rows = filled_rows(routing.counts, routing.capacity)
-    out = fx.apply_experts(spec.experts, params["experts"], buf, rows=rows)
-    return fmoe.combine(out, routing, weighted=spec.is_postscore), l_aux
+    layout = fmoe.make_layout(routing, "padded")
+    buf = fmoe.dispatch(x, routing, weighted=not spec.is_postscore, layout=layout)
+    out = fx.apply_experts(spec.experts, params["experts"], buf, GroupedGemm(layout))
+    return fmoe.combine(out, routing, weighted=spec.is_postscore, layout=layout), l_aux
 
 
 def _step_fn(layer: Callable, params, x, train: bool):
@@ -193,7 +194,6 @@ def _params(c: Config, spec: fmoe.MoESpec) -> dict:
 
 def bench_layer(c: Config, tokens: int, repeats: int, log: Callable[[str], None]) -> dict:
     spec = _spec(c)
-    exact = dataclasses.replace(spec, experts=dataclasses.replace(spec.experts, exact_rows=True))
     g = torch.Generator().manual_seed(0)
     params = _params(c, spec)
     for t in torch.utils._pytree.tree_leaves(params):
@@ -212,8 +212,7 @@ def bench_layer(c: Config, tokens: int, repeats: int, log: Callable[[str], None]
     variants = {
         "reference": (lambda p, xx: fmoe.moe(p, xx, spec), numba_cpu.disabled),
         "numba": (lambda p, xx: fmoe.moe(p, xx, spec), contextlib.nullcontext),
-        "numba+rows": (lambda p, xx: _moe_rows(p, xx, spec), contextlib.nullcontext),
-        "numba+exact": (lambda p, xx: fmoe.moe(p, xx, exact), contextlib.nullcontext),
+        "numba+staged": (lambda p, xx: _moe_staged(p, xx, spec), contextlib.nullcontext),
     }
     steps = {name: (_step_fn(layer, params, x, c.train), ctx) for name, (layer, ctx) in variants.items()}
     flops = {name: useful for name in variants}

@@ -4,11 +4,10 @@ fmoe keeps Tutel's parameter layouts (fc1 [E, H, M] read transposed, fc2
 [E, H, O]); the question is whether the way the batched product is issued
 matters. Candidates for y = x @ W^T with W [E, N, K]:
 
-    bmm_T          torch.bmm(x, W.transpose(1, 2))   (what fmoe.experts does)
+    bmm_T          torch.bmm(x, W.transpose(1, 2))   (what fmoe.experts does: GroupedGemm
+                   on the padded layout is this one bmm over the full buffers)
     matmul_T       torch.matmul(x, W.mT)
     baddbmm_T      torch.baddbmm(bias, x, W.transpose(1, 2)) (bias fused)
-    grouped_T      fmoe.ops.grouped.grouped_mm with every row filled
-                   (per-expert torch.mm when few experts are busy, else one bmm)
     bmm_contig     torch.bmm(x, Wt) with Wt = W^T materialised once ([E, K, N]),
                    the layout a transposed checkpoint would give (not used by fmoe)
 
@@ -21,8 +20,6 @@ from typing import Callable
 
 import torch
 
-from fmoe.ops.grouped import grouped_mm
-
 from .bench_core import median_time
 
 SHAPES = {  # name: (E, C, K, N) = experts, rows per expert, in, out
@@ -33,12 +30,10 @@ QUICK_SHAPES = {"coarse_fc1": (8, 128, 1024, 2048), "fine_fc1": (64, 128, 1024, 
 
 
 def _candidates(x, w, b, wt):
-    rows = torch.full((x.shape[0],), x.shape[1], dtype=torch.int64)
     return {
         "bmm_T": lambda: torch.bmm(x, w.transpose(1, 2)),
         "matmul_T": lambda: torch.matmul(x, w.mT),
         "baddbmm_T": lambda: torch.baddbmm(b, x, w.transpose(1, 2)),
-        "grouped_T": lambda: grouped_mm(x, w, rows, transposed=True),
         "bmm_contig": lambda: torch.bmm(x, wt),
     }
 

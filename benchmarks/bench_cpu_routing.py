@@ -1,13 +1,13 @@
 """Routing's slot assignment (spec §6) on CPU: fmoe.routing.assign_slots_torch (pure torch:
-a [k*T, E] membership cumsum) against fmoe.ops.numba_cpu.assign_slots (what fmoe.routing.assign_slots runs on CPU; an O(k*T)
-counter walk), at the core configs' shapes. Medians over repeats, one process."""
+a [k*T, E] membership cumsum) against fmoe._slots.assign_slots_fast (what fmoe.routing.assign_slots runs on CPU; an O(k*T)
+numba counter walk), at the core configs' shapes. Medians over repeats, one process."""
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
 
-from fmoe.ops import numba_cpu
+from fmoe import _slots
 from fmoe.routing import assign_slots_torch as assign_slots
 
 from .bench_core import CONFIGS, median_time
@@ -24,9 +24,9 @@ def run(quick: bool, only, log: Callable[[str], None] = print) -> dict:
         scores = torch.rand(tokens, c.experts, generator=g)
         ids = torch.topk(scores, c.k, dim=1).indices.t().contiguous()
         assert all(torch.equal(a, b) for a, b in zip(assign_slots(ids, c.experts),
-                                                      numba_cpu.assign_slots(ids, c.experts)))
+                                                      _slots.assign_slots_fast(ids, c.experts, None)))
         t_torch = median_time(lambda: assign_slots(ids, c.experts), repeats)
-        t_numba = median_time(lambda: numba_cpu.assign_slots(ids, c.experts), repeats)
+        t_numba = median_time(lambda: _slots.assign_slots_fast(ids, c.experts, None), repeats)
         out[c.name] = {"tokens": tokens, "torch_seconds": t_torch, "numba_seconds": t_numba,
                        "speedup": t_torch / t_numba}
         log(f"  routing {c.name}: torch {t_torch * 1e3:.2f} ms, numba {t_numba * 1e3:.3f} ms "

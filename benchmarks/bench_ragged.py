@@ -1,6 +1,6 @@
 """ragged_mm / ragged_wgrad against their roofline baselines, side by side in one process.
 
-``python -m benchmarks.bench_ragged [--quick] [--repeats N] [--threads N] [--only train|decode|groups|matvec]``
+``python -m benchmarks.bench_ragged [--quick] [--repeats N] [--threads N] [--only train|decode]``
 
 train   One expert linear layer forward + backward (y = ragged_mm(x, w, offsets), then
         dgrad ragged_mm + wgrad ragged_wgrad) at the fine-grained shapes of issue 11,
@@ -17,11 +17,6 @@ decode  Forward only (no grad) at T <= 64 tokens, 128 experts, top-8, against
                     or a numba parallel sum, the faster; the denominator of T2);
           per-group torch.mm (the reference: one BLAS call per busy expert);
           bmm       padded torch.bmm over all experts.
-groups  The tuning.RAGGED_SMALL_ROWS / RAGGED_NUMBA_MAX_BYTES measurement: 32 busy
-        experts with n rows each (n = 1-16), K = N = 128-768, through ragged_mm with the
-        numba small-group kernel allowed vs one torch.mm per group.
-matvec  The tuning.MATVEC_BYTES measurement: padded buffers, grouped_mm(exact=True)
-        with the serial numba matvec allowed vs BLAS, 0.1-32 MiB of weights streamed.
 
 Variants are timed round-robin (one call each per repeat) so that load bursts on a
 shared machine hit all alike; medians are printed as JSON lines.
@@ -203,79 +198,11 @@ def bench_decode(name, T, M, H, E, k, transposed, repeats, g, routings=4):
             "ratio_bmm_vs_stream": t["bmm"] / stream}
 
 
-# --------------------------------------------------------------------------- tuning.RAGGED_NUMBA_MAX_BYTES
-
-GROUP_SHAPES = [(128, 128), (256, 256), (384, 384), (768, 768)]   # (K, N): 2 / 8 / 18 / 72 MiB over 32 experts
-GROUP_ROWS = (1, 2, 4, 8, 16)
-
-
-def bench_groups(transposed, repeats, g, E=32, shapes=GROUP_SHAPES, rows=GROUP_ROWS):
-    """Equal groups of n rows through ragged_mm: the numba small-group kernel allowed
-    (``tuning.RAGGED_NUMBA_MAX_BYTES`` unbounded) vs one torch.mm per group (cap 0)."""
-    out = []
-    cap = tuning.RAGGED_NUMBA_MAX_BYTES
-    try:
-        for K, N in shapes:
-            w = (torch.randn(E, N, K, generator=g) if transposed else torch.randn(E, K, N, generator=g)).contiguous()
-            for n in rows:
-                x = torch.randn(E * n, K, generator=g)
-                off = torch.arange(E + 1, dtype=torch.int64) * n
-
-                def call(limit):
-                    def f():
-                        tuning.RAGGED_NUMBA_MAX_BYTES = limit
-                        RG.ragged_mm(x, w, off, transposed=transposed)
-                    return f
-
-                t = round_robin({"numba": call(1 << 62), "blas": call(0)}, repeats, warmup=2)
-                out.append({"suite": "groups", "rows_per_group": n, "E": E, "K": K, "N": N,
-                            "weight_MiB": E * K * N * w.element_size() / 2 ** 20, "transposed": transposed,
-                            "seconds": t, "numba_over_blas": t["numba"] / t["blas"]})
-    finally:
-        tuning.RAGGED_NUMBA_MAX_BYTES = cap
-    return out
-
-
-# --------------------------------------------------------------------------- tuning.MATVEC_BYTES
-
-MATVEC_SHAPES = [(8, 64, 64, 8), (32, 256, 256, 32), (32, 512, 512, 16), (64, 768, 384, 16),
-                 (32, 768, 768, 8), (64, 1024, 512, 16)]   # (E, K, N, routed rows): 0.1-32 MiB streamed
-
-
-def bench_matvec(transposed, repeats, g, shapes=MATVEC_SHAPES):
-    """Padded buffers, ``grouped_mm(exact=True)``: the serial numba matvec allowed
-    (``tuning.MATVEC_BYTES`` unbounded) vs BLAS (one GEMV per row up to 4 rows, else a GEMM)."""
-    from fmoe.ops import grouped
-    out = []
-    cap = tuning.MATVEC_BYTES
-    try:
-        for E, K, N, routed in shapes:
-            counts = torch.bincount(torch.randint(E, (routed,), generator=g), minlength=E)
-            C = int(counts.max()) + 2
-            x = torch.randn(E, C, K, generator=g)
-            w = torch.randn(E, N, K, generator=g) if transposed else torch.randn(E, K, N, generator=g)
-
-            def call(limit):
-                def f():
-                    tuning.MATVEC_BYTES = limit
-                    grouped.grouped_mm(x, w, counts, transposed=transposed, exact=True)
-                return f
-
-            with torch.no_grad():
-                t = round_robin({"numba": call(1 << 62), "blas": call(0)}, repeats, warmup=2)
-            out.append({"suite": "matvec", "E": E, "K": K, "N": N, "routed_rows": routed, "transposed": transposed,
-                        "streamed_MiB": routed * K * N * 4 / 2 ** 20, "seconds": t,
-                        "numba_over_blas": t["numba"] / t["blas"]})
-    finally:
-        tuning.MATVEC_BYTES = cap
-    return out
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="first config of each suite, 3 repeats")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--only", choices=("train", "decode", "groups", "matvec"))
+    p.add_argument("--only", choices=("train", "decode"))
     p.add_argument("--threads", type=int, default=0, help="torch (and so numba) threads; 0 = torch's default")
     args = p.parse_args(argv)
     if args.threads:
@@ -287,12 +214,6 @@ def main(argv=None):
                       "loadavg": os.getloadavg(),
                       "tuning": {k: getattr(tuning, k) for k in tuning.__all__}}))
     for tr in (True, False):
-        if args.only in (None, "groups"):
-            for rec in bench_groups(tr, repeats, g, shapes=GROUP_SHAPES[:1] if args.quick else GROUP_SHAPES):
-                print(json.dumps(rec), flush=True)
-        if args.only in (None, "matvec"):
-            for rec in bench_matvec(tr, 5 * repeats, g, shapes=MATVEC_SHAPES[:2] if args.quick else MATVEC_SHAPES):
-                print(json.dumps(rec), flush=True)
         if args.only in (None, "decode"):
             for cfg in DECODE[:1] if args.quick else DECODE:
                 print(json.dumps(bench_decode(*cfg, tr, repeats, g)), flush=True)

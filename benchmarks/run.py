@@ -369,12 +369,13 @@ def plots(results: dict, out_dir: str) -> list[str]:
     if core and core["configs"]:
         names = list(core["configs"])
         fig, ax = plt.subplots(figsize=(9, 4))
-        width = 0.16
-        for i, v in enumerate(["reference", "numba", "numba+rows", "numba+exact", "transformers"]):
+        variants = ["reference", "numba", "numba+staged", "transformers"]
+        width = 0.8 / len(variants)
+        for i, v in enumerate(variants):
             vals = [core["configs"][n]["variants"].get(v, {}).get("useful_gflops", 0) for n in names]
             ax.bar([j + i * width for j in range(len(names))], vals, width, label=v)
         ax.axhline(core["dense_gemm"]["gflops"], color="k", ls="--", label="dense GEMM")
-        ax.set_xticks([j + 2 * width for j in range(len(names))], names)
+        ax.set_xticks([j + (len(variants) - 1) / 2 * width for j in range(len(names))], names)
         ax.set_ylabel("useful GFLOP/s (median)")
         ax.set_title("core suite: MoE layer step, float32")
         ax.legend(fontsize=8)

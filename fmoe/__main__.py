@@ -51,7 +51,8 @@ def _info(args) -> int:
     print(f"tbb library: {_numba.tbb_library() or 'not loaded: ' + str(_numba.TBB_ERROR)}")
     print(f"torch threads: {torch.get_num_threads()}; numba threads: {numba.get_num_threads()} "
           f"(max {numba.config.NUMBA_NUM_THREADS})")
-    from .engine import native, table, wisdom
+    from .engine import table, wisdom
+    from .ops import native
     print(native.status())
     if args.explain:
         print(table.explain(args.explain))
@@ -68,7 +69,7 @@ def _info(args) -> int:
 
 
 def _build(args) -> int:
-    from .engine import native
+    from .ops import native
     return native.build_command()
 
 

@@ -109,10 +109,6 @@ class ExpertSpec:
             and :func:`fmoe.engine.grouped_mm` multiplies all experts at once through the
             kernel table (differentiable). fmoe weights the rows by their gates and sums them
             back to tokens.
-        exact_rows: padded layout: multiply exactly the filled rows of each expert buffer (at
-            decode one GEMV per routed row and no weight reads for idle experts). Outputs then
-            equal the default (the padded C-row GEMM's order, bit for bit equal to Tutel's)
-            only within float rounding.
         precision: None, a name such as 'fp8_block' / 'mxfp4' / 'nvfp4', or a
             :class:`fmoe.quant.training.TrainPrecision`: run the expert GEMMs of float master
             weights quantized in forward and backward (quantized training).
@@ -128,7 +124,6 @@ class ExpertSpec:
     limit: float = 7.0
     fn: Optional[Callable] = None
     init: Optional[Callable] = None
-    exact_rows: bool = False
     precision: Any = None
     takes_plan: bool = False
 

@@ -27,7 +27,7 @@ from .experts import ExpertSpec, apply_experts, engine_weights, init_experts, sh
 from .layout import LAYOUTS, make_layout
 from .losses import gshard_loss, load_importance_loss
 from .ops import combine, dispatch
-from .ops.grouped import GroupedGemm, _batched_under_vmap
+from .ops.grouped import GroupedGemm
 from .ops.orders import COMBINES, eager_combine, grouped_combine
 from .routers import GateSpec, RouterOutput, check_router_params, init_router
 from .routers import route as _router_route
@@ -287,9 +287,19 @@ def route(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator=None, 
 
 def _under_vmap(x: Tensor, gate_params) -> bool:
     """A vmap batches x or a gate parameter (only inside a functorch level: the leaves are not
-    walked in plain eager calls)."""
-    return (torch._C._functorch.maybe_current_level() is not None
-            and _batched_under_vmap(x, *pytree.tree_leaves(gate_params)))
+    walked in plain eager calls). Peels functorch wrappers (grad levels) looking for a vmap
+    BatchedTensor."""
+    F = torch._C._functorch
+    if F.maybe_current_level() is None:
+        return False
+    for t in (x, *pytree.tree_leaves(gate_params)):
+        while isinstance(t, Tensor):
+            if F.is_batchedtensor(t):
+                return True
+            if not F.is_functorch_wrapped_tensor(t):
+                break
+            t = F.get_unwrapped(t)
+    return False
 
 
 def _route(params, x, spec: MoESpec, kind: str, *, comm, generator, noise, training, alignment
@@ -402,8 +412,7 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     layout = make_layout(routing, kind)
     buffers = dispatch(compute, routing, weighted=not spec.is_postscore, layout=layout)
     if comm.size == 1:
-        gemm = GroupedGemm(layout, exact=spec.experts.exact_rows, precision=spec.experts.precision,
-                           generator=generator)
+        gemm = GroupedGemm(layout, precision=spec.experts.precision, generator=generator)
         out_buffers = apply_experts(spec.experts, params["experts"], buffers, gemm)
     else:
         out_buffers = _par.expert_parallel(spec.experts, params["experts"], buffers, comm,

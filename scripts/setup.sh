@@ -17,7 +17,7 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
 fi
 echo "[setup] installing fmoe and its dependencies"
 "$VPY" -m pip install -q -e ".[test,examples]"
-# The native CPU grouped GEMM (fmoe/engine/csrc): prints why and exits 0 without a C++
+# The native CPU grouped GEMM (fmoe/ops/csrc): prints why and exits 0 without a C++
 # compiler (fmoe then uses the torch fallback), non-zero when a present compiler fails.
 "$VPY" -m fmoe build
 "$VPY" -c "import torch, numba, fmoe; print(f'[setup] torch {torch.__version__}, numba {numba.__version__}, fmoe {fmoe.__version__}')"

@@ -179,7 +179,7 @@ def test_round_robin_order_alternates_only_when_asked():
 def _recording_gather_mm(monkeypatch):
     """Every native grouped call (gather_mm and mm_scatter): operand shapes, the weight's data
     pointer, shape and strides, the offsets, the gathered row count, the order and the regime."""
-    from fmoe.engine import native
+    from fmoe.ops import native
     calls = []
     real_mm, real_scatter = native.gather_mm, native.mm_scatter
 

@@ -14,7 +14,8 @@ from torch.utils import _pytree as pytree
 import fmoe
 from fmoe import engine
 from fmoe.engine import kinds as K
-from fmoe.engine import native, table
+from fmoe.engine import table
+from fmoe.ops import native
 from fmoe.engine.plan import make_plan, plan_from_bounds, rows_reference
 from fmoe.experts import engine_weights
 from fmoe.layout import ragged_layout

@@ -1,4 +1,4 @@
-"""The native CPU grouped GEMM (fmoe.engine.native) against its pure-torch references.
+"""The native CPU grouped GEMM (fmoe.ops.native) against its pure-torch references.
 
 Where a C++ compiler is present the extension must build and be active (no silent skip).
 
@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from fmoe.engine import native
+from fmoe.ops import native
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_COMPILER = native._compiler() is not None

@@ -44,7 +44,8 @@ def test_warmup_then_first_call_is_fast():
 
 def test_info_names_the_threading_layer_and_the_engine_kernels(capsys):
     from fmoe.__main__ import main
-    from fmoe.engine import native, table
+    from fmoe.engine import table
+    from fmoe.ops import native
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "threading layer: tbb" in out

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fmoe.ops import _ragged_kernels as RK
 from fmoe.ops import ragged as RG
-from fmoe.ops import tuning
+from fmoe.ops import numba_cpu, tuning
 from fmoe.ops.ragged import ragged_mm, ragged_mm_reference, ragged_wgrad, ragged_wgrad_reference
 
 
@@ -27,10 +27,9 @@ def weights(E, K, N, transposed, dtype=torch.float32, g=None):
     return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype)
 
 
-# Group sizes above RAGGED_SMALL_ROWS run one torch.mm per group, the reference's own call:
-# bit-identical. Sizes <= RAGGED_SMALL_ROWS (float32/64 on CPU, small weights) run the numba
-# streaming kernel.
-S = tuning.RAGGED_SMALL_ROWS
+# Every group is one at::mm inside the native grouped GEMM (serial regime), the reference's
+# own call: bit-identical at every group size.
+S = 16
 BIG = [S + 3, 0, S + 8, S + 1, 0, S + 5]  # idle experts in the middle, one at the end
 
 
@@ -60,11 +59,10 @@ def test_mm_bit_exact_vs_reference_with_padding(dtype, transposed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("K,N", [(24, 20), (64, 1100)])  # 64 x 1100: the parallel kernel, N chunks
-def test_mm_small_groups_numba_vs_reference(dtype, transposed, K, N):
+@pytest.mark.parametrize("K,N", [(24, 20), (64, 1100)])
+def test_mm_small_groups_bit_exact_vs_reference(dtype, transposed, K, N):
     g = gen(2)
-    # every leftover size 1-3, 4-blocks with and without leftovers, one BLAS group (index 6)
-    counts = [1, 0, 2, 3, 4, min(7, S), S + 1, 0, 1]
+    counts = [1, 0, 2, 3, 4, 7, S + 1, 0, 1]   # decode-sized groups and one larger
     off = counts_to_offsets(counts)
     R = int(off[-1]) + 3
     x = torch.randn(R, K, generator=g, dtype=dtype)
@@ -72,15 +70,9 @@ def test_mm_small_groups_numba_vs_reference(dtype, transposed, K, N):
     w = weights(len(counts), K, N, transposed, dtype, g)
     w[1] = float("nan")  # idle experts' weights are never read
     w[7] = float("nan")
-    streamed = sum(1 for c in counts if 0 < c <= tuning.RAGGED_SMALL_ROWS) * K * N * w.element_size()
-    assert (streamed > tuning.RAGGED_SERIAL_BYTES) == (K == 64)  # both kernels are exercised
     y = ragged_mm(x, w, off, transposed=transposed)
-    ref = ragged_mm_reference(x, w, off, transposed=transposed)
-    tol = dict(rtol=1e-5, atol=1e-5 * K ** 0.5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(y, ref, **tol)
+    assert torch.equal(y, ragged_mm_reference(x, w, off, transposed=transposed))
     assert torch.equal(y[int(off[-1]):], torch.zeros(3, N, dtype=dtype))
-    # the BLAS group is the reference's own call
-    assert torch.equal(y[int(off[6]):int(off[7])], ref[int(off[6]):int(off[7])])
 
 
 def test_mm_idle_expert_weights_never_read_on_blas_path():
@@ -101,10 +93,7 @@ def test_mm_edge_layouts(counts, R):
     w = torch.randn(len(counts), 6, 3, generator=g)
     y = ragged_mm(x, w, off)
     assert y.shape == (R, 3)
-    ref = ragged_mm_reference(x, w, off)
-    if all(c == 0 or c > tuning.RAGGED_SMALL_ROWS for c in counts):
-        assert torch.equal(y, ref)  # BLAS groups only
-    torch.testing.assert_close(y, ref)
+    assert torch.equal(y, ragged_mm_reference(x, w, off))
     z = ragged_wgrad(x, torch.randn(R, 4, generator=g), off)
     assert z.shape == (len(counts), 6, 4)
     for e, c in enumerate(counts):
@@ -112,7 +101,7 @@ def test_mm_edge_layouts(counts, R):
             assert torch.equal(z[e], torch.zeros(6, 4))
 
 
-@pytest.mark.parametrize("rows", [3, tuning.RAGGED_SMALL_ROWS + 3])  # numba and BLAS paths
+@pytest.mark.parametrize("rows", [3, S + 3])
 def test_views_of_larger_buffers_are_read_only_inside_their_rows(rows):
     g = gen(17)
     E, K, N = 3, 8, 5
@@ -152,27 +141,7 @@ def test_mm_non_contiguous_inputs():
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-def test_small_groups_above_the_byte_cap_run_blas_bit_exact(transposed, monkeypatch):
-    """Small groups whose weights exceed NUMBA_MAX_BYTES take one torch.mm each: the
-    reference's own calls, bit for bit, and the numba kernel is not called."""
-    g = gen(22)
-    counts = [1, 0, 3, 5, 2]
-    off = counts_to_offsets(counts)
-    x = torch.randn(int(off[-1]), 40, generator=g)
-    w = weights(len(counts), 40, 24, transposed, g=g)
-    calls = []
-    monkeypatch.setattr(RG, "_small_groups", lambda *a: calls.append(a))
-    monkeypatch.setattr(tuning, "RAGGED_NUMBA_MAX_BYTES", 4 * 40 * 24 * 4 - 1)   # one byte short of the 4 busy experts
-    y = ragged_mm(x, w, off, transposed=transposed)
-    assert calls == []
-    assert torch.equal(y, ragged_mm_reference(x, w, off, transposed=transposed))
-    monkeypatch.setattr(tuning, "RAGGED_NUMBA_MAX_BYTES", 4 * 40 * 24 * 4)
-    ragged_mm(x, w, off, transposed=transposed)
-    assert len(calls) == 1
-
-
-@pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("counts", [[1, 0, 3, 2], [20, 0, 18, 25]], ids=["numba", "blas"])
+@pytest.mark.parametrize("counts", [[1, 0, 3, 2], [20, 0, 18, 25]], ids=["few_rows", "many_rows"])
 def test_weight_gradient_of_a_transposed_view_comes_out_in_the_storages_order(transposed, counts):
     """w a transposed view of contiguous storage (fmoe.nn.MoELayer's x @ W views): eager
     backward hands the storage a gradient in its own strides (no copy by AccumulateGrad), equal
@@ -196,24 +165,21 @@ def test_weight_gradient_of_a_transposed_view_comes_out_in_the_storages_order(tr
     torch.testing.assert_close(grad(loss)(storage.detach()), storage.grad, rtol=1e-12, atol=1e-12)
 
 @pytest.mark.parametrize("stored_transposed", [False, True])
-def test_mm_small_groups_read_transposed_views_as_their_storage(stored_transposed, monkeypatch):
-    """fmoe.nn.MoELayer hands out x @ W views of out x in storage: the numba small-group kernel
-    reads that storage in its own order (same bits as passing the storage itself), no copy."""
+def test_few_rows_mm_reads_transposed_views_as_their_storage(stored_transposed):
+    """fmoe.nn.MoELayer hands out x @ W views of out x in storage: the numba few-row kernel (the
+    engine's decode candidate) reads that storage in its own order (the same bits as passing
+    the storage itself)."""
     g = gen(21)
     counts = [1, 0, 3, 5, 2]
-    off = counts_to_offsets(counts)
+    bounds = counts_to_offsets(counts).tolist()
     E, K, N = len(counts), 40, 24
-    x = torch.randn(int(off[-1]), K, generator=g)
+    x = torch.randn(bounds[-1], K, generator=g)
     storage = torch.randn(E, K, N, generator=g) if stored_transposed else torch.randn(E, N, K, generator=g)
     view = storage.transpose(1, 2)                         # [E, N, K] or [E, K, N], not contiguous
-    seen = []
-    real = RG._small_groups
-    monkeypatch.setattr(RG, "_small_groups", lambda x_, w_, *a: (seen.append(w_), real(x_, w_, *a))[1])
-    y = ragged_mm(x, view, off, transposed=stored_transposed)
-    assert len(seen) == 1 and seen[0].data_ptr() == storage.data_ptr() and seen[0].is_contiguous()
-    assert torch.equal(y, ragged_mm(x, storage, off, transposed=not stored_transposed))
-    torch.testing.assert_close(y, ragged_mm_reference(x, view.contiguous(), off, transposed=stored_transposed),
-                               rtol=1e-5, atol=1e-5)
+    y = numba_cpu.few_rows_mm(x, view, bounds, stored_transposed)
+    assert torch.equal(y, numba_cpu.few_rows_mm(x, storage, bounds, not stored_transposed))
+    torch.testing.assert_close(y, ragged_mm_reference(x, view.contiguous(), torch.tensor(bounds),
+                                                      transposed=stored_transposed), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -553,9 +519,9 @@ def test_balanced_groups_are_the_references_calls_bit_for_bit(transposed):
 
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("counts", [[3, 0, 20, 1], [0, 0, 0, 5], [17, 16]])
-def test_grouped_rows_equals_the_reference(transposed, counts):
-    # the forward-only entry point (a candidate of the engine's measured decode choice):
-    # few-row experts in one numba call, the others by BLAS, every row written
+def test_few_rows_mm_equals_the_reference(transposed, counts):
+    # the engine's measured decode candidate: every busy expert in one numba call (serial and
+    # parallel twins by the weight bytes streamed), every row written
     g = torch.Generator().manual_seed(4)
     E, K, N = len(counts), 12, 20
     bounds = [0]
@@ -564,4 +530,4 @@ def test_grouped_rows_equals_the_reference(transposed, counts):
     x = torch.randn(bounds[-1], K, generator=g)
     w = torch.randn(E, N, K, generator=g) if transposed else torch.randn(E, K, N, generator=g)
     ref = ragged_mm_reference(x, w, torch.tensor(bounds), transposed=transposed)
-    torch.testing.assert_close(RG.grouped_rows(x, w, bounds, transposed), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(numba_cpu.few_rows_mm(x, w, bounds, transposed), ref, rtol=1e-5, atol=1e-5)

@@ -7,7 +7,7 @@
 :mod:`.plan` builds the plan, :mod:`.table` holds the kernels keyed by (device, phase, dtype,
 precision), :mod:`.kinds` the expert kinds (ffn with any activation, gated/SwiGLU, GPT-OSS) as
 one autograd Function each over the plan, with a pure-torch reference as their oracle, and
-:mod:`.native` the C++ grouped GEMM the CPU entries call. Custom experts take the plan and
+:mod:`fmoe.ops.native` the C++ grouped GEMM the CPU entries call. Custom experts take the plan and
 multiply through :func:`grouped_mm` (the table's kernels, differentiable).
 """
 from .plan import ExpertPlan, make_plan

@@ -24,7 +24,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from . import native, wisdom
+from ..ops import native, numba_cpu
+from . import wisdom
 from .plan import PHASES, ExpertPlan, phase_of, plan_from_bounds
 
 __all__ = ["Kernel", "TABLE", "DTYPES", "select", "kernel_for", "kernel_by_name", "explain", "parse_shape", "tune"]
@@ -71,9 +72,8 @@ def _native_kernel(impl: str, regime: str = "auto") -> tuple:
 
 def _numba_rows_mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None,
                    transposed: bool) -> Tensor:
-    """Few-row experts in one numba call (:func:`fmoe.ops.ragged.grouped_rows`), forward only."""
-    from ..ops import ragged   # the staged pipeline's kernels; only this decode candidate needs them
-    return ragged.grouped_rows(a if rows is None else a.index_select(0, rows), w, list(plan.bounds), transposed)
+    """Few-row experts in one numba call (:func:`fmoe.ops.numba_cpu.few_rows_mm`), forward only."""
+    return numba_cpu.few_rows_mm(a if rows is None else a.index_select(0, rows), w, list(plan.bounds), transposed)
 
 
 def _grouped_mm_ok(*ts: Tensor) -> bool:

@@ -3,7 +3,7 @@ machine and keep the winner per shape class on disk (as FFTW keeps its wisdom).
 
 Today one key competes: CPU decode in float32/float64, where the native grouped GEMM
 (experts side by side, one MKL call each) meets the numba few-row kernel
-(:func:`fmoe.ops.ragged.grouped_rows`). Which wins is the CPU's: MKL's few-row sgemm was
+(:func:`fmoe.ops.numba_cpu.few_rows_mm`). Which wins is the CPU's: MKL's few-row sgemm was
 level or ahead on an Intel Xeon and 2.7-9.9x slower than the weight stream on an AMD EPYC
 (BENCHMARKS.md), so no fixed rule fits every machine.
 

@@ -175,39 +175,6 @@ def combine_serial(y, pos, w, zero, out):
     return 0
 
 
-# Decode expert products on exactly the filled rows, one call for all busy experts
-# (fmoe.ops.grouped, exact=True, small weights). The K reduction is reassociated
-# (vectorised), like a BLAS GEMV: equal to the padded GEMM within float rounding.
-
-@njit(fastmath={"reassoc", "contract"}, **_FLAGS)
-def rows_matvec_nk(x, w, ns, C, zero, y):
-    """y[e*C + i] = w[e] @ x[e*C + i] for i < ns[e]; w [E, N, K]; other rows untouched."""
-    E, N, K = w.shape
-    for e in range(E):
-        for i in range(ns[e]):
-            r = e * C + i
-            for n in range(N):
-                s = zero
-                for k in range(K):
-                    s += w[e, n, k] * x[r, k]
-                y[r, n] = s
-
-
-@njit(fastmath={"reassoc", "contract"}, **_FLAGS)
-def rows_matvec_kn(x, w, ns, C, zero, y):
-    """y[e*C + i] = x[e*C + i] @ w[e] for i < ns[e]; w [E, K, N]; other rows untouched."""
-    E, K, N = w.shape
-    for e in range(E):
-        for i in range(ns[e]):
-            r = e * C + i
-            for n in range(N):
-                y[r, n] = zero
-            for k in range(K):
-                a = x[r, k]
-                for n in range(N):
-                    y[r, n] += a * w[e, k, n]
-
-
 def signatures():
     """(name, kernel, example args) for every compiled signature, used by warm-up."""
     out = []
@@ -231,8 +198,4 @@ def signatures():
         out.append((f"gate_grad_rows[{name}]", gate_grad_rows, (x, y, pos, zero, np.empty((2, 2), dt))))
         out.append((f"dispatch_serial[{name}]", dispatch_serial, (x, w, pos, zero, np.empty((3, 4), dt))))
         out.append((f"combine_serial[{name}]", combine_serial, (y, pos, w, zero, np.empty((2, 4), dt))))
-        ns = np.array([1, 0], dtype=np.int64)
-        w3 = np.ones((2, 4, 4), dtype=dt)
-        out.append((f"rows_matvec_nk[{name}]", rows_matvec_nk, (y, w3, ns, 1, zero, np.empty((3, 4), dt))))
-        out.append((f"rows_matvec_kn[{name}]", rows_matvec_kn, (y, w3, ns, 1, zero, np.empty((3, 4), dt))))
     return out

@@ -1,4 +1,4 @@
-"""numba kernels for small groups of :mod:`fmoe.ops.ragged` (decode): numpy in, numpy out.
+"""numba kernels for experts with few rows each (decode; :func:`fmoe.ops.numba_cpu.few_rows_mm`): numpy in, numpy out.
 
 A group of n <= a few rows times one expert matrix is a matrix-vector product
 and memory bound: the time is reading the expert's weight. BLAS runs one GEMM

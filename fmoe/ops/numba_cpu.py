@@ -16,6 +16,8 @@ Extras:
     dispatch_into(out, x, pos, weights): write a dispatch into a caller-owned
         buffer (no fresh allocation, so no page faults on the hot path).
     combine_into(out, y, pos, weights): the same for combine.
+    few_rows_mm(x, w, bounds, transposed): experts with few rows each in one call (the
+        expert engine's measured decode candidate).
     disabled(): context manager that routes the ops back to the reference.
     warmup(progress): compile (or load from cache) every kernel signature.
 """
@@ -34,7 +36,7 @@ from . import _numba_kernels as K
 from . import primitives, reference, tuning
 from .memory_order import stored_transposed
 
-__all__ = ["dispatch", "combine", "gate_grad", "dispatch_into", "combine_into", "disabled", "warmup",
+__all__ = ["dispatch", "combine", "gate_grad", "dispatch_into", "combine_into", "few_rows_mm", "disabled", "warmup",
            "threading_layer", "NATIVE_DTYPES"]
 
 NATIVE_DTYPES = (torch.float32, torch.float64)
@@ -218,30 +220,39 @@ def combine_into(out: Tensor, y: Tensor, pos: Tensor, weights: Optional[Tensor] 
     return out
 
 
-# --------------------------------------------------------------------------- decode expert products
+# --------------------------------------------------------------------------- few-row expert products
 
-def rows_matvec(x: Tensor, w: Tensor, rows: list, transposed: bool) -> Optional[Tensor]:
-    """y[e, i] = x[e, i] @ op(w[e]) for i < rows[e], 0 on other rows; op(w) = w^T if
-    ``transposed`` (w [E, N, K]) else w ([E, K, N]); one serial kernel call that reads only
-    the busy experts' weights.
+def few_rows_mm(x: Tensor, w: Tensor, bounds: list, transposed: bool) -> Tensor:
+    """y [N, n] with y[rows of e] = x[rows of e] @ op(w[e]) in one numba call that streams each busy
+    expert's weight once (:mod:`fmoe.ops._ragged_kernels`): the expert engine's few-row decode
+    candidate (:mod:`fmoe.engine.wisdom` measures it against the native kernel). Forward only.
 
-    Only for small problems (``tuning.MATVEC_BYTES``) on contiguous float32/64 CPU tensors;
-    returns None otherwise (the caller uses BLAS).
+    Args:
+        x: float32/64 CPU [N, K], expert e's rows at ``bounds[e]:bounds[e + 1]``, N = ``bounds[-1]``.
+        w: [E, K, n] (or [E, n, K] with ``transposed``), x's dtype; a transposed view of
+            contiguous storage is read as that storage.
+        bounds: E + 1 non-decreasing python ints from 0 (checked by the caller's plan).
+    Returns:
+        [N, n] in x's dtype, equal to per-expert ``torch.mm`` within float rounding (the K
+        reduction is vectorised like a BLAS GEMV).
     """
-    E, C, D = x.shape
-    N = w.shape[1] if transposed else w.shape[2]
+    from . import _ragged_kernels as RK
+    if x.dtype not in NATIVE_DTYPES or w.dtype != x.dtype or x.device.type != "cpu" or w.device.type != "cpu":
+        raise TypeError(f"few_rows_mm: float32/float64 CPU tensors of one dtype, got x {x.dtype} on {x.device}, "
+                        f"w {w.dtype} on {w.device}")
+    n = w.shape[1] if transposed else w.shape[2]
     if stored_transposed(w):
         w, transposed = w.transpose(1, 2), not transposed   # read the storage as it lies
-    if not (x.dtype in NATIVE_DTYPES and w.dtype == x.dtype and x.device.type == "cpu"
-            and w.device.type == "cpu" and x.is_contiguous() and w.is_contiguous()):
-        return None
-    if sum(rows) * w.shape[1] * w.shape[2] * w.element_size() > tuning.MATVEC_BYTES:
-        return None
-    y = torch.zeros(E, C, N, dtype=x.dtype)
-    ns = np.asarray(rows, dtype=np.int64)
-    kern = K.rows_matvec_nk if transposed else K.rows_matvec_kn
-    kern(_view(x).reshape(E * C, D), _view(w), ns, C, _NP_ZERO[x.dtype], _view(y).reshape(E * C, N))
-    return y
+    w = w.contiguous()
+    tasks = np.asarray([(0, e, bounds[e], bounds[e + 1]) for e in range(len(bounds) - 1)
+                        if bounds[e + 1] > bounds[e]], dtype=np.int64).reshape(-1, 4)
+    y = x.new_empty((1, x.shape[0], n))
+    if len(tasks):
+        streamed = w.shape[1] * w.shape[2] * w.element_size() * len(tasks)
+        kern = RK.small_groups_serial if streamed <= tuning.RAGGED_SERIAL_BYTES else RK.small_groups
+        with _numba.kernel_call():
+            kern(_view(x.contiguous())[None], _view(w)[None], tasks, transposed, _NP_ZERO[x.dtype], _view(y))
+    return y[0]
 
 
 # --------------------------------------------------------------------------- registration
@@ -284,7 +295,7 @@ def warmup(progress: Optional[Callable[[str], None]] = None) -> dict:
     Returns:
         {kernel name: seconds}.
     """
-    from . import _ragged_kernels  # fmoe.ops.ragged's small-group kernels
+    from . import _ragged_kernels  # few_rows_mm's kernels
 
     times = {}
     with _numba.kernel_call():

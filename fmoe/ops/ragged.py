@@ -30,39 +30,26 @@ batched, unbatched inputs are not copied, and each segment keeps its own
 padding rows (a flat fold with offsets shifted by b*R would hand batch b's
 padding rows to its last expert). The public functions are segment count 1.
 
-Kernel (any device): one host sync (``offsets.tolist()``), then one
-``torch.mm(out=...)`` per non-empty group on views — no copies, no per-group
-allocation; empty groups are skipped and only the padding rows are zeroed.
-Same BLAS call per group as the reference, so bit-identical to it. (One padded
-batched GEMM over balanced groups, two row gathers and a bmm, took 1.28-1.50x
-the per-group calls' time in training on a quiet machine: ``python -m
-benchmarks.bench_ragged --only train``, 2026-12-01; removed.) On CPU,
-float32/64 groups of at most ``tuning.RAGGED_SMALL_ROWS`` rows (decode) whose
-weights add up to at most ``tuning.RAGGED_NUMBA_MAX_BYTES`` go instead to one
-numba call that streams each busy expert's weight once
-(:mod:`fmoe.ops._ragged_kernels`; equal within float rounding): a small
-problem, where per-call overhead, not the weight read, is the time.
+Kernel: one host sync (``offsets.tolist()``, with the checks), then per segment one call into
+the native grouped GEMM (:mod:`fmoe.ops.native`, serial regime: each group is the reference's
+``torch.mm`` on the same views, so bit-identical to it; the per-expert Python loop where the
+extension is not built, and off the CPU). Empty groups are skipped and only the padding rows
+are zeroed. (One padded batched GEMM over balanced groups, two row gathers and a bmm, took
+1.28-1.50x the per-group calls' time in training: ``python -m benchmarks.bench_ragged --only
+train``, 2026-12-01; removed.) Sparse eager calls run on the expert engine instead, whose
+decode kernels multiply only the kept pairs (:mod:`fmoe.engine.table`).
 """
 from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
 import torch
 from torch import Tensor
-from torch.utils import _python_dispatch
 
-from .. import _numba
-from . import _ragged_kernels as _RK
-from . import tuning
-from .memory_order import grad_in_storage_order, stored_transposed, weight_grad
-from .primitives import PLAIN_TENSORS, forward_only
+from . import native as _native
+from .memory_order import grad_in_storage_order, weight_grad
 
 __all__ = ["ragged_mm", "ragged_wgrad", "ragged_mm_reference", "ragged_wgrad_reference"]
-
-_NUMBA_DTYPES = (torch.float32, torch.float64)
-_NP_ZERO = {torch.float32: np.float32(0), torch.float64: np.float64(0)}
-
 
 # --------------------------------------------------------------------------- references
 
@@ -177,98 +164,47 @@ def _check_wgrad_op(a: Tensor, b: Tensor, offsets: Tensor) -> int:
 
 # --------------------------------------------------------------------------- kernels
 
-def _small_groups(x: Tensor, w: Tensor, tasks: list, transposed: bool, y: Tensor) -> None:
-    """Rows of ``tasks`` (s, e, lo, hi) of y in one numba call (float32/64 CPU, w contiguous)."""
-    xc = x.detach().contiguous()  # no copy for the usual contiguous x; a strided one is copied once
-    t = np.asarray(tasks, dtype=np.int64)
-    per_row = w.shape[2] * w.shape[3] * w.element_size()
-    streamed = per_row * len(tasks)
-    kern = _RK.small_groups_serial if streamed <= tuning.RAGGED_SERIAL_BYTES else _RK.small_groups
-    with _numba.kernel_call():
-        # the weights through DLPack: .numpy() would pin their storage's size (FSDP2 resizes it)
-        kern(xc.numpy(), np.from_dlpack(w.detach()), t, transposed, _NP_ZERO[x.dtype], y.numpy())
-
-
-def _group_mm(xs: Tensor, ws: Tensor, e: int, lo: int, hi: int, transposed: bool, ys: Tensor) -> None:
-    """ys[lo:hi] = xs[lo:hi] @ op(ws[e]) in one BLAS call (the reference's own call)."""
-    torch.mm(xs[lo:hi], ws[e].t() if transposed else ws[e], out=ys[lo:hi])
+def _seg(t: Tensor, s: int) -> Tensor:
+    """Segment s of a [S_t, ...] operand whose segment count is 1 (shared) or S."""
+    return t[s if t.shape[0] > 1 else 0]
 
 
 def _mm_impl(x: Tensor, w: Tensor, offsets: Tensor, transposed: bool) -> Tensor:
+    """y [S, R, N]: each segment's groups in one native grouped-GEMM call (:func:`fmoe.ops.native.gather_mm`,
+    serial regime: each group is the reference's ``torch.mm``, bit for bit), padding rows zeroed."""
     S = _check_mm_op(x, w, offsets, transposed)
     R = x.shape[1]
     N = w.shape[2] if transposed else w.shape[3]
     y = torch.empty(S, R, N, dtype=x.dtype, device=x.device)
-    _grouped_into(x, w, _offset_lists("ragged_mm", offsets, R), transposed, y)
+    offs = _offset_lists("ragged_mm", offsets, R)
+    for s in range(S):
+        n, ys = offs[s if len(offs) > 1 else 0][-1], y[s]
+        if x.device.type == "cpu":
+            _native.gather_mm(_seg(x, s)[:n], _seg(w, s), _seg(offsets, s), transposed=transposed, out=ys[:n],
+                              regime="serial")
+        else:
+            _native.gather_mm_reference(_seg(x, s)[:n], _seg(w, s), _seg(offsets, s), transposed=transposed,
+                                        out=ys[:n])
+        if n < R:
+            ys[n:].zero_()
     return y
 
 
-def _grouped_into(x: Tensor, w: Tensor, offs: list, transposed: bool, y: Tensor) -> None:
-    """y[s][rows of e] = x[s][rows of e] @ op(w[s][e]) for every segment s and busy expert e,
-    padding rows zeroed: x [Sx, R, K], w [Sw, E, ., .], ``offs`` So lists of E + 1 checked
-    ints, y [S, R, N]. The kernel choice: groups of at most ``tuning.RAGGED_SMALL_ROWS`` rows
-    in one numba call while their weights add up to at most ``tuning.RAGGED_NUMBA_MAX_BYTES``,
-    every other group one BLAS call."""
-    S, R, E = y.shape[0], x.shape[1], w.shape[1]
-    # The numba kernel reads contiguous weights. A transposed view of contiguous storage
-    # (fmoe.nn.MoELayer's x @ W views of its out x in Parameters) is read as that storage,
-    # the other order: no copy of the weights at every call.
-    w_k, t_k = (w.transpose(2, 3), not transposed) if stored_transposed(w) else (w, transposed)
-    numba_ok = (x.device.type == "cpu" and x.dtype in _NUMBA_DTYPES and w_k.is_contiguous()
-                and w.device.type == "cpu")
-    small = []
-    for s in range(S):
-        o = offs[s if len(offs) > 1 else 0]
-        xs = x[s if x.shape[0] > 1 else 0]
-        ws = w[s if w.shape[0] > 1 else 0]
-        ys = y[s]
-        for e in range(E):
-            lo, hi = o[e], o[e + 1]
-            if hi == lo:
-                continue  # idle expert: its weight is never read
-            if numba_ok and hi - lo <= tuning.RAGGED_SMALL_ROWS:
-                small.append((s, e, lo, hi))
-                continue
-            _group_mm(xs, ws, e, lo, hi, transposed, ys)
-        if o[E] < R:
-            ys[o[E]:].zero_()
-    if small and len(small) * w.shape[2] * w.shape[3] * w.element_size() <= tuning.RAGGED_NUMBA_MAX_BYTES:
-        _small_groups(x, w_k, small, t_k, y)
-    else:   # too many weight bytes for the numba kernel to win: one BLAS call per group
-        for s, e, lo, hi in small:
-            _group_mm(x[s if x.shape[0] > 1 else 0], w[s if w.shape[0] > 1 else 0], e, lo, hi, transposed, y[s])
-
-
-def grouped_rows(x: Tensor, w: Tensor, bounds: list, transposed: bool = False) -> Tensor:
-    """y [N, cols] with y[rows of e] = x[rows of e] @ op(w[e]): :func:`ragged_mm`'s kernels on
-    rows sorted by expert, forward only (no autograd, no checks; the caller's rows).
-
-    Args:
-        x: [N, K] rows, expert e's at ``bounds[e]:bounds[e + 1]``, N = ``bounds[-1]``.
-        w: [E, K, cols] (or [E, cols, K] with ``transposed``), x's dtype and device.
-        bounds: E + 1 non-decreasing ints from 0 (python ints: no host sync).
-    """
-    y = x.new_empty((1, x.shape[0], w.shape[1] if transposed else w.shape[2]))
-    _grouped_into(x[None], w[None], [bounds], transposed, y)
-    return y[0]
-
-
 def _wgrad_impl(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
+    """z [S, E, P, Q]: each segment's groups in one native call (:func:`fmoe.ops.native.gather_wgrad`,
+    serial regime, the reference's ``torch.mm`` per group); experts with no rows get zeros."""
     S = _check_wgrad_op(a, b, offsets)
     E = offsets.shape[1] - 1
     offs = _offset_lists("ragged_wgrad", offsets, a.shape[1])
-    empty = any(o[e] == o[e + 1] for o in offs for e in range(E))
-    # One memset when some expert is idle, rather than a zero_() call per idle expert.
-    alloc = torch.zeros if empty else torch.empty
-    z = alloc(S, E, a.shape[2], b.shape[2], dtype=a.dtype, device=a.device)
+    z = torch.empty(S, E, a.shape[2], b.shape[2], dtype=a.dtype, device=a.device)
+    cpu = a.device.type == "cpu"
     for s in range(S):
-        o = offs[s if len(offs) > 1 else 0]
-        as_ = a[s if a.shape[0] > 1 else 0]
-        bs = b[s if b.shape[0] > 1 else 0]
-        for e in range(E):
-            lo, hi = o[e], o[e + 1]
-            if hi > lo:
-                torch.mm(as_[lo:hi].t(), bs[lo:hi], out=z[s, e])
+        n = offs[s if len(offs) > 1 else 0][-1]
+        args = (_seg(a, s)[:n], _seg(b, s)[:n], _seg(offsets, s))
+        if cpu:
+            _native.gather_wgrad(*args, out=z[s], regime="serial")
+        else:
+            _native.gather_wgrad_reference(*args, out=z[s])
     return z
 
 
@@ -441,26 +377,14 @@ class _RaggedWGrad(_RaggedWGradBase):
     jvp = staticmethod(_wgrad_jvp)
 
 
-def _direct(*ts: Tensor) -> bool:
-    """The op's kernel may be called without the dispatcher (~30 us saved): nothing but
-    plain tensors, no transform, no autograd to record, no dispatch mode, no profiler."""
-    return (forward_only(*ts) and all(type(t) in PLAIN_TENSORS for t in ts)
-            and _python_dispatch._get_current_dispatch_mode() is None
-            and not torch._C._autograd._profiler_enabled())
-
-
 def _mm(x: Tensor, w: Tensor, offsets: Tensor, transposed: bool) -> Tensor:
     """Differentiable segment-form ragged_mm (x [Sx, R, K], w [Sw, E, ., .], offsets [So, E + 1])."""
-    if _direct(x, w, offsets):
-        return _mm_impl(x, w, offsets, transposed)
     fn = _RaggedMMBase if torch.compiler.is_compiling() else _RaggedMM
     return fn.apply(x, w, offsets, transposed)
 
 
 def _wg(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
     """Differentiable segment-form ragged_wgrad (a [Sa, R, P], b [Sb, R, Q], offsets [So, E + 1])."""
-    if _direct(a, b, offsets):
-        return _wgrad_impl(a, b, offsets)
     fn = _RaggedWGradBase if torch.compiler.is_compiling() else _RaggedWGrad
     return fn.apply(a, b, offsets)
 

@@ -1,6 +1,6 @@
 // Native CPU grouped GEMM for the ragged (expert-sorted) layout: every expert of one
 // projection in one call, rows gathered and experts looped here, so no Python runs per
-// expert. The Python front (fmoe/engine/native.py) validates every argument, allocates
+// expert. The Python front (fmoe/ops/native.py) validates every argument, allocates
 // the outputs and picks the threading regime; the checks below are only a backstop
 // so that a caller who skips the front still cannot make us read outside a buffer.
 //
@@ -14,16 +14,29 @@
 // Numerics: each expert's product is the same at::mm call on operands of the same
 // shape, strides and contiguity as the pure-torch reference in native.py, and the
 // scatter-add does the reference's element-wise roundings in the same order, so the
-// serial regime equals the reference bit for bit.
+// serial regime equals the reference bit for bit. The reference writes each product into a
+// fresh (64-byte aligned) tensor, and MKL's result can depend on where its output lies (a
+// one-row float32 product into an unaligned row sums in another order), so a product whose
+// destination is not so aligned is computed into a fresh tensor and copied (mm_into).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
 namespace {
+
+// o = a @ b, as the reference's fresh-tensor torch.mm computes it (see the numerics note).
+void mm_into(at::Tensor o, const at::Tensor& a, const at::Tensor& b) {
+  if (reinterpret_cast<std::uintptr_t>(o.data_ptr()) % 64 == 0) {
+    at::mm_out(o, a, b);
+  } else {
+    o.copy_(at::mm(a, b));
+  }
+}
 
 struct Span {
   int64_t expert;
@@ -168,15 +181,13 @@ void gather_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offse
     parallel_over_experts(spans, [&](const Span& s) {
       at::Tensor xe = rp ? g.narrow(0, s.lo, s.n) : x.narrow(0, s.lo, s.n);
       if (rp) gather_rows(x, rp + s.lo, s.n, xe);
-      at::Tensor o = out.narrow(0, s.lo, s.n);
-      at::mm_out(o, xe, expert_weight(w, s.expert, transposed));
+      mm_into(out.narrow(0, s.lo, s.n), xe, expert_weight(w, s.expert, transposed));
     });
   } else {
     // One scratch the size of the largest expert, reused: stays in cache, bounded memory.
     at::Tensor scratch = rp ? at::empty({max_rows(spans), K}, x.options()) : at::Tensor();
     for (const auto& s : spans) {
-      at::Tensor o = out.narrow(0, s.lo, s.n);
-      at::mm_out(o, expert_rows(x, rp, s, scratch), expert_weight(w, s.expert, transposed));
+      mm_into(out.narrow(0, s.lo, s.n), expert_rows(x, rp, s, scratch), expert_weight(w, s.expert, transposed));
     }
   }
 }
@@ -205,8 +216,7 @@ void mm_scatter(const at::Tensor& a, const at::Tensor& w, const at::Tensor& offs
     // Products in parallel into one buffer, then one serial (ascending-row) scatter.
     at::Tensor p = at::empty({R, N}, a.options());
     parallel_over_experts(spans, [&](const Span& s) {
-      at::Tensor pe = p.narrow(0, s.lo, s.n);
-      at::mm_out(pe, a.narrow(0, s.lo, s.n), expert_weight(w, s.expert, transposed));
+      mm_into(p.narrow(0, s.lo, s.n), a.narrow(0, s.lo, s.n), expert_weight(w, s.expert, transposed));
     });
     scatter_add(p, ip, scale_o, 0, out);
   } else {
@@ -243,8 +253,7 @@ void gather_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor& of
       if (o[e + 1] == o[e]) out.select(0, e).zero_();
   }
   auto product = [&](const Span& s, const at::Tensor& ae) {
-    at::Tensor z = out.select(0, s.expert);
-    at::mm_out(z, ae.t(), b.narrow(0, s.lo, s.n));
+    mm_into(out.select(0, s.expert), ae.t(), b.narrow(0, s.lo, s.n));
   };
   if (parallel) {
     at::Tensor g = rp ? at::empty({R, P}, a.options()) : at::Tensor();

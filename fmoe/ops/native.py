@@ -333,7 +333,8 @@ def _op(w: Tensor, e: int, transposed: bool) -> Tensor:
 
 def gather_mm_reference(x: Tensor, w: Tensor, offsets: Tensor, *, rows: Optional[Tensor] = None,
                         transposed: bool = False, out: Optional[Tensor] = None) -> Tensor:
-    """Oracle of :func:`gather_mm`: per expert ``torch.mm(x.index_select(0, rows[lo:hi]), op(w[e]))``."""
+    """Oracle of :func:`gather_mm`: per expert ``torch.mm(x.index_select(0, rows[lo:hi]), op(w[e]))``, written
+    into y's own rows ``out=y[lo:hi]`` (MKL's one-row product depends on where its output lies)."""
     o = offsets.tolist()
     N = _inner_dims(w, transposed)[1]
     y = torch.empty(o[-1], N, dtype=x.dtype) if out is None else out
@@ -342,7 +343,7 @@ def gather_mm_reference(x: Tensor, w: Tensor, offsets: Tensor, *, rows: Optional
         lo, hi = o[e], o[e + 1]
         if hi > lo:
             xe = x[lo:hi] if rows is None else x.index_select(0, rows[lo:hi])
-            y[lo:hi] = torch.mm(xe, _op(w, e, transposed))
+            torch.mm(xe, _op(w, e, transposed), out=y[lo:hi])
     return y
 
 
