@@ -161,28 +161,28 @@ def _is_quantized(w) -> bool:
     return not isinstance(w, Tensor)
 
 
-def expert_matmul(x: Tensor, w, gemm: Optional[GroupedGemm] = None, *, transposed: bool) -> Tensor:
-    """Per-expert ``x_e @ op(w[e])`` through the seam (``gemm``) or, with ``gemm=None``, over
-    padded buffers x [E, C, K] with every row multiplied.
+def expert_matmul(x: Tensor, w, gemm: Optional[GroupedGemm] = None, *, transposed: bool,
+                  bias: Optional[Tensor] = None) -> Tensor:
+    """Per-expert ``x_e @ op(w[e]) (+ bias[e])`` through the seam (``gemm``) or, with ``gemm=None``,
+    over padded buffers x [E, C, K] with every row multiplied.
 
     Args:
         x: the layout's buffer ([E, C, K] or [R, K]).
         w: float [E, N, K] if ``transposed`` (out x in) else [E, K, N]; or a quantized tensor
             of logical shape [E, N, K].
+        bias: [E, N] or None.
     Returns:
         [E, C, N] / [R, N] in x's dtype.
     """
     if gemm is not None:
-        return gemm.mm(x, w, transposed=transposed)
+        return gemm.mm(x, w, transposed=transposed, bias=bias)
     if _is_quantized(w):
         from . import quant  # local: the quantized path is optional
-        return quant.expert_matmul(x, w).to(x.dtype)
-    w = w.to(x.dtype)
-    return torch.bmm(x, w.transpose(1, 2) if transposed else w)
-
-
-def _bias(gemm: Optional[GroupedGemm], b: Tensor, like: Tensor) -> Tensor:
-    return b.to(like.dtype).unsqueeze(1) if gemm is None else gemm.bias(b, like)
+        y = quant.expert_matmul(x, w).to(x.dtype)
+    else:
+        w = w.to(x.dtype)
+        y = torch.bmm(x, w.transpose(1, 2) if transposed else w)
+    return y if bias is None else y + bias.to(y.dtype).unsqueeze(1)
 
 
 def expert_form(spec: "ExpertSpec", params) -> dict:
@@ -224,11 +224,9 @@ def apply_form(form: ExpertForm, x: Tensor, w_in: tuple, w_out, b_in: Optional[T
     Returns:
         [E, C, O] or [R, O]. Rows holding no pair are not meaningful (0, or the biases' output).
     """
-    z = [expert_matmul(x, w, gemm, transposed=form.in_transposed) for w in w_in]
-    if b_in is not None:
-        z[0] = z[0] + _bias(gemm, b_in, z[0])
-    y = expert_matmul(form.hidden(*z), w_out, gemm, transposed=form.out_transposed)
-    return y if b_out is None else y + _bias(gemm, b_out, y)
+    z = [expert_matmul(x, w, gemm, transposed=form.in_transposed, bias=b_in if i == 0 else None)
+         for i, w in enumerate(w_in)]
+    return expert_matmul(form.hidden(*z), w_out, gemm, transposed=form.out_transposed, bias=b_out)
 
 
 def ffn(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *,

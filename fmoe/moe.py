@@ -21,8 +21,8 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from .comm import resolve
-from . import engine
 from .engine import kinds as _kinds
+from .engine import plan as _plan
 from .experts import ExpertSpec, apply_experts, engine_weights, init_experts, shared_experts
 from .layout import LAYOUTS, make_layout
 from .losses import gshard_loss, load_importance_loss
@@ -425,37 +425,32 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
 
 def _engine_experts(spec: MoESpec, experts, compute: Tensor, routing: Routing) -> Optional[tuple]:
     """(y [T, O], pairs dropped int64 []) from the expert engine where it applies (see
-    ``MoESpec.streamed``), else None."""
-    if spec.experts.takes_plan:
-        return _custom_on_plan(spec, experts, compute, routing)
-    if not (spec.streamed and spec.is_postscore and spec.combine in _kinds.ORDERS):
-        return None
-    kw = engine_weights(spec.experts, experts)
-    if kw is None or not _kinds.applies(compute, routing.weights, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"]):
-        return None
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad
-        for t in (compute, routing.weights, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"]))
-    plan = engine.make_plan(routing, needs_grad=needs_grad, dtype=compute.dtype)   # kept pairs, capacity honoured
-    w_rows = routing.weights.reshape(-1).index_select(0, plan.pairs)
-    y = engine.run(kw["form"], compute, w_rows, plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"],
-                   order=spec.combine, save=spec.save)
-    return y, plan.dropped
-
-
-def _custom_on_plan(spec: MoESpec, experts, compute: Tensor, routing: Routing) -> tuple:
-    """A custom expert with ``takes_plan``: ``fn(params, x, plan) -> [N, O]``, gate-weighted and summed."""
-    if not (spec.is_postscore and spec.combine in _kinds.ORDERS and _kinds.applies(compute, routing.weights)):
+    ``MoESpec.streamed``; custom experts with ``takes_plan`` always), else None."""
+    custom = spec.experts.takes_plan
+    kw = None if custom else engine_weights(spec.experts, experts)
+    ts = (compute, routing.weights) if custom or kw is None else (
+        compute, routing.weights, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"])
+    ok = spec.is_postscore and spec.combine in _kinds.ORDERS and _kinds.applies(*ts)
+    if custom and not ok:
         raise ValueError("custom experts with takes_plan=True run on one process in eager mode (no torch.func "
                          "transform, no torch.compile) with is_postscore=True and combine 'fmoe' or 'eager'; "
                          "use takes_plan=False (padded [E, C, M] buffers) there")
-    plan = engine.make_plan(routing, needs_grad=torch.is_grad_enabled(), dtype=compute.dtype)
+    if not (custom or (spec.streamed and kw is not None and ok)):
+        return None
+    # a custom expert's parameters are not in ts: any call with grad on may be a training call
+    needs_grad = torch.is_grad_enabled() and (custom or any(t is not None and t.requires_grad for t in ts))
+    plan = _plan.make_plan(routing, needs_grad=needs_grad, dtype=compute.dtype)   # kept pairs, capacity honoured
+    w_rows = routing.weights.reshape(-1).index_select(0, plan.pairs)
+    if not custom:
+        y = _kinds.run(kw["form"], compute, w_rows, plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"],
+                       b_out=kw["b_out"], order=spec.combine, save=spec.save)
+        return y, plan.dropped
+    # a custom expert on the plan: fn(params, x, plan) -> [N, O], gate-weighted and summed here
     y_rows = spec.experts.fn(experts, compute, plan)
     if not isinstance(y_rows, Tensor) or y_rows.dim() != 2 or y_rows.shape[0] != plan.num_rows:
         raise ValueError(f"a custom expert with takes_plan=True must return [N, O] with N={plan.num_rows} (one row "
                          f"per plan row), got {getattr(y_rows, 'shape', type(y_rows).__name__)}")
-    w_rows = routing.weights.reshape(-1).index_select(0, plan.pairs)
-    return engine.combine_rows(y_rows, w_rows, plan, spec.combine).to(compute.dtype), plan.dropped
+    return _kinds.combine_rows(y_rows, w_rows, plan, spec.combine).to(compute.dtype), plan.dropped
 
 
 def _finish(spec: MoESpec, params, x: Tensor, y: Tensor, routing: Routing, out, l_aux, seen,

@@ -101,24 +101,27 @@ class GroupedGemm:
             return _ragged.ragged_wgrad(a, b, self.layout.offsets)
         return torch.bmm(a.transpose(1, 2), b)
 
-    def mm(self, x: Tensor, w, *, transposed: bool = False) -> Tensor:
-        """``x_e @ op(w[e])`` for every expert e over the layout's rows; result in x's dtype.
+    def mm(self, x: Tensor, w, *, transposed: bool = False, bias: Optional[Tensor] = None) -> Tensor:
+        """``x_e @ op(w[e]) (+ bias[e])`` for every expert e over the layout's rows; in x's dtype.
 
         Args:
             x: [E, C, K] (padded) or [R, K] (ragged).
             w: float [E, K, N] (``transposed=False``) or [E, N, K] (``transposed=True``),
                 or a QuantizedTensor [E, N, K] (``transposed`` is then ignored).
+            bias: [E, N] or None (:meth:`bias`).
         Returns:
-            [E, C, N] or [R, N]; rows that hold no pair are 0.
+            [E, C, N] or [R, N]; rows that hold no pair are 0 (or, with a bias, padded rows
+            their expert's bias and ragged padding rows 0).
         """
         if not isinstance(w, Tensor):
-            return self._quantized_mm(x, w)
-        w = w.to(x.dtype)
-        if self.precision is not None:
+            y = self._quantized_mm(x, w)
+        elif self.precision is not None:
             from ..quant import training as _qt  # optional: quantized training recipes
-            return _qt.quantized_mm(x, w, self.precision, transposed=transposed, mm=self._float_mm,
-                                    wgrad=self.wgrad, generator=self.generator)
-        return self._float_mm(x, w, transposed)
+            y = _qt.quantized_mm(x, w.to(x.dtype), self.precision, transposed=transposed, mm=self._float_mm,
+                                 wgrad=self.wgrad, generator=self.generator)
+        else:
+            y = self._float_mm(x, w.to(x.dtype), transposed)
+        return y if bias is None else y + self.bias(bias, y)
 
     def _quantized_mm(self, x: Tensor, w) -> Tensor:
         from .. import quant  # optional: low-precision weights
