@@ -166,7 +166,7 @@ def expert_gemms_step(counts, kw: dict, order: str = "fmoe", num_tokens: Optiona
 
     The expert engine's own calls (:func:`fmoe.engine.select`'s kernel for the call's plan,
     one grouped call per projection, rows gathered by the kernel) on the same weights and per-
-    expert row counts, with random rows and no activation, scatter or routing. ``counts``:
+    expert row counts, with random rows and no activation or routing (the biases added inside the calls, as the engine adds them). ``counts``:
     kept rows per expert (ints, length E); ``kw``: what :func:`fmoe.experts.engine_weights`
     returns for the experts; ``order``: the call's combine order (whether the output projection
     scatters straight into y, :func:`fmoe.engine.kinds.scatters_output`); ``num_tokens``: the T
@@ -181,6 +181,7 @@ def expert_gemms_step(counts, kw: dict, order: str = "fmoe", num_tokens: Optiona
         bounds.append(bounds[-1] + c)
     N = bounds[-1]
     form, w_in, w_out = kw["form"], tuple(w.detach() for w in kw["w_in"]), kw["w_out"].detach()
+    b_in, b_out = (None if b is None else b.detach() for b in (kw.get("b_in"), kw.get("b_out")))
     K = w_in[0].shape[2 if form.in_transposed else 1]
     H = w_out.shape[2 if form.out_transposed else 1]
     dt = w_out.dtype
@@ -192,16 +193,17 @@ def expert_gemms_step(counts, kw: dict, order: str = "fmoe", num_tokens: Optiona
     h = torch.randn(N, H, dtype=dt, generator=torch.Generator().manual_seed(3))
 
     out_dim = w_out.shape[1] if form.out_transposed else w_out.shape[2]
-    scatter = scatters_output(kw["b_out"], order, dt)   # the out-projection straight into y, as the engine does
+    scatter = scatters_output(order, dt)   # the out-projection straight into y, as the engine does
     scale = torch.rand(N, generator=torch.Generator().manual_seed(4)).to(dt)
     y = torch.zeros(T, out_dim, dtype=dt)
 
     def step():
-        outs = [kern.mm(x, w, plan, rows=plan.tokens, transposed=form.in_transposed) for w in w_in]
+        outs = [kern.mm(x, w, plan, rows=plan.tokens, transposed=form.in_transposed, bias=b_in if i == 0 else None)
+                for i, w in enumerate(w_in)]
         if scatter:
             return outs + [kern.scatter(h, w_out, plan, index=plan.tokens, out=y.zero_(), scale=scale,
-                                        transposed=form.out_transposed)]
-        return outs + [kern.mm(h, w_out, plan, transposed=form.out_transposed)]
+                                        transposed=form.out_transposed, bias=b_out)]
+        return outs + [kern.mm(h, w_out, plan, transposed=form.out_transposed, bias=b_out)]
     return step
 
 

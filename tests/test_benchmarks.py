@@ -186,12 +186,13 @@ def _recording_gather_mm(monkeypatch):
     def rec(x, w, offsets, **kw):
         rows = kw.get("rows")
         calls.append(("mm", tuple(x.shape), w.data_ptr(), tuple(w.shape), w.stride(), offsets.tolist(),
-                      None if rows is None else rows.shape[0], kw.get("transposed"), kw.get("regime")))
+                      None if rows is None else rows.shape[0], kw.get("transposed"), kw.get("regime"),
+                      kw.get("bias") is not None))
         return real_mm(x, w, offsets, **kw)
 
     def rec_scatter(a, w, offsets, index, out, **kw):
         calls.append(("scatter", tuple(a.shape), w.data_ptr(), tuple(w.shape), w.stride(), offsets.tolist(),
-                      tuple(out.shape), kw.get("transposed"), kw.get("regime")))
+                      tuple(out.shape), kw.get("transposed"), kw.get("regime"), kw.get("bias") is not None))
         return real_scatter(a, w, offsets, index, out, **kw)
 
     monkeypatch.setattr(native, "gather_mm", rec)
@@ -219,10 +220,11 @@ def test_expert_gemms_floor_makes_the_decode_steps_gemm_calls(expert_type, monke
     n_in = 2 if expert_type == "gated_ffn" else 1   # gpt_oss: one fused in-projection
     assert len(in_step) == n_in + 1 and calls == in_step
     width = 2 * c.hidden if expert_type == "gpt_oss" else c.hidden   # gate/up fused
-    # gated_ffn (no out-bias) scatters its output projection straight into y; ffn and gpt_oss have a bias
-    out_rows = c.tokens if expert_type == "gated_ffn" else c.tokens * c.k
-    assert [tuple(o.shape) for o in outs] == [(c.tokens * c.k, width)] * n_in + [(out_rows, c.model_dim)]
-    assert [k[0] for k in in_step] == ["mm"] * n_in + ["scatter" if expert_type == "gated_ffn" else "mm"]
+    # every kind scatters its output projection (and its bias, where it has one) straight into y
+    assert [tuple(o.shape) for o in outs] == [(c.tokens * c.k, width)] * n_in + [(c.tokens, c.model_dim)]
+    assert [k[0] for k in in_step] == ["mm"] * n_in + ["scatter"]
+    biased = expert_type != "gated_ffn"
+    assert [k[-1] for k in in_step] == [biased] + [False] * (n_in - 1) + [biased]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

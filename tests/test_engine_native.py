@@ -324,6 +324,41 @@ def test_gather_wgrad_matches_reference(shape, regime, dtype, gathered):
     assert bool((got[empty] == 0).all())
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shape,regime,dtype", CASES, ids=CASE_IDS)
+def test_bias_and_gathered_b_match_reference(shape, regime, dtype, transposed):
+    # the in-call epilogue and gathers: gather_mm's and mm_scatter's per-expert bias, and
+    # gather_wgrad's rows_b, equal the reference's separate add / index_select (bit for bit in
+    # the serial regime; the parallel one within the product's rounding, as above)
+    c = _make(shape, dtype, transposed)
+    R, E, N, T = c["rows"].numel(), c["E"], c["N"], c["T"]
+    impl = "native" if HAS_COMPILER else "auto"
+    exact = regime == "serial" or not HAS_COMPILER
+    bias = torch.randn(E, N, generator=c["g"]).to(dtype)
+    got = native.gather_mm(c["x"], c["w"], c["off"], rows=c["rows"], transposed=transposed, bias=bias, impl=impl,
+                           regime=regime)
+    want = native.gather_mm_reference(c["x"], c["w"], c["off"], rows=c["rows"], transposed=transposed, bias=bias)
+    bound = lambda: native.gather_mm_reference(_abs(c["x"]), _abs(c["w"]), c["off"], rows=c["rows"],  # noqa: E731
+                                               transposed=transposed, bias=_abs(bias))
+    _check(got, want, bound, c["K"], dtype, exact)
+    a = c["x"][c["rows"]]
+    scale = torch.rand(R, generator=c["g"])
+    out, out_ref = torch.zeros(T, N), torch.zeros(T, N)
+    native.mm_scatter(a, c["w"], c["off"], c["rows"], out, scale=scale, transposed=transposed, bias=bias, impl=impl,
+                      regime=regime)
+    native.mm_scatter_reference(a, c["w"], c["off"], c["rows"], out_ref, scale=scale, transposed=transposed, bias=bias)
+    bound = lambda: native.mm_scatter_reference(_abs(a), _abs(c["w"]), c["off"], c["rows"],  # noqa: E731
+                                                torch.zeros(T, N, dtype=torch.float64), scale=scale.double(),
+                                                transposed=transposed, bias=_abs(bias))
+    _check(out, out_ref, bound, c["K"], dtype, exact, rounding_steps=4)
+    b = torch.randn(T, 7, generator=c["g"]).to(dtype)
+    got = native.gather_wgrad(a, b, c["off"], rows_b=c["rows"], impl=impl, regime=regime)
+    want = native.gather_wgrad_reference(a, b, c["off"], rows_b=c["rows"])
+    assert torch.equal(want, native.gather_wgrad_reference(a, b[c["rows"]], c["off"]))
+    bound = lambda: native.gather_wgrad_reference(_abs(a), _abs(b), c["off"], rows_b=c["rows"])  # noqa: E731
+    _check(got, want, bound, int(c["off"].diff().max()) if E else 0, dtype, exact)
+
+
 def test_gather_wgrad_out_is_overwritten_and_empty_experts_zeroed():
     c = _make("empty_experts", torch.float32, False)
     b = torch.randn(c["rows"].numel(), c["N"], generator=c["g"])
@@ -407,6 +442,12 @@ BAD = [
     ("wg_offsets_2d", _wg(offsets=torch.zeros(2, 2, dtype=torch.int64)), ValueError, r"offsets must be 1-D"),
     ("wg_offsets_empty", _wg(offsets=torch.zeros(0, dtype=torch.int64)), ValueError,
      r"offsets must be \[E \+ 1\] with at least one entry"),
+    ("bias_shape", _gm(bias=torch.randn(3, 4)), ValueError, r"gather_mm: bias must be \[E, N\] = \[3, 5\]"),
+    ("bias_dtype", _gm(bias=torch.randn(3, 5, dtype=torch.float64)), TypeError,
+     r"bias has dtype torch.float64 but the operand has torch.float32"),
+    ("ms_bias", _ms(bias=torch.randn(2, 5)), ValueError, r"mm_scatter: bias must be \[E, N\] = \[3, 5\]"),
+    ("wg_rows_b", _wg(b=torch.randn(8, 5), rows_b=torch.tensor([0, 1, 2, 3, 4, 8])), ValueError,
+     r"gather_wgrad: rows_b holds values in \[0, 8\] but must lie in \[0, 8\) \(b has 8 rows\)"),
     ("impl", _gm(), ValueError, r"impl must be 'auto', 'native' or 'reference'"),
 ]
 

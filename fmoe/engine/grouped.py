@@ -40,7 +40,7 @@ class _GroupedMM(torch.autograd.Function):
             gx = g_rows if rows is None else torch.zeros_like(x).index_add_(0, rows, g_rows)
         if ctx.needs_input_grad[4]:
             if t:   # w [E, n, k]: gw[e] = gy_e^T x_e
-                gw = kern.wgrad(gy, x if rows is None else x.index_select(0, rows), plan)
+                gw = kern.wgrad(gy, x, plan, rows_b=rows)
             else:   # w [E, k, n]: gw[e] = x_e^T gy_e, x's rows gathered by the kernel
                 gw = kern.wgrad(x, gy, plan, rows=rows)
         return None, None, None, gx, gw, None

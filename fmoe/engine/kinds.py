@@ -9,10 +9,12 @@ Every built-in expert is an in-projection, an elementwise step and an out-projec
 
 :class:`ExpertForm` says which (static, hashable). :func:`run` is the fast path: the GEMMs are the
 kernel table's (:mod:`.table`, rows gathered by the kernel), the rest is a handful of whole-row
-torch ops, and no Python runs per expert. Backward saves only the in-projection's output z
-(x and the weights are the caller's) and recomputes h from it; it regathers x's rows inside
-the weight-gradient kernel and gets the gate-weight gradient from the out-projection's data
-gradient, ``<dy, h D> = <dy D^T, h>``, so no [N, O] output is kept. A user's activation
+torch ops, and no Python runs per expert. The biases are added inside the GEMM calls (each
+expert's block while it is in cache). Backward saves only the in-projection's output z (x and
+the weights are the caller's) and recomputes h from it; x's and dy's rows are gathered inside
+the kernels (no [N, M] or [N, O] copy), and the gate-weight gradient comes from the
+out-projection's data gradient, ``<dy, h D + d> = <dy D^T, h> + <dy, d>``, so no [N, O] output
+is kept. A user's activation
 callable (:attr:`ExpertForm.pure` is False: it may hold dropout, as Tutel's examples do) runs
 once, in forward, under autograd, and its graph is kept for backward instead. Double backward
 re-runs the reference under autograd (an impure activation is then called again).
@@ -139,11 +141,11 @@ def combine_rows(y_r: Tensor, w_rows: Tensor, plan: ExpertPlan, order: str = "fm
     return _accumulate(y_r, w_rows, plan, order, y_r.dtype)
 
 
-def scatters_output(b_out: Optional[Tensor], order: str, dtype: torch.dtype) -> bool:
-    """The output projection goes straight into y (the kernel's scatter) rather than through an
-    [N, O] buffer: no out-bias (it is added before the gate weight), and an order whose roundings
-    the scatter reproduces (transformers' bf16/fp16 eager order rounds each term to dt first)."""
-    return b_out is None and (order == "fmoe" or dtype in (torch.float32, torch.float64))
+def scatters_output(order: str, dtype: torch.dtype) -> bool:
+    """The output projection (and its bias) goes straight into y (the kernel's scatter) rather
+    than through an [N, O] buffer: in every order whose roundings the scatter reproduces
+    (transformers' bf16/fp16 eager order rounds each term to dt first)."""
+    return order == "fmoe" or dtype in (torch.float32, torch.float64)
 
 
 def _bias_rows(b: Optional[Tensor], expert: Optional[Tensor]) -> Optional[Tensor]:
@@ -152,11 +154,10 @@ def _bias_rows(b: Optional[Tensor], expert: Optional[Tensor]) -> Optional[Tensor
 
 def forward(kern: Kernel, form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple,
             b_in: Optional[Tensor], w_out: Tensor, b_out: Optional[Tensor], order: str, keep_graph: bool = False
-            ) -> tuple[Tensor, tuple, Optional[Tensor], Optional[tuple]]:
-    """(y [T, O] in x's dtype, z, expert-of-row [N] or None, graph) through the kernel ``kern``;
-    with ``keep_graph`` the elementwise step runs under autograd on z and graph is (z, h)."""
-    expert = plan.expert_of_rows() if (b_in is not None or b_out is not None) else None
-    z = _projections(kern, form, x, plan, w_in, b_in, expert)
+            ) -> tuple[Tensor, tuple, Optional[tuple]]:
+    """(y [T, O] in x's dtype, z, graph) through the kernel ``kern``; with ``keep_graph`` the
+    elementwise step runs under autograd on z and graph is (z, h)."""
+    z = _projections(kern, form, x, plan, w_in, b_in)
     graph = None
     if keep_graph:
         with torch.enable_grad():
@@ -165,16 +166,15 @@ def forward(kern: Kernel, form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Exp
     else:
         h = form.hidden(*z)
     dt = x.dtype
-    if scatters_output(b_out, order, dt):
+    if scatters_output(order, dt):
         # straight into y: the same products, roundings and order as _accumulate, no [N, O] buffer
         y = x.new_zeros((plan.num_tokens, w_out.shape[1] if form.out_transposed else w_out.shape[2]),
                         dtype=compute_dtype(dt) if order == "fmoe" else dt)
-        kern.scatter(h, w_out, plan, index=plan.tokens, out=y, scale=w_rows, transposed=form.out_transposed)
-        return y.to(dt), z, expert, graph
-    y_r = kern.mm(h, w_out, plan, transposed=form.out_transposed)
-    if b_out is not None:
-        y_r.add_(_bias_rows(b_out, expert))
-    return _accumulate(y_r, w_rows, plan, order, dt), z, expert, graph
+        kern.scatter(h, w_out, plan, index=plan.tokens, out=y, scale=w_rows, transposed=form.out_transposed,
+                     bias=b_out)
+        return y.to(dt), z, graph
+    y_r = kern.mm(h, w_out, plan, transposed=form.out_transposed, bias=b_out)
+    return _accumulate(y_r, w_rows, plan, order, dt), z, graph
 
 
 def reference(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, b_in: Optional[Tensor],
@@ -209,11 +209,9 @@ def reference(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_i
     return _accumulate(y_r, w_rows, plan, order, x.dtype)
 
 
-def _projections(kern: Kernel, form: ExpertForm, x: Tensor, plan: ExpertPlan, w_in: tuple, b_in, expert) -> tuple:
-    z = tuple(kern.mm(x, w, plan, rows=plan.tokens, transposed=form.in_transposed) for w in w_in)
-    if b_in is not None:
-        z[0].add_(_bias_rows(b_in, expert))
-    return z
+def _projections(kern: Kernel, form: ExpertForm, x: Tensor, plan: ExpertPlan, w_in: tuple, b_in) -> tuple:
+    return tuple(kern.mm(x, w, plan, rows=plan.tokens, transposed=form.in_transposed, bias=b_in if i == 0 else None)
+                 for i, w in enumerate(w_in))
 
 
 _STATIC = 5   # kern, form, plan, order, save: the arguments before the tensors
@@ -224,10 +222,9 @@ class _ExpertOp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, kern, form, plan, order, save, x, w_rows, b_in, w_out, b_out, *w_in):
-        y, z, expert, graph = forward(kern, form, x, w_rows, plan, w_in, b_in, w_out, b_out, order,
-                                      keep_graph=not form.pure)
+        y, z, graph = forward(kern, form, x, w_rows, plan, w_in, b_in, w_out, b_out, order, keep_graph=not form.pure)
         ctx.kern, ctx.form, ctx.plan, ctx.order = kern, form, plan, order
-        ctx.expert, ctx.graph = expert, graph   # graph: an impure activation's, kept whatever ``save`` says
+        ctx.graph = graph   # an impure activation's graph, kept whatever ``save`` says
         keep = save == "projections" and graph is None
         ctx.save_for_backward(x, w_rows, b_in, w_out, b_out, *w_in, *(z if keep else ()))
         ctx.n_in = len(w_in)
@@ -244,16 +241,17 @@ class _ExpertOp(torch.autograd.Function):
             return (None,) * _STATIC + _reference_grads(ctx, gy, need, x, w_rows, b_in, w_out, b_out, w_in)
         graph = ctx.graph
         if graph is None and not z:   # save='recompute': one more in-projection GEMM, no [N, H] kept
-            z = _projections(kern, form, x, plan, w_in, b_in, ctx.expert)
+            z = _projections(kern, form, x, plan, w_in, b_in)
         return (None,) * _STATIC + _backward(kern, form, plan, gy, need, x, w_rows, b_in, w_out, b_out, w_in, z,
-                                             ctx.expert, graph)
+                                             graph)
 
 
 def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need, x, w_rows, b_in, w_out, b_out,
-              w_in, z, expert, graph=None) -> tuple:
+              w_in, z, graph=None) -> tuple:
     dt, tokens = x.dtype, plan.tokens
     gy = gy.to(dt).contiguous()
     w_col = w_rows.unsqueeze(1)
+    expert = plan.expert_of_rows() if b_in is not None or b_out is not None else None
     if graph is None:   # a pure activation: recomputed from z
         zz = tuple(t.detach().requires_grad_() for t in z)
         with torch.enable_grad():
@@ -261,50 +259,39 @@ def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need
     else:
         zz, h = graph
     hd = h.detach()
-    # An out x in down projection (D [E, O, H]) takes gy's rows through the kernels' own gather
-    # and folds the gate weight into h (sum gy_t^T (w h)); a x @ W one needs gy's rows [N, O]
-    # as an operand of its weight gradient, so they are gathered once.
-    gu = None if form.out_transposed and b_out is None else gy.index_select(0, tokens)
-    rows = tokens if gu is None else None
-    # dL/dh without the gate weight: dy D^T; it also gives the gate-weight gradient <dy, h D + d>
-    gh_u = kern.mm(gy if gu is None else gu, w_out, plan, rows=rows, transposed=not form.out_transposed)
+    # dL/dh without the gate weight: dy[t] D^T (dy's rows gathered by the kernel); it also gives
+    # the gate-weight gradient <dy, h D + d> = <dy D^T, h> + <dy, d>
+    gh_u = kern.mm(gy, w_out, plan, rows=tokens, transposed=not form.out_transposed)
     g_rows = None
     if need[1]:
         acc = compute_dtype(dt)
         g_rows = torch.linalg.vecdot(gh_u.to(acc), hd.to(acc))
-        if b_out is not None:
-            g_rows = g_rows + torch.linalg.vecdot(gu.to(acc), b_out.to(acc).index_select(0, expert))
+        if b_out is not None:   # <dy_t, d_e>: one [T, E] product, read at each row's (token, expert)
+            g_rows = g_rows + (gy.to(acc) @ b_out.to(acc).t())[tokens, expert]
         g_rows = g_rows.to(w_rows.dtype)
     g_out = g_bout = None
-    if gu is None:
-        if need[3]:
-            g_out = kern.wgrad(gy, (hd * w_col).to(dt), plan, rows=tokens)
-    else:
-        gyr = gu.mul_(w_col)                                   # dL/dy_r, in gu's place
-        if need[3]:
-            g_out = kern.wgrad(gyr, hd, plan) if form.out_transposed else kern.wgrad(hd, gyr, plan)
-        if b_out is not None and need[4]:
-            g_bout = torch.zeros_like(b_out).index_add_(0, expert, gyr.to(b_out.dtype))
-    gu = gyr = None   # gy's rows [N, O] are done with
+    if need[3]:   # the gate weight folded into h: sum over e's rows of (w h)^T dy[t]
+        wh = (hd * w_col).to(dt)
+        g_out = kern.wgrad(gy, wh, plan, rows=tokens) if form.out_transposed else kern.wgrad(wh, gy, plan, rows_b=tokens)
+        del wh
+    if b_out is not None and need[4]:   # sum over e's rows of w dy[t]: the same kernel, a one-column operand
+        g_bout = kern.wgrad(w_col.to(dt), gy, plan, rows_b=tokens).squeeze(1).to(b_out.dtype)
     gh = gh_u.mul_(w_col)
     need_z = need[0] or need[2] or any(need[5:])
     # a kept graph stays usable for a second backward through a retained outer graph
     gz = torch.autograd.grad(h, zz, gh, retain_graph=graph is not None) if need_z else (None,) * len(zz)
-    del h, hd, gh, gh_u, zz   # the [N, H] rows are done with: the peak below is x's rows and dx
+    del h, hd, gh, gh_u, zz   # the [N, H] rows are done with: the peak below is gz and dx
     g_bin = None
     if b_in is not None and need[2]:
         g_bin = torch.zeros_like(b_in).index_add_(0, expert, gz[0].to(b_in.dtype))
     g_in = []
-    x_r = None
     for i, w in enumerate(w_in):
         if not need[5 + i]:
             g_in.append(None)
         elif form.in_transposed:
-            x_r = x.index_select(0, tokens) if x_r is None else x_r
-            g_in.append(kern.wgrad(gz[i], x_r, plan))
+            g_in.append(kern.wgrad(gz[i], x, plan, rows_b=tokens))
         else:
             g_in.append(kern.wgrad(x, gz[i], plan, rows=tokens))
-    del x_r
     gx = None
     if need[0]:
         gx = torch.zeros_like(x)

@@ -2,13 +2,14 @@
 
 Every expert GEMM of the engine is one of two grouped forms over a plan's rows:
 
-* ``mm(a, w, plan, rows=, transposed=)`` -> [N, n]: row r of expert e is ``a[rows[r]] @ op(w[e])``
-  (``rows=None``: a is already [N, k] in plan order). op(w) is w [E, k, n] or, with
-  ``transposed``, w [E, n, k] read as its transpose (nn.Linear's out x in).
-* ``wgrad(a, b, plan, rows=)`` -> [E, P, Q]: ``sum over e's rows of a[rows[r]]^T b[r]``.
-* ``scatter(a, w, plan, index=, out=, scale=, transposed=)``: ``out[index[r]] += scale[r] * (a[r] @
-  op(w[e]))``, a token's terms in ascending expert order (the output projection straight into
-  y, the data gradient straight into dx: no [N, n] buffer).
+* ``mm(a, w, plan, rows=, transposed=, bias=)`` -> [N, n]: row r of expert e is ``a[rows[r]] @
+  op(w[e]) (+ bias[e])`` (``rows=None``: a is already [N, k] in plan order). op(w) is w [E, k, n]
+  or, with ``transposed``, w [E, n, k] read as its transpose (nn.Linear's out x in).
+* ``wgrad(a, b, plan, rows=, rows_b=)`` -> [E, P, Q]: ``sum over e's rows of a[rows[r]]^T
+  b[rows_b[r]]`` (either operand gathered by the kernel, or already in plan order).
+* ``scatter(a, w, plan, index=, out=, scale=, transposed=, bias=)``: ``out[index[r]] += scale[r] *
+  (a[r] @ op(w[e]) (+ bias[e]))``, a token's terms in ascending expert order (the output
+  projection straight into y, the data gradient straight into dx: no [N, n] buffer).
 
 :func:`select` is the one place that picks a kernel; :func:`explain` prints what each GEMM of
 a step would run and why (``python -m fmoe info --explain SHAPE``).
@@ -40,9 +41,9 @@ class Kernel:
     Attributes:
         name: what runs ('cpu-native', 'cpu-torch', 'cuda-grouped-mm', 'cuda-torch').
         why: one line: why this entry has this kernel.
-        mm: ``mm(a, w, plan, *, rows, transposed) -> [N, n]`` in a's dtype.
-        wgrad: ``wgrad(a, b, plan, *, rows) -> [E, P, Q]`` in a's dtype.
-        scatter: ``scatter(a, w, plan, *, index, out, scale, transposed) -> out``.
+        mm: ``mm(a, w, plan, *, rows, transposed, bias) -> [N, n]`` in a's dtype.
+        wgrad: ``wgrad(a, b, plan, *, rows, rows_b) -> [E, P, Q]`` in a's dtype.
+        scatter: ``scatter(a, w, plan, *, index, out, scale, transposed, bias) -> out``.
     """
 
     name: str
@@ -57,23 +58,31 @@ def _native_kernel(impl: str, regime: str = "auto") -> tuple:
     threading regime; 'reference': their per-expert torch.mm twins)."""
     kw = {} if impl == "reference" else {"regime": regime}
 
-    def mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None, transposed: bool) -> Tensor:
-        return native.gather_mm(a, w, plan.offsets, rows=rows, transposed=transposed, impl=impl, **kw)
+    def mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None, transposed: bool,
+           bias: Optional[Tensor] = None) -> Tensor:
+        return native.gather_mm(a, w, plan.offsets, rows=rows, transposed=transposed, bias=bias, impl=impl, **kw)
 
-    def wgrad(a: Tensor, b: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None) -> Tensor:
-        return native.gather_wgrad(a, b, plan.offsets, rows=rows, impl=impl, **kw)
+    def wgrad(a: Tensor, b: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None,
+              rows_b: Optional[Tensor] = None) -> Tensor:
+        return native.gather_wgrad(a, b, plan.offsets, rows=rows, rows_b=rows_b, impl=impl, **kw)
 
     def scatter(a: Tensor, w: Tensor, plan: ExpertPlan, *, index: Tensor, out: Tensor, scale: Optional[Tensor] = None,
-                transposed: bool) -> Tensor:
-        return native.mm_scatter(a, w, plan.offsets, index, out, scale=scale, transposed=transposed, impl=impl, **kw)
+                transposed: bool, bias: Optional[Tensor] = None) -> Tensor:
+        return native.mm_scatter(a, w, plan.offsets, index, out, scale=scale, transposed=transposed, bias=bias,
+                                 impl=impl, **kw)
 
     return mm, wgrad, scatter
 
 
+def _add_bias(y: Tensor, bias: Optional[Tensor], plan: ExpertPlan) -> Tensor:
+    return y if bias is None else y.add_(bias.index_select(0, plan.expert_of_rows()))
+
+
 def _numba_rows_mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None,
-                   transposed: bool) -> Tensor:
+                   transposed: bool, bias: Optional[Tensor] = None) -> Tensor:
     """Few-row experts in one numba call (:func:`fmoe.ops.numba_cpu.few_rows_mm`), forward only."""
-    return numba_cpu.few_rows_mm(a if rows is None else a.index_select(0, rows), w, list(plan.bounds), transposed)
+    y = numba_cpu.few_rows_mm(a if rows is None else a.index_select(0, rows), w, list(plan.bounds), transposed)
+    return _add_bias(y, bias, plan)
 
 
 def _grouped_mm_ok(*ts: Tensor) -> bool:
@@ -89,7 +98,8 @@ def _grouped_mm_ok(*ts: Tensor) -> bool:
     return True
 
 
-def _grouped_mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None, transposed: bool) -> Tensor:
+def _grouped_mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None, transposed: bool,
+                bias: Optional[Tensor] = None) -> Tensor:
     """One ``torch._grouped_mm`` over every expert (rows gathered first); the per-expert
     reference where its layout rule refuses the operands."""
     if rows is not None:
@@ -97,14 +107,14 @@ def _grouped_mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor
     op = w.transpose(1, 2) if transposed else w
     if plan.num_rows and _grouped_mm_ok(a, op):
         offs = plan.offsets[1:].to(device=a.device, dtype=torch.int32)
-        return torch._grouped_mm(a, op, offs=offs)
-    return native.gather_mm_reference(a, w, plan.offsets.to(a.device), transposed=transposed)
+        return _add_bias(torch._grouped_mm(a, op, offs=offs), bias, plan)
+    return native.gather_mm_reference(a, w, plan.offsets.to(a.device), transposed=transposed, bias=bias)
 
 
 def _scatter_through(mm: Callable) -> Callable:
     """A scatter from an ``mm``: the products into a buffer, then one index_add_ (rows in expert order)."""
-    def scatter(a, w, plan, *, index, out, scale=None, transposed):
-        y = mm(a, w, plan, transposed=transposed).to(out.dtype)
+    def scatter(a, w, plan, *, index, out, scale=None, transposed, bias=None):
+        y = mm(a, w, plan, transposed=transposed, bias=bias).to(out.dtype)
         return out.index_add_(0, index, y if scale is None else y * scale.to(out.dtype).unsqueeze(1))
     return scatter
 

@@ -7,12 +7,16 @@ on the CPU, non-decreasing, ``offsets[0] = 0``, ``offsets[E] = R``. ``op(w[e])``
 (``transposed=True``, nn.Linear's out x in). Weights are never copied: each
 expert's 2-D view goes to ``at::mm`` as it is.
 
-    gather_mm(x, w, offsets, rows=None, transposed=False, out=None)      -> y [R, N]
-        y[r] = x[rows[r]] @ op(w[e])            (rows=None: x is [R, K] in expert order)
-    mm_scatter(a, w, offsets, index, out, scale=None, transposed=False)  -> out [T, N]
-        out[index[r]] += scale[r] * (a[r] @ op(w[e]))
-    gather_wgrad(a, b, offsets, rows=None, out=None)                     -> z [E, P, Q]
-        z[e] = sum over e's rows r of a[rows[r]]^T b[r]     (zeros for an expert with no rows)
+    gather_mm(x, w, offsets, rows=None, transposed=False, out=None, bias=None)      -> y [R, N]
+        y[r] = x[rows[r]] @ op(w[e]) (+ bias[e])     (rows=None: x is [R, K] in expert order)
+    mm_scatter(a, w, offsets, index, out, scale=None, transposed=False, bias=None)  -> out [T, N]
+        out[index[r]] += scale[r] * (a[r] @ op(w[e]) (+ bias[e]))
+    gather_wgrad(a, b, offsets, rows=None, rows_b=None, out=None)                   -> z [E, P, Q]
+        z[e] = sum over e's rows r of a[rows[r]]^T b[rows_b[r]]   (zeros for an expert with no rows)
+
+Gathered rows and biases never leave the call: each expert's rows are gathered into a scratch
+the size of the largest expert, and its bias is added to its output block while that is in
+cache, so no [R, K] gathered copy or [R, N] bias-rows tensor is ever made.
 
 Each has a ``*_reference`` twin, a Python loop of torch ops that is the oracle and the
 fallback. ``impl="auto"`` (default) runs the extension when it is active and the
@@ -296,6 +300,15 @@ def _check_out(fn: str, out, shape: tuple, dtype: Optional[torch.dtype], how: st
         _fail(fn, "out must be contiguous (it is written in place); pass a fresh torch.empty or None")
 
 
+def _check_bias(fn: str, bias, like: Tensor, E: int, N: int) -> None:
+    if bias is None:
+        return
+    _check_tensor(fn, "bias", bias, 2)
+    if tuple(bias.shape) != (E, N):
+        _fail(fn, f"bias must be [E, N] = [{E}, {N}] (one row per expert), got {tuple(bias.shape)}")
+    _check_same_dtype(fn, "the operand", like, "bias", bias)
+
+
 def regime_for(offsets_list: list, matrix_bytes: int, regime: str = "auto") -> str:
     """'parallel' or 'serial': the threading the native kernels use for these expert bounds
     (a list, ``offsets.tolist()``) and per-expert matrices of ``matrix_bytes`` (w[e], or z[e])."""
@@ -332,48 +345,58 @@ def _op(w: Tensor, e: int, transposed: bool) -> Tensor:
 
 
 def gather_mm_reference(x: Tensor, w: Tensor, offsets: Tensor, *, rows: Optional[Tensor] = None,
-                        transposed: bool = False, out: Optional[Tensor] = None) -> Tensor:
-    """Oracle of :func:`gather_mm`: per expert ``torch.mm(x.index_select(0, rows[lo:hi]), op(w[e]))``, written
-    into y's own rows ``out=y[lo:hi]`` (MKL's one-row product depends on where its output lies)."""
+                        transposed: bool = False, out: Optional[Tensor] = None,
+                        bias: Optional[Tensor] = None) -> Tensor:
+    """Oracle of :func:`gather_mm`: per expert ``torch.mm(x.index_select(0, rows[lo:hi]), op(w[e]))`` (a fresh
+    tensor, copied into y's rows) ``+ bias[e]``."""
     o = offsets.tolist()
     N = _inner_dims(w, transposed)[1]
-    y = torch.empty(o[-1], N, dtype=x.dtype) if out is None else out
+    y = torch.empty(o[-1], N, dtype=x.dtype, device=x.device) if out is None else out
     x = x.contiguous()
     for e in range(w.shape[0]):
         lo, hi = o[e], o[e + 1]
         if hi > lo:
             xe = x[lo:hi] if rows is None else x.index_select(0, rows[lo:hi])
-            torch.mm(xe, _op(w, e, transposed), out=y[lo:hi])
+            y[lo:hi] = torch.mm(xe, _op(w, e, transposed))
+            if bias is not None:
+                y[lo:hi] += bias[e]
     return y
 
 
 def mm_scatter_reference(a: Tensor, w: Tensor, offsets: Tensor, index: Tensor, out: Tensor, *,
-                         scale: Optional[Tensor] = None, transposed: bool = False) -> Tensor:
+                         scale: Optional[Tensor] = None, transposed: bool = False,
+                         bias: Optional[Tensor] = None) -> Tensor:
     """Oracle of :func:`mm_scatter`: per expert in ascending id, ``y = torch.mm(a[lo:hi], op(w[e]))``
-    then ``out.index_add_(0, index[lo:hi], y.to(out.dtype) * scale[lo:hi, None].to(out.dtype))``."""
+    (``+ bias[e]`` in a's dtype), then ``out.index_add_(0, index[lo:hi], y.to(out.dtype) *
+    scale[lo:hi, None].to(out.dtype))``."""
     o = offsets.tolist()
     a = a.contiguous()
     s = None if scale is None else scale.to(out.dtype)
     for e in range(w.shape[0]):
         lo, hi = o[e], o[e + 1]
         if hi > lo:
-            y = torch.mm(a[lo:hi], _op(w, e, transposed)).to(out.dtype)
+            y = torch.mm(a[lo:hi], _op(w, e, transposed))
+            if bias is not None:
+                y += bias[e]
+            y = y.to(out.dtype)
             out.index_add_(0, index[lo:hi], y if s is None else y * s[lo:hi, None])
     return out
 
 
 def gather_wgrad_reference(a: Tensor, b: Tensor, offsets: Tensor, *, rows: Optional[Tensor] = None,
-                           out: Optional[Tensor] = None) -> Tensor:
-    """Oracle of :func:`gather_wgrad`: per expert ``torch.mm(a_e.t(), b[lo:hi])``, zeros when empty."""
+                           out: Optional[Tensor] = None, rows_b: Optional[Tensor] = None) -> Tensor:
+    """Oracle of :func:`gather_wgrad`: per expert ``torch.mm(a_e.t(), b_e)``, zeros when empty (a_e, b_e:
+    the expert's rows, gathered by rows / rows_b where given)."""
     o = offsets.tolist()
     E = len(o) - 1
-    z = torch.empty(E, a.shape[1], b.shape[1], dtype=a.dtype) if out is None else out
+    z = torch.empty(E, a.shape[1], b.shape[1], dtype=a.dtype, device=a.device) if out is None else out
     a, b = a.contiguous(), b.contiguous()
     for e in range(E):
         lo, hi = o[e], o[e + 1]
         if hi > lo:
             ae = a[lo:hi] if rows is None else a.index_select(0, rows[lo:hi])
-            z[e] = torch.mm(ae.t(), b[lo:hi])
+            be = b[lo:hi] if rows_b is None else b.index_select(0, rows_b[lo:hi])
+            z[e] = torch.mm(ae.t(), be)
         else:
             z[e].zero_()
     return z
@@ -383,7 +406,7 @@ def gather_wgrad_reference(a: Tensor, b: Tensor, offsets: Tensor, *, rows: Optio
 
 def gather_mm(x: Tensor, w: Tensor, offsets: Tensor, *, rows: Optional[Tensor] = None,
               transposed: bool = False, out: Optional[Tensor] = None, impl: str = "auto",
-              regime: str = "auto") -> Tensor:
+              regime: str = "auto", bias: Optional[Tensor] = None) -> Tensor:
     """``y[r] = x[rows[r]] @ op(w[e])`` for every row r of every expert e, in one call.
 
     Args:
@@ -393,6 +416,7 @@ def gather_mm(x: Tensor, w: Tensor, offsets: Tensor, *, rows: Optional[Tensor] =
         rows: int64 [R] token index into x, or None.
         out: optional contiguous [R, N] of x's dtype to write into.
         impl: 'auto' | 'native' | 'reference'.  regime: 'auto' | 'serial' | 'parallel'.
+        bias: optional [E, N] of x's dtype, added to each expert's rows after its product.
     Returns:
         y [R, N] in x's dtype (``out`` when given).
     """
@@ -406,20 +430,22 @@ def gather_mm(x: Tensor, w: Tensor, offsets: Tensor, *, rows: Optional[Tensor] =
         _check_index(fn, "rows", rows, R, x.shape[0], "x")
     if out is not None:
         _check_out(fn, out, (R, N), x.dtype, "R = offsets[-1], N of op(w[e])")
+    _check_bias(fn, bias, x, w.shape[0], N)
     parallel = regime_for(o, K * N * x.element_size(), regime) == "parallel"
     if not _use_native(fn, impl):
-        return gather_mm_reference(x, w, offsets, rows=rows, transposed=transposed, out=out)
+        return gather_mm_reference(x, w, offsets, rows=rows, transposed=transposed, out=out, bias=bias)
     y = torch.empty(R, N, dtype=x.dtype) if out is None else out
     if R:
         _EXT.gather_mm(x.contiguous(), w, offsets.contiguous(),
-                       None if rows is None else rows.contiguous(), transposed, y, parallel)
+                       None if rows is None else rows.contiguous(), transposed, y, parallel,
+                       None if bias is None else bias.contiguous())
     return y
 
 
 def mm_scatter(a: Tensor, w: Tensor, offsets: Tensor, index: Tensor, out: Tensor, *,
                scale: Optional[Tensor] = None, transposed: bool = False, impl: str = "auto",
-               regime: str = "auto") -> Tensor:
-    """``out[index[r]] += scale[r] * (a[r] @ op(w[e]))`` for every row r of every expert e.
+               regime: str = "auto", bias: Optional[Tensor] = None) -> Tensor:
+    """``out[index[r]] += scale[r] * (a[r] @ op(w[e]) + bias[e])`` for every row r of every expert e.
 
     Args:
         a: float [R, K] in expert order.  w: [E, K, N] (or [E, N, K] with ``transposed``), a's dtype.
@@ -427,8 +453,9 @@ def mm_scatter(a: Tensor, w: Tensor, offsets: Tensor, index: Tensor, out: Tensor
         index: int64 [R] into out's rows; distinct within an expert, repeated across experts.
         out: contiguous float [T, N], any of the four dtypes, updated in place.
         scale: optional float [R] (None = 1).
+        bias: optional [E, N] of a's dtype, added to the product in a's dtype before the scale.
     Returns:
-        out. Rounding (see the module docstring): product in a's dtype, then out's dtype for the
+        out. Rounding (see the module docstring): product (and bias) in a's dtype, then out's dtype for the
         scale multiply and the add; a token's terms added in ascending expert id.
     """
     fn = "mm_scatter"
@@ -444,24 +471,27 @@ def mm_scatter(a: Tensor, w: Tensor, offsets: Tensor, index: Tensor, out: Tensor
         _check_tensor(fn, "scale", scale, 1)
         if scale.shape[0] != R:
             _fail(fn, f"scale must be [R] = [{R}] (one weight per row), got {tuple(scale.shape)}")
+    _check_bias(fn, bias, a, w.shape[0], N)
     parallel = regime_for(o, K * N * a.element_size(), regime) == "parallel"
     if not _use_native(fn, impl):
-        return mm_scatter_reference(a, w, offsets, index, out, scale=scale, transposed=transposed)
+        return mm_scatter_reference(a, w, offsets, index, out, scale=scale, transposed=transposed, bias=bias)
     if R:
         _EXT.mm_scatter(a.contiguous(), w, offsets.contiguous(), index.contiguous(), out,
-                        None if scale is None else scale.contiguous(), transposed, parallel)
+                        None if scale is None else scale.contiguous(), transposed, parallel,
+                        None if bias is None else bias.contiguous())
     return out
 
 
 def gather_wgrad(a: Tensor, b: Tensor, offsets: Tensor, *, rows: Optional[Tensor] = None,
-                 out: Optional[Tensor] = None, impl: str = "auto", regime: str = "auto") -> Tensor:
-    """``z[e] = sum over e's rows r of a[rows[r]]^T b[r]`` (the weight gradient), in one call.
+                 out: Optional[Tensor] = None, impl: str = "auto", regime: str = "auto",
+                 rows_b: Optional[Tensor] = None) -> Tensor:
+    """``z[e] = sum over e's rows r of a[rows[r]]^T b[rows_b[r]]`` (the weight gradient), in one call.
 
     Args:
         a: float [T, P] (rows given) or [R, P] in expert order (rows=None).
-        b: [R, Q], a's dtype.
+        b: [T', Q] (rows_b given) or [R, Q] in expert order (rows_b=None), a's dtype.
         offsets: int64 [E + 1] on the CPU; ``offsets[-1] = R``.
-        rows: int64 [R] index into a, or None.
+        rows: int64 [R] index into a, or None.  rows_b: int64 [R] index into b, or None.
         out: optional contiguous [E, P, Q] of a's dtype, overwritten.
     Returns:
         z [E, P, Q] in a's dtype; an expert with no rows gets zeros.
@@ -470,8 +500,12 @@ def gather_wgrad(a: Tensor, b: Tensor, offsets: Tensor, *, rows: Optional[Tensor
     _check_tensor(fn, "a", a, 2)
     _check_tensor(fn, "b", b, 2)
     _check_same_dtype(fn, "a", a, "b", b)
-    o = _check_offsets(fn, offsets, None, b.shape[0])
+    if rows_b is not None:
+        _check_tensor(fn, "rows_b", rows_b, 1, dtypes=(torch.int64,))
+    o = _check_offsets(fn, offsets, None, b.shape[0] if rows_b is None else rows_b.shape[0])
     E, R = len(o) - 1, o[-1]
+    if rows_b is not None:
+        _check_index(fn, "rows_b", rows_b, R, b.shape[0], "b")
     if rows is None:
         if a.shape[0] != R:
             _fail(fn, f"a is {tuple(a.shape)} but must have R = {R} rows when rows is None "
@@ -483,11 +517,12 @@ def gather_wgrad(a: Tensor, b: Tensor, offsets: Tensor, *, rows: Optional[Tensor
         _check_out(fn, out, (E, P, Q), a.dtype, "E experts, P = a.shape[1], Q = b.shape[1]")
     parallel = regime_for(o, P * Q * a.element_size(), regime) == "parallel"
     if not _use_native(fn, impl):
-        return gather_wgrad_reference(a, b, offsets, rows=rows, out=out)
+        return gather_wgrad_reference(a, b, offsets, rows=rows, out=out, rows_b=rows_b)
     z = torch.empty(E, P, Q, dtype=a.dtype) if out is None else out
     if E:
         _EXT.gather_wgrad(a.contiguous(), b.contiguous(), offsets.contiguous(),
-                          None if rows is None else rows.contiguous(), z, parallel)
+                          None if rows is None else rows.contiguous(), z, parallel,
+                          None if rows_b is None else rows_b.contiguous())
     return z
 
 

@@ -75,6 +75,19 @@ void check_index(const at::Tensor& idx, int64_t R, int64_t bound, const char* na
                       " is outside [0, ", bound, ")");
 }
 
+// bias, when given: [E, N] of the product's dtype, one row per expert.
+void check_bias(const c10::optional<at::Tensor>& bias, int64_t E, int64_t N) {
+  if (!bias.has_value()) return;
+  TORCH_CHECK_VALUE(bias->dim() == 2 && bias->size(0) == E && bias->size(1) == N && bias->device().is_cpu(),
+                    "bias must be a CPU [E, N] = [", E, ", ", N, "] tensor");
+}
+
+// o += bias[e] (broadcast over the expert's rows), while the block is still in cache: the
+// reference's separate add, one rounding in o's dtype.
+void add_bias(at::Tensor& o, const c10::optional<at::Tensor>& bias, int64_t e) {
+  if (bias.has_value()) o.add_(bias->select(0, e));
+}
+
 at::Tensor expert_weight(const at::Tensor& w, int64_t e, bool transposed) {
   at::Tensor we = w.select(0, e);
   return transposed ? we.t() : we;
@@ -158,7 +171,8 @@ void check_cpu_contiguous_out(const at::Tensor& out, const char* name) {
 
 // y[r] = x[rows[r]] @ op(w[e]) for r in expert e's rows, written into out [R, N].
 void gather_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offsets,
-               const c10::optional<at::Tensor>& rows, bool transposed, at::Tensor out, bool parallel) {
+               const c10::optional<at::Tensor>& rows, bool transposed, at::Tensor out, bool parallel,
+               const c10::optional<at::Tensor>& bias) {
   at::AutoDispatchBelowADInplaceOrView guard;
   check_cpu_contiguous_out(out, "out");
   TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && w.dim() == 3 && out.dim() == 2,
@@ -175,19 +189,24 @@ void gather_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offse
   } else {
     TORCH_CHECK_VALUE(x.size(0) == R, "x must have R = ", R, " rows when rows is None");
   }
+  check_bias(bias, E, N);
   if (parallel) {
     // One gather buffer, each expert filling its own slice: no sharing between threads.
     at::Tensor g = rp ? at::empty({R, K}, x.options()) : at::Tensor();
     parallel_over_experts(spans, [&](const Span& s) {
       at::Tensor xe = rp ? g.narrow(0, s.lo, s.n) : x.narrow(0, s.lo, s.n);
       if (rp) gather_rows(x, rp + s.lo, s.n, xe);
-      mm_into(out.narrow(0, s.lo, s.n), xe, expert_weight(w, s.expert, transposed));
+      at::Tensor o = out.narrow(0, s.lo, s.n);
+      mm_into(o, xe, expert_weight(w, s.expert, transposed));
+      add_bias(o, bias, s.expert);
     });
   } else {
     // One scratch the size of the largest expert, reused: stays in cache, bounded memory.
     at::Tensor scratch = rp ? at::empty({max_rows(spans), K}, x.options()) : at::Tensor();
     for (const auto& s : spans) {
-      mm_into(out.narrow(0, s.lo, s.n), expert_rows(x, rp, s, scratch), expert_weight(w, s.expert, transposed));
+      at::Tensor o = out.narrow(0, s.lo, s.n);
+      mm_into(o, expert_rows(x, rp, s, scratch), expert_weight(w, s.expert, transposed));
+      add_bias(o, bias, s.expert);
     }
   }
 }
@@ -195,7 +214,7 @@ void gather_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offse
 // out[index[r]] += scale[r] * (a[r] @ op(w[e])) for r in expert e's rows, ascending e.
 void mm_scatter(const at::Tensor& a, const at::Tensor& w, const at::Tensor& offsets,
                 const at::Tensor& index, at::Tensor out, const c10::optional<at::Tensor>& scale,
-                bool transposed, bool parallel) {
+                bool transposed, bool parallel, const c10::optional<at::Tensor>& bias) {
   at::AutoDispatchBelowADInplaceOrView guard;
   check_cpu_contiguous_out(out, "out");
   TORCH_CHECK_VALUE(a.dim() == 2 && a.is_contiguous() && w.dim() == 3 && out.dim() == 2,
@@ -206,6 +225,7 @@ void mm_scatter(const at::Tensor& a, const at::Tensor& w, const at::Tensor& offs
   TORCH_CHECK_VALUE(a.size(1) == K && out.size(1) == N, "a [R, K] / out [T, N] do not match w");
   const auto spans = busy_spans(offsets, E, R);
   check_index(index, R, out.size(0), "index");
+  check_bias(bias, E, N);
   at::Tensor scale_o;
   if (scale.has_value()) {
     TORCH_CHECK_VALUE(scale->dim() == 1 && scale->size(0) == R, "scale must be [R] = [", R, "]");
@@ -216,7 +236,9 @@ void mm_scatter(const at::Tensor& a, const at::Tensor& w, const at::Tensor& offs
     // Products in parallel into one buffer, then one serial (ascending-row) scatter.
     at::Tensor p = at::empty({R, N}, a.options());
     parallel_over_experts(spans, [&](const Span& s) {
-      mm_into(p.narrow(0, s.lo, s.n), a.narrow(0, s.lo, s.n), expert_weight(w, s.expert, transposed));
+      at::Tensor pe = p.narrow(0, s.lo, s.n);
+      mm_into(pe, a.narrow(0, s.lo, s.n), expert_weight(w, s.expert, transposed));
+      add_bias(pe, bias, s.expert);
     });
     scatter_add(p, ip, scale_o, 0, out);
   } else {
@@ -224,6 +246,7 @@ void mm_scatter(const at::Tensor& a, const at::Tensor& w, const at::Tensor& offs
     for (const auto& s : spans) {
       at::Tensor pe = scratch.narrow(0, 0, s.n);
       at::mm_out(pe, a.narrow(0, s.lo, s.n), expert_weight(w, s.expert, transposed));
+      add_bias(pe, bias, s.expert);
       scatter_add(pe, ip, scale_o, s.lo, out);
     }
   }
@@ -231,14 +254,16 @@ void mm_scatter(const at::Tensor& a, const at::Tensor& w, const at::Tensor& offs
 
 // z[e] = a[rows of e]^T @ b[rows of e] into out [E, P, Q]; experts without rows get zeros.
 void gather_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets,
-                  const c10::optional<at::Tensor>& rows, at::Tensor out, bool parallel) {
+                  const c10::optional<at::Tensor>& rows, at::Tensor out, bool parallel,
+                  const c10::optional<at::Tensor>& rows_b) {
   at::AutoDispatchBelowADInplaceOrView guard;
   check_cpu_contiguous_out(out, "out");
   TORCH_CHECK_VALUE(a.dim() == 2 && a.is_contiguous() && b.dim() == 2 && b.is_contiguous() &&
                         out.dim() == 3,
                     "a and b must be contiguous 2-D, out 3-D");
-  const int64_t E = out.size(0), R = b.size(0), P = a.size(1);
-  TORCH_CHECK_VALUE(out.size(1) == P && out.size(2) == b.size(1), "out must be [E, P, Q]");
+  const int64_t E = out.size(0), P = a.size(1), Q = b.size(1);
+  const int64_t R = rows_b.has_value() ? rows_b->size(0) : b.size(0);
+  TORCH_CHECK_VALUE(out.size(1) == P && out.size(2) == Q, "out must be [E, P, Q]");
   const auto spans = busy_spans(offsets, E, R);
   const int64_t* rp = nullptr;
   if (rows.has_value()) {
@@ -247,36 +272,49 @@ void gather_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor& of
   } else {
     TORCH_CHECK_VALUE(a.size(0) == R, "a must have R = ", R, " rows when rows is None");
   }
+  const int64_t* rbp = nullptr;
+  if (rows_b.has_value()) {
+    check_index(*rows_b, R, b.size(0), "rows_b");
+    rbp = rows_b->const_data_ptr<int64_t>();
+  }
   {
     const int64_t* o = offsets.const_data_ptr<int64_t>();
     for (int64_t e = 0; e < E; ++e)
       if (o[e + 1] == o[e]) out.select(0, e).zero_();
   }
-  auto product = [&](const Span& s, const at::Tensor& ae) {
-    mm_into(out.select(0, s.expert), ae.t(), b.narrow(0, s.lo, s.n));
+  auto product = [&](const Span& s, const at::Tensor& ae, const at::Tensor& be) {
+    mm_into(out.select(0, s.expert), ae.t(), be);
   };
   if (parallel) {
     at::Tensor g = rp ? at::empty({R, P}, a.options()) : at::Tensor();
+    at::Tensor gb = rbp ? at::empty({R, Q}, b.options()) : at::Tensor();
     parallel_over_experts(spans, [&](const Span& s) {
       at::Tensor ae = rp ? g.narrow(0, s.lo, s.n) : a.narrow(0, s.lo, s.n);
       if (rp) gather_rows(a, rp + s.lo, s.n, ae);
-      product(s, ae);
+      at::Tensor be = rbp ? gb.narrow(0, s.lo, s.n) : b.narrow(0, s.lo, s.n);
+      if (rbp) gather_rows(b, rbp + s.lo, s.n, be);
+      product(s, ae, be);
     });
   } else {
-    at::Tensor scratch = rp ? at::empty({max_rows(spans), P}, a.options()) : at::Tensor();
-    for (const auto& s : spans) product(s, expert_rows(a, rp, s, scratch));
+    // Scratch the size of the largest expert, reused: the gathered rows stay in cache and the
+    // memory is bounded by one expert's rows, never all R.
+    const int64_t m = max_rows(spans);
+    at::Tensor scratch = rp ? at::empty({m, P}, a.options()) : at::Tensor();
+    at::Tensor scratch_b = rbp ? at::empty({m, Q}, b.options()) : at::Tensor();
+    for (const auto& s : spans) product(s, expert_rows(a, rp, s, scratch), expert_rows(b, rbp, s, scratch_b));
   }
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fmoe native CPU grouped GEMM (see fmoe/engine/native.py for the API and semantics)";
-  m.def("gather_mm", &gather_mm, "y[r] = x[rows[r]] @ op(w[e]) into out", py::arg("x"), py::arg("w"),
-        py::arg("offsets"), py::arg("rows"), py::arg("transposed"), py::arg("out"), py::arg("parallel"));
-  m.def("mm_scatter", &mm_scatter, "out[index[r]] += scale[r] * (a[r] @ op(w[e]))", py::arg("a"),
+  m.doc() = "fmoe native CPU grouped GEMM (see fmoe/ops/native.py for the API and semantics)";
+  m.def("gather_mm", &gather_mm, "y[r] = x[rows[r]] @ op(w[e]) (+ bias[e]) into out", py::arg("x"), py::arg("w"),
+        py::arg("offsets"), py::arg("rows"), py::arg("transposed"), py::arg("out"), py::arg("parallel"),
+        py::arg("bias"));
+  m.def("mm_scatter", &mm_scatter, "out[index[r]] += scale[r] * (a[r] @ op(w[e]) (+ bias[e]))", py::arg("a"),
         py::arg("w"), py::arg("offsets"), py::arg("index"), py::arg("out"), py::arg("scale"),
-        py::arg("transposed"), py::arg("parallel"));
-  m.def("gather_wgrad", &gather_wgrad, "z[e] = a[rows of e]^T b[rows of e] into out", py::arg("a"),
-        py::arg("b"), py::arg("offsets"), py::arg("rows"), py::arg("out"), py::arg("parallel"));
+        py::arg("transposed"), py::arg("parallel"), py::arg("bias"));
+  m.def("gather_wgrad", &gather_wgrad, "z[e] = a[rows of e]^T b[rows_b of e] into out", py::arg("a"),
+        py::arg("b"), py::arg("offsets"), py::arg("rows"), py::arg("out"), py::arg("parallel"), py::arg("rows_b"));
 }
