@@ -321,17 +321,17 @@ def _as_stored(w_in: tuple, w_out, in_t: bool, out_t: bool) -> tuple:
 def engine_weights(spec: ExpertSpec, params) -> Optional[dict]:
     """The keyword arguments of :func:`fmoe.engine.run` for these experts, or None.
 
-    Every built-in kind with float weights runs on the engine (:func:`expert_form`). A weight
+    Every built-in kind with float weights runs on the engine (:func:`expert_form`), with or
+    without a quantized-training recipe (``spec.precision``: float master weights). A weight
     given as a transposed view of contiguous storage (``fmoe.nn.MoELayer`` holds gated_ffn
     weights out x in and hands out x @ W views) reaches the engine as that storage. Custom
-    experts, packed (quantized) weights and quantized-training recipes return None and take
-    the staged pipeline.
+    experts and packed (quantized) weights return None and take the staged pipeline.
 
     Returns:
         ``{"form": ExpertForm, "w_in": tuple, "w_out": Tensor, "b_in": Tensor | None,
         "b_out": Tensor | None}``.
     """
-    if spec.precision is not None or spec.type == "custom":
+    if spec.type == "custom":
         return None
     kw = expert_form(spec, params)
     tensors = (*kw["w_in"], kw["w_out"]) + tuple(t for t in (kw["b_in"], kw["b_out"]) if t is not None)

@@ -69,12 +69,13 @@ class MoESpec:
             sorted by expert, each projection one grouped-GEMM call whose kernel gathers x's
             rows itself, the outputs added straight into y; only kept pairs are multiplied
             (either layout). Every built-in kind with float weights (ffn with any activation,
-            gated_ffn, swiglu, gpt_oss). Equal to the staged pipeline within float rounding
+            gated_ffn, swiglu, gpt_oss), quantized-training recipes included (quantize blocks
+            per expert, as on the ragged layout). Equal to the staged pipeline within float rounding
             (the k terms of a token are summed in expert order); combine='eager' stays
             transformers' order bit for bit. False: the staged pipeline (dispatch -> seam ->
             combine; with the padded layout Tutel's arithmetic bit for bit). Under torch.func /
-            torch.compile, with expert parallelism, custom experts, packed weights or
-            quantized-training recipes the staged pipeline runs.
+            torch.compile, with expert parallelism, custom experts on padded buffers or packed
+            weights the staged pipeline runs.
         save: with ``streamed``, what backward keeps: 'projections' (the in-projection outputs,
             [N, H] or [N, 2H] for N kept pairs) or 'recompute' (nothing beyond the inputs: one
             more in-projection GEMM in backward).
@@ -406,7 +407,7 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     if spec.experts.takes_plan and comm.size > 1:
         raise ValueError("custom experts with takes_plan=True run on one process; use takes_plan=False (padded "
                          "[E, C, M] buffers) with expert parallelism")
-    on_engine = _engine_experts(spec, params["experts"], compute, routing) if comm.size == 1 else None
+    on_engine = _engine_experts(spec, params["experts"], compute, routing, generator) if comm.size == 1 else None
     if on_engine is not None:
         return _finish(spec, params, x, on_engine[0], routing, out, l_aux, seen, dropped=on_engine[1])
     layout = make_layout(routing, kind)
@@ -423,7 +424,8 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     return _finish(spec, params, x, y, routing, out, l_aux, seen)
 
 
-def _engine_experts(spec: MoESpec, experts, compute: Tensor, routing: Routing) -> Optional[tuple]:
+def _engine_experts(spec: MoESpec, experts, compute: Tensor, routing: Routing,
+                    generator: Optional[torch.Generator]) -> Optional[tuple]:
     """(y [T, O], pairs dropped int64 []) from the expert engine where it applies (see
     ``MoESpec.streamed``; custom experts with ``takes_plan`` always), else None."""
     custom = spec.experts.takes_plan
@@ -439,11 +441,12 @@ def _engine_experts(spec: MoESpec, experts, compute: Tensor, routing: Routing) -
         return None
     # a custom expert's parameters are not in ts: any call with grad on may be a training call
     needs_grad = torch.is_grad_enabled() and (custom or any(t is not None and t.requires_grad for t in ts))
-    plan = _plan.make_plan(routing, needs_grad=needs_grad, dtype=compute.dtype)   # kept pairs, capacity honoured
+    plan = _plan.make_plan(routing, needs_grad=needs_grad, dtype=compute.dtype,   # kept pairs, capacity honoured
+                           precision=None if custom else spec.experts.precision)
     w_rows = routing.weights.reshape(-1).index_select(0, plan.pairs)
     if not custom:
         y = _kinds.run(kw["form"], compute, w_rows, plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"],
-                       b_out=kw["b_out"], order=spec.combine, save=spec.save)
+                       b_out=kw["b_out"], order=spec.combine, save=spec.save, generator=generator)
         return y, plan.dropped
     # a custom expert on the plan: fn(params, x, plan) -> [N, O], gate-weighted and summed here
     y_rows = spec.experts.fn(experts, compute, plan)

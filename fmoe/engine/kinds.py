@@ -178,7 +178,7 @@ def forward(kern: Kernel, form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Exp
 
 
 def reference(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, b_in: Optional[Tensor],
-              w_out: Tensor, b_out: Optional[Tensor], order: str = "fmoe") -> Tensor:
+              w_out: Tensor, b_out: Optional[Tensor], order: str = "fmoe", *, mm: Optional[Callable] = None) -> Tensor:
     """The oracle: per-expert ``torch.mm`` and plain autograd (differentiable to any order).
 
     Args:
@@ -187,16 +187,20 @@ def reference(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_i
         plan: the :class:`~fmoe.engine.ExpertPlan`.
         w_in: one or two in-projection weights, [E, M, H] ([E, H, M] with ``form.in_transposed``).
         b_in: [E, H] or None. w_out: [E, H, O] ([E, O, H] transposed). b_out: [E, O] or None.
+        mm: ``mm(rows [N, k], w, transposed) -> [N, n]``, a differentiable per-expert GEMM over the
+            plan's rows (default: one ``torch.mm`` per busy expert).
     Returns:
         y [T, O] in x's dtype.
     """
     b = plan.bounds
     busy = [e for e in range(plan.num_experts) if b[e + 1] > b[e]]
 
-    def mm(a_rows, w, transposed):
+    def per_expert_mm(a_rows, w, transposed):
         parts = [a_rows[b[e]:b[e + 1]] @ (w[e].t() if transposed else w[e]) for e in busy]
         n = w.shape[1] if transposed else w.shape[2]
         return torch.cat(parts) if parts else a_rows.new_zeros((0, n))
+
+    mm = per_expert_mm if mm is None else mm
 
     expert = plan.expert_of_rows() if (b_in is not None or b_out is not None) else None
     x_r = x.index_select(0, plan.tokens)
@@ -207,6 +211,18 @@ def reference(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_i
     if b_out is not None:
         y_r = y_r + _bias_rows(b_out, expert)
     return _accumulate(y_r, w_rows, plan, order, x.dtype)
+
+
+def _quantized_mm(kern: Kernel, plan: ExpertPlan, generator: Optional[torch.Generator]) -> Callable:
+    """The plan's recipe around the kernel's float GEMMs, as :func:`reference`'s ``mm``."""
+    from ..quant import training as _qt   # optional: quantized training recipes
+
+    def mm(a_rows: Tensor, w: Tensor, transposed: bool) -> Tensor:
+        return _qt.quantized_mm(a_rows, w, plan.precision, transposed=transposed, generator=generator,
+                                offsets=plan.offsets,
+                                mm=lambda a, b, t: kern.mm(a, b, plan, transposed=t),
+                                wgrad=lambda a, b: kern.wgrad(a, b, plan))
+    return mm
 
 
 def _projections(kern: Kernel, form: ExpertForm, x: Tensor, plan: ExpertPlan, w_in: tuple, b_in) -> tuple:
@@ -327,7 +343,8 @@ def applies(*ts: Optional[Tensor]) -> bool:
 
 def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out: Tensor, *,
         b_in: Optional[Tensor] = None, b_out: Optional[Tensor] = None, order: str = "fmoe",
-        save: str = "projections", kernel: Optional[Kernel] = None) -> Tensor:
+        save: str = "projections", kernel: Optional[Kernel] = None,
+        generator: Optional[torch.Generator] = None) -> Tensor:
     """The experts of ``form`` on the plan's rows, summed back to tokens (eager mode).
 
     Args:
@@ -341,14 +358,24 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tup
         save: what backward keeps of the forward: 'projections' (the in-projection output z
             [N, H] / [N, 2H]) or 'recompute' (nothing: one more in-projection GEMM in backward).
         kernel: the table entry (default :func:`~fmoe.engine.select` of the plan).
+        generator: the quantized-training recipe's randomness (``plan.precision``'s stochastic
+            rounding and Hadamard signs).
     Returns:
         y [T, O] in x's dtype; tokens with no kept pair are 0.
+
+    With a quantized-training recipe (``plan.precision``) every projection is
+    :func:`fmoe.quant.training.quantized_mm` over the plan's rows (quantize blocks per expert,
+    ``offsets=plan.offsets``) around the kernel's float GEMMs, composed like :func:`reference`
+    under autograd (``save`` does not apply: each quantized GEMM keeps what its recipe saves).
     """
     w_in = tuple(w_in)
     _check(x, w_rows, plan, w_in, w_out, order)
     if save not in SAVES:
         raise ValueError(f"save must be one of {SAVES}, got {save!r}")
     kern = select(plan) if kernel is None else kernel
+    if plan.precision is not None:
+        return reference(form, x, w_rows, plan, w_in, b_in, w_out, b_out, order,
+                         mm=_quantized_mm(kern, plan, generator))
     ts = (x, w_rows, b_in, w_out, b_out, *w_in)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts):
         return _ExpertOp.apply(kern, form, plan, order, save, *ts)

@@ -172,7 +172,9 @@ def select(plan: ExpertPlan, matrix_bytes: int = 0, *, choice: Optional[str] = N
     ``choice`` forces one by name; else the winner recorded for the call's shape class
     (``matrix_bytes``: one expert weight matrix) is taken if this machine has measured it, and
     the table's own entry otherwise."""
-    kern = kernel_for(plan.device.type, plan.phase, plan.dtype, plan.precision)
+    # a quantized-training recipe quantizes the operands around the float entry's GEMMs
+    # (fmoe.quant.training.quantized_mm, composed by fmoe.engine.kinds.run)
+    kern = kernel_for(plan.device.type, plan.phase, plan.dtype)
     key = (plan.device.type, plan.phase, plan.dtype)
     if choice is None and plan.precision is None and key in wisdom.CANDIDATES:
         choice = wisdom.lookup(key, wisdom.shape_class(plan.dtype, plan.num_rows / max(1, plan.busy), matrix_bytes))
