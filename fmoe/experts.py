@@ -321,11 +321,12 @@ def _as_stored(w_in: tuple, w_out, in_t: bool, out_t: bool) -> tuple:
 def engine_weights(spec: ExpertSpec, params) -> Optional[dict]:
     """The keyword arguments of :func:`fmoe.engine.run` for these experts, or None.
 
-    Every built-in kind with float weights runs on the engine (:func:`expert_form`), with or
-    without a quantized-training recipe (``spec.precision``: float master weights). A weight
-    given as a transposed view of contiguous storage (``fmoe.nn.MoELayer`` holds gated_ffn
-    weights out x in and hands out x @ W views) reaches the engine as that storage. Custom
-    experts and packed (quantized) weights return None and take the staged pipeline.
+    Every built-in kind runs on the engine (:func:`expert_form`): float weights, with or without
+    a quantized-training recipe (``spec.precision``: float master weights), and packed
+    (:class:`fmoe.quant.QuantizedTensor`) weights. A weight given as a transposed view of
+    contiguous storage (``fmoe.nn.MoELayer`` holds gated_ffn weights out x in and hands out
+    x @ W views) reaches the engine as that storage. Custom experts, and experts that mix packed
+    and float projections, return None and take the staged pipeline.
 
     Returns:
         ``{"form": ExpertForm, "w_in": tuple, "w_out": Tensor, "b_in": Tensor | None,
@@ -334,7 +335,12 @@ def engine_weights(spec: ExpertSpec, params) -> Optional[dict]:
     if spec.type == "custom":
         return None
     kw = expert_form(spec, params)
-    tensors = (*kw["w_in"], kw["w_out"]) + tuple(t for t in (kw["b_in"], kw["b_out"]) if t is not None)
+    weights = (*kw["w_in"], kw["w_out"])
+    packed = [_is_quantized(w) for w in weights]
+    if any(packed) and (not all(packed) or spec.precision is not None):
+        return None   # mixed packed and float projections, or a recipe over packed weights: the staged seam
+    tensors = tuple(w for w, q in zip(weights, packed) if not q) + tuple(
+        t for t in (kw["b_in"], kw["b_out"]) if t is not None)
     if not all(isinstance(w, Tensor) and w.is_floating_point() for w in tensors):
         return None
     form = kw["form"]

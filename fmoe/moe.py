@@ -68,14 +68,15 @@ class MoESpec:
             (:mod:`fmoe.engine`) with combine 'fmoe' or 'eager': one plan of the kept pairs
             sorted by expert, each projection one grouped-GEMM call whose kernel gathers x's
             rows itself, the outputs added straight into y; only kept pairs are multiplied
-            (either layout). Every built-in kind with float weights (ffn with any activation,
-            gated_ffn, swiglu, gpt_oss), quantized-training recipes included (quantize blocks
-            per expert, as on the ragged layout). Equal to the staged pipeline within float rounding
+            (either layout). Every built-in kind (ffn with any activation, gated_ffn, swiglu,
+            gpt_oss) with float weights, quantized-training recipes (quantize blocks per expert,
+            as on the ragged layout) or packed weights (one fused low-precision call per busy
+            expert). Equal to the staged pipeline within float rounding
             (the k terms of a token are summed in expert order); combine='eager' stays
             transformers' order bit for bit. False: the staged pipeline (dispatch -> seam ->
             combine; with the padded layout Tutel's arithmetic bit for bit). Under torch.func /
-            torch.compile, with expert parallelism, custom experts on padded buffers or packed
-            weights the staged pipeline runs.
+            torch.compile, with expert parallelism or custom experts on padded buffers the
+            staged pipeline runs.
         save: with ``streamed``, what backward keeps: 'projections' (the in-projection outputs,
             [N, H] or [N, 2H] for N kept pairs) or 'recompute' (nothing beyond the inputs: one
             more in-projection GEMM in backward).
@@ -432,6 +433,7 @@ def _engine_experts(spec: MoESpec, experts, compute: Tensor, routing: Routing,
     kw = None if custom else engine_weights(spec.experts, experts)
     ts = (compute, routing.weights) if custom or kw is None else (
         compute, routing.weights, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"])
+    ts = tuple(t for t in ts if t is None or isinstance(t, Tensor))   # packed weights: their own type
     ok = spec.is_postscore and spec.combine in _kinds.ORDERS and _kinds.applies(*ts)
     if custom and not ok:
         raise ValueError("custom experts with takes_plan=True run on one process in eager mode (no torch.func "

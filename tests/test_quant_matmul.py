@@ -201,3 +201,44 @@ def test_fp8_fused_nan_byte_and_ragged_shapes(chunk, monkeypatch):
     bad = Q.QuantizedTensor(data.view(torch.float8_e4m3fn), w.scales, None, "fp8_row", w.shape, w.block)
     y = M._fused(torch.randn(1, 2, 64, generator=g), bad)
     assert torch.isnan(y[0, :, 1]).all() and torch.isfinite(y[0, :, [0, 2]]).all()
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_block"])
+@pytest.mark.parametrize("typ", ["swiglu", "gpt_oss", "gated_ffn"])
+def test_packed_weights_run_on_the_engine_as_the_staged_pipeline(fmt, typ, monkeypatch):
+    # fmoe.moe with packed (QuantizedTensor, out x in) expert weights runs on the expert engine:
+    # one fused low-precision call per busy expert over the plan's rows, the same calls the staged
+    # ragged seam makes; equal up to the order of a token's k terms, and the input gradient too
+    import dataclasses
+    import fmoe
+    from fmoe.engine import kinds
+    spec = fmoe.MoESpec(model_dim=64, num_experts=4, gate=fmoe.GateSpec(k=2, capacity_factor=0.0),
+                        experts=fmoe.ExpertSpec(type=typ, hidden_size=64))
+    params = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))
+    ex = params["experts"]
+    if typ == "gpt_oss":    # float x @ W [E, K, N] -> packed out x in [E, N, K]
+        packed = {"gate_up_proj": Q.quantize(ex["gate_up_proj"].transpose(1, 2).contiguous(), fmt),
+                  "down_proj": Q.quantize(ex["down_proj"].transpose(1, 2).contiguous(), fmt),
+                  "gate_up_proj_bias": ex["gate_up_proj_bias"], "down_proj_bias": ex["down_proj_bias"]}
+    elif typ == "gated_ffn":
+        packed = {k: Q.quantize(v.transpose(1, 2).contiguous(), fmt) for k, v in ex.items()}
+    else:                   # swiglu is out x in already
+        packed = {k: Q.quantize(v, fmt) for k, v in ex.items()}
+    params = dict(params, experts=packed)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))
+    on_engine = []
+    real = kinds._packed_mm
+    monkeypatch.setattr(kinds, "_packed_mm", lambda *a: (on_engine.append(1), real(*a))[1])
+
+    def run(s):
+        xx = x.clone().requires_grad_()
+        y, _ = fmoe.moe(params, xx, s)
+        return y, torch.autograd.grad(y.square().sum(), xx)[0]
+
+    y_e, g_e = run(spec)
+    assert on_engine, "packed weights did not run on the engine"
+    on_engine.clear()
+    y_s, g_s = run(dataclasses.replace(spec, streamed=False))
+    assert not on_engine
+    torch.testing.assert_close(y_e, y_s, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_e, g_s, rtol=1e-4, atol=1e-5)

@@ -104,9 +104,10 @@ def _check(x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out: Tens
         raise ValueError(f"the gate weights must be [N] = [{plan.num_rows}] (one per plan row), got "
                          f"{tuple(w_rows.shape)}")
     for w in (*w_in, w_out):
-        if w.dim() != 3 or w.shape[0] != plan.num_experts:
-            raise ValueError(f"expert weights must be [E, ., .] with E={plan.num_experts}, got {tuple(w.shape)}")
-        if w.dtype != x.dtype:
+        shape = tuple(w.shape) if isinstance(w, Tensor) else tuple(w.logical_shape)   # packed: its logical shape
+        if len(shape) != 3 or shape[0] != plan.num_experts:
+            raise ValueError(f"expert weights must be [E, ., .] with E={plan.num_experts}, got {shape}")
+        if isinstance(w, Tensor) and w.dtype != x.dtype:
             raise TypeError(f"expert weights must be in x's dtype {x.dtype}, got {w.dtype}")
 
 
@@ -222,6 +223,19 @@ def _quantized_mm(kern: Kernel, plan: ExpertPlan, generator: Optional[torch.Gene
                                 offsets=plan.offsets,
                                 mm=lambda a, b, t: kern.mm(a, b, plan, transposed=t),
                                 wgrad=lambda a, b: kern.wgrad(a, b, plan))
+    return mm
+
+
+def _packed_mm(plan: ExpertPlan) -> Callable:
+    """Packed (:class:`fmoe.quant.QuantizedTensor`, out x in) weights: one fused low-precision call
+    (:func:`fmoe.quant.expert_matmul`) per busy expert on its rows, as :func:`reference`'s ``mm``."""
+    from .. import quant   # optional: low-precision weights
+    b = plan.bounds
+    busy = [e for e in range(plan.num_experts) if b[e + 1] > b[e]]
+
+    def mm(a_rows: Tensor, w, transposed: bool) -> Tensor:
+        parts = [quant.expert_matmul(a_rows[b[e]:b[e + 1]].unsqueeze(0), w[e:e + 1])[0].to(a_rows.dtype) for e in busy]
+        return torch.cat(parts) if parts else a_rows.new_zeros((0, w.logical_shape[1]))
     return mm
 
 
@@ -363,7 +377,9 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tup
     Returns:
         y [T, O] in x's dtype; tokens with no kept pair are 0.
 
-    With a quantized-training recipe (``plan.precision``) every projection is
+    Packed weights (:class:`fmoe.quant.QuantizedTensor`) run the same composition with one fused
+    low-precision call per busy expert (:func:`fmoe.quant.expert_matmul`). With a quantized-training
+    recipe (``plan.precision``) every projection is
     :func:`fmoe.quant.training.quantized_mm` over the plan's rows (quantize blocks per expert,
     ``offsets=plan.offsets``) around the kernel's float GEMMs, composed like :func:`reference`
     under autograd (``save`` does not apply: each quantized GEMM keeps what its recipe saves).
@@ -376,6 +392,8 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tup
     if plan.precision is not None:
         return reference(form, x, w_rows, plan, w_in, b_in, w_out, b_out, order,
                          mm=_quantized_mm(kern, plan, generator))
+    if not isinstance(w_out, Tensor):   # packed weights (every projection, see engine_weights)
+        return reference(form, x, w_rows, plan, w_in, b_in, w_out, b_out, order, mm=_packed_mm(plan))
     ts = (x, w_rows, b_in, w_out, b_out, *w_in)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts):
         return _ExpertOp.apply(kern, form, plan, order, save, *ts)
