@@ -329,8 +329,8 @@ def engine_weights(spec: ExpertSpec, params) -> Optional[dict]:
     and float projections, return None and take the staged pipeline.
 
     Returns:
-        ``{"form": ExpertForm, "w_in": tuple, "w_out": Tensor, "b_in": Tensor | None,
-        "b_out": Tensor | None}``.
+        ``{"form": ExpertForm, "w_in": tuple, "w_out", "b_in": Tensor | None, "b_out": Tensor | None}``;
+        the weights are float tensors, or all :class:`fmoe.quant.QuantizedTensor`.
     """
     if spec.type == "custom":
         return None
