@@ -481,3 +481,34 @@ def test_grouped_mm_gradients_and_custom_plan_errors():
         fmoe.moe(params, torch.randn(9, 5), bad)
     with pytest.raises(ValueError, match="run on one process in eager mode"):
         torch.func.grad(lambda q: fmoe.moe(q, torch.randn(9, 5), bad)[0].sum())(params)
+
+
+def engine_and_staged(monkeypatch, spec, params, x, hook: str, *, expert_grads: bool = False, seed=None):
+    """(y, grads) of ``fmoe.moe`` on the engine and on the staged pipeline (``streamed=False``), with
+    ``fmoe.engine.kinds.<hook>`` spied on to prove the first ran on the engine and the second did not.
+    grads: of ``sum(y * dy)`` w.r.t. x (and the expert leaves with ``expert_grads``); ``seed`` seeds
+    the recipe's generator identically for both."""
+    import dataclasses
+    import fmoe
+    from fmoe.engine import kinds
+    calls = []
+    real = getattr(kinds, hook)
+    monkeypatch.setattr(kinds, hook, lambda *a: (calls.append(1), real(*a))[1])
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+
+    def run(s):
+        xx = x.clone().requires_grad_()
+        p = params
+        if expert_grads:
+            p = dict(params, experts={n: t.clone().requires_grad_() for n, t in params["experts"].items()})
+        gen = None if seed is None else torch.Generator().manual_seed(seed)
+        y, _ = fmoe.moe(p, xx, s, generator=gen)
+        leaves = [xx, *p["experts"].values()] if expert_grads else [xx]
+        return y, torch.autograd.grad((y * dy).sum(), leaves)
+
+    on_engine = run(spec)
+    assert calls, f"kinds.{hook} did not run: the call did not take the engine"
+    calls.clear()
+    staged = run(dataclasses.replace(spec, streamed=False))
+    assert not calls, f"kinds.{hook} ran with streamed=False"
+    return on_engine, staged

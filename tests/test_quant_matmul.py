@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import fmoe.quant as Q
+from tests.test_engine import engine_and_staged
 
 FMTS = ["mxfp4", "nvfp4", "mxfp8", "fp8_block", "fp8_row"]
 
@@ -209,9 +210,7 @@ def test_packed_weights_run_on_the_engine_as_the_staged_pipeline(fmt, typ, monke
     # fmoe.moe with packed (QuantizedTensor, out x in) expert weights runs on the expert engine:
     # one fused low-precision call per busy expert over the plan's rows, the same calls the staged
     # ragged seam makes; equal up to the order of a token's k terms, and the input gradient too
-    import dataclasses
     import fmoe
-    from fmoe.engine import kinds
     spec = fmoe.MoESpec(model_dim=64, num_experts=4, gate=fmoe.GateSpec(k=2, capacity_factor=0.0),
                         experts=fmoe.ExpertSpec(type=typ, hidden_size=64))
     params = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))
@@ -226,19 +225,6 @@ def test_packed_weights_run_on_the_engine_as_the_staged_pipeline(fmt, typ, monke
         packed = {k: Q.quantize(v, fmt) for k, v in ex.items()}
     params = dict(params, experts=packed)
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))
-    on_engine = []
-    real = kinds._packed_mm
-    monkeypatch.setattr(kinds, "_packed_mm", lambda *a: (on_engine.append(1), real(*a))[1])
-
-    def run(s):
-        xx = x.clone().requires_grad_()
-        y, _ = fmoe.moe(params, xx, s)
-        return y, torch.autograd.grad(y.square().sum(), xx)[0]
-
-    y_e, g_e = run(spec)
-    assert on_engine, "packed weights did not run on the engine"
-    on_engine.clear()
-    y_s, g_s = run(dataclasses.replace(spec, streamed=False))
-    assert not on_engine
+    (y_e, (g_e,)), (y_s, (g_s,)) = engine_and_staged(monkeypatch, spec, params, x, "_packed_mm")
     torch.testing.assert_close(y_e, y_s, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g_e, g_s, rtol=1e-4, atol=1e-5)

@@ -14,6 +14,7 @@ from fmoe.quant import _codecs as C
 from fmoe.quant import formats as F
 from fmoe.quant import training as QT
 from fmoe.quant.training import TrainPrecision, quantized_mm, recipe_from_name
+from tests.test_engine import engine_and_staged
 
 MM, WGRAD = QT.bmm_layout()
 QFORMATS = ("fp8_row", "fp8_block", "mxfp8", "mxfp4", "nvfp4")
@@ -555,29 +556,12 @@ def test_recipes_on_the_engine_equal_the_staged_ragged_pipeline(name, typ, monke
     # ragged layout quantizes the same rows in the same blocks, with the same randomness order:
     # equal up to the order in which a token's k terms are summed, gradients too
     import fmoe
-    from fmoe.engine import kinds
     spec = fmoe.MoESpec(model_dim=32, num_experts=4, gate=fmoe.GateSpec(k=2, capacity_factor=0.0),
                         experts=fmoe.ExpertSpec(type=typ, hidden_size=32, precision=name))
-    staged = dataclasses.replace(spec, streamed=False)
     params = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(1))
-    dy = torch.randn(40, 32, generator=torch.Generator().manual_seed(2))
-    on_engine = []
-    real = kinds._quantized_mm
-    monkeypatch.setattr(kinds, "_quantized_mm", lambda *a: (on_engine.append(1), real(*a))[1])
-
-    def run(s):
-        xx = x.clone().requires_grad_()
-        p = {k: {n: t.clone().requires_grad_() for n, t in v.items()} for k, v in params.items()}
-        y, _ = fmoe.moe(p, xx, s, generator=torch.Generator().manual_seed(5))
-        leaves = [xx, *p["experts"].values()]
-        return y, torch.autograd.grad((y * dy).sum(), leaves)
-
-    y_e, g_e = run(spec)
-    assert on_engine, "the recipe did not run on the engine"
-    on_engine.clear()
-    y_s, g_s = run(staged)
-    assert not on_engine
+    (y_e, g_e), (y_s, g_s) = engine_and_staged(monkeypatch, spec, params, x, "_quantized_mm", expert_grads=True,
+                                               seed=5)
     torch.testing.assert_close(y_e, y_s, rtol=1e-5, atol=1e-6)
     for a, b in zip(g_e, g_s):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

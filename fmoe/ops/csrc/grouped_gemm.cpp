@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -86,6 +87,11 @@ void check_bias(const c10::optional<at::Tensor>& bias, int64_t E, int64_t N) {
 // reference's separate add, one rounding in o's dtype.
 void add_bias(at::Tensor& o, const c10::optional<at::Tensor>& bias, int64_t e) {
   if (bias.has_value()) o.add_(bias->select(0, e));
+}
+
+// (K, N) of op(w[e]): w [E, K, N], or [E, N, K] read as its transpose.
+std::pair<int64_t, int64_t> op_dims(const at::Tensor& w, bool transposed) {
+  return transposed ? std::make_pair(w.size(2), w.size(1)) : std::make_pair(w.size(1), w.size(2));
 }
 
 at::Tensor expert_weight(const at::Tensor& w, int64_t e, bool transposed) {
@@ -178,8 +184,7 @@ void gather_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offse
   TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && w.dim() == 3 && out.dim() == 2,
                     "x must be contiguous 2-D, w 3-D, out 2-D");
   const int64_t E = w.size(0), R = out.size(0);
-  const int64_t K = transposed ? w.size(2) : w.size(1);
-  const int64_t N = transposed ? w.size(1) : w.size(2);
+  const auto [K, N] = op_dims(w, transposed);
   TORCH_CHECK_VALUE(x.size(1) == K && out.size(1) == N, "x [., K] / out [R, N] do not match w");
   const auto spans = busy_spans(offsets, E, R);
   const int64_t* rp = nullptr;
@@ -220,8 +225,7 @@ void mm_scatter(const at::Tensor& a, const at::Tensor& w, const at::Tensor& offs
   TORCH_CHECK_VALUE(a.dim() == 2 && a.is_contiguous() && w.dim() == 3 && out.dim() == 2,
                     "a must be contiguous 2-D, w 3-D, out 2-D");
   const int64_t E = w.size(0), R = a.size(0);
-  const int64_t K = transposed ? w.size(2) : w.size(1);
-  const int64_t N = transposed ? w.size(1) : w.size(2);
+  const auto [K, N] = op_dims(w, transposed);
   TORCH_CHECK_VALUE(a.size(1) == K && out.size(1) == N, "a [R, K] / out [T, N] do not match w");
   const auto spans = busy_spans(offsets, E, R);
   check_index(index, R, out.size(0), "index");
