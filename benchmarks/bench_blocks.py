@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
-from fmoe.experts import engine_weights
+from fmoe.experts import expert_form
 
 from . import bench_common as bc
 
@@ -192,9 +192,8 @@ def bench_arch(arch: str, shape: dict, phases: dict, repeats: int, memory_phases
             flops.update({n: f * row_flop // (6 * shape["hidden"] * shape["intermediate"]) for n, f in df.items()})
         else:
             spec = mod.moe_spec(bcfg)   # the default combine, as the `fmoe` variant runs
-            kw = engine_weights(spec.experts, params["experts"])
-            if kw is not None:
-                steps["expert_gemms"] = bc.expert_gemms_step(aux.routing.counts.tolist(), kw, spec.combine, T)
+            kw = expert_form(spec.experts, params["experts"])
+            steps["expert_gemms"] = bc.expert_gemms_step(aux.routing.counts.tolist(), kw, spec.combine, T)
         if phase == "decode":
             steps["weights_read"], res["weight_bytes_all"] = bc.weight_stream(block.parameters())
         # a failing peer must not sink the suite: run each once, drop and report what raises

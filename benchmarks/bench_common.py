@@ -167,20 +167,20 @@ def expert_gemms_step(counts, kw: dict, order: str = "fmoe", num_tokens: Optiona
     The expert engine's own calls (:func:`fmoe.engine.select`'s kernel for the call's plan,
     one grouped call per projection, rows gathered by the kernel) on the same weights and per-
     expert row counts, with random rows and no activation or routing (the biases added inside the calls, as the engine adds them). ``counts``:
-    kept rows per expert (ints, length E); ``kw``: what :func:`fmoe.experts.engine_weights`
-    returns for the experts; ``order``: the call's combine order (whether the output projection
+    kept rows per expert (ints, length E); ``kw``: what :func:`fmoe.experts.expert_form`
+    returns for the experts (read as the engine reads them, :func:`fmoe.engine.kinds.as_stored`); ``order``: the call's combine order (whether the output projection
     scatters straight into y, :func:`fmoe.engine.kinds.scatters_output`); ``num_tokens``: the T
     rows gathered from and scattered into (default: one per pair).
     """
     from fmoe import engine
-    from fmoe.engine.kinds import scatters_output
+    from fmoe.engine.kinds import as_stored, scatters_output
     from fmoe.engine.plan import plan_from_bounds
     counts = [int(c) for c in counts]
     bounds = [0]
     for c in counts:
         bounds.append(bounds[-1] + c)
     N = bounds[-1]
-    form, w_in, w_out = kw["form"], tuple(w.detach() for w in kw["w_in"]), kw["w_out"].detach()
+    form, w_in, w_out = as_stored(kw["form"], tuple(w.detach() for w in kw["w_in"]), kw["w_out"].detach())
     b_in, b_out = (None if b is None else b.detach() for b in (kw.get("b_in"), kw.get("b_out")))
     K = w_in[0].shape[2 if form.in_transposed else 1]
     H = w_out.shape[2 if form.out_transposed else 1]

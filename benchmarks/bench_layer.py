@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 import fmoe.nn
-from fmoe.experts import engine_weights
+from fmoe.experts import expert_form
 
 from . import bench_common as bc
 
@@ -223,7 +223,7 @@ def bench_config(c: LayerConfig, tokens: int, repeats: int, memory: bool, log: C
     else:
         steps["weights_read"], all_bytes = bc.weight_stream(fm.experts.parameters())   # as stored
         with torch.no_grad():
-            kw = engine_weights(fm.specs[0].experts, fm.params()["experts"])
+            kw = expert_form(fm.specs[0].experts, fm.params()["experts"])
         steps["expert_gemms"] = bc.expert_gemms_step(kept_per_expert.tolist(), kw, fm.specs[0].combine, tokens)
         res["weight_bytes_all"] = all_bytes
         res["weight_bytes_busy"] = all_bytes * busy // c.experts

@@ -34,13 +34,13 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from .ops.grouped import GroupedGemm
-from .ops.memory_order import stored_transposed
 from .engine import ExpertForm
 
 __all__ = ["ExpertSpec", "ParamLayout", "EXPERT_PARAMS", "EXPERT_TYPES", "ffn", "gated_ffn", "swiglu",
-           "gpt_oss", "apply_experts", "apply_form", "expert_form", "engine_weights", "init_experts", "expert_matmul", "shard_axes", "swiglu_mlp",
+           "gpt_oss", "apply_experts", "apply_form", "expert_form", "expert_dtype", "init_experts", "expert_matmul", "shard_axes", "swiglu_mlp",
            "shared_experts"]
 
 EXPERT_TYPES = ("ffn", "gated_ffn", "swiglu", "gpt_oss", "custom")
@@ -185,12 +185,24 @@ def expert_matmul(x: Tensor, w, gemm: Optional[GroupedGemm] = None, *, transpose
     return y if bias is None else y + bias.to(y.dtype).unsqueeze(1)
 
 
+_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def expert_dtype(params, fallback: torch.dtype) -> torch.dtype:
+    """The experts' compute dtype: that of the first float leaf of ``params`` (packed,
+    quantized weights are not compute dtypes), else ``fallback``."""
+    for leaf in pytree.tree_leaves(params, is_leaf=lambda t: not isinstance(t, (dict, list, tuple))):
+        if isinstance(leaf, Tensor) and leaf.dtype in _COMPUTE_DTYPES:
+            return leaf.dtype
+    return fallback
+
+
 def expert_form(spec: "ExpertSpec", params) -> dict:
     """Every built-in kind as one description: ``{"form": ExpertForm, "w_in": tuple, "w_out",
     "b_in", "b_out"}`` over the weights as given (float, or quantized: always out x in).
 
-    The staged pipeline (:func:`apply_experts`) and the engine (:func:`engine_weights`) both read
-    it, so a kind is defined once."""
+    The staged pipeline (:func:`apply_experts`) and the engine (:func:`fmoe.engine.run`) both
+    take it, so a kind is defined once."""
     b_in = b_out = None
     if spec.type == "ffn":   # fc1 out x in; float fc2 keeps Tutel's hidden x out, quantized fc2 is out x in
         w_in, w_out, b_in, b_out = (params["fc1_w"],), params["fc2_w"], params.get("fc1_b"), params.get("fc2_b")
@@ -299,53 +311,6 @@ def apply_experts(spec: ExpertSpec, params, x: Tensor, gemm: Optional[GroupedGem
     if gemm is not None and gemm.layout.kind != "padded":
         raise ValueError("custom experts take padded buffers [E, C, M]; route them with layout='padded'")
     return spec.fn(params, x)
-
-
-def _stored_transposed(w) -> bool:
-    """w [E, K, N] is a float transposed view of a contiguous [E, N, K] tensor."""
-    return isinstance(w, Tensor) and w.dim() == 3 and stored_transposed(w)
-
-
-def _as_stored(w_in: tuple, w_out, in_t: bool, out_t: bool) -> tuple:
-    """(w_in, w_out, in_t, out_t) with every weight that is a transposed view of contiguous
-    storage replaced by that storage and its flag flipped: the engine then multiplies by
-    the memory as it lies, and its weight gradients come out in that order (no copy into the
-    parameters' strides). The in-projections flip together or not at all (one flag)."""
-    if all(_stored_transposed(w) for w in w_in):
-        w_in, in_t = tuple(w.transpose(1, 2) for w in w_in), not in_t
-    if _stored_transposed(w_out):
-        w_out, out_t = w_out.transpose(1, 2), not out_t
-    return w_in, w_out, in_t, out_t
-
-
-def engine_weights(spec: ExpertSpec, params) -> Optional[dict]:
-    """The keyword arguments of :func:`fmoe.engine.run` for these experts, or None.
-
-    Every built-in kind runs on the engine (:func:`expert_form`): float weights, with or without
-    a quantized-training recipe (``spec.precision``: float master weights), and packed
-    (:class:`fmoe.quant.QuantizedTensor`) weights. A weight given as a transposed view of
-    contiguous storage (``fmoe.nn.MoELayer`` holds gated_ffn weights out x in and hands out
-    x @ W views) reaches the engine as that storage. Custom experts, and experts that mix packed
-    and float projections, return None and take the staged pipeline.
-
-    Returns:
-        ``{"form": ExpertForm, "w_in": tuple, "w_out", "b_in": Tensor | None, "b_out": Tensor | None}``;
-        the weights are float tensors, or all :class:`fmoe.quant.QuantizedTensor`.
-    """
-    if spec.type == "custom":
-        return None
-    kw = expert_form(spec, params)
-    weights = (*kw["w_in"], kw["w_out"])
-    packed = [_is_quantized(w) for w in weights]
-    if any(packed) and (not all(packed) or spec.precision is not None):
-        return None   # mixed packed and float projections, or a recipe over packed weights: the staged seam
-    tensors = tuple(w for w, q in zip(weights, packed) if not q) + tuple(
-        t for t in (kw["b_in"], kw["b_out"]) if t is not None)
-    if not all(isinstance(w, Tensor) and w.is_floating_point() for w in tensors):
-        return None
-    form = kw["form"]
-    w_in, w_out, in_t, out_t = _as_stored(kw["w_in"], kw["w_out"], form.in_transposed, form.out_transposed)
-    return dict(kw, form=dataclasses.replace(form, in_transposed=in_t, out_transposed=out_t), w_in=w_in, w_out=w_out)
 
 
 def _uniform(shape, bound: float, generator) -> Tensor:

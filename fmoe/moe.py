@@ -23,13 +23,11 @@ from torch.utils import _pytree as pytree
 from .comm import resolve
 from .engine import kinds as _kinds
 from .engine import plan as _plan
-from .experts import ExpertSpec, apply_experts, engine_weights, init_experts, shared_experts
+from .experts import ExpertSpec, expert_dtype, expert_form, init_experts, shared_experts
 from .layout import LAYOUTS, make_layout
 from .losses import gshard_loss, load_importance_loss
-from .ops import combine, dispatch
-from .ops.grouped import GroupedGemm
-from .ops.orders import COMBINES, eager_combine, grouped_combine
-from .routers import GateSpec, RouterOutput, check_router_params, init_router
+from .ops.orders import COMBINES
+from .routers import GateSpec, RouterOutput, init_router
 from .routers import route as _router_route
 from .routing import Routing
 
@@ -64,19 +62,20 @@ class MoESpec:
         shared: shared experts run on every token and added to the routed output: None,
             'swiglu' (DeepSeek: params["shared"]) or 'gated_swiglu' (Qwen2-MoE: sigmoid gate
             params["shared_gate"]["weight"] [1, M]).
-        streamed: on one process in eager mode, run the experts on the expert engine
-            (:mod:`fmoe.engine`) with combine 'fmoe' or 'eager': one plan of the kept pairs
-            sorted by expert, each projection one grouped-GEMM call whose kernel gathers x's
-            rows itself, the outputs added straight into y; only kept pairs are multiplied
-            (either layout). Every built-in kind (ffn with any activation, gated_ffn, swiglu,
-            gpt_oss) with float weights, quantized-training recipes (quantize blocks per expert,
-            as on the ragged layout) or packed weights (one fused low-precision call per busy
-            expert). Equal to the staged pipeline within float rounding
-            (the k terms of a token are summed in expert order); combine='eager' stays
-            transformers' order bit for bit. False: the staged pipeline (dispatch -> seam ->
-            combine; with the padded layout Tutel's arithmetic bit for bit). Under torch.func /
-            torch.compile, with expert parallelism or custom experts on padded buffers the
-            staged pipeline runs.
+        streamed: on one process in eager mode, run the experts over a rows plan of the expert
+            engine (:mod:`fmoe.engine`) with combine 'fmoe' or 'eager': the kept pairs sorted by
+            expert, each projection one grouped-GEMM call whose kernel gathers x's rows itself,
+            the outputs added straight into y; only kept pairs are multiplied (either layout).
+            Every built-in kind (ffn with any activation, gated_ffn, swiglu, gpt_oss) with float
+            weights, quantized-training recipes (quantize blocks per expert, as on the ragged
+            layout) or packed weights (one fused low-precision call per busy expert). Equal to
+            the staged kernel within float rounding (the k terms of a token are summed in expert
+            order); combine='eager' stays transformers' order bit for bit. False: a layout plan,
+            the engine's staged kernel (dispatch -> one op per projection over the layout's
+            buffers -> combine; with the padded layout Tutel's arithmetic bit for bit). Under
+            torch.func / torch.compile, with custom experts on padded buffers, pre-scored gates
+            or combine='grouped' the layout plan runs too; with expert parallelism the staged
+            kernel runs around the all-to-alls.
         save: with ``streamed``, what backward keeps: 'projections' (the in-projection outputs,
             [N, H] or [N, 2H] for N kept pairs) or 'recompute' (nothing beyond the inputs: one
             more in-projection GEMM in backward).
@@ -233,17 +232,14 @@ _EXPERT_KEYS = {"ffn": ("fc1_w", "fc2_w"), "gated_ffn": ("gate_w", "up_w", "down
 def check_params(params, spec: MoESpec, num_local_experts: Optional[int] = None, *, gate: bool = True) -> None:
     """Raise ValueError naming the first key or shape that does not fit ``spec``.
 
-    ``gate=False`` skips the router parameters (a replayed routing never reads them)."""
+    ``gate=False`` skips the router parameters (a replayed routing never reads them). The router
+    checks its own parameters' shapes when it runs (:func:`fmoe.routers.check_router_params`);
+    with expert parallelism :func:`moe` checks them before the call's first collective."""
     need = ("gate", "experts") if gate else ("experts",)
     _expect(isinstance(params, dict) and all(k in params for k in need),
             lambda: f"expected a dict with keys {' and '.join(repr(k) for k in need)}, got "
             f"{sorted(params) if isinstance(params, dict) else type(params).__name__}")
     M = spec.model_dim
-    if gate:
-        try:
-            check_router_params(params["gate"], spec.gate, spec.num_experts, M)
-        except ValueError as e:
-            raise ValueError(f"parameter pytree does not match the MoESpec: {e}") from None
     ex, es = params["experts"], spec.experts
     if spec.shared is not None:
         _expect("shared" in params, lambda: f"shared={spec.shared!r} needs params['shared'], got keys {sorted(params)}")
@@ -339,25 +335,6 @@ def _check_input(x, spec: MoESpec) -> None:
         raise ValueError(f"moe: x's last dim must be model_dim={spec.model_dim}, got shape {tuple(x.shape)}")
 
 
-_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _expert_dtype(experts, fallback: torch.dtype) -> torch.dtype:
-    """dtype of the first float expert leaf; packed (quantized) weights are not compute dtypes."""
-    for leaf in pytree.tree_leaves(experts, is_leaf=lambda t: not isinstance(t, (dict, list, tuple))):
-        if isinstance(leaf, Tensor) and leaf.dtype in _COMPUTE_DTYPES:
-            return leaf.dtype
-    return fallback
-
-
-def _combine(spec: MoESpec, y: Tensor, routing: Routing, layout, out_dtype: torch.dtype) -> Tensor:
-    if spec.combine == "eager":
-        return eager_combine(y, routing, layout, out_dtype)
-    if spec.combine == "grouped":
-        return grouped_combine(y, routing, layout, out_dtype)
-    return combine(y, routing, weighted=spec.is_postscore, layout=layout)
-
-
 def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optional[torch.Generator] = None,
         noise: Optional[Tensor] = None, training: bool = False, routing: Optional[Routing] = None,
         parallel=None) -> tuple[Tensor, MoEAux]:
@@ -404,68 +381,54 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
                              f"this call has T={tokens.shape[0]}, E={spec.num_experts}")
         l_aux = x.new_zeros(())
     seen = tokens if out is None or out.tokens is None else out.tokens  # Mixtral jitter: experts see it too
-    compute = seen.to(_expert_dtype(params["experts"], x.dtype))
-    if spec.experts.takes_plan and comm.size > 1:
+    shared = None if spec.shared is None else shared_experts(spec.shared, params, seen.to(x.dtype),
+                                                             activation=spec.experts.act())
+    compute = seen.to(expert_dtype(params["experts"], x.dtype))
+    if comm.size == 1:
+        y, dropped = _experts(spec, params["experts"], compute, routing, kind, generator)
+    elif spec.experts.takes_plan:
         raise ValueError("custom experts with takes_plan=True run on one process; use takes_plan=False (padded "
                          "[E, C, M] buffers) with expert parallelism")
-    on_engine = _engine_experts(spec, params["experts"], compute, routing, generator) if comm.size == 1 else None
-    if on_engine is not None:
-        return _finish(spec, params, x, on_engine[0], routing, out, l_aux, seen, dropped=on_engine[1])
-    layout = make_layout(routing, kind)
-    buffers = dispatch(compute, routing, weighted=not spec.is_postscore, layout=layout)
-    if comm.size == 1:
-        gemm = GroupedGemm(layout, precision=spec.experts.precision, generator=generator)
-        out_buffers = apply_experts(spec.experts, params["experts"], buffers, gemm)
     else:
-        out_buffers = _par.expert_parallel(spec.experts, params["experts"], buffers, comm,
-                                           dataclasses.replace(parallel, check=False), layout=layout,
-                                           num_experts=spec.num_experts, output_dim=spec.output_dim,
-                                           generator=generator)
-    y = _combine(spec, out_buffers, routing, layout, compute.dtype)
-    return _finish(spec, params, x, y, routing, out, l_aux, seen)
+        y = _par.expert_stage(spec.experts, params["experts"], compute, routing, comm,
+                              dataclasses.replace(parallel, check=False), layout_kind=kind,
+                              num_experts=spec.num_experts, output_dim=spec.output_dim,
+                              prescore=not spec.is_postscore, order=spec.combine, generator=generator)
+        dropped = routing.num_dropped()
+    y = y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+    if shared is not None:
+        y = y + shared[0].reshape(y.shape)
+    aux = MoEAux(l_aux, routing.counts, dropped, routing, routing.capacity, None if out is None else out.scores,
+                 None if out is None else out.logits, None if shared is None else shared[1])
+    return y, aux
 
 
-def _engine_experts(spec: MoESpec, experts, compute: Tensor, routing: Routing,
-                    generator: Optional[torch.Generator]) -> Optional[tuple]:
-    """(y [T, O], pairs dropped int64 []) from the expert engine where it applies (see
-    ``MoESpec.streamed``; custom experts with ``takes_plan`` always), else None."""
-    custom = spec.experts.takes_plan
-    kw = None if custom else engine_weights(spec.experts, experts)
-    ts = (compute, routing.weights) if custom or kw is None else (
+def _experts(spec: MoESpec, experts, compute: Tensor, routing: Routing, kind: str,
+             generator: Optional[torch.Generator]) -> tuple[Tensor, Tensor]:
+    """(y [T, O], pairs dropped int64 []) on one process: the expert engine over a rows plan
+    where it applies (see ``MoESpec.streamed``; custom experts with ``takes_plan`` always), else
+    over a layout plan (the staged kernel)."""
+    es = spec.experts
+    kw = None if es.type == "custom" else expert_form(es, experts)
+    ts = (compute, routing.weights) if kw is None else (
         compute, routing.weights, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"])
     ts = tuple(t for t in ts if t is None or isinstance(t, Tensor))   # packed weights: their own type
-    ok = spec.is_postscore and spec.combine in _kinds.ORDERS and _kinds.applies(*ts)
-    if custom and not ok:
+    rows_ok = spec.is_postscore and spec.combine in _kinds.ORDERS and _kinds.applies(*ts)
+    if es.takes_plan and not rows_ok:
         raise ValueError("custom experts with takes_plan=True run on one process in eager mode (no torch.func "
                          "transform, no torch.compile) with is_postscore=True and combine 'fmoe' or 'eager'; "
                          "use takes_plan=False (padded [E, C, M] buffers) there")
-    if not (custom or (spec.streamed and kw is not None and ok)):
-        return None
+    on_rows = es.takes_plan or (kw is not None and spec.streamed and rows_ok)
     # a custom expert's parameters are not in ts: any call with grad on may be a training call
-    needs_grad = torch.is_grad_enabled() and (custom or any(t is not None and t.requires_grad for t in ts))
-    plan = _plan.make_plan(routing, needs_grad=needs_grad, dtype=compute.dtype,   # kept pairs, capacity honoured
-                           precision=None if custom else spec.experts.precision)
-    w_rows = routing.weights.reshape(-1).index_select(0, plan.pairs)
-    if not custom:
+    needs_grad = torch.is_grad_enabled() and (es.type == "custom" or any(t is not None and t.requires_grad for t in ts))
+    layout = None if on_rows else make_layout(routing, kind)
+    plan = _plan.make_plan(routing, needs_grad=needs_grad, dtype=compute.dtype, precision=es.precision, layout=layout)
+    w_rows = plan.row_weights(routing.weights)
+    if kw is None:
+        y = _kinds.run_custom(es.fn, experts, compute, w_rows, plan, order=spec.combine,
+                              prescore=not spec.is_postscore)
+    else:
         y = _kinds.run(kw["form"], compute, w_rows, plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"],
-                       b_out=kw["b_out"], order=spec.combine, save=spec.save, generator=generator)
-        return y, plan.dropped
-    # a custom expert on the plan: fn(params, x, plan) -> [N, O], gate-weighted and summed here
-    y_rows = spec.experts.fn(experts, compute, plan)
-    if not isinstance(y_rows, Tensor) or y_rows.dim() != 2 or y_rows.shape[0] != plan.num_rows:
-        raise ValueError(f"a custom expert with takes_plan=True must return [N, O] with N={plan.num_rows} (one row "
-                         f"per plan row), got {getattr(y_rows, 'shape', type(y_rows).__name__)}")
-    return _kinds.combine_rows(y_rows, w_rows, plan, spec.combine).to(compute.dtype), plan.dropped
-
-
-def _finish(spec: MoESpec, params, x: Tensor, y: Tensor, routing: Routing, out, l_aux, seen,
-            dropped: Optional[Tensor] = None) -> tuple:
-    y = y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
-    shared_gate = None
-    if spec.shared is not None:
-        s, shared_gate = shared_experts(spec.shared, params, seen.to(x.dtype), activation=spec.experts.act())
-        y = y + s.reshape(y.shape)
-    dropped = routing.num_dropped() if dropped is None else dropped
-    aux = MoEAux(l_aux, routing.counts, dropped, routing, routing.capacity,
-                 None if out is None else out.scores, None if out is None else out.logits, shared_gate)
-    return y, aux
+                       b_out=kw["b_out"], order=spec.combine, save=spec.save, prescore=not spec.is_postscore,
+                       generator=generator)
+    return y, plan.dropped

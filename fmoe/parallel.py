@@ -45,10 +45,11 @@ from .comm.agreement import InconsistentRanksError, agree_across_ranks  # step a
 from .comm.hierarchical import Hierarchical2DComm
 from .comm.registry import cache_of, calls_of
 from .experts import EXPERT_PARAMS, apply_experts, shard_axes
-from .layout import Layout
+from .layout import Layout, make_layout
+from .routers import check_router_params
 from .ops.grouped import GroupedGemm
 
-__all__ = ["ParallelSpec", "sharding", "shard_experts", "capacity_alignment", "expert_parallel",
+__all__ = ["ParallelSpec", "sharding", "shard_experts", "capacity_alignment", "expert_stage", "expert_parallel",
            "check_expert_layout", "agree_across_ranks", "InconsistentRanksError"]
 
 
@@ -300,6 +301,30 @@ def _ragged_gemm(sizes: Tensor, num_rows: int, precision, generator) -> GroupedG
     return GroupedGemm(lay, precision=precision, generator=generator)
 
 
+def expert_stage(experts, expert_params, x: Tensor, routing, comm, parallel: Optional[ParallelSpec] = None, *,
+                 layout_kind: str, num_experts: int, output_dim: int, prescore: bool = False, order: str = "fmoe",
+                 generator=None) -> Tensor:
+    """:func:`fmoe.moe`'s expert stage on several ranks: this rank's tokens into the layout's
+    buffers, :func:`expert_parallel`, and back to tokens.
+
+    Args:
+        experts, expert_params, comm, parallel, num_experts, output_dim, generator: as
+            :func:`expert_parallel`.
+        x: float [T, M] this rank's tokens. routing: their :class:`~fmoe.Routing`.
+        layout_kind: 'padded' or 'ragged' (:meth:`fmoe.MoESpec.layout_kind`).
+        prescore: the gates scale the experts' inputs instead of their outputs.
+        order: the combine order, 'fmoe', 'eager' or 'grouped' (:class:`fmoe.MoESpec`).
+    Returns:
+        [T, O] in x's dtype.
+    """
+    layout = make_layout(routing, layout_kind)
+    kern = GroupedGemm(layout)
+    buffers = kern.dispatch(x, routing, weighted=prescore)
+    out = expert_parallel(experts, expert_params, buffers, comm, parallel, layout=layout, num_experts=num_experts,
+                          output_dim=output_dim, generator=generator)
+    return kern.combine(out, routing, order=order, weighted=not prescore)
+
+
 def expert_parallel(experts, expert_params, buffers: Tensor, comm, parallel: Optional[ParallelSpec] = None,
                     *, layout: Layout, num_experts: int, output_dim: int, generator=None) -> Tensor:
     """Run the experts of all ranks on this rank's dispatch buffers.
@@ -434,6 +459,13 @@ def _agreed_by_moe(comm) -> bool:
     return token is not None and token == calls_of(comm)
 
 
+def _check_router(params, spec) -> None:
+    try:
+        check_router_params(params["gate"], spec.gate, spec.num_experts, spec.model_dim)
+    except ValueError as e:
+        raise ValueError(f"parameter pytree does not match the MoESpec: {e}") from None
+
+
 def check_moe_call(comm, spec, parallel: ParallelSpec, x, params, routing, local_check: Callable[[], None]) -> None:
     """The agreement step of a distributed :func:`fmoe.moe` call, run before any other collective.
 
@@ -445,6 +477,8 @@ def check_moe_call(comm, spec, parallel: ParallelSpec, x, params, routing, local
     cache_of(comm).pop(_AGREED, None)  # a token left by a call that failed before its expert stage
     if not parallel.check:
         local_check()
+        if routing is None:
+            _check_router(params, spec)
         check_expert_layout(spec, params["experts"], comm.size, comm.rank)
         return
     experts = params.get("experts") if isinstance(params, dict) else None
@@ -453,6 +487,8 @@ def check_moe_call(comm, spec, parallel: ParallelSpec, x, params, routing, local
 
     def check():
         local_check()
+        if routing is None:   # the router checks its parameters when it runs: here, on every rank first
+            _check_router(params, spec)
         n, s = sharding(spec.num_experts, comm.size)
         parallel.degree(s)
         check_expert_layout(spec, params["experts"], comm.size, comm.rank)

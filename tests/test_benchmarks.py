@@ -204,12 +204,12 @@ def _recording_gather_mm(monkeypatch):
 def test_expert_gemms_floor_makes_the_decode_steps_gemm_calls(expert_type, monkeypatch):
     # decode's GEMM floor must be the very GEMMs the layer's decode step makes: same weights
     # (data pointers, strides), same rows per expert, the same kernel, nothing else
-    from fmoe.experts import engine_weights
+    from fmoe.experts import expert_form
     c = bench_layer.LayerConfig("tiny_decode", 16, 32, 16, 8, 2, 0.0, False, expert=expert_type)
     layer, x = bench_layer.build(c, c.tokens, "fmoe")
     with torch.no_grad():
         _, aux = layer(x, return_aux=True)
-        kw = engine_weights(layer.specs[0].experts, layer.params()["experts"])
+        kw = expert_form(layer.specs[0].experts, layer.params()["experts"])
     calls = _recording_gather_mm(monkeypatch)
     with torch.no_grad():
         layer(x)

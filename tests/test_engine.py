@@ -17,7 +17,7 @@ from fmoe.engine import kinds as K
 from fmoe.engine import table
 from fmoe.ops import native
 from fmoe.engine.plan import make_plan, plan_from_bounds, rows_reference
-from fmoe.experts import engine_weights
+from fmoe.experts import expert_form
 from fmoe.layout import ragged_layout
 from tests.test_pipeline import _saved_bytes
 
@@ -129,12 +129,13 @@ def test_weights_given_as_transposed_views_run_in_their_storage_order(form, monk
     store = {k: (v.transpose(1, 2).contiguous() if v.dim() == 3 else v.clone()).requires_grad_(True)
              for k, v in p["experts"].items()}
     views = {k: v.transpose(1, 2) if v.dim() == 3 else v for k, v in store.items()}
-    kw = engine_weights(spec.experts, views)
-    assert (kw["form"].in_transposed, kw["form"].out_transposed) == (not in_t, not out_t)
-    assert [w.data_ptr() for w in (*kw["w_in"], kw["w_out"])] == [store[k].data_ptr()
-                                                                  for k in (*names_in, name_out)]
-    assert all(w.is_contiguous() for w in (*kw["w_in"], kw["w_out"]))
-    as_given = engine_weights(spec.experts, p["experts"])["form"]
+    kw = expert_form(spec.experts, views)
+    form_s, w_in, w_out = K.as_stored(kw["form"], kw["w_in"], kw["w_out"])
+    assert (form_s.in_transposed, form_s.out_transposed) == (not in_t, not out_t)
+    assert [w.data_ptr() for w in (*w_in, w_out)] == [store[k].data_ptr() for k in (*names_in, name_out)]
+    assert all(w.is_contiguous() for w in (*w_in, w_out))
+    kw = expert_form(spec.experts, p["experts"])
+    as_given = K.as_stored(kw["form"], kw["w_in"], kw["w_out"])[0]
     assert (as_given.in_transposed, as_given.out_transposed) == (in_t, out_t)
     calls = _count_engine(monkeypatch)
     xx = x.clone().requires_grad_(True)
@@ -423,7 +424,7 @@ def test_a_stochastic_activation_runs_once_and_equals_the_staged_pipeline(monkey
     drop = torch.nn.Dropout(0.5)
     spec = fmoe.MoESpec(model_dim=16, num_experts=4, gate=fmoe.GateSpec(k=2, capacity_factor=0.0),
                         experts=fmoe.ExpertSpec(type="ffn", hidden_size=8, activation=lambda z: drop(F.relu(z))))
-    assert not engine_weights(spec.experts, _params(spec)["experts"])["form"].pure
+    assert not expert_form(spec.experts, _params(spec)["experts"])["form"].pure
     p = _params(spec)
     x = torch.randn(30, 16, generator=_gen(12), dtype=DT)
     calls = _count_engine(monkeypatch)

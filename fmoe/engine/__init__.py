@@ -2,18 +2,21 @@
 
     plan = make_plan(routing, needs_grad=True, dtype=x.dtype)   # rows sorted by expert, phase, dtype
     kernel = select(plan)                                       # the one table entry for this call
-    y = run(form, x, gate_weights, plan, weights, kernel)       # gather -> GEMM -> act -> GEMM -> scatter
+    y = run(form, x, plan.row_weights(routing.weights), plan, w_in, w_out, kernel=kernel)
+                                                                # gather -> GEMM -> act -> GEMM -> scatter
 
 :mod:`.plan` builds the plan, :mod:`.table` holds the kernels keyed by (device, phase, dtype,
 precision), :mod:`.kinds` the expert kinds (ffn with any activation, gated/SwiGLU, GPT-OSS) as
 one autograd Function each over the plan, with a pure-torch reference as their oracle, and
 :mod:`fmoe.ops.native` the C++ grouped GEMM the CPU entries call. Custom experts take the plan and
-multiply through :func:`grouped_mm` (the table's kernels, differentiable).
+multiply through :func:`grouped_mm` (the table's kernels, differentiable). A layout plan
+(``make_plan(..., layout=)``, for traced calls) runs the same kinds on the staged kernel,
+:class:`fmoe.ops.grouped.GroupedGemm` over the layout's buffers.
 """
 from .plan import ExpertPlan, make_plan
 from .table import Kernel, explain, select
-from .kinds import ExpertForm, combine_rows, reference, run
+from .kinds import ExpertForm, combine_rows, reference, run, run_custom
 from .grouped import grouped_mm
 
-__all__ = ["ExpertPlan", "make_plan", "Kernel", "select", "explain", "ExpertForm", "run", "reference", "grouped_mm",
+__all__ = ["ExpertPlan", "make_plan", "Kernel", "select", "explain", "ExpertForm", "run", "run_custom", "reference", "grouped_mm",
            "combine_rows"]

@@ -38,17 +38,21 @@ from torch import Tensor
 from torch._C import _functorch
 from torch.autograd import forward_ad as _fwd_ad
 
+from ..ops.memory_order import stored_transposed
+from ..ops.orders import COMBINES
 from ..ops.primitives import PLAIN_TENSORS
 from ..ops.reference import compute_dtype
 from .plan import ExpertPlan
 from .table import Kernel, select
 
-__all__ = ["FORMS", "ORDERS", "SAVES", "ExpertForm", "run", "reference", "forward", "applies", "combine_rows", "scatters_output"]
+__all__ = ["FORMS", "ORDERS", "LAYOUT_ORDERS", "SAVES", "ExpertForm", "run", "run_custom", "as_stored", "reference", "forward", "applies",
+           "combine_rows", "scatters_output"]
 
 FORMS = ("ffn", "glu", "gpt_oss")
 PURE_ACTIVATIONS = frozenset({F.relu, F.gelu, F.silu, F.sigmoid, F.tanh, F.softplus, F.elu, F.leaky_relu, F.mish,
                               F.selu, F.hardswish, torch.relu, torch.sigmoid, torch.tanh})
-ORDERS = ("fmoe", "eager")
+ORDERS = ("fmoe", "eager")   # a rows plan's; a layout plan's kernel also has 'grouped' (LAYOUT_ORDERS)
+LAYOUT_ORDERS = COMBINES
 SAVES = ("projections", "recompute")
 
 
@@ -96,10 +100,17 @@ class ExpertForm:
 
 
 def _check(x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out: Tensor, order: str) -> None:
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    orders = LAYOUT_ORDERS if plan.layout is not None else ORDERS
+    if order not in orders:
+        raise ValueError(f"order must be one of {orders} on a {'layout' if plan.layout is not None else 'rows'} plan, "
+                         f"got {order!r}")
     if x.dim() != 2 or x.shape[0] != plan.num_tokens:
         raise ValueError(f"x must be [T, M] with T={plan.num_tokens} (the plan's tokens), got {tuple(x.shape)}")
+    if plan.layout is not None:   # the staged kernel casts weights to x's dtype, as the staged pipeline did
+        if tuple(w_rows.shape) != tuple(plan.routing.weights.shape):
+            raise ValueError(f"a layout plan's gate weights are the routing's [k, T] = "
+                             f"{list(plan.routing.weights.shape)}, got {tuple(w_rows.shape)}")
+        return
     if w_rows.shape != (plan.num_rows,):
         raise ValueError(f"the gate weights must be [N] = [{plan.num_rows}] (one per plan row), got "
                          f"{tuple(w_rows.shape)}")
@@ -193,17 +204,8 @@ def reference(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_i
     Returns:
         y [T, O] in x's dtype.
     """
-    b = plan.bounds
-    busy = [e for e in range(plan.num_experts) if b[e + 1] > b[e]]
-
-    def per_expert_mm(a_rows, w, transposed):
-        parts = [a_rows[b[e]:b[e + 1]] @ (w[e].t() if transposed else w[e]) for e in busy]
-        n = w.shape[1] if transposed else w.shape[2]
-        return torch.cat(parts) if parts else a_rows.new_zeros((0, n))
-
-    mm = per_expert_mm if mm is None else mm
-
-    expert = plan.expert_of_rows() if (b_in is not None or b_out is not None) else None
+    mm = _per_expert_mm(plan) if mm is None else mm
+    expert = plan.experts if (b_in is not None or b_out is not None) else None
     x_r = x.index_select(0, plan.tokens)
     z = [mm(x_r, w, form.in_transposed) for w in w_in]
     if b_in is not None:
@@ -214,28 +216,41 @@ def reference(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_i
     return _accumulate(y_r, w_rows, plan, order, x.dtype)
 
 
-def _quantized_mm(kern: Kernel, plan: ExpertPlan, generator: Optional[torch.Generator]) -> Callable:
-    """The plan's recipe around the kernel's float GEMMs, as :func:`reference`'s ``mm``."""
-    from ..quant import training as _qt   # optional: quantized training recipes
-
-    def mm(a_rows: Tensor, w: Tensor, transposed: bool) -> Tensor:
-        return _qt.quantized_mm(a_rows, w, plan.precision, transposed=transposed, generator=generator,
-                                offsets=plan.offsets,
-                                mm=lambda a, b, t: kern.mm(a, b, plan, transposed=t),
-                                wgrad=lambda a, b: kern.wgrad(a, b, plan))
-    return mm
-
-
-def _packed_mm(plan: ExpertPlan) -> Callable:
-    """Packed (:class:`fmoe.quant.QuantizedTensor`, out x in) weights: one fused low-precision call
-    (:func:`fmoe.quant.expert_matmul`) per busy expert on its rows, as :func:`reference`'s ``mm``."""
-    from .. import quant   # optional: low-precision weights
+def _per_expert_mm(plan: ExpertPlan) -> Callable:
+    """One differentiable ``torch.mm`` per busy expert over the plan's rows."""
     b = plan.bounds
     busy = [e for e in range(plan.num_experts) if b[e + 1] > b[e]]
 
+    def mm(a_rows: Tensor, w: Tensor, transposed: bool) -> Tensor:
+        parts = [a_rows[b[e]:b[e + 1]] @ (w[e].t() if transposed else w[e]) for e in busy]
+        n = w.shape[1] if transposed else w.shape[2]
+        return torch.cat(parts) if parts else a_rows.new_zeros((0, n))
+    return mm
+
+
+def _rows_mm(kern: Kernel, plan: ExpertPlan, generator: Optional[torch.Generator]) -> Callable:
+    """:func:`reference`'s ``mm`` for weights the autograd Function does not take: packed
+    (:class:`fmoe.quant.QuantizedTensor`, out x in) weights, one fused low-precision call
+    (:func:`fmoe.quant.expert_matmul`) per busy expert on its rows; float weights under the
+    plan's quantized-training recipe, :func:`fmoe.quant.training.quantized_mm` over the plan's
+    rows (quantize blocks per expert) around the kernel's float GEMMs; other float weights
+    (beside packed ones), one ``torch.mm`` per busy expert."""
+    b = plan.bounds
+    busy = [e for e in range(plan.num_experts) if b[e + 1] > b[e]]
+    per_expert = _per_expert_mm(plan)
+
     def mm(a_rows: Tensor, w, transposed: bool) -> Tensor:
-        parts = [quant.expert_matmul(a_rows[b[e]:b[e + 1]].unsqueeze(0), w[e:e + 1])[0].to(a_rows.dtype) for e in busy]
-        return torch.cat(parts) if parts else a_rows.new_zeros((0, w.logical_shape[1]))
+        if not isinstance(w, Tensor):
+            from .. import quant   # optional: low-precision weights
+            parts = [quant.expert_matmul(a_rows[b[e]:b[e + 1]].unsqueeze(0), w[e:e + 1])[0].to(a_rows.dtype)
+                     for e in busy]
+            return torch.cat(parts) if parts else a_rows.new_zeros((0, w.logical_shape[1]))
+        if plan.precision is None:
+            return per_expert(a_rows, w.to(a_rows.dtype), transposed)
+        from ..quant import training as _qt   # optional: quantized training recipes
+        return _qt.quantized_mm(a_rows, w, plan.precision, transposed=transposed, generator=generator,
+                                offsets=plan.offsets, mm=lambda a, w_, t: kern.mm(a, w_, plan, transposed=t),
+                                wgrad=lambda a, b_: kern.wgrad(a, b_, plan))
     return mm
 
 
@@ -281,7 +296,7 @@ def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need
     dt, tokens = x.dtype, plan.tokens
     gy = gy.to(dt).contiguous()
     w_col = w_rows.unsqueeze(1)
-    expert = plan.expert_of_rows() if b_in is not None or b_out is not None else None
+    expert = plan.experts if b_in is not None or b_out is not None else None
     if graph is None:   # a pure activation: recomputed from z
         zz = tuple(t.detach().requires_grad_() for t in z)
         with torch.enable_grad():
@@ -355,46 +370,104 @@ def applies(*ts: Optional[Tensor]) -> bool:
     return not torch.overrides.has_torch_function(tuple(present))
 
 
+def as_stored(form: ExpertForm, w_in: tuple, w_out) -> tuple:
+    """(form, w_in, w_out) with every float weight that is a transposed view of contiguous
+    storage (``fmoe.nn.MoELayer`` holds gated_ffn weights out x in and hands out x @ W views)
+    replaced by that storage and its flag flipped: the kernels multiply the memory as it lies,
+    and the weight gradients come out in that order (no copy into the parameters' strides).
+    The in-projections flip together or not at all (one flag)."""
+    def view(w) -> bool:
+        return isinstance(w, Tensor) and w.dim() == 3 and stored_transposed(w)
+
+    in_t, out_t = form.in_transposed, form.out_transposed
+    if all(view(w) for w in w_in):
+        w_in, in_t = tuple(w.transpose(1, 2) for w in w_in), not in_t
+    if view(w_out):
+        w_out, out_t = w_out.transpose(1, 2), not out_t
+    return dataclasses.replace(form, in_transposed=in_t, out_transposed=out_t), w_in, w_out
+
+
+def _staged(kern, form: ExpertForm, x: Tensor, plan: ExpertPlan, w_in: tuple, b_in, w_out, b_out, order: str,
+            prescore: bool) -> Tensor:
+    """A layout plan's experts: dispatch into its buffers, each projection one op over every
+    buffer row (padded: Tutel's arithmetic bit for bit), combine; plain autograd through ops
+    that carry torch.func and compile rules."""
+    r = plan.routing
+    buf = kern.dispatch(x, r, weighted=prescore)
+    z = [kern.mm(buf, w, transposed=form.in_transposed, bias=b_in if i == 0 else None) for i, w in enumerate(w_in)]
+    y = kern.mm(form.hidden(*z), w_out, transposed=form.out_transposed, bias=b_out)
+    return kern.combine(y, r, order=order, weighted=not prescore)
+
+
 def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out: Tensor, *,
         b_in: Optional[Tensor] = None, b_out: Optional[Tensor] = None, order: str = "fmoe",
-        save: str = "projections", kernel: Optional[Kernel] = None,
+        save: str = "projections", prescore: bool = False, kernel: Optional[Kernel] = None,
         generator: Optional[torch.Generator] = None) -> Tensor:
-    """The experts of ``form`` on the plan's rows, summed back to tokens (eager mode).
+    """The experts of ``form`` on the plan, summed back to tokens.
 
     Args:
         form: the expert kind.
-        x: float [T, M] tokens. w_rows: [N] gate weight of each plan row (differentiable).
+        x: float [T, M] tokens. w_rows: ``plan.row_weights(routing.weights)``: [N] gate weight of
+            each row of a rows plan, the routing's [k, T] for a layout plan (differentiable).
         plan: :func:`~fmoe.engine.make_plan` of the routing.
         w_in: in-projection weights in x's dtype, one ([E, M, H] or [E, M, 2H] fused) or two
             (gate, up), transposed ([E, H, M]) with ``form.in_transposed``.
         w_out: [E, H, O] ([E, O, H] with ``form.out_transposed``). b_in [E, H|2H], b_out [E, O]: optional.
-        order: 'fmoe' or 'eager' (see the module docstring).
-        save: what backward keeps of the forward: 'projections' (the in-projection output z
-            [N, H] / [N, 2H]) or 'recompute' (nothing: one more in-projection GEMM in backward).
+        order: 'fmoe' or 'eager' (see the module docstring); a layout plan also has 'grouped'
+            (transformers' grouped_mm order, :func:`fmoe.ops.orders.grouped_combine`).
+        save: what backward keeps of a rows plan's forward: 'projections' (the in-projection
+            output z [N, H] / [N, 2H]) or 'recompute' (nothing: one more in-projection GEMM in backward).
+        prescore: the gates scale the experts' inputs instead of their outputs (layout plans).
         kernel: the table entry (default :func:`~fmoe.engine.select` of the plan).
         generator: the quantized-training recipe's randomness (``plan.precision``'s stochastic
             rounding and Hadamard signs).
     Returns:
         y [T, O] in x's dtype; tokens with no kept pair are 0.
 
-    Packed weights (:class:`fmoe.quant.QuantizedTensor`) run the same composition with one fused
-    low-precision call per busy expert (:func:`fmoe.quant.expert_matmul`). With a quantized-training
-    recipe (``plan.precision``) every projection is
-    :func:`fmoe.quant.training.quantized_mm` over the plan's rows (quantize blocks per expert,
-    ``offsets=plan.offsets``) around the kernel's float GEMMs, composed like :func:`reference`
-    under autograd (``save`` does not apply: each quantized GEMM keeps what its recipe saves).
+    A rows plan runs eager mode only (:func:`applies`): float weights through one autograd
+    Function over the table's kernels (a weight given as a transposed view of contiguous
+    storage is read as that storage). Packed weights (:class:`fmoe.quant.QuantizedTensor`, any
+    projection) run the same composition with one fused low-precision call per busy expert
+    (:func:`fmoe.quant.expert_matmul`). With a quantized-training recipe (``plan.precision``)
+    every float projection is :func:`fmoe.quant.training.quantized_mm` over the plan's rows
+    (quantize blocks per expert, ``offsets=plan.offsets``) around the kernel's float GEMMs,
+    composed like :func:`reference` under autograd (``save`` does not apply: each quantized GEMM
+    keeps what its recipe saves). A layout plan runs the staged kernel (:func:`fmoe.engine.select`).
     """
     w_in = tuple(w_in)
     _check(x, w_rows, plan, w_in, w_out, order)
     if save not in SAVES:
         raise ValueError(f"save must be one of {SAVES}, got {save!r}")
-    kern = select(plan) if kernel is None else kernel
-    if plan.precision is not None:
-        return reference(form, x, w_rows, plan, w_in, b_in, w_out, b_out, order,
-                         mm=_quantized_mm(kern, plan, generator))
-    if not isinstance(w_out, Tensor):   # packed weights (every projection, see engine_weights)
-        return reference(form, x, w_rows, plan, w_in, b_in, w_out, b_out, order, mm=_packed_mm(plan))
+    kern = select(plan, generator=generator) if kernel is None else kernel
+    if plan.layout is not None:
+        return _staged(kern, form, x, plan, w_in, b_in, w_out, b_out, order, prescore)
+    if prescore:
+        raise ValueError("pre-scored gates (prescore=True) run on a layout plan (make_plan(..., layout=))")
+    form, w_in, w_out = as_stored(form, w_in, w_out)
     ts = (x, w_rows, b_in, w_out, b_out, *w_in)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts):
-        return _ExpertOp.apply(kern, form, plan, order, save, *ts)
-    return forward(kern, form, x, w_rows, plan, w_in, b_in, w_out, b_out, order)[0]
+    if plan.precision is None and all(isinstance(w, Tensor) for w in (*w_in, w_out)):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts):
+            return _ExpertOp.apply(kern, form, plan, order, save, *ts)
+        return forward(kern, form, x, w_rows, plan, w_in, b_in, w_out, b_out, order)[0]
+    return reference(form, x, w_rows, plan, w_in, b_in, w_out, b_out, order, mm=_rows_mm(kern, plan, generator))
+
+
+def run_custom(fn: Callable, params, x: Tensor, w_rows: Tensor, plan: ExpertPlan, *, order: str = "fmoe",
+               prescore: bool = False) -> Tensor:
+    """A custom expert on the plan, summed back to tokens: y [T, O] in x's dtype.
+
+    On a rows plan ``fn(params, x [T, M], plan) -> [N, O]`` (one row per plan row; it may
+    multiply through :func:`fmoe.engine.grouped_mm`), gate-weighted and summed here in ``order``.
+    On a layout plan ``fn(params, buffers) -> buffers`` over the layout's padded [E, C, M]
+    buffers (Tutel's custom-expert contract), dispatched and combined by the staged kernel."""
+    if plan.layout is not None:
+        kern = select(plan)
+        y = fn(params, kern.dispatch(x, plan.routing, weighted=prescore))
+        return kern.combine(y, plan.routing, order=order, weighted=not prescore)
+    if prescore:
+        raise ValueError("pre-scored gates (prescore=True) run on a layout plan (make_plan(..., layout=))")
+    y_rows = fn(params, x, plan)
+    if not isinstance(y_rows, Tensor) or y_rows.dim() != 2 or y_rows.shape[0] != plan.num_rows:
+        raise ValueError(f"a custom expert with takes_plan=True must return [N, O] with N={plan.num_rows} (one row "
+                         f"per plan row), got {getattr(y_rows, 'shape', type(y_rows).__name__)}")
+    return combine_rows(y_rows, w_rows, plan, order).to(x.dtype)

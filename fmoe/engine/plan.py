@@ -3,13 +3,19 @@
     plan = make_plan(routing, needs_grad=True, dtype=torch.float32)
     print(plan)   # ExpertPlan(T=64, E=8, rows=128, busy=8, max_rows=23, phase=train, float32, cpu)
 
-A plan lists the kept (token, expert) pairs sorted by expert (capacity honoured, dropped pairs
-absent): ``tokens [N]`` (the token of each row), ``pairs [N]`` (the flat pair index
-``j * T + t``, which gathers the row's gate weight) and the expert bounds, both as host ints
-(the kernels' loop bounds) and as an int64 ``offsets [E + 1]`` tensor (their argument). It also
-names the call's phase, dtype and precision: the key by which :mod:`fmoe.engine.table` picks
-the kernel. Rows in a plan are exactly the rows of :func:`fmoe.make_layout` (routing,
-'ragged'); tests check it.
+A rows plan (eager calls on one process) lists the kept (token, expert) pairs sorted by expert
+(capacity honoured, dropped pairs absent): ``tokens [N]`` (the token of each row), ``pairs
+[N]`` (the flat pair index ``j * T + t``, which gathers the row's gate weight), ``experts
+[N]`` (the expert of each row) and the expert bounds, both as host ints (the kernels' loop
+bounds) and as an int64 ``offsets [E + 1]`` tensor (their argument). Rows in a plan are
+exactly the rows of :func:`fmoe.make_layout` (routing, 'ragged'); tests check it.
+
+A layout plan (``make_plan(..., layout=)``: under torch.func transforms and torch.compile,
+and wherever the staged arithmetic is asked for) holds the routing and its
+:class:`~fmoe.Layout` instead: static buffer shapes, no host bounds, phase 'traced'.
+
+Either plan names the call's phase, dtype and precision: the key by which
+:mod:`fmoe.engine.table` picks the kernel.
 """
 from __future__ import annotations
 
@@ -20,12 +26,13 @@ import torch
 from torch import Tensor
 
 from .. import _slots
-from ..layout import ragged_layout
+from ..layout import Layout
 from ..routing import Routing
 
-__all__ = ["PHASES", "DECODE_ROWS", "ExpertPlan", "make_plan", "plan_from_bounds", "phase_of"]
+__all__ = ["PHASES", "TRACED", "DECODE_ROWS", "ExpertPlan", "make_plan", "plan_from_bounds", "phase_of"]
 
 PHASES = ("train", "prefill", "decode")
+TRACED = "traced"   # the phase of a layout plan
 
 # Inference calls whose busy experts hold at most this many rows on average are 'decode':
 # their GEMMs read each busy expert's weights for a handful of rows, so the kernel is bound
@@ -45,7 +52,8 @@ def phase_of(needs_grad: bool, rows: int, busy: int) -> str:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ExpertPlan:
-    """The kept pairs of one routing sorted by expert, and the call's kernel key.
+    """The kept pairs of one routing sorted by expert (a rows plan), or the routing and its
+    layout (a layout plan), and the call's kernel key.
 
     Attributes:
         tokens: int64 [N]. Token of each row (rows sorted by expert, then slot).
@@ -54,32 +62,46 @@ class ExpertPlan:
         bounds: the same E + 1 offsets as host ints.
         num_tokens: T.
         dropped: int64 [] pairs lost to capacity (None where unknown).
-        phase: one of :data:`PHASES`.
+        phase: one of :data:`PHASES`, or :data:`TRACED` for a layout plan.
         dtype: the compute dtype of the expert GEMMs.
         precision: None (float GEMMs) or a quantized-training recipe.
+        experts: int64 [N]. Expert of each row.
+        routing, layout: a layout plan's routing and its :class:`~fmoe.Layout` (the row
+            fields above are then None).
     """
 
-    tokens: Tensor
-    pairs: Tensor
-    offsets: Tensor
-    bounds: tuple
+    tokens: Optional[Tensor]
+    pairs: Optional[Tensor]
+    offsets: Optional[Tensor]
+    bounds: Optional[tuple]
     num_tokens: int
     dropped: Optional[Tensor] = None
     phase: str = "train"
     dtype: torch.dtype = torch.float32
     precision: Any = None
+    experts: Optional[Tensor] = None
+    routing: Optional[Routing] = None
+    layout: Optional[Layout] = None
 
     @property
     def num_experts(self) -> int:
-        return len(self.bounds) - 1
+        return self.layout.num_experts if self.layout is not None else len(self.bounds) - 1
 
     @property
     def num_rows(self) -> int:
-        return self.bounds[-1]
+        """Rows the expert GEMMs see: N kept pairs, or the layout's static buffer rows."""
+        return self.layout.num_rows if self.layout is not None else self.bounds[-1]
+
+    def row_weights(self, weights: Tensor) -> Tensor:
+        """The gate weight of each row: [N] from the routing's [k, T] ``weights`` (a layout
+        plan's kernels read them as [k, T] through the layout's positions)."""
+        return weights if self.layout is not None else weights.reshape(-1).index_select(0, self.pairs)
 
     @property
     def sizes(self) -> list:
-        """Rows per expert (host ints)."""
+        """Rows per expert (host ints; a rows plan's)."""
+        if self.layout is not None:
+            raise ValueError("a layout plan has no host row counts (its buffers have static shapes)")
         b = self.bounds
         return [b[e + 1] - b[e] for e in range(len(b) - 1)]
 
@@ -90,18 +112,17 @@ class ExpertPlan:
 
     @property
     def device(self) -> torch.device:
-        return self.tokens.device
-
-    def expert_of_rows(self) -> Tensor:
-        """int64 [N]: the expert of each row (for per-expert biases)."""
-        E = self.num_experts
-        sizes = torch.tensor(self.sizes, dtype=torch.int64, device=self.device)
-        return torch.repeat_interleave(torch.arange(E, device=self.device), sizes, output_size=self.num_rows)
+        return self.layout.positions.device if self.layout is not None else self.tokens.device
 
     def __repr__(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        if self.layout is not None:
+            return (f"ExpertPlan(T={self.num_tokens}, E={self.num_experts}, layout={self.layout.kind}, "
+                    f"rows={self.num_rows}, phase={self.phase}, {dt}, {self.device.type}"
+                    + ("" if self.precision is None else f", precision={self.precision}") + ")")
         sizes = self.sizes
         return (f"ExpertPlan(T={self.num_tokens}, E={self.num_experts}, rows={self.num_rows}, busy={self.busy}, "
-                f"max_rows={max(sizes, default=0)}, phase={self.phase}, {str(self.dtype).replace('torch.', '')}, "
+                f"max_rows={max(sizes, default=0)}, phase={self.phase}, {dt}, "
                 f"{self.device.type}" + ("" if self.precision is None else f", precision={self.precision}") + ")")
 
 
@@ -120,19 +141,19 @@ def _rows_cpu(routing: Routing) -> tuple[Tensor, Tensor, tuple, Tensor]:
 
 
 def rows_reference(routing: Routing) -> tuple[Tensor, Tensor, tuple, Tensor]:
-    """(tokens, pairs, bounds, dropped) through the ragged layout, in torch ops: the reference
-    of the CPU walk, and the path off the CPU."""
-    layout = ragged_layout(routing)
-    sizes = layout.sizes.tolist()
+    """(tokens, pairs, bounds, dropped) in torch ops: the reference of the CPU walk, and the
+    path off the CPU. Ragged rows run in (expert, slot) order, which is the order of the
+    padded rows ``e * C + slot``: sorting the kept pairs by that key gives them."""
+    ids, slots, C = routing.expert_ids, routing.slots, routing.capacity
+    kept = ((ids >= 0) & (slots < C)).reshape(-1)
+    pairs = torch.nonzero(kept).squeeze(1)
+    key = (ids * C + slots).reshape(-1).index_select(0, pairs)
+    pairs = pairs.index_select(0, torch.argsort(key, stable=True))
     bounds = [0]
-    for n in sizes:
+    for n in routing.counts.clamp(max=C).tolist():
         bounds.append(bounds[-1] + n)
-    pos = layout.positions.reshape(-1)
-    kept = torch.nonzero(pos >= 0).squeeze(1)
-    # Kept ragged positions are exactly 0 .. N-1, one pair each: a scatter inverts the map.
-    pairs = torch.empty(bounds[-1], dtype=torch.int64, device=pos.device)
-    pairs.index_copy_(0, pos.index_select(0, kept), kept)
-    return pairs.remainder(routing.num_tokens), pairs, tuple(bounds), routing.num_dropped()
+    dropped = ((ids >= 0) & (slots >= C)).sum()
+    return pairs.remainder(routing.num_tokens), pairs, tuple(bounds), dropped
 
 
 def plan_from_bounds(tokens: Tensor, pairs: Tensor, bounds, num_tokens: int, *, needs_grad: bool,
@@ -144,25 +165,35 @@ def plan_from_bounds(tokens: Tensor, pairs: Tensor, bounds, num_tokens: int, *, 
     if tokens.shape != (bounds[-1],) or pairs.shape != (bounds[-1],):
         raise ValueError(f"plan tokens and pairs must be int64 [N] with N={bounds[-1]} (the last bound), got "
                          f"{tuple(tokens.shape)} and {tuple(pairs.shape)}")
-    busy = sum(1 for b0, b1 in zip(bounds, bounds[1:]) if b1 > b0)
+    sizes = [b1 - b0 for b0, b1 in zip(bounds, bounds[1:])]
+    busy = sum(1 for n in sizes if n)
     offsets = torch.tensor(bounds, dtype=torch.int64)
+    experts = torch.repeat_interleave(torch.arange(len(sizes), device=tokens.device),
+                                      torch.tensor(sizes, dtype=torch.int64, device=tokens.device),
+                                      output_size=bounds[-1])
     return ExpertPlan(tokens, pairs, offsets, bounds, num_tokens, dropped, phase_of(needs_grad, bounds[-1], busy),
-                      dtype, precision)
+                      dtype, precision, experts)
 
 
-def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precision=None) -> ExpertPlan:
-    """The plan of ``routing``: its kept pairs sorted by expert (one host sync).
+def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precision=None,
+              layout: Optional[Layout] = None) -> ExpertPlan:
+    """The plan of ``routing``: its kept pairs sorted by expert (one host sync), or with
+    ``layout`` a layout plan (no host sync: the staged kernels over the layout's buffers).
 
     Args:
         routing: any :class:`~fmoe.Routing` (capacity honoured: pairs past it are dropped).
         needs_grad: a gradient will be taken through the experts (phase 'train').
         dtype: the expert GEMMs' compute dtype.
         precision: the quantized-training recipe, or None.
+        layout: :func:`fmoe.make_layout` of ``routing``, for a layout plan.
     Raises:
         ValueError for a routing whose counts disagree with its slots (a hand-made one).
     """
     if not isinstance(routing, Routing):
         raise TypeError(f"make_plan: routing must be a fmoe.Routing, got {type(routing).__name__}")
+    if layout is not None:
+        return ExpertPlan(None, None, None, None, routing.num_tokens, routing.num_dropped(), TRACED, dtype, precision,
+                          routing=routing, layout=layout)
     if routing.expert_ids.device.type == "cpu":
         tokens, pairs, bounds, dropped = _rows_cpu(routing)
     else:

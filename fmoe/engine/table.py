@@ -12,7 +12,10 @@ Every expert GEMM of the engine is one of two grouped forms over a plan's rows:
   projection straight into y, the data gradient straight into dx: no [N, n] buffer).
 
 :func:`select` is the one place that picks a kernel; :func:`explain` prints what each GEMM of
-a step would run and why (``python -m fmoe info --explain SHAPE``).
+a step would run and why (``python -m fmoe info --explain SHAPE``). A layout plan (phase
+'traced') gets the staged kernel instead, :class:`fmoe.ops.grouped.GroupedGemm` over the plan's
+layout: dispatch into the buffers, one op per projection over every buffer row, combine; its
+ops carry vmap, jvp and compile rules and its autograd is plain.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..ops import native, numba_cpu
+from ..ops.grouped import GroupedGemm
 from . import wisdom
 from .plan import PHASES, ExpertPlan, phase_of, plan_from_bounds
 
@@ -75,7 +79,7 @@ def _native_kernel(impl: str, regime: str = "auto") -> tuple:
 
 
 def _add_bias(y: Tensor, bias: Optional[Tensor], plan: ExpertPlan) -> Tensor:
-    return y if bias is None else y.add_(bias.index_select(0, plan.expert_of_rows()))
+    return y if bias is None else y.add_(bias.index_select(0, plan.experts))
 
 
 def _numba_rows_mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None,
@@ -165,13 +169,17 @@ def kernel_by_name(key: tuple, name: str) -> Kernel:
     return TABLE[key + (None,)] if name == TABLE[key + (None,)].name else _COMPETING[name]()
 
 
-def select(plan: ExpertPlan, matrix_bytes: int = 0, *, choice: Optional[str] = None) -> Kernel:
+def select(plan: ExpertPlan, matrix_bytes: int = 0, *, choice: Optional[str] = None,
+           generator: Optional[torch.Generator] = None):
     """The kernel for every GEMM of the call ``plan`` describes.
 
-    Where several kernels compete for the plan's key (:data:`fmoe.engine.wisdom.CANDIDATES`),
+    A layout plan gets the staged kernel (:class:`~fmoe.ops.grouped.GroupedGemm` over its layout,
+    with the plan's recipe and ``generator`` for its stochastic rounding). Where several kernels compete for the plan's key (:data:`fmoe.engine.wisdom.CANDIDATES`),
     ``choice`` forces one by name; else the winner recorded for the call's shape class
     (``matrix_bytes``: one expert weight matrix) is taken if this machine has measured it, and
     the table's own entry otherwise."""
+    if plan.layout is not None:
+        return GroupedGemm(plan.layout, precision=plan.precision, generator=generator)
     # a quantized-training recipe quantizes the operands around the float entry's GEMMs
     # (fmoe.quant.training.quantized_mm, composed by fmoe.engine.kinds.run)
     kern = kernel_for(plan.device.type, plan.phase, plan.dtype)

@@ -1,9 +1,10 @@
 """The expert-GEMM seam of the staged pipeline: :class:`GroupedGemm` over both layouts.
 
-The staged pipeline (dispatch -> experts -> combine) runs where the expert engine does not:
-under torch.func transforms and torch.compile, with expert parallelism, custom experts on
-padded buffers, packed weights and quantized-training recipes. One implementation per layout,
-no per-call kernel predicates:
+The staged pipeline (dispatch -> experts -> combine over a layout's buffers) is the expert
+engine's kernel for a layout plan (:mod:`fmoe.engine.table`: under torch.func transforms and
+torch.compile, custom experts on padded buffers, pre-scored gates, transformers' grouped
+order and ``streamed=False``) and expert parallelism's expert stage. One implementation per
+layout, no per-call kernel predicates:
 
 * padded [E, C, K]: one ``torch.bmm`` over every row of every expert buffer (Tutel's
   computation, bit for bit). Rows dispatch leaves empty are zero and combine sends them zero
@@ -23,7 +24,11 @@ import torch
 from torch import Tensor
 
 from ..layout import Layout
+from ..routing import Routing
+from . import combine as _combine
+from . import dispatch as _dispatch
 from . import ragged as _ragged
+from .orders import eager_combine, grouped_combine
 from .memory_order import grad_in_storage_order, weight_grad
 
 __all__ = ["GroupedGemm"]
@@ -83,6 +88,25 @@ class GroupedGemm:
     layout: Layout
     precision: Any = None
     generator: Optional[torch.Generator] = None
+
+    name = "staged"
+    why = "the layout's buffers: dispatch -> one op per projection over every buffer row -> combine (torch.func / compile rules)"
+
+    # ---- tokens in and out of the layout's buffers
+    def dispatch(self, x: Tensor, routing: Routing, *, weighted: bool = False) -> Tensor:
+        """Tokens x [T, M] into the layout's buffer ([E, C, M] or [R, M]); ``weighted``: each
+        copy times its gate (pre-scored gates)."""
+        return _dispatch(x, routing, weighted=weighted, layout=self.layout)
+
+    def combine(self, y: Tensor, routing: Routing, *, order: str = "fmoe", weighted: bool = True) -> Tensor:
+        """The buffer y back to tokens [T, O] in y's dtype, in ``order``: 'fmoe' (:func:`fmoe.combine`,
+        gate-weighted unless ``weighted=False``), 'eager' or 'grouped' (transformers' orders,
+        :mod:`fmoe.ops.orders`)."""
+        if order == "eager":
+            return eager_combine(y, routing, self.layout, y.dtype)
+        if order == "grouped":
+            return grouped_combine(y, routing, self.layout, y.dtype)
+        return _combine(y, routing, weighted=weighted, layout=self.layout)
 
     # ---- float kernels over the layout
     def _float_mm(self, x: Tensor, w: Tensor, transposed: bool) -> Tensor:
