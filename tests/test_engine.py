@@ -338,6 +338,40 @@ def test_plan_rows_equal_the_ragged_layouts_rows_and_print():
         assert plan.phase == ("decode" if plan.num_rows <= 16 * max(plan.busy, 1) else "prefill")
         assert repr(plan).startswith(f"ExpertPlan(T={T}, E={E}, rows={plan.num_rows}, busy={plan.busy}")
     assert make_plan(r, needs_grad=True, dtype=torch.float32).phase == "train"
+    # the expert of each row, and the gate of each row
+    assert torch.equal(plan.experts, torch.repeat_interleave(torch.arange(E), torch.tensor(plan.sizes)))
+    assert torch.equal(plan.row_weights(r.weights), r.weights.reshape(-1)[plan.pairs])
+
+
+def test_a_layout_plan_runs_the_staged_kernel_and_equals_the_rows_plan():
+    # a layout plan holds the routing and its layout (static shapes, no host rows) and runs the
+    # staged kernel through the same run(); either layout equals the rows plan's result
+    from fmoe.layout import make_layout
+    from fmoe.ops.grouped import GroupedGemm
+    spec = _spec("ffn", 1.0, k=2, act="gelu")
+    p = _params(spec)
+    x = torch.randn(30, 12, generator=_gen(4), dtype=DT)
+    r = fmoe.moe(p, x, spec)[1].routing
+    kw = fmoe.experts.expert_form(spec.experts, p["experts"])
+    rows = make_plan(r, needs_grad=False, dtype=DT)
+    want = engine.run(kw["form"], x, rows.row_weights(r.weights), rows, kw["w_in"], kw["w_out"], b_in=kw["b_in"],
+                      b_out=kw["b_out"])
+    for kind in ("padded", "ragged"):
+        plan = make_plan(r, needs_grad=False, dtype=DT, layout=make_layout(r, kind))
+        assert plan.phase == "traced" and plan.tokens is None and plan.num_rows == plan.layout.num_rows
+        assert repr(plan).startswith(f"ExpertPlan(T=30, E=6, layout={kind}, rows={plan.layout.num_rows}, phase=traced")
+        assert plan.row_weights(r.weights) is r.weights
+        assert isinstance(engine.select(plan), GroupedGemm)
+        with pytest.raises(ValueError, match="no host row counts"):
+            plan.sizes
+        y = engine.run(kw["form"], x, r.weights, plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"])
+        torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+        with pytest.raises(ValueError, match="the routing's \\[k, T\\]"):
+            engine.run(kw["form"], x, rows.row_weights(r.weights), plan, kw["w_in"], kw["w_out"])
+    with pytest.raises(ValueError, match="order must be one of \\('fmoe', 'eager'\\) on a rows plan"):
+        engine.run(kw["form"], x, rows.row_weights(r.weights), rows, kw["w_in"], kw["w_out"], order="grouped")
+    with pytest.raises(ValueError, match="pre-scored gates"):
+        engine.run(kw["form"], x, rows.row_weights(r.weights), rows, kw["w_in"], kw["w_out"], prescore=True)
 
 
 def test_plan_and_run_errors_name_the_problem():

@@ -228,3 +228,40 @@ def test_packed_weights_run_on_the_engine_as_the_staged_pipeline(fmt, typ, monke
     (y_e, (g_e,)), (y_s, (g_s,)) = engine_and_staged(monkeypatch, spec, params, x, "_rows_mm")
     torch.testing.assert_close(y_e, y_s, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g_e, g_s, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("typ", ["swiglu", "gpt_oss"])
+def test_mixed_packed_and_float_projections_run_on_the_engine_as_the_staged_pipeline(typ, monkeypatch):
+    # a packed in-projection beside a float out-projection (a partly quantized checkpoint): the
+    # rows plan multiplies the packed one with the fused per-expert call and the float one with a
+    # per-expert torch.mm, equal to the layout plan's staged kernel, the float weight's gradient too
+    import dataclasses
+    import fmoe
+    from fmoe.engine import kinds
+    spec = fmoe.MoESpec(model_dim=64, num_experts=4, gate=fmoe.GateSpec(k=2, capacity_factor=0.0),
+                        experts=fmoe.ExpertSpec(type=typ, hidden_size=64))
+    params = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))
+    ex = dict(params["experts"])
+    if typ == "gpt_oss":    # float gate_up [E, M, 2I] -> packed out x in
+        ex["gate_up_proj"] = Q.quantize(ex["gate_up_proj"].transpose(1, 2).contiguous(), "mxfp4")
+    else:
+        ex["gate_up_proj"] = Q.quantize(ex["gate_up_proj"], "mxfp4")
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))
+    dy = torch.randn(40, 64, generator=torch.Generator().manual_seed(2))
+    calls = []
+    real = kinds._rows_mm
+    monkeypatch.setattr(kinds, "_rows_mm", lambda *a: (calls.append(1), real(*a))[1])
+
+    def run(s):
+        down = ex["down_proj"].clone().requires_grad_()
+        xx = x.clone().requires_grad_()
+        y, _ = fmoe.moe(dict(params, experts=dict(ex, down_proj=down)), xx, s)
+        return (y, *torch.autograd.grad((y * dy).sum(), [xx, down]))
+
+    on_rows = run(spec)
+    assert calls
+    calls.clear()
+    staged = run(dataclasses.replace(spec, streamed=False))
+    assert not calls
+    for a, b in zip(on_rows, staged):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
