@@ -28,7 +28,6 @@ Peak memory (each phase's step; training's is target T5) is measured per variant
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Optional
 
 import torch

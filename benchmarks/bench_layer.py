@@ -36,7 +36,6 @@ perfectly balanced) of the same run; "vs flat" by dense_flat's (one GEMM of the 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, Optional
 
 import torch

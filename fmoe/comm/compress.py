@@ -159,7 +159,6 @@ def decode_wire(payload: Tensor, wire: str, m: int, dtype: torch.dtype = torch.f
     if wire == "fp8":
         return (vals * tail.view(torch.float32)).to(dtype)
     if wire == "fp8_block":
-        nb = math.ceil(m / FP8_WIRE_BLOCK)
         s = tail.view(torch.float32).repeat_interleave(FP8_WIRE_BLOCK, dim=-1)[..., :m]
         return (vals * s).reshape(*lead, m).to(dtype)
     s = C.decode_e8m0(tail).repeat_interleave(QF.MX_BLOCK, dim=-1)

@@ -277,7 +277,7 @@ class _ExpertOp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        kern, form, plan, order = ctx.kern, ctx.form, ctx.plan, ctx.order
+        kern, form, plan = ctx.kern, ctx.form, ctx.plan
         saved = ctx.saved_tensors
         x, w_rows, b_in, w_out, b_out = saved[:5]
         w_in, z = saved[5:5 + ctx.n_in], saved[5 + ctx.n_in:]
