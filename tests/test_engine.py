@@ -433,6 +433,8 @@ def test_table_has_one_kernel_per_key_and_explains_a_step():
     assert "[8192 x 512] @ [512 x 2048]" in text
     text = table.explain("T=16,M=512,H=1024,E=64")
     assert "phase: decode" in text and text.count("->") == 2
+    text = table.explain("T=64,M=32,H=16,E=4,phase=traced")   # under torch.func / compile: the staged kernel
+    assert "phase: traced" in text and text.count("-> staged") == 6 and "kernel: staged: the layout's buffers" in text
     for bad, msg in [("T=1,M=2", "needs H, E"), ("T=x,M=1,H=1,E=1", "T must be int"),
                      ("T=1,M=1,H=1,E=1,kind=moe", "kind must be"), ("T=1,M=1,H=1,E=1,dtype=int8", "dtype must be"),
                      ("T=1,M=1,H=1,E=1,phase=warm", "phase must be"), ("Q=1", "bad field")]:

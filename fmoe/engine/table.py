@@ -31,7 +31,7 @@ from torch import Tensor
 from ..ops import native, numba_cpu
 from ..ops.grouped import GroupedGemm
 from . import wisdom
-from .plan import PHASES, ExpertPlan, phase_of, plan_from_bounds
+from .plan import PHASES, TRACED, ExpertPlan, phase_of, plan_from_bounds
 
 __all__ = ["Kernel", "TABLE", "DTYPES", "select", "kernel_for", "kernel_by_name", "explain", "parse_shape", "tune"]
 
@@ -200,7 +200,7 @@ _SHAPE_KEYS = {"T": int, "M": int, "H": int, "E": int, "k": int, "O": int, "kind
 def parse_shape(text: str) -> dict:
     """'T=4096,M=512,H=1024,E=8,k=2,kind=ffn,dtype=float32,phase=train' -> dict (defaults:
     k 2, O = M, kind ffn, dtype float32, device cpu, phase from T*k/E as :func:`phase_of` with
-    needs_grad for 'train')."""
+    needs_grad for 'train'; 'traced': a step under torch.func or torch.compile, on a layout plan)."""
     out = {"k": 2, "kind": "ffn", "dtype": "float32", "device": "cpu"}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, val = part.partition("=")
@@ -224,27 +224,31 @@ def parse_shape(text: str) -> dict:
     busy = min(out["E"], rows)
     if "phase" not in out:
         out["phase"] = phase_of(False, rows, busy)
-    elif out["phase"] not in PHASES:
-        raise ValueError(f"explain: phase must be one of {PHASES}, got {out['phase']!r}")
+    elif out["phase"] not in PHASES + (TRACED,):
+        raise ValueError(f"explain: phase must be one of {PHASES + (TRACED,)}, got {out['phase']!r}")
     return out
 
 
 def explain(text: str) -> str:
     """Which kernel each GEMM of one step of SHAPE runs, and why (one line each)."""
     s = parse_shape(text)
-    kern = kernel_for(s["device"], s["phase"], s["dtype"])
+    traced = s["phase"] == TRACED
+    kern = GroupedGemm if traced else kernel_for(s["device"], s["phase"], s["dtype"])
     N, M, H, O, E = s["T"] * s["k"], s["M"], s["H"], s["O"], s["E"]
     width = 2 * H if s["kind"] != "ffn" else H
     gemms = [("forward in-projection", f"[{N} x {M}] @ [{M} x {width}] (rows gathered from x)"),
              ("forward out-projection", f"[{N} x {H}] @ [{H} x {O}]")]
-    if s["phase"] == "train":
+    if s["phase"] in ("train", TRACED):
         gemms += [("backward out-projection dgrad", f"[{N} x {O}] @ [{O} x {H}]"),
                   ("backward out-projection wgrad", f"[{H} x {N}] @ [{N} x {O}] per expert"),
                   ("backward in-projection dgrad", f"[{N} x {width}] @ [{width} x {M}] (rows scattered into dx)"),
                   ("backward in-projection wgrad", f"[{M} x {N}] @ [{N} x {width}] per expert (rows gathered)")]
+    if traced:   # dispatch and combine move the rows; each GEMM runs on whole buffers
+        gemms = [(name, shape.split(" (")[0]) for name, shape in gemms]
     lines = [f"shape: T={s['T']} M={M} H={H} O={O} E={E} k={s['k']} kind={s['kind']} "
              f"dtype={str(s['dtype']).replace('torch.', '')} device={s['device']}",
-             f"phase: {s['phase']} ({N} rows over at most {min(E, N)} experts, ~{N / max(1, min(E, N)):.1f} per expert)",
+             f"phase: {s['phase']} ({N} rows over at most {min(E, N)} experts, ~{N / max(1, min(E, N)):.1f} per expert)"
+             + (", on the layout's buffers: padded [E, C, M] (every row multiplied) or ragged [k*T, M]" if traced else ""),
              f"kernel: {kern.name}: {kern.why}"]
     lines += [f"  {name:32s} {shape:52s} -> {kern.name}" for name, shape in gemms]
     return "\n".join(lines)
