@@ -422,7 +422,8 @@ def _experts(spec: MoESpec, experts, compute: Tensor, routing: Routing, kind: st
     # a custom expert's parameters are not in ts: any call with grad on may be a training call
     needs_grad = torch.is_grad_enabled() and (es.type == "custom" or any(t is not None and t.requires_grad for t in ts))
     layout = None if on_rows else make_layout(routing, kind)
-    plan = _plan.make_plan(routing, needs_grad=needs_grad, dtype=compute.dtype, precision=es.precision, layout=layout)
+    plan = _plan.make_plan(routing, needs_grad=needs_grad, dtype=compute.dtype,
+                           precision=None if kw is None else es.precision, layout=layout)
     w_rows = plan.row_weights(routing.weights)
     if kw is None:
         y = _kinds.run_custom(es.fn, experts, compute, w_rows, plan, order=spec.combine,

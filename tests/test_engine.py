@@ -366,6 +366,9 @@ def test_a_layout_plan_runs_the_staged_kernel_and_equals_the_rows_plan():
             plan.sizes
         y = engine.run(kw["form"], x, r.weights, plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"])
         torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+        half = engine.run(kw["form"], x, r.weights * 0.5, plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"],
+                          b_out=kw["b_out"])   # the weights passed, not the routing's own
+        torch.testing.assert_close(half, want * 0.5, rtol=1e-12, atol=1e-12)
         with pytest.raises(ValueError, match="the routing's \\[k, T\\]"):
             engine.run(kw["form"], x, rows.row_weights(r.weights), plan, kw["w_in"], kw["w_out"])
     with pytest.raises(ValueError, match="order must be one of \\('fmoe', 'eager'\\) on a rows plan"):

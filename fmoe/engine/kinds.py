@@ -387,12 +387,12 @@ def as_stored(form: ExpertForm, w_in: tuple, w_out) -> tuple:
     return dataclasses.replace(form, in_transposed=in_t, out_transposed=out_t), w_in, w_out
 
 
-def _staged(kern, form: ExpertForm, x: Tensor, plan: ExpertPlan, w_in: tuple, b_in, w_out, b_out, order: str,
-            prescore: bool) -> Tensor:
+def _staged(kern, form: ExpertForm, x: Tensor, w: Tensor, plan: ExpertPlan, w_in: tuple, b_in, w_out, b_out,
+            order: str, prescore: bool) -> Tensor:
     """A layout plan's experts: dispatch into its buffers, each projection one op over every
     buffer row (padded: Tutel's arithmetic bit for bit), combine; plain autograd through ops
-    that carry torch.func and compile rules."""
-    r = plan.routing
+    that carry torch.func and compile rules. w: the [k, T] gate weights."""
+    r = plan.routing if w is plan.routing.weights else dataclasses.replace(plan.routing, weights=w)
     buf = kern.dispatch(x, r, weighted=prescore)
     z = [kern.mm(buf, w, transposed=form.in_transposed, bias=b_in if i == 0 else None) for i, w in enumerate(w_in)]
     y = kern.mm(form.hidden(*z), w_out, transposed=form.out_transposed, bias=b_out)
@@ -440,7 +440,7 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tup
         raise ValueError(f"save must be one of {SAVES}, got {save!r}")
     kern = select(plan, generator=generator) if kernel is None else kernel
     if plan.layout is not None:
-        return _staged(kern, form, x, plan, w_in, b_in, w_out, b_out, order, prescore)
+        return _staged(kern, form, x, w_rows, plan, w_in, b_in, w_out, b_out, order, prescore)
     if prescore:
         raise ValueError("pre-scored gates (prescore=True) run on a layout plan (make_plan(..., layout=))")
     form, w_in, w_out = as_stored(form, w_in, w_out)
@@ -461,9 +461,15 @@ def run_custom(fn: Callable, params, x: Tensor, w_rows: Tensor, plan: ExpertPlan
     On a layout plan ``fn(params, buffers) -> buffers`` over the layout's padded [E, C, M]
     buffers (Tutel's custom-expert contract), dispatched and combined by the staged kernel."""
     if plan.layout is not None:
+        if plan.layout.kind != "padded":
+            raise ValueError("custom experts take padded buffers [E, C, M]; route them with layout='padded'")
+        if tuple(w_rows.shape) != tuple(plan.routing.weights.shape):
+            raise ValueError(f"a layout plan's gate weights are the routing's [k, T] = "
+                             f"{list(plan.routing.weights.shape)}, got {tuple(w_rows.shape)}")
         kern = select(plan)
-        y = fn(params, kern.dispatch(x, plan.routing, weighted=prescore))
-        return kern.combine(y, plan.routing, order=order, weighted=not prescore)
+        r = plan.routing if w_rows is plan.routing.weights else dataclasses.replace(plan.routing, weights=w_rows)
+        y = fn(params, kern.dispatch(x, r, weighted=prescore))
+        return kern.combine(y, r, order=order, weighted=not prescore)
     if prescore:
         raise ValueError("pre-scored gates (prescore=True) run on a layout plan (make_plan(..., layout=))")
     y_rows = fn(params, x, plan)
