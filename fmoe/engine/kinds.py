@@ -106,10 +106,7 @@ def _check(x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out: Tens
                          f"got {order!r}")
     if x.dim() != 2 or x.shape[0] != plan.num_tokens:
         raise ValueError(f"x must be [T, M] with T={plan.num_tokens} (the plan's tokens), got {tuple(x.shape)}")
-    if plan.layout is not None:   # the staged kernel casts weights to x's dtype, as the staged pipeline did
-        if tuple(w_rows.shape) != tuple(plan.routing.weights.shape):
-            raise ValueError(f"a layout plan's gate weights are the routing's [k, T] = "
-                             f"{list(plan.routing.weights.shape)}, got {tuple(w_rows.shape)}")
+    if plan.layout is not None:   # the staged kernel casts weights to x's dtype (gates: _gated_routing)
         return
     if w_rows.shape != (plan.num_rows,):
         raise ValueError(f"the gate weights must be [N] = [{plan.num_rows}] (one per plan row), got "
@@ -387,12 +384,21 @@ def as_stored(form: ExpertForm, w_in: tuple, w_out) -> tuple:
     return dataclasses.replace(form, in_transposed=in_t, out_transposed=out_t), w_in, w_out
 
 
-def _staged(kern, form: ExpertForm, x: Tensor, w: Tensor, plan: ExpertPlan, w_in: tuple, b_in, w_out, b_out,
+def _gated_routing(plan: ExpertPlan, gates: Tensor):
+    """A layout plan's routing carrying ``gates`` [k, T] (the caller's, which may differ from the
+    routing's own), for the staged kernel's dispatch and combine."""
+    if tuple(gates.shape) != tuple(plan.routing.weights.shape):
+        raise ValueError(f"a layout plan's gate weights are the routing's [k, T] = "
+                         f"{list(plan.routing.weights.shape)}, got {tuple(gates.shape)}")
+    return plan.routing if gates is plan.routing.weights else dataclasses.replace(plan.routing, weights=gates)
+
+
+def _staged(kern, form: ExpertForm, x: Tensor, gates: Tensor, plan: ExpertPlan, w_in: tuple, b_in, w_out, b_out,
             order: str, prescore: bool) -> Tensor:
     """A layout plan's experts: dispatch into its buffers, each projection one op over every
     buffer row (padded: Tutel's arithmetic bit for bit), combine; plain autograd through ops
-    that carry torch.func and compile rules. w: the [k, T] gate weights."""
-    r = plan.routing if w is plan.routing.weights else dataclasses.replace(plan.routing, weights=w)
+    that carry torch.func and compile rules. gates: [k, T]."""
+    r = _gated_routing(plan, gates)
     buf = kern.dispatch(x, r, weighted=prescore)
     z = [kern.mm(buf, w, transposed=form.in_transposed, bias=b_in if i == 0 else None) for i, w in enumerate(w_in)]
     y = kern.mm(form.hidden(*z), w_out, transposed=form.out_transposed, bias=b_out)
@@ -463,11 +469,8 @@ def run_custom(fn: Callable, params, x: Tensor, w_rows: Tensor, plan: ExpertPlan
     if plan.layout is not None:
         if plan.layout.kind != "padded":
             raise ValueError("custom experts take padded buffers [E, C, M]; route them with layout='padded'")
-        if tuple(w_rows.shape) != tuple(plan.routing.weights.shape):
-            raise ValueError(f"a layout plan's gate weights are the routing's [k, T] = "
-                             f"{list(plan.routing.weights.shape)}, got {tuple(w_rows.shape)}")
         kern = select(plan)
-        r = plan.routing if w_rows is plan.routing.weights else dataclasses.replace(plan.routing, weights=w_rows)
+        r = _gated_routing(plan, w_rows)
         y = fn(params, kern.dispatch(x, r, weighted=prescore))
         return kern.combine(y, r, order=order, weighted=not prescore)
     if prescore:

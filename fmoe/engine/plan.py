@@ -5,10 +5,10 @@
 
 A rows plan (eager calls on one process) lists the kept (token, expert) pairs sorted by expert
 (capacity honoured, dropped pairs absent): ``tokens [N]`` (the token of each row), ``pairs
-[N]`` (the flat pair index ``j * T + t``, which gathers the row's gate weight), ``experts
-[N]`` (the expert of each row) and the expert bounds, both as host ints (the kernels' loop
-bounds) and as an int64 ``offsets [E + 1]`` tensor (their argument). Rows in a plan are
-exactly the rows of :func:`fmoe.make_layout` (routing, 'ragged'); tests check it.
+[N]`` (the flat pair index ``j * T + t``, which gathers the row's gate weight) and the expert
+bounds, both as host ints (the kernels' loop bounds) and as an int64 ``offsets [E + 1]``
+tensor (their argument); ``experts [N]``, the expert of each row, is made on first use. Rows
+in a plan are exactly the rows of :func:`fmoe.make_layout` (routing, 'ragged'); tests check it.
 
 A layout plan (``make_plan(..., layout=)``: under torch.func transforms and torch.compile,
 and wherever the staged arithmetic is asked for) holds the routing and its
@@ -20,6 +20,7 @@ Either plan names the call's phase, dtype and precision: the key by which
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import torch
@@ -65,7 +66,6 @@ class ExpertPlan:
         phase: one of :data:`PHASES`, or :data:`TRACED` for a layout plan.
         dtype: the compute dtype of the expert GEMMs.
         precision: None (float GEMMs) or a quantized-training recipe.
-        experts: int64 [N]. Expert of each row.
         routing, layout: a layout plan's routing and its :class:`~fmoe.Layout` (the row
             fields above are then None).
     """
@@ -79,7 +79,6 @@ class ExpertPlan:
     phase: str = "train"
     dtype: torch.dtype = torch.float32
     precision: Any = None
-    experts: Optional[Tensor] = None
     routing: Optional[Routing] = None
     layout: Optional[Layout] = None
 
@@ -91,6 +90,14 @@ class ExpertPlan:
     def num_rows(self) -> int:
         """Rows the expert GEMMs see: N kept pairs, or the layout's static buffer rows."""
         return self.layout.num_rows if self.layout is not None else self.bounds[-1]
+
+    @functools.cached_property
+    def experts(self) -> Tensor:
+        """int64 [N]: the expert of each row of a rows plan (per-expert biases; made on first use,
+        since bias-free kinds never need it)."""
+        sizes = torch.tensor(self.sizes, dtype=torch.int64, device=self.device)
+        return torch.repeat_interleave(torch.arange(self.num_experts, device=self.device), sizes,
+                                       output_size=self.num_rows)
 
     def row_weights(self, weights: Tensor) -> Tensor:
         """The gate weight of each row: [N] from the routing's [k, T] ``weights`` (a layout
@@ -165,14 +172,10 @@ def plan_from_bounds(tokens: Tensor, pairs: Tensor, bounds, num_tokens: int, *, 
     if tokens.shape != (bounds[-1],) or pairs.shape != (bounds[-1],):
         raise ValueError(f"plan tokens and pairs must be int64 [N] with N={bounds[-1]} (the last bound), got "
                          f"{tuple(tokens.shape)} and {tuple(pairs.shape)}")
-    sizes = [b1 - b0 for b0, b1 in zip(bounds, bounds[1:])]
-    busy = sum(1 for n in sizes if n)
+    busy = sum(1 for b0, b1 in zip(bounds, bounds[1:]) if b1 > b0)
     offsets = torch.tensor(bounds, dtype=torch.int64)
-    experts = torch.repeat_interleave(torch.arange(len(sizes), device=tokens.device),
-                                      torch.tensor(sizes, dtype=torch.int64, device=tokens.device),
-                                      output_size=bounds[-1])
     return ExpertPlan(tokens, pairs, offsets, bounds, num_tokens, dropped, phase_of(needs_grad, bounds[-1], busy),
-                      dtype, precision, experts)
+                      dtype, precision)
 
 
 def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precision=None,

@@ -174,7 +174,8 @@ def select(plan: ExpertPlan, matrix_bytes: int = 0, *, choice: Optional[str] = N
     """The kernel for every GEMM of the call ``plan`` describes.
 
     A layout plan gets the staged kernel (:class:`~fmoe.ops.grouped.GroupedGemm` over its layout,
-    with the plan's recipe and ``generator`` for its stochastic rounding). Where several kernels compete for the plan's key (:data:`fmoe.engine.wisdom.CANDIDATES`),
+    with the plan's recipe and ``generator`` for its stochastic rounding). Where several kernels
+    compete for the plan's key (:data:`fmoe.engine.wisdom.CANDIDATES`),
     ``choice`` forces one by name; else the winner recorded for the call's shape class
     (``matrix_bytes``: one expert weight matrix) is taken if this machine has measured it, and
     the table's own entry otherwise."""
