@@ -168,7 +168,8 @@ def expert_gemms_step(counts, kw: dict, order: str = "fmoe", num_tokens: Optiona
     one grouped call per projection, rows gathered by the kernel) on the same weights and per-
     expert row counts, with random rows and no activation or routing (the biases added inside the calls, as the engine adds them). ``counts``:
     kept rows per expert (ints, length E); ``kw``: what :func:`fmoe.experts.expert_form`
-    returns for the experts (read as the engine reads them, :func:`fmoe.engine.kinds.as_stored`); ``order``: the call's combine order (whether the output projection
+    returns for the experts (read as the engine reads them, :func:`fmoe.engine.kinds.as_stored`);
+    ``order``: the call's combine order (whether the output projection
     scatters straight into y, :func:`fmoe.engine.kinds.scatters_output`); ``num_tokens``: the T
     rows gathered from and scattered into (default: one per pair).
     """

@@ -86,25 +86,29 @@ pytree.register_pytree_node(
 )
 
 
-def _layout(routing: Routing, kind: str, starts: Tensor, num_rows: int) -> Layout:
+def _sizes(routing: Routing) -> Tensor:
+    return routing.counts.clamp(max=routing.capacity).to(torch.int64)
+
+
+def _layout(routing: Routing, kind: str, starts: Tensor, sizes: Tensor, num_rows: int) -> Layout:
     # both layouts put pair (j, t) at its expert's first row plus its slot
     ids = routing.expert_ids
     pos = starts.gather(0, ids.clamp(min=0).reshape(-1)).reshape(ids.shape) + routing.slots
     pos = torch.where(routing.kept(), pos, torch.full_like(pos, -1))
-    sizes = routing.counts.clamp(max=routing.capacity).to(torch.int64)
     return Layout(pos, starts, sizes, kind, num_rows, routing.num_experts, routing.capacity)
 
 
 def padded_layout(routing: Routing) -> Layout:
     """Tutel's slot-major [E, C, M] layout: row ``e * C + slot``."""
     E, C = routing.num_experts, routing.capacity
-    return _layout(routing, "padded", torch.arange(E, device=routing.counts.device, dtype=torch.int64) * C, E * C)
+    starts = torch.arange(E, device=routing.counts.device, dtype=torch.int64) * C
+    return _layout(routing, "padded", starts, _sizes(routing), E * C)
 
 
 def ragged_layout(routing: Routing) -> Layout:
     """Pairs sorted by expert, no padding rows: row ``offsets[e] + slot``, R = k * T."""
-    sizes = routing.counts.clamp(max=routing.capacity).to(torch.int64)
-    return _layout(routing, "ragged", torch.cumsum(sizes, 0) - sizes, routing.k * routing.num_tokens)
+    sizes = _sizes(routing)
+    return _layout(routing, "ragged", torch.cumsum(sizes, 0) - sizes, sizes, routing.k * routing.num_tokens)
 
 
 def make_layout(routing: Routing, kind: str) -> Layout:

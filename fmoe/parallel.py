@@ -469,29 +469,30 @@ def _check_router(params, spec) -> None:
 def check_moe_call(comm, spec, parallel: ParallelSpec, x, params, routing, local_check: Callable[[], None]) -> None:
     """The agreement step of a distributed :func:`fmoe.moe` call, run before any other collective.
 
-    Local input errors (``local_check``, then :func:`check_expert_layout`: parameters that do not
-    fit the spec and the communicator's size) and cross-rank mismatches both raise on every rank.
-    The agreement record travels with the call's first collective (no exchange of its own) on
-    fmoe's communicators; their ``checks="off"`` skips it.
+    Local input errors (``local_check``, the router's parameters, then :func:`check_expert_layout`:
+    parameters that do not fit the spec and the communicator's size) and cross-rank mismatches
+    both raise on every rank. The agreement record travels with the call's first collective (no
+    exchange of its own) on fmoe's communicators; their ``checks="off"`` skips it.
     """
     cache_of(comm).pop(_AGREED, None)  # a token left by a call that failed before its expert stage
-    if not parallel.check:
+
+    def local():
         local_check()
-        if routing is None:
+        if routing is None:   # the router checks its parameters when it runs: here, on every rank first
             _check_router(params, spec)
         check_expert_layout(spec, params["experts"], comm.size, comm.rank)
+
+    if not parallel.check:
+        local()
         return
     experts = params.get("experts") if isinstance(params, dict) else None
     fields = parallel_fields(spec, parallel, comm.size, getattr(x, "dtype", None), experts)
     fields["routing_capacity"] = -1 if routing is None else int(routing.capacity)
 
     def check():
-        local_check()
-        if routing is None:   # the router checks its parameters when it runs: here, on every rank first
-            _check_router(params, spec)
+        local()
         n, s = sharding(spec.num_experts, comm.size)
         parallel.degree(s)
-        check_expert_layout(spec, params["experts"], comm.size, comm.rank)
     agree_across_ranks(comm, fields, check, defer=True)
     cache_of(comm)[_AGREED] = calls_of(comm)
 
