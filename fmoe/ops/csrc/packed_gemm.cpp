@@ -1,0 +1,534 @@
+// Native CPU grouped GEMM over packed low-precision expert weights (fmoe.quant.QuantizedTensor):
+// out[r] = a[r] @ dequant(w[e]).T for the rows r of every busy expert e, in ONE call per
+// projection. The weights are decoded in registers and never written out as floats (except
+// by the many-rows path below, one L2-sized tile at a time). The Python front
+// (fmoe/quant/packed.py) validates every argument and allocates the output; the checks here
+// are a backstop so that a caller who skips it still cannot make us read outside a buffer.
+//
+// Formats (fmoe/quant/tensor.py's layout, expert-major, rows = output channels):
+//   fp4: data uint8 [E, N, K/2] (E2M1 codes, low nibble = even k), scales uint8 [E, N, K/bk]
+//        decoded through a 256-entry float table (E8M0 for mxfp4, E4M3 for nvfp4), and an
+//        optional per-expert float gscale [E] (nvfp4's second-level scale).
+//   fp8: data uint8 [E, N, K] (E4M3 bytes), scales either float32 [E, ceil(N/bn), ceil(K/bk)]
+//        (fp8_block, fp8_row) or uint8 E8M0 [E, N, K/32] through the table (mxfp8).
+//
+// Work split: jobs = (busy expert, tile of kTileN weight rows), at::parallel_for over jobs,
+// so the threads split the weight stream. Per job, experts with few rows (C <= dense_from)
+// decode each weight row in registers and dot it with every row of the expert (register
+// blocked, up to 4 rows per pass); experts with more rows decode the tile to float32 once
+// and multiply it with at::mm (single-threaded inside the parallel region).
+//
+// ISA: every path is compiled into this one library with per-function target attributes
+// (no -march flag); the caller picks one at run time (`isa`: 0 auto, 1 portable, 2 AVX2+FMA
+// +F16C, 3 AVX-512 F/BW/VL/DQ), auto taking the best the CPU reports.
+//
+// Numerics: accumulation in float32; the decoded weight times its block scale is the
+// product dequantize() forms (exact for FP4: 2 significant bits times a power of two or an
+// E4M3 value); the summation order differs from dequantize-then-matmul, so results agree
+// within the forward-error bound of a K-term dot product. nvfp4's global scale multiplies
+// the finished dot product (dequantize() rounds it into every weight): one more rounding.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTileN = 64;  // weight rows per job
+
+// E2M1 code -> value (spec table); sign is bit 3.
+constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+struct Params {
+  const float* a;       // [R, K] activations, plan order (possibly a permuted copy, see prep_*)
+  int64_t K, N;         // reduction length, weight rows per expert
+  const uint8_t* data;  // packed weights
+  int64_t d_e, d_r;     // strides (bytes) of data: per expert, per row
+  const uint8_t* sb;    // byte scales (table) or nullptr
+  const float* sf;      // float scales or nullptr
+  int64_t s_e, s_r;     // strides (elements) of the scales: per expert, per scale row
+  int64_t bn, bk;       // scale block (rows, k)
+  const float* table;   // [256] byte scale -> value
+  const float* e4m3;    // [256] E4M3 byte -> value (fp8 portable decode)
+  const float* gscale;  // [E] or nullptr
+  float* out;           // [R, N]
+  bool fp4;
+};
+
+struct Job {
+  int64_t e, lo, c, n0, n1;  // expert, its first row, its row count, weight rows [n0, n1)
+};
+
+inline float scale_of(const Params& p, int64_t e, int64_t n, int64_t kb) {
+  const int64_t i = e * p.s_e + (n / p.bn) * p.s_r + kb;
+  return p.sf != nullptr ? p.sf[i] : p.table[p.sb[i]];
+}
+
+inline float gscale_of(const Params& p, int64_t e) { return p.gscale != nullptr ? p.gscale[e] : 1.0f; }
+
+// ------------------------------------------------------------------ portable (and the decode-to-float tile)
+
+// Row n of expert e decoded to float32 (natural k order), value * block scale, as dequantize()
+// forms it (the global scale left out: it multiplies the dot product).
+void decode_row_portable(const Params& p, int64_t e, int64_t n, float* w) {
+  const uint8_t* row = p.data + e * p.d_e + n * p.d_r;
+  for (int64_t k0 = 0; k0 < p.K; k0 += p.bk) {
+    const int64_t k1 = std::min(p.K, k0 + p.bk);
+    const float s = scale_of(p, e, n, k0 / p.bk);
+    if (p.fp4) {
+      for (int64_t k = k0; k < k1; ++k) {
+        const uint8_t b = row[k >> 1];
+        w[k] = kE2M1[(k & 1) ? (b >> 4) : (b & 15)] * s;
+      }
+    } else {
+      for (int64_t k = k0; k < k1; ++k) w[k] = p.e4m3[row[k]] * s;
+    }
+  }
+}
+
+void rows_portable(const Params& p, const Job& j, std::vector<float>& w) {
+  w.resize(p.K);
+  const float g = gscale_of(p, j.e);
+  for (int64_t n = j.n0; n < j.n1; ++n) {
+    decode_row_portable(p, j.e, n, w.data());
+    for (int64_t c = 0; c < j.c; ++c) {
+      const float* x = p.a + (j.lo + c) * p.K;
+      float acc = 0.0f;
+      for (int64_t k = 0; k < p.K; ++k) acc += x[k] * w[k];
+      p.out[(j.lo + c) * p.N + n] = acc * g;
+    }
+  }
+}
+
+// ------------------------------------------------------------------ AVX2 + FMA + F16C
+
+#define FMOE_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+FMOE_AVX2 inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 8 E4M3 bytes -> 8 floats * 2^-8 (E4M3 placed in binary16: exponent bias 7 vs 15, the
+// subnormals line up too), NaN codes 0x7F / 0xFF to NaN.
+FMOE_AVX2 inline __m256 e4m3x8_avx2(const uint8_t* q) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+  __m128i h = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(0x3F80)),
+                           _mm_and_si128(_mm_slli_epi16(b, 8), _mm_set1_epi16(static_cast<short>(0x8000))));
+  const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7F));
+  h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7E00)));
+  return _mm256_cvtph_ps(h);
+}
+
+// 16 packed FP4 bytes (32 codes) -> signed int8 of 2 * E2M1 for the low (even k) and high
+// (odd k) nibbles.
+FMOE_AVX2 inline void fp4x32_i8_avx2(const uint8_t* q, __m128i& lo, __m128i& hi) {
+  const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m128i m = _mm_set1_epi8(15);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  lo = _mm_shuffle_epi8(lut, _mm_and_si128(v, m));
+  hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), m));
+}
+
+FMOE_AVX2 inline __m256 i8x8_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+FMOE_AVX2 void decode_row_avx2(const Params& p, int64_t e, int64_t n, float* w) {
+  const uint8_t* row = p.data + e * p.d_e + n * p.d_r;
+  if (p.fp4) {
+    if (p.K % 32 != 0) return decode_row_portable(p, e, n, w);
+    for (int64_t k = 0; k < p.K; k += 32) {
+      // 2 * E2M1 * (s / 2): exact, the same value as dequantize()'s E2M1 * s.
+      const __m256 s0 = _mm256_set1_ps(0.5f * scale_of(p, e, n, k / p.bk));
+      const __m256 s1 = _mm256_set1_ps(0.5f * scale_of(p, e, n, (k + 16) / p.bk));
+      __m128i lo, hi;
+      fp4x32_i8_avx2(row + k / 2, lo, hi);
+      const __m128i a = _mm_unpacklo_epi8(lo, hi), b = _mm_unpackhi_epi8(lo, hi);  // k order
+      _mm256_storeu_ps(w + k, _mm256_mul_ps(i8x8_ps(a), s0));
+      _mm256_storeu_ps(w + k + 8, _mm256_mul_ps(i8x8_ps(_mm_srli_si128(a, 8)), s0));
+      _mm256_storeu_ps(w + k + 16, _mm256_mul_ps(i8x8_ps(b), s1));
+      _mm256_storeu_ps(w + k + 24, _mm256_mul_ps(i8x8_ps(_mm_srli_si128(b, 8)), s1));
+    }
+    return;
+  }
+  for (int64_t k0 = 0; k0 < p.K; k0 += p.bk) {
+    const int64_t k1 = std::min(p.K, k0 + p.bk);
+    const float s = scale_of(p, e, n, k0 / p.bk);
+    const __m256 s8 = _mm256_set1_ps(s * 256.0f);
+    int64_t k = k0;
+    for (; k + 8 <= k1; k += 8) _mm256_storeu_ps(w + k, _mm256_mul_ps(e4m3x8_avx2(row + k), s8));
+    for (; k < k1; ++k) w[k] = p.e4m3[row[k]] * s;
+  }
+}
+
+// FP4 dot of one weight row with NT activation rows; x permuted per 32 k as [16 even k, 16 odd k]
+// (prep_fp4_avx2). Requires K % 32 == 0.
+template <int NT>
+FMOE_AVX2 void fp4_row_avx2(const Params& p, const Job& j, int64_t n, const float* x0, float* res) {
+  const uint8_t* row = p.data + j.e * p.d_e + n * p.d_r;
+  __m256 acc[NT][2];
+  for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < p.K; k += 32) {
+    const __m256 s0 = _mm256_set1_ps(0.5f * scale_of(p, j.e, n, k / p.bk));
+    const __m256 s1 = _mm256_set1_ps(0.5f * scale_of(p, j.e, n, (k + 16) / p.bk));
+    __m128i lo, hi;
+    fp4x32_i8_avx2(row + k / 2, lo, hi);
+    const __m256 w0 = _mm256_mul_ps(i8x8_ps(lo), s0);                     // even k 0..14
+    const __m256 w1 = _mm256_mul_ps(i8x8_ps(_mm_srli_si128(lo, 8)), s1);  // even k 16..30
+    const __m256 w2 = _mm256_mul_ps(i8x8_ps(hi), s0);                     // odd k 1..15
+    const __m256 w3 = _mm256_mul_ps(i8x8_ps(_mm_srli_si128(hi, 8)), s1);  // odd k 17..31
+    for (int t = 0; t < NT; ++t) {
+      const float* x = x0 + t * p.K + k;
+      acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc[t][0]);
+      acc[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), acc[t][1]);
+      acc[t][0] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), acc[t][0]);
+      acc[t][1] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), acc[t][1]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) res[t] = hsum256(_mm256_add_ps(acc[t][0], acc[t][1]));
+}
+
+template <int NT>
+FMOE_AVX2 void fp8_row_avx2(const Params& p, const Job& j, int64_t n, const float* x0, float* res) {
+  const uint8_t* row = p.data + j.e * p.d_e + n * p.d_r;
+  __m256 acc[NT][2];
+  float tail[NT];
+  for (int t = 0; t < NT; ++t) {
+    acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    tail[t] = 0.0f;
+  }
+  for (int64_t k0 = 0; k0 < p.K; k0 += p.bk) {
+    const int64_t k1 = std::min(p.K, k0 + p.bk);
+    const float s = scale_of(p, j.e, n, k0 / p.bk);
+    const __m256 s8 = _mm256_set1_ps(s * 256.0f);
+    int64_t k = k0;
+    for (; k + 16 <= k1; k += 16) {
+      const __m256 w0 = _mm256_mul_ps(e4m3x8_avx2(row + k), s8);
+      const __m256 w1 = _mm256_mul_ps(e4m3x8_avx2(row + k + 8), s8);
+      for (int t = 0; t < NT; ++t) {
+        const float* x = x0 + t * p.K + k;
+        acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc[t][0]);
+        acc[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), acc[t][1]);
+      }
+    }
+    for (; k < k1; ++k) {
+      const float w = p.e4m3[row[k]] * s;
+      for (int t = 0; t < NT; ++t) tail[t] += w * x0[t * p.K + k];
+    }
+  }
+  for (int t = 0; t < NT; ++t) res[t] = hsum256(_mm256_add_ps(acc[t][0], acc[t][1])) + tail[t];
+}
+
+// ------------------------------------------------------------------ AVX-512 (F, BW, VL, DQ)
+
+#define FMOE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+
+// 16 scale values for one 64-byte FP4 chunk (128 k), lane j covering k = 8j .. 8j + 7 (see
+// fp4_row_avx512): lane j's block is 8j / bk.
+FMOE_AVX512 inline __m512 fp4_scales16(const Params& p, int64_t e, int64_t n, int64_t k) {
+  const int64_t i = e * p.s_e + n * p.s_r + k / p.bk;
+  if (p.bk == 32) {
+    const __m128 s = _mm_setr_ps(p.table[p.sb[i]], p.table[p.sb[i + 1]], p.table[p.sb[i + 2]], p.table[p.sb[i + 3]]);
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                 _mm512_castps128_ps512(s));
+  }
+  // bk == 16
+  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.sb + i)));
+  const __m256 s = _mm256_i32gather_ps(p.table, idx, 4);
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                               _mm512_castps256_ps512(s));
+}
+
+// FP4 dot of weight rows n and n2 with NT activation rows. 64 packed bytes (128 k) at a time:
+// dword j of the load holds the codes of k = 8j .. 8j + 7; vpermps reads only the low 4 bits
+// of each index, so shifting by 4q and permuting the 16-entry E2M1 table gives k = 8j + q in
+// lane j. The activations were permuted to match (prep_fp4_avx512). Requires K % 128 == 0
+// and bk in {16, 32}.
+template <int NT>
+FMOE_AVX512 void fp4_rows2_avx512(const Params& p, const Job& j, int64_t n, int64_t n2, const float* x0,
+                                  float* res, float* res2) {
+  const uint8_t* r0 = p.data + j.e * p.d_e + n * p.d_r;
+  const uint8_t* r1 = p.data + j.e * p.d_e + n2 * p.d_r;
+  const __m512 lut = _mm512_loadu_ps(kE2M1);
+  __m512 acc[2][NT][2];
+  for (int t = 0; t < NT; ++t) acc[0][t][0] = acc[0][t][1] = acc[1][t][0] = acc[1][t][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < p.K; k += 128) {
+    const __m512i v0 = _mm512_loadu_si512(r0 + k / 2);
+    const __m512i v1 = _mm512_loadu_si512(r1 + k / 2);
+    const __m512 s0 = fp4_scales16(p, j.e, n, k);
+    const __m512 s1 = fp4_scales16(p, j.e, n2, k);
+    // A scaled table (16 products, exact) instead of scaling each of the 8 decoded vectors
+    // only works when one scale covers the chunk, so scale the vectors.
+#define FMOE_FP4_STEP(q)                                                                   \
+    {                                                                                      \
+      const __m512 w0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4 * q), lut), s0); \
+      const __m512 w1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4 * q), lut), s1); \
+      for (int t = 0; t < NT; ++t) {                                                       \
+        const __m512 xv = _mm512_loadu_ps(x0 + t * p.K + k + 16 * q);                      \
+        acc[0][t][q & 1] = _mm512_fmadd_ps(w0, xv, acc[0][t][q & 1]);                      \
+        acc[1][t][q & 1] = _mm512_fmadd_ps(w1, xv, acc[1][t][q & 1]);                      \
+      }                                                                                    \
+    }
+    FMOE_FP4_STEP(0) FMOE_FP4_STEP(1) FMOE_FP4_STEP(2) FMOE_FP4_STEP(3)
+    FMOE_FP4_STEP(4) FMOE_FP4_STEP(5) FMOE_FP4_STEP(6) FMOE_FP4_STEP(7)
+#undef FMOE_FP4_STEP
+  }
+  for (int t = 0; t < NT; ++t) {
+    res[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][t][0], acc[0][t][1]));
+    res2[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[1][t][0], acc[1][t][1]));
+  }
+}
+
+// 32 E4M3 bytes -> two vectors of 16 floats * 2^-8 (the binary16 placement of e4m3x8_avx2).
+FMOE_AVX512 inline void e4m3x32_avx512(const uint8_t* q, __m512& f0, __m512& f1) {
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  __m512i h = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(b, 7), _mm512_set1_epi16(0x3F80)),
+                              _mm512_and_si512(_mm512_slli_epi16(b, 8), _mm512_set1_epi16(static_cast<short>(0x8000))));
+  const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(b, _mm512_set1_epi16(0x7F)), _mm512_set1_epi16(0x7F));
+  h = _mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(0x7E00));
+  f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
+template <int NT>
+FMOE_AVX512 void fp8_rows2_avx512(const Params& p, const Job& j, int64_t n, int64_t n2, const float* x0,
+                                  float* res, float* res2) {
+  const uint8_t* r0 = p.data + j.e * p.d_e + n * p.d_r;
+  const uint8_t* r1 = p.data + j.e * p.d_e + n2 * p.d_r;
+  __m512 acc[2][NT][2];
+  float tail[2][NT];
+  for (int t = 0; t < NT; ++t) {
+    acc[0][t][0] = acc[0][t][1] = acc[1][t][0] = acc[1][t][1] = _mm512_setzero_ps();
+    tail[0][t] = tail[1][t] = 0.0f;
+  }
+  for (int64_t k0 = 0; k0 < p.K; k0 += p.bk) {
+    const int64_t k1 = std::min(p.K, k0 + p.bk);
+    const float sa = scale_of(p, j.e, n, k0 / p.bk), sb = scale_of(p, j.e, n2, k0 / p.bk);
+    const __m512 s0 = _mm512_set1_ps(sa * 256.0f), s1 = _mm512_set1_ps(sb * 256.0f);
+    int64_t k = k0;
+    for (; k + 32 <= k1; k += 32) {
+      __m512 a0, a1, b0, b1;
+      e4m3x32_avx512(r0 + k, a0, a1);
+      e4m3x32_avx512(r1 + k, b0, b1);
+      a0 = _mm512_mul_ps(a0, s0);
+      a1 = _mm512_mul_ps(a1, s0);
+      b0 = _mm512_mul_ps(b0, s1);
+      b1 = _mm512_mul_ps(b1, s1);
+      for (int t = 0; t < NT; ++t) {
+        const float* x = x0 + t * p.K + k;
+        const __m512 x0v = _mm512_loadu_ps(x), x1v = _mm512_loadu_ps(x + 16);
+        acc[0][t][0] = _mm512_fmadd_ps(a0, x0v, acc[0][t][0]);
+        acc[0][t][1] = _mm512_fmadd_ps(a1, x1v, acc[0][t][1]);
+        acc[1][t][0] = _mm512_fmadd_ps(b0, x0v, acc[1][t][0]);
+        acc[1][t][1] = _mm512_fmadd_ps(b1, x1v, acc[1][t][1]);
+      }
+    }
+    for (; k < k1; ++k) {
+      const float wa = p.e4m3[r0[k]] * sa, wb = p.e4m3[r1[k]] * sb;
+      for (int t = 0; t < NT; ++t) {
+        tail[0][t] += wa * x0[t * p.K + k];
+        tail[1][t] += wb * x0[t * p.K + k];
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    res[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][t][0], acc[0][t][1])) + tail[0][t];
+    res2[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[1][t][0], acc[1][t][1])) + tail[1][t];
+  }
+}
+
+// ------------------------------------------------------------------ drivers
+
+enum Isa { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
+
+int best_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return kAvx2;
+  return kPortable;
+}
+
+// The path a format can take on an ISA: the vector FP4 kernels need whole 128-k (AVX-512) or
+// 32-k (AVX2) chunks and blocks of 16 or 32; otherwise the next narrower path runs.
+int effective_isa(const Params& p, int isa) {
+  if (p.fp4 && isa == kAvx512 && !(p.K % 128 == 0 && (p.bk == 16 || p.bk == 32) && p.sb != nullptr)) isa = kAvx2;
+  if (p.fp4 && isa == kAvx2 && !(p.K % 32 == 0 && (p.bk == 16 || p.bk == 32))) isa = kPortable;
+  return isa;
+}
+
+// Activations in the order the ISA's FP4 kernel reads them (FP8 and portable: as given).
+void permute_acts(const float* a, int64_t R, int64_t K, int isa, float* out) {
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = a + r * K;
+      float* y = out + r * K;
+      if (isa == kAvx512) {
+        for (int64_t u = 0; u < K; u += 128)
+          for (int q = 0; q < 8; ++q)
+            for (int j = 0; j < 16; ++j) y[u + 16 * q + j] = x[u + 8 * j + q];
+      } else {
+        for (int64_t u = 0; u < K; u += 32)
+          for (int i = 0; i < 16; ++i) {
+            y[u + i] = x[u + 2 * i];
+            y[u + 16 + i] = x[u + 2 * i + 1];
+          }
+      }
+    }
+  });
+}
+
+template <int NT>
+void rows_vec(const Params& p, const Job& j, const float* x, int isa, int64_t row0) {
+  float r0[4], r1[4];
+  const float g = gscale_of(p, j.e);
+  for (int64_t n = j.n0; n < j.n1; n += 2) {
+    const int64_t n2 = std::min(n + 1, j.n1 - 1);  // an odd last row is computed twice
+    if (isa == kAvx512) {
+      if (p.fp4) fp4_rows2_avx512<NT>(p, j, n, n2, x, r0, r1);
+      else fp8_rows2_avx512<NT>(p, j, n, n2, x, r0, r1);
+    } else {
+      if (p.fp4) {
+        fp4_row_avx2<NT>(p, j, n, x, r0);
+        fp4_row_avx2<NT>(p, j, n2, x, r1);
+      } else {
+        fp8_row_avx2<NT>(p, j, n, x, r0);
+        fp8_row_avx2<NT>(p, j, n2, x, r1);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      p.out[(row0 + t) * p.N + n] = r0[t] * g;
+      p.out[(row0 + t) * p.N + n2] = r1[t] * g;
+    }
+  }
+}
+
+void run_job_small(const Params& p, const Job& j, const float* xs, int isa, std::vector<float>& w) {
+  if (isa == kPortable) return rows_portable(p, j, w);
+  for (int64_t c = 0; c < j.c; c += 4) {
+    const int64_t nt = std::min<int64_t>(4, j.c - c);
+    const float* x = xs + (j.lo + c) * p.K;
+    Job sub = j;
+    switch (nt) {
+      case 1: rows_vec<1>(p, sub, x, isa, j.lo + c); break;
+      case 2: rows_vec<2>(p, sub, x, isa, j.lo + c); break;
+      case 3: rows_vec<3>(p, sub, x, isa, j.lo + c); break;
+      default: rows_vec<4>(p, sub, x, isa, j.lo + c); break;
+    }
+  }
+}
+
+// Many rows: decode the tile once to float32, then one single-threaded at::mm.
+void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const at::Tensor& out, int isa) {
+  const int64_t tn = j.n1 - j.n0;
+  at::Tensor w = at::empty({tn, p.K}, at::kFloat);
+  float* wp = w.data_ptr<float>();
+  for (int64_t n = j.n0; n < j.n1; ++n) {
+    float* dst = wp + (n - j.n0) * p.K;
+    if (isa == kPortable) decode_row_portable(p, j.e, n, dst);
+    else decode_row_avx2(p, j.e, n, dst);
+  }
+  const float g = gscale_of(p, j.e);
+  if (g != 1.0f) w.mul_(g);  // nvfp4: dequantize()'s (value * s) * g, rounded once per weight
+  at::Tensor o = out.narrow(0, j.lo, j.c).narrow(1, j.n0, tn);
+  at::mm_out(o, a.narrow(0, j.lo, j.c), w.t());
+}
+
+}  // namespace
+
+// out [R, N] float32 (written); see the file comment for the operands. Returns the ISA run.
+int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const at::Tensor& data,
+                          const at::Tensor& scales, const at::Tensor& table, const at::Tensor& e4m3,
+                          const c10::optional<at::Tensor>& gscale, bool fp4, int64_t bn, int64_t bk,
+                          at::Tensor& out, int64_t isa, int64_t dense_from) {
+  TORCH_CHECK_VALUE(a.scalar_type() == at::kFloat && a.dim() == 2 && a.is_contiguous(), "a must be contiguous float32 [R, K]");
+  TORCH_CHECK_VALUE(data.scalar_type() == at::kByte && data.dim() == 3 && data.is_contiguous(),
+                    "data must be contiguous uint8 [E, N, K']");
+  const int64_t R = a.size(0), K = a.size(1), E = data.size(0), N = data.size(1);
+  TORCH_CHECK_VALUE(data.size(2) == (fp4 ? K / 2 : K) && (!fp4 || K % 2 == 0), "data's last dim does not match K = ", K);
+  TORCH_CHECK_VALUE(bn >= 1 && bk >= 1 && (!fp4 || (bn == 1 && K % bk == 0 && bk % 2 == 0)), "bad scale block");
+  TORCH_CHECK_VALUE(scales.dim() == 3 && scales.is_contiguous() && scales.size(0) == E &&
+                        scales.size(1) == (N + bn - 1) / bn && scales.size(2) == (K + bk - 1) / bk,
+                    "scales must be contiguous [E, ceil(N/bn), ceil(K/bk)]");
+  const bool byte_scales = scales.scalar_type() == at::kByte;
+  TORCH_CHECK_VALUE(byte_scales || scales.scalar_type() == at::kFloat, "scales must be uint8 or float32");
+  TORCH_CHECK_VALUE(table.scalar_type() == at::kFloat && table.numel() == 256 && table.is_contiguous(), "table must be float32 [256]");
+  TORCH_CHECK_VALUE(e4m3.scalar_type() == at::kFloat && e4m3.numel() == 256 && e4m3.is_contiguous(), "e4m3 must be float32 [256]");
+  TORCH_CHECK_VALUE(!fp4 || byte_scales, "fp4 weights take byte scales");
+  if (gscale.has_value())
+    TORCH_CHECK_VALUE(gscale->scalar_type() == at::kFloat && gscale->numel() == E && gscale->is_contiguous(),
+                      "gscale must be contiguous float32 [E]");
+  TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == R && out.size(1) == N &&
+                        out.is_contiguous(), "out must be contiguous float32 [R, N]");
+  TORCH_CHECK_VALUE(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.size(0) == E + 1 &&
+                        offsets.is_contiguous(), "offsets must be contiguous int64 [E + 1]");
+  const int64_t* o = offsets.const_data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(o[0] == 0 && o[E] == R, "offsets must start at 0 and end at R = ", R);
+  for (int64_t e = 0; e < E; ++e) TORCH_CHECK_VALUE(o[e] <= o[e + 1], "offsets must be non-decreasing");
+
+  Params p{};
+  p.a = a.const_data_ptr<float>();
+  p.K = K;
+  p.N = N;
+  p.data = data.const_data_ptr<uint8_t>();
+  p.d_r = data.size(2);
+  p.d_e = N * p.d_r;
+  p.sb = byte_scales ? scales.const_data_ptr<uint8_t>() : nullptr;
+  p.sf = byte_scales ? nullptr : scales.const_data_ptr<float>();
+  p.s_r = scales.size(2);
+  p.s_e = scales.size(1) * p.s_r;
+  p.bn = bn;
+  p.bk = bk;
+  p.table = table.const_data_ptr<float>();
+  p.e4m3 = e4m3.const_data_ptr<float>();
+  p.gscale = gscale.has_value() ? gscale->const_data_ptr<float>() : nullptr;
+  p.out = out.data_ptr<float>();
+  p.fp4 = fp4;
+
+  const int best = best_isa();
+  TORCH_CHECK_VALUE(isa >= 0 && isa <= 3, "isa must be 0 (auto), 1 (portable), 2 (avx2) or 3 (avx512), got ", isa);
+  TORCH_CHECK_VALUE(isa <= best, "isa ", isa, " is not supported by this CPU (best: ", best, ")");
+  const int run = effective_isa(p, isa == kAuto ? best : static_cast<int>(isa));
+
+  // The permuted activations are only read by the small-rows vector kernels.
+  at::Tensor xs = a;
+  bool any_small = false;
+  for (int64_t e = 0; e < E; ++e) any_small |= (o[e + 1] > o[e] && o[e + 1] - o[e] <= dense_from);
+  if (p.fp4 && run != kPortable && any_small) {
+    xs = at::empty({R, K}, at::kFloat);
+    permute_acts(p.a, R, K, run, xs.data_ptr<float>());
+  }
+  const float* xsp = xs.const_data_ptr<float>();
+
+  std::vector<Job> jobs;
+  for (int64_t e = 0; e < E; ++e) {
+    if (o[e + 1] == o[e]) continue;
+    for (int64_t n0 = 0; n0 < N; n0 += kTileN) jobs.push_back({e, o[e], o[e + 1] - o[e], n0, std::min(N, n0 + kTileN)});
+  }
+  at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t j0, int64_t j1) {
+    std::vector<float> w;
+    for (int64_t i = j0; i < j1; ++i) {
+      const Job& j = jobs[i];
+      if (j.c > dense_from) run_job_dense(p, j, a, out, run);
+      else run_job_small(p, j, xsp, run, w);
+    }
+  });
+  return run;
+}
+
+int64_t packed_best_isa() { return best_isa(); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("packed_grouped_mm", &packed_grouped_mm, "grouped GEMM over packed expert weights (see packed_gemm.cpp)");
+  m.def("best_isa", &packed_best_isa, "the widest ISA path this CPU runs: 1 portable, 2 AVX2, 3 AVX-512");
+}

@@ -1,0 +1,290 @@
+"""Grouped matmul over packed expert weights: every busy expert of one projection in ONE native call.
+
+    grouped_matmul(a, w, offsets, isa="auto", impl="auto") -> y [R, N]
+        y[r] = a[r] @ dequant(w[e]).T for the rows r in offsets[e]:offsets[e + 1]
+
+a: float32 or bfloat16 [R, K], rows already in expert order (a plan's rows); w: QuantizedTensor
+[E, N, K] of any fmoe format (mxfp4, nvfp4, mxfp8, fp8_block, fp8_row) on the CPU; offsets: int64
+[E + 1] on the CPU, 0-based, non-decreasing, ending at R. y is in a's dtype, accumulated in FP32.
+Differentiable with respect to a only (weights are frozen): da[rows of e] = dy @ dequant(w[e]).
+
+The native kernel (fmoe/ops/csrc/packed_gemm.cpp, its own extension ``fmoe_packed_gemm`` beside
+the float grouped GEMM, built by ``python -m fmoe build``) decodes the weights in registers, splits
+(expert, 64-row tile) jobs over the intra-op threads, and picks its vector path at run time
+(``isa``: "auto" the widest the CPU has, or "portable" / "avx2" / "avx512" forced; forcing one the
+CPU lacks is a ValueError). Experts with more than :data:`DENSE_FROM` rows decode one tile at a
+time to FP32 and multiply with ``at::mm``. ``impl``: "auto" runs the extension when it is built
+and otherwise the numba kernels of :func:`fmoe.quant.expert_matmul`, one call per busy expert;
+"native" insists (RuntimeError naming the build command); "reference" runs
+:func:`grouped_matmul_reference`.
+
+Numerics: the decoded weights times their block scales are dequantize()'s products; only the
+summation order (and, for nvfp4, where the global scale multiplies) differs, so the result is
+within ``(K + 2) * eps32 * (|a| @ |dequant(w[e])|.T)`` of the reference (tests check every ISA
+path against that bound). Weight bytes that encode NaN decode to NaN, as in dequantize().
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _codecs as C
+from .tensor import FP4_FORMATS, QuantizedTensor, dequantize
+
+__all__ = ["AVAILABLE", "DENSE_FROM", "ISAS", "grouped_matmul", "grouped_matmul_reference", "best_isa",
+           "status", "build", "build_command", "library_path"]
+
+ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
+_ISA_NAMES = {v: k for k, v in ISAS.items()}
+# Rows per expert above which a job decodes its tile to FP32 and runs at::mm instead of the
+# register kernels (which re-decode the weights for every 4 rows). Measured with
+# benchmarks/bench_inference.py --kernel-only on the 2-core AVX-512 dev VM (see BENCHMARKS.md).
+DENSE_FROM = 8
+
+_NAME = "fmoe_packed_gemm"
+_SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops", "csrc",
+                       "packed_gemm.cpp")
+# No -march: the vector paths carry their own target attributes and are picked at run time.
+_CFLAGS = ("-O3", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+_BUILD_CMD = "python -m fmoe build"
+
+_EXT = None
+_WHY = ""
+AVAILABLE = False
+
+
+# --------------------------------------------------------------------------- build and load
+
+def _key() -> str:
+    h = hashlib.sha256()
+    with open(_SOURCE, "rb") as f:
+        h.update(f.read())
+    h.update(repr((_CFLAGS, _LDFLAGS)).encode())
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return f"torch{torch.__version__}-{py}-{h.hexdigest()[:16]}".replace("+", "_")
+
+
+def library_path() -> str:
+    """Where the built extension for this torch, Python and source lives (may not exist)."""
+    from ..ops import native
+    return os.path.join(native._cache_root(), _key(), _NAME + ".so")
+
+
+def _try_load() -> None:
+    global _EXT, _WHY, AVAILABLE
+    from ..ops import native
+    _EXT, AVAILABLE = None, False
+    if not os.path.exists(_SOURCE):
+        _WHY = f"source {_SOURCE} missing from the install: numba fallback"
+        return
+    path = library_path()
+    if not os.path.exists(path):
+        _WHY = (f"not built: run `{_BUILD_CMD}`" if native._compiler()
+                else "no C++ compiler (c++/g++ not on PATH): numba fallback")
+        return
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(_NAME, path)
+        spec = importlib.util.spec_from_file_location(_NAME, path, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except Exception as e:  # a broken build must not break the import of fmoe
+        _WHY = f"load of {path} failed ({type(e).__name__}: {e}): numba fallback; rebuild with `{_BUILD_CMD}`"
+        return
+    _EXT, _WHY, AVAILABLE = module, "", True
+
+
+def status() -> str:
+    """One line: whether the packed-weight extension is active (and its widest ISA path), or why not."""
+    if AVAILABLE:
+        return f"native CPU packed-weight GEMM: active, {best_isa()} ({library_path()})"
+    return f"native CPU packed-weight GEMM: {_WHY}"
+
+
+def build(verbose: bool = True) -> str:
+    """Compile the packed-weight extension for the current key (a no-op when built) and load it.
+    Same machinery as :func:`fmoe.ops.native.build`, its own module and cache directory, so a
+    failure here never touches the float grouped GEMM. Returns the library path."""
+    from torch.utils import cpp_extension
+
+    from ..ops import native
+    path = library_path()
+    if not os.path.exists(path):
+        if not native._compiler():
+            raise RuntimeError("no C++ compiler (c++/g++) on PATH: cannot build the packed-weight GEMM")
+        final_dir = os.path.dirname(path)
+        os.makedirs(final_dir, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".build-", dir=os.path.dirname(final_dir))
+        t0 = time.time()
+        say = print if verbose else (lambda *a, **k: None)
+        say(f"[fmoe.quant.packed] compiling {_SOURCE}\n[fmoe.quant.packed] into {final_dir}", flush=True)
+        try:
+            with native._ninja_on_path():
+                cpp_extension.load(_NAME, [_SOURCE], extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS),
+                                   build_directory=tmp, verbose=verbose, with_cuda=False)
+            os.replace(os.path.join(tmp, _NAME + ".so"), path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        say(f"[fmoe.quant.packed] built {path} in {time.time() - t0:.0f} s", flush=True)
+    if not AVAILABLE:
+        _try_load()
+        if not AVAILABLE:
+            raise RuntimeError(status())
+    return path
+
+
+def build_command() -> int:
+    """``python -m fmoe build``'s second step: 0 when built (or no compiler), 1 when a compile fails."""
+    from ..ops import native
+    if not native._compiler():
+        print("[fmoe.quant.packed] no C++ compiler: not building; packed weights run the numba kernels")
+        return 0
+    try:
+        build(verbose=False)
+    except Exception as e:
+        print(f"[fmoe.quant.packed] build failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(status())
+    return 0
+
+
+def best_isa() -> str:
+    """The widest vector path the extension runs on this CPU ("avx512", "avx2" or "portable")."""
+    if not AVAILABLE:
+        raise RuntimeError(status())
+    return _ISA_NAMES[int(_EXT.best_isa())]
+
+
+# --------------------------------------------------------------------------- validation
+
+def _check(a, w, offsets) -> list:
+    fn = "grouped_matmul"
+    if not isinstance(w, QuantizedTensor):
+        raise TypeError(f"{fn}: w must be a QuantizedTensor, got {type(w).__name__}")
+    if not isinstance(a, Tensor) or a.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"{fn}: a must be a float32 or bfloat16 tensor, got "
+                        f"{getattr(a, 'dtype', type(a).__name__)}")
+    ws = w.logical_shape
+    if a.dim() != 2 or len(ws) != 3 or a.shape[1] != ws[2]:
+        raise ValueError(f"{fn}: expected a [R, K] and w [E, N, K], got a {tuple(a.shape)} and w {ws}")
+    if a.device.type != "cpu" or w.device.type != "cpu":
+        raise ValueError(f"{fn}: a and w must be CPU tensors (got {a.device} and {w.device}); on CUDA use "
+                         f"fmoe.quant.native")
+    if not isinstance(offsets, Tensor) or offsets.dtype != torch.int64 or offsets.dim() != 1 \
+            or offsets.device.type != "cpu" or offsets.shape[0] != ws[0] + 1:
+        raise ValueError(f"{fn}: offsets must be a CPU int64 [E + 1] = [{ws[0] + 1}] tensor, got "
+                         f"{getattr(offsets, 'dtype', type(offsets).__name__)} {tuple(getattr(offsets, 'shape', ()))}")
+    o = offsets.tolist()
+    if o[0] != 0 or o[-1] != a.shape[0] or any(o1 < o0 for o0, o1 in zip(o, o[1:])):
+        raise ValueError(f"{fn}: offsets must start at 0, never decrease and end at R = {a.shape[0]} "
+                         f"(the rows of a), got {o[:4]}...{o[-2:]}")
+    return o
+
+
+# --------------------------------------------------------------------------- the three implementations
+
+def grouped_matmul_reference(a: Tensor, w: QuantizedTensor, offsets: Tensor) -> Tensor:
+    """Reference: dequantize each busy expert to FP32, torch.mm its rows. Shapes as grouped_matmul."""
+    o = _check(a, w, offsets)
+    y = torch.zeros(a.shape[0], w.logical_shape[1], dtype=torch.float32)
+    for e in range(len(o) - 1):
+        if o[e + 1] > o[e]:
+            y[o[e]:o[e + 1]] = a[o[e]:o[e + 1]].float() @ dequantize(w[e]).T
+    return y.to(a.dtype)
+
+
+def _numba(a: Tensor, w: QuantizedTensor, o: list) -> Tensor:
+    from .matmul import expert_matmul
+    y = torch.zeros(a.shape[0], w.logical_shape[1], dtype=a.dtype)
+    for e in range(len(o) - 1):
+        if o[e + 1] > o[e]:
+            y[o[e]:o[e + 1]] = expert_matmul(a[o[e]:o[e + 1]].unsqueeze(0), w[e:e + 1])[0]
+    return y
+
+
+def _operands(w: QuantizedTensor):
+    """(data uint8, scales, table, fp4, bn, bk, gscale) as the kernel reads them."""
+    fmt = w.fmt
+    if fmt in FP4_FORMATS:
+        table = C.E8M0_TABLE if fmt == "mxfp4" else C.E4M3_TABLE
+        gs = None if w.global_scale is None else w.global_scale.float().reshape(-1).contiguous()
+        return w.data.contiguous(), w.scales.contiguous().view(torch.uint8), table, True, 1, w.block[1], gs
+    data = w.data.contiguous().view(torch.uint8)
+    if fmt == "mxfp8":
+        return data, w.scales.contiguous(), C.E8M0_TABLE, False, 1, 32, None
+    bn, bk = w.block
+    return data, w.scales.float().contiguous(), C.E8M0_TABLE, False, bn, bk, None
+
+
+def _native(a: Tensor, w: QuantizedTensor, offsets: Tensor, isa: str) -> Tensor:
+    data, scales, table, fp4, bn, bk, gs = _operands(w)
+    out = torch.empty(a.shape[0], w.logical_shape[1], dtype=torch.float32)
+    _EXT.packed_grouped_mm(a.float().contiguous(), offsets.contiguous(), data, scales, table, C.E4M3_TABLE, gs,
+                           fp4, bn, bk, out, ISAS[isa], DENSE_FROM)
+    return out.to(a.dtype)
+
+
+def _run(a: Tensor, w: QuantizedTensor, offsets: Tensor, o: list, isa: str, impl: str) -> Tensor:
+    if impl == "reference":
+        return grouped_matmul_reference(a, w, offsets)
+    if impl == "native" or (impl == "auto" and AVAILABLE):
+        if not AVAILABLE:
+            raise RuntimeError(f"grouped_matmul(impl='native'): {status()}")
+        return _native(a, w, offsets, isa)
+    return _numba(a, w, o)
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """Weights travel as their leaves; the gradient flows to ``a`` only."""
+
+    @staticmethod
+    def forward(ctx, a, offsets, data, scales, gscale, meta):
+        fmt, shape, block, o, isa, impl = meta
+        w = QuantizedTensor(data, scales, gscale, fmt, shape, block)
+        ctx.save_for_backward(data, scales, gscale)
+        ctx.meta = meta
+        return _run(a, w, offsets, list(o), isa, impl)
+
+    @staticmethod
+    def backward(ctx, dy):
+        data, scales, gscale = ctx.saved_tensors
+        fmt, shape, block, o, _, _ = ctx.meta
+        w = QuantizedTensor(data, scales, gscale, fmt, shape, block)
+        da = torch.zeros(dy.shape[0], shape[-1], dtype=torch.float32)
+        for e in range(len(o) - 1):
+            if o[e + 1] > o[e]:
+                da[o[e]:o[e + 1]] = dy[o[e]:o[e + 1]].float() @ dequantize(w[e])
+        return da.to(dy.dtype), None, None, None, None, None
+
+
+def grouped_matmul(a: Tensor, w: QuantizedTensor, offsets: Tensor, *, isa: str = "auto",
+                   impl: str = "auto") -> Tensor:
+    """y[r] = a[r] @ dequant(w[e]).T for every expert e's rows offsets[e]:offsets[e + 1] (module docstring).
+
+    a: float32/bfloat16 [R, K]; w: QuantizedTensor [E, N, K]; offsets: int64 [E + 1] (CPU).
+    Returns [R, N] in a.dtype. isa: "auto" | "portable" | "avx2" | "avx512"; impl: "auto" |
+    "native" | "reference".
+    """
+    o = _check(a, w, offsets)
+    if isa not in ISAS:
+        raise ValueError(f"grouped_matmul: isa must be one of {tuple(ISAS)}, got {isa!r}")
+    if impl not in ("auto", "native", "reference"):
+        raise ValueError(f"grouped_matmul: impl must be 'auto', 'native' or 'reference', got {impl!r}")
+    if isa not in ("auto", "portable") and AVAILABLE and ISAS[isa] > ISAS[best_isa()]:
+        raise ValueError(f"grouped_matmul: isa={isa!r} is not supported by this CPU (widest: {best_isa()!r}); "
+                         f"pass isa='auto'")
+    meta = (w.fmt, w.shape, w.block, tuple(o), isa, impl)
+    return _GroupedMatmul.apply(a, offsets, w.data, w.scales, w.global_scale, meta)
+
+
+_try_load()
