@@ -227,7 +227,8 @@ def _per_expert_mm(plan: ExpertPlan) -> Callable:
 
 def _rows_mm(kern: Kernel, plan: ExpertPlan, generator: Optional[torch.Generator]) -> Callable:
     """:func:`reference`'s ``mm`` for weights the autograd Function does not take: packed
-    (:class:`fmoe.quant.QuantizedTensor`, out x in) weights, one fused low-precision call
+    (:class:`fmoe.quant.QuantizedTensor`, out x in) weights, on the CPU one native call for all busy
+    experts (:func:`fmoe.quant.packed.grouped_matmul`), elsewhere one fused low-precision call
     (:func:`fmoe.quant.expert_matmul`) per busy expert on its rows; float weights under the
     plan's quantized-training recipe, :func:`fmoe.quant.training.quantized_mm` over the plan's
     rows (quantize blocks per expert) around the kernel's float GEMMs; other float weights
@@ -238,7 +239,10 @@ def _rows_mm(kern: Kernel, plan: ExpertPlan, generator: Optional[torch.Generator
 
     def mm(a_rows: Tensor, w, transposed: bool) -> Tensor:
         if not isinstance(w, Tensor):
-            from .. import quant   # optional: low-precision weights
+            if a_rows.device.type == "cpu":   # one native call for all busy experts (numba per expert unbuilt)
+                from ..quant import packed   # optional: low-precision weights
+                return packed.grouped_matmul(a_rows, w, plan.offsets)
+            from .. import quant
             parts = [quant.expert_matmul(a_rows[b[e]:b[e + 1]].unsqueeze(0), w[e:e + 1])[0].to(a_rows.dtype)
                      for e in busy]
             return torch.cat(parts) if parts else a_rows.new_zeros((0, w.logical_shape[1]))

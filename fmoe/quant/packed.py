@@ -229,7 +229,7 @@ def _operands(w: QuantizedTensor):
 def _native(a: Tensor, w: QuantizedTensor, offsets: Tensor, isa: str) -> Tensor:
     data, scales, table, fp4, bn, bk, gs = _operands(w)
     out = torch.empty(a.shape[0], w.logical_shape[1], dtype=torch.float32)
-    _EXT.packed_grouped_mm(a.float().contiguous(), offsets.contiguous(), data, scales, table, C.E4M3_TABLE, gs,
+    _EXT.packed_grouped_mm(a.detach().float().contiguous(), offsets.contiguous(), data, scales, table, C.E4M3_TABLE, gs,
                            fp4, bn, bk, out, ISAS[isa], DENSE_FROM)
     return out.to(a.dtype)
 

@@ -1,0 +1,144 @@
+"""fmoe.quant.packed: the grouped GEMM over packed expert weights against dequantize-then-matmul.
+
+Where a C++ compiler is present the extension must build and be active (no silent skip). Every
+format runs on every vector path the CPU has (forced through ``isa=``), on shapes that take the
+register kernels (<= DENSE_FROM rows an expert), the decode-tile + at::mm path (more rows), empty
+experts, a ragged tile of rows and a K that sends FP4 from the AVX-512 kernel to the AVX2 one.
+
+Bound: the decoded weights are dequantize()'s products, only the summation order (and nvfp4's
+global-scale rounding) differs, so |y - ref| <= (K + 2) * eps32 * (|a| @ |W|.T) elementwise: tight
+enough that a wrong row, expert, scale block or nibble order fails it by orders of magnitude.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fmoe.quant as Q
+from fmoe.ops import native
+from fmoe.quant import packed
+
+HAS_COMPILER = native._compiler() is not None
+FORMATS = ("mxfp4", "nvfp4", "mxfp8", "fp8_block", "fp8_row")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if HAS_COMPILER:
+        packed.build(verbose=False)  # a no-op when already built for this key
+    yield
+
+
+def _isas():
+    if not packed.AVAILABLE:
+        return []
+    best = packed.ISAS[packed.best_isa()]
+    return [name for name in ("portable", "avx2", "avx512") if packed.ISAS[name] <= best]
+
+
+def _offsets(counts):
+    o = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    o[1:] = torch.tensor(counts).cumsum(0)
+    return o
+
+
+def _bound(a, w, o):
+    W = Q.dequantize(w).abs()
+    b = torch.zeros(a.shape[0], W.shape[1])
+    for e in range(W.shape[0]):
+        b[o[e]:o[e + 1]] = a[o[e]:o[e + 1]].float().abs() @ W[e].T
+    return (a.shape[1] + 2) * torch.finfo(torch.float32).eps * b
+
+
+def test_active_when_a_compiler_is_present():
+    if HAS_COMPILER:
+        assert packed.AVAILABLE, packed.status()
+        assert packed.status().startswith("native CPU packed-weight GEMM: active")
+    else:
+        assert not packed.AVAILABLE and "no C++ compiler" in packed.status()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("K", [256, 96])
+def test_every_isa_path_matches_the_reference(fmt, K):
+    isas = _isas()
+    if not isas:
+        pytest.skip(packed.status())
+    g = torch.Generator().manual_seed(0)
+    # rows per expert: register kernels (1, 3, 4, 5, 8), an empty expert, the decode + mm path (12)
+    counts = [1, 0, 3, 12, 4, 5, 8]
+    w = Q.quantize(torch.randn(len(counts), 70, K, generator=g), fmt)
+    o = _offsets(counts)
+    a = torch.randn(int(o[-1]), K, generator=g)
+    ref = packed.grouped_matmul_reference(a, w, o)
+    bound = _bound(a, w, o)
+    for isa in isas:
+        y = packed.grouped_matmul(a, w, o, isa=isa, impl="native")
+        assert y.dtype == torch.float32 and y.shape == ref.shape
+        bad = (y - ref).abs() > bound
+        assert not bad.any(), f"{fmt} K={K} isa={isa}: {int(bad.sum())} entries outside the bound"
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8_block"])
+def test_bfloat16_rows_and_the_input_gradient(fmt):
+    if not packed.AVAILABLE:
+        pytest.skip(packed.status())
+    g = torch.Generator().manual_seed(1)
+    w = Q.quantize(torch.randn(3, 40, 128, generator=g), fmt)
+    o = _offsets([2, 0, 11])
+    a = torch.randn(13, 128, generator=g).bfloat16().requires_grad_()
+    y = packed.grouped_matmul(a, w, o)
+    assert y.dtype == torch.bfloat16
+    ref = packed.grouped_matmul_reference(a.detach(), w, o)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    dy = torch.randn(13, 40, generator=g).bfloat16()
+    (da,) = torch.autograd.grad(y, a, dy)
+    W = Q.dequantize(w)
+    want = torch.cat([dy[:2].float() @ W[0], dy[2:].float() @ W[2]]).bfloat16()
+    assert torch.equal(da, want)
+
+
+def test_nan_weight_byte_gives_nan_on_every_path():
+    isas = _isas()
+    if not isas:
+        pytest.skip(packed.status())
+    w = Q.quantize_fp8_rowwise(torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(2)))
+    data = w.data.view(torch.uint8).clone()
+    data[0, 1, 17] = 0x7F
+    bad = Q.QuantizedTensor(data.view(torch.float8_e4m3fn), w.scales, None, "fp8_row", w.shape, w.block)
+    a = torch.randn(2, 64)
+    for isa in isas:
+        y = packed.grouped_matmul(a, bad, _offsets([2]), isa=isa, impl="native")
+        assert torch.isnan(y[:, 1]).all() and torch.isfinite(y[:, [0, 2]]).all(), isa
+
+
+def test_numba_fallback_matches_the_reference(monkeypatch):
+    # where the extension is not built, impl="auto" runs the numba kernels per busy expert
+    monkeypatch.setattr(packed, "AVAILABLE", False)
+    monkeypatch.setattr(packed, "_WHY", "not built: run `python -m fmoe build`")
+    g = torch.Generator().manual_seed(3)
+    w = Q.quantize(torch.randn(3, 24, 64, generator=g), "nvfp4")
+    o = _offsets([1, 0, 4])
+    a = torch.randn(5, 64, generator=g)
+    y = packed.grouped_matmul(a, w, o)
+    ref = packed.grouped_matmul_reference(a, w, o)
+    assert not ((y - ref).abs() > _bound(a, w, o)).any()
+    with pytest.raises(RuntimeError, match="not built: run `python -m fmoe build`"):
+        packed.grouped_matmul(a, w, o, impl="native")
+
+
+def test_bad_arguments_name_themselves():
+    w = Q.quantize(torch.randn(2, 8, 32), "mxfp4")
+    a = torch.randn(3, 32)
+    with pytest.raises(ValueError, match="offsets must start at 0, never decrease and end at R = 3"):
+        packed.grouped_matmul(a, w, _offsets([1, 1]))
+    with pytest.raises(ValueError, match=r"offsets must be a CPU int64 \[E \+ 1\] = \[3\]"):
+        packed.grouped_matmul(a, w, torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match=r"expected a \[R, K\] and w \[E, N, K\]"):
+        packed.grouped_matmul(torch.randn(3, 16), w, _offsets([1, 2]))
+    with pytest.raises(TypeError, match="a must be a float32 or bfloat16 tensor"):
+        packed.grouped_matmul(a.half(), w, _offsets([1, 2]))
+    with pytest.raises(TypeError, match="w must be a QuantizedTensor"):
+        packed.grouped_matmul(a, torch.randn(2, 8, 32), _offsets([1, 2]))
+    with pytest.raises(ValueError, match="isa must be one of"):
+        packed.grouped_matmul(a, w, _offsets([1, 2]), isa="neon")
