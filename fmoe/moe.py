@@ -393,7 +393,8 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
         y = _par.expert_stage(spec.experts, params["experts"], compute, routing, comm,
                               dataclasses.replace(parallel, check=False), layout_kind=kind,
                               num_experts=spec.num_experts, output_dim=spec.output_dim,
-                              prescore=not spec.is_postscore, order=spec.combine, generator=generator)
+                              prescore=not spec.is_postscore, order=spec.combine, save=spec.save,
+                              generator=generator)
         dropped = routing.num_dropped()
     y = y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
     if shared is not None:

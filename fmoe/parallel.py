@@ -44,7 +44,9 @@ from .comm import matching
 from .comm.agreement import InconsistentRanksError, agree_across_ranks  # step agreement, re-exported
 from .comm.hierarchical import Hierarchical2DComm
 from .comm.registry import cache_of, calls_of
-from .experts import EXPERT_PARAMS, apply_experts, shard_axes
+from .engine import kinds as _kinds
+from .engine.plan import plan_from_bounds
+from .experts import EXPERT_PARAMS, apply_experts, expert_form, shard_axes
 from .layout import Layout, make_layout
 from .routers import check_router_params
 from .ops.grouped import GroupedGemm
@@ -301,9 +303,59 @@ def _ragged_gemm(sizes: Tensor, num_rows: int, precision, generator) -> GroupedG
     return GroupedGemm(lay, precision=precision, generator=generator)
 
 
+def _engine_form(experts, params, x: Tensor) -> Optional[dict]:
+    """The kind's :func:`~fmoe.experts.expert_form` where the engine's rows plan runs these
+    experts on x (built-in kinds in eager mode), else None (custom experts, traced calls: the
+    staged kernel, whose ops carry torch.func and compile rules)."""
+    if experts.type == "custom":
+        return None
+    kw = expert_form(experts, params)
+    ts = (x, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"])
+    return kw if _kinds.applies(*(t for t in ts if t is None or isinstance(t, Tensor))) else None
+
+
+def _engine_rows(experts, kw: dict, x: Tensor, mask: Tensor, save: str, generator,
+                 rows: Optional[Tensor] = None) -> Tensor:
+    """The experts on the filled rows of a received buffer, through the engine's rows plan.
+
+    Args:
+        kw: :func:`_engine_form` of this rank's experts (n of them).
+        x: float [n, R_e, M] (padded: R_e rows per local expert) or [R, M] with ``mask`` rows
+            already sorted by local expert (see ``mask``).
+        mask: uint8/bool [n, R_e] (padded) marking the rows that hold a pair; or, for a flat x,
+            int64 [n] rows per local expert (ragged, every row filled).
+        rows: for a flat x, int64 [R] its rows in local-expert order (default: x's own order).
+    Returns:
+        [*x.shape[:-1], O]: each filled row's expert output, unweighted; empty rows 0.
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    if x.dim() == 3:
+        rows = torch.nonzero(mask.reshape(-1)).squeeze(1)        # e-major: sorted by local expert
+        sizes = mask.sum(1, dtype=torch.int64)
+    else:
+        rows = torch.arange(flat.shape[0], device=x.device) if rows is None else rows
+        sizes = mask
+    bounds = [0]
+    for c in sizes.tolist():                                      # the kernels' loop bounds (host ints)
+        bounds.append(bounds[-1] + c)
+    weights = (*kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"])
+    needs_grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (x, *weights))
+    plan = plan_from_bounds(rows, rows, bounds, flat.shape[0], needs_grad=needs_grad, dtype=flat.dtype,
+                            precision=experts.precision)
+    ones = flat.new_ones(plan.num_rows)                           # the gates act at the source rank's combine
+    y = _kinds.run(kw["form"], flat, ones, plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"],
+                   save=save, generator=generator)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _filled(layout: Layout, C: int) -> Tensor:
+    """uint8 [E, C]: 1 where a padded buffer row holds a pair (slots below min(counts, C))."""
+    return (torch.arange(C, device=layout.sizes.device) < layout.sizes.unsqueeze(1)).to(torch.uint8)
+
+
 def expert_stage(experts, expert_params, x: Tensor, routing, comm, parallel: Optional[ParallelSpec] = None, *,
                  layout_kind: str, num_experts: int, output_dim: int, prescore: bool = False, order: str = "fmoe",
-                 generator=None) -> Tensor:
+                 save: str = "projections", generator=None) -> Tensor:
     """:func:`fmoe.moe`'s expert stage on several ranks: this rank's tokens into the layout's
     buffers, :func:`expert_parallel`, and back to tokens.
 
@@ -314,6 +366,7 @@ def expert_stage(experts, expert_params, x: Tensor, routing, comm, parallel: Opt
         layout_kind: 'padded' or 'ragged' (:meth:`fmoe.MoESpec.layout_kind`).
         prescore: the gates scale the experts' inputs instead of their outputs.
         order: the combine order, 'fmoe', 'eager' or 'grouped' (:class:`fmoe.MoESpec`).
+        save: what the engine's backward keeps (:attr:`fmoe.MoESpec.save`).
     Returns:
         [T, O] in x's dtype.
     """
@@ -321,12 +374,13 @@ def expert_stage(experts, expert_params, x: Tensor, routing, comm, parallel: Opt
     kern = GroupedGemm(layout)
     buffers = kern.dispatch(x, routing, weighted=prescore)
     out = expert_parallel(experts, expert_params, buffers, comm, parallel, layout=layout, num_experts=num_experts,
-                          output_dim=output_dim, generator=generator)
+                          output_dim=output_dim, save=save, generator=generator)
     return kern.combine(out, routing, order=order, weighted=not prescore)
 
 
 def expert_parallel(experts, expert_params, buffers: Tensor, comm, parallel: Optional[ParallelSpec] = None,
-                    *, layout: Layout, num_experts: int, output_dim: int, generator=None) -> Tensor:
+                    *, layout: Layout, num_experts: int, output_dim: int, save: str = "projections",
+                    generator=None) -> Tensor:
     """Run the experts of all ranks on this rank's dispatch buffers.
 
     Args:
@@ -339,7 +393,13 @@ def expert_parallel(experts, expert_params, buffers: Tensor, comm, parallel: Opt
         layout: the dispatch layout. Ragged buffers travel by all-to-all-v (exactly the kept
             rows, no padding; E >= W, r in {0, 1}, d = 1).
         num_experts: E. output_dim: O.
+        save: what the engine's backward keeps (:attr:`fmoe.MoESpec.save`).
         generator: RNG of the experts' quantized-training recipe, if any.
+
+    In eager mode built-in experts run on the expert engine (:mod:`fmoe.engine`): a rows plan
+    over the received rows that hold pairs (padded buffers: a uint8 fill mask travels with the
+    data by the same all-to-all; ragged rows: all of them), so padding rows are never
+    multiplied. Custom experts and traced calls run the staged kernel over every buffer row.
 
     Returns:
         Expert outputs for this rank's buffers in the same layout ([E, C, O] or [R, O]).
@@ -367,55 +427,74 @@ def expert_parallel(experts, expert_params, buffers: Tensor, comm, parallel: Opt
     scope = matching.covered(comm) if agreed and not torch.compiler.is_compiling() else contextlib.nullcontext()
     with scope:
         return _expert_stage(experts, expert_params, buffers, comm, parallel, layout, E, n, s, r, d, output_dim,
-                             generator)
+                             save, generator)
 
 
-def _expert_stage(experts, expert_params, buffers, comm, parallel, layout, E, n, s, r, d, output_dim, generator):
+def _expert_stage(experts, expert_params, buffers, comm, parallel, layout, E, n, s, r, d, output_dim, save,
+                  generator):
     if layout.kind == "ragged":
-        return _ragged_expert_parallel(experts, expert_params, buffers, comm, parallel, layout, r, d, generator)
+        return _ragged_expert_parallel(experts, expert_params, buffers, comm, parallel, layout, r, d, save, generator)
     _, C, M = buffers.shape
     et = experts.type
     if r == 0:
         full = _gather_all(et, expert_params, comm, E, s, output_dim)
+        kw = _engine_form(experts, full, buffers)
+        if kw is not None:
+            return _engine_rows(experts, kw, buffers, _filled(layout, C), save, generator)
         return apply_experts(experts, full, buffers, _full_rows_gemm(E, C, buffers.device, experts.precision,
                                                                      generator))
     if C % (s * d):
         raise ValueError(f"expert_parallel: capacity {C} must be divisible by s*d = {s}*{d}; route with "
                          f"alignment=capacity_alignment(E, W, parallel)")
     local = expert_params if s == 1 else _gather_group(et, expert_params, comm, s, r, output_dim)
+    kw = _engine_form(experts, local, buffers)
+    filled = None if kw is None else _filled(layout, C)
     xcomm = _a2a_comm(comm, parallel.local_size)
     step = C // d
     outs = []
     for i in range(d):
-        chunk = buffers if d == 1 else buffers[:, i * step:(i + 1) * step]
-        outs.append(_expert_chunk(experts, local, chunk, xcomm, s, r, generator, parallel))
+        sl = slice(None) if d == 1 else slice(i * step, (i + 1) * step)
+        outs.append(_expert_chunk(experts, local, buffers[:, sl], None if kw is None else filled[:, sl], kw, xcomm,
+                                  s, r, save, generator, parallel))
     return outs[0] if d == 1 else torch.cat(outs, dim=1)
 
 
-def _expert_chunk(experts, local, chunk: Tensor, comm, s: int, r: int, generator, parallel: ParallelSpec) -> Tensor:
-    """One capacity chunk [E, c, M] -> [E, c, O] through all-to-all, experts, all-to-all."""
+def _expert_chunk(experts, local, chunk: Tensor, filled: Optional[Tensor], kw: Optional[dict], comm, s: int, r: int,
+                  save: str, generator, parallel: ParallelSpec) -> Tensor:
+    """One capacity chunk [E, c, M] -> [E, c, O] through all-to-all, experts, all-to-all.
+
+    With ``kw`` (the engine's form) the chunk's fill mask [E, c] makes the same trip as the
+    rows, and the engine multiplies only the received rows that hold pairs."""
     E, c, M = chunk.shape
+    W = comm.size
     if s == 1:
         x = _a2a(chunk, comm, 1, 0, parallel)                  # [n, W*c, M]
-        y = apply_experts(experts, local, x, _full_rows_gemm(x.shape[0], x.shape[1], x.device, experts.precision,
-                                                             generator))
+        if kw is not None:
+            y = _engine_rows(experts, kw, x, comm.all_to_all(filled, 1, 0), save, generator)
+        else:
+            y = apply_experts(experts, local, x, _full_rows_gemm(x.shape[0], x.shape[1], x.device,
+                                                                 experts.precision, generator))
         return _a2a(y, comm, 0, 1, parallel)                   # [E, c, O]
-    W = comm.size
     rep = chunk.repeat(1, r, 1) if r > 1 else chunk            # [E, r*c, M]: r copies of every row
     x = _a2a(rep.reshape(W, r * c // s, M), comm, 1, 0, parallel)  # [1, W*r*c/s, M]
     # partial sums over this group's hidden slice
-    y = apply_experts(experts, local, x, _full_rows_gemm(1, x.shape[1], x.device, experts.precision, generator))
+    if kw is not None:
+        f = (filled.repeat(1, r) if r > 1 else filled).reshape(W, r * c // s)
+        y = _engine_rows(experts, kw, x, comm.all_to_all(f, 1, 0), save, generator)
+    else:
+        y = apply_experts(experts, local, x, _full_rows_gemm(1, x.shape[1], x.device, experts.precision, generator))
     y = _a2a(y, comm, 0, 1, parallel)                          # [W, r*c/s, O]
     return y.reshape(E, r, c, y.shape[-1]).sum(1)              # sum the r partial outputs
 
 
 def _ragged_expert_parallel(experts, expert_params, rows: Tensor, comm, parallel: ParallelSpec, layout: Layout,
-                            r: int, d: int, generator) -> Tensor:
+                            r: int, d: int, save: str, generator) -> Tensor:
     """Ragged rows [R, M] (sorted by global expert) through all-to-all-v, experts, all-to-all-v.
 
     Rank w owns experts [w*n, (w+1)*n), whose rows are contiguous in the ragged buffer, so the
     send buffer is the buffer itself: exactly the kept rows travel, no padding. Received rows
-    are source-major; they are regrouped by local expert for the seam and put back after.
+    are source-major: the engine's plan reads them in local-expert order and writes each output
+    row back in place (the staged kernel regroups them and puts them back).
     """
     W, E = comm.size, layout.num_experts
     n, s = sharding(E, W)
@@ -430,8 +509,12 @@ def _ragged_expert_parallel(experts, expert_params, rows: Tensor, comm, parallel
     N = int(sizes.sum())                                        # host sync: all-to-all-v needs counts
     if r == 0:                                                  # every expert on every rank, no exchange
         full = _gather_all(experts.type, expert_params, comm, E, s, 0)
-        return apply_experts(experts, full, rows, GroupedGemm(layout, precision=experts.precision,
-                                                              generator=generator))
+        kw = _engine_form(experts, full, rows)
+        if kw is None:
+            return apply_experts(experts, full, rows, GroupedGemm(layout, precision=experts.precision,
+                                                                  generator=generator))
+        y = _engine_rows(experts, kw, rows[:N], sizes, save, generator)
+        return y if N == R else torch.cat([y, y.new_zeros(R - N, y.shape[1])])
     xcomm = _a2a_comm(comm, parallel.local_size)
     recv_matrix = comm.all_to_all(sizes, 0, 0).reshape(W, n)  # [source, local expert]
     send = sizes.reshape(W, n).sum(1).tolist()
@@ -440,11 +523,16 @@ def _ragged_expert_parallel(experts, expert_params, rows: Tensor, comm, parallel
     local_id = torch.repeat_interleave(torch.arange(n, device=rows.device).repeat(W), recv_matrix.reshape(-1))
     by_expert = torch.argsort(local_id, stable=True)
     local_sizes = recv_matrix.sum(0)
-    y = apply_experts(experts, expert_params, got[by_expert],
-                      _ragged_gemm(local_sizes, got.shape[0], experts.precision, generator))
-    back = torch.empty_like(by_expert)
-    back[by_expert] = torch.arange(by_expert.numel(), device=rows.device)
-    ret = _a2av(y[back], xcomm, recv, send, parallel)          # [N, O] in this rank's row order
+    kw = _engine_form(experts, expert_params, got)
+    if kw is not None:
+        y = _engine_rows(experts, kw, got, local_sizes, save, generator, rows=by_expert)
+    else:
+        y = apply_experts(experts, expert_params, got[by_expert],
+                          _ragged_gemm(local_sizes, got.shape[0], experts.precision, generator))
+        back = torch.empty_like(by_expert)
+        back[by_expert] = torch.arange(by_expert.numel(), device=rows.device)
+        y = y[back]
+    ret = _a2av(y, xcomm, recv, send, parallel)                # [N, O] in this rank's row order
     if N == R:
         return ret
     return torch.cat([ret, ret.new_zeros(R - N, ret.shape[1])])
