@@ -594,8 +594,9 @@ def per_example_grads(loss_fn: Callable, params, *batch, batch_dim: int = 0):
     ``vmap(grad(loss_fn))`` over the batch axis: inside, each example is its own
     MoE call, so it routes only its own tokens and its capacity is computed
     from its own token count (``k * int(cf * ceil(T_example / E))``), not the
-    batch's. Dropless routing (cf = 0) runs in the ragged layout, whose size is static; the
-    padded dropless layout needs the max load (a host sync) and cannot run under vmap.
+    batch's. Dropless routing (cf <= 0) needs the max load, a host sync vmap cannot do: the
+    ragged layout's size is static, and the padded layout takes the load bound T instead (the
+    same pairs dropped, larger buffers).
 
     Returns:
         the gradient pytree with a leading batch axis on every leaf.

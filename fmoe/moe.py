@@ -23,13 +23,13 @@ from torch.utils import _pytree as pytree
 from .comm import resolve
 from .engine import kinds as _kinds
 from .engine import plan as _plan
-from .experts import ExpertSpec, expert_dtype, expert_form, init_experts, shared_experts
+from .experts import EXPERT_PARAMS, ExpertSpec, expert_dtype, expert_form, init_experts, shared_experts
 from .layout import LAYOUTS, make_layout
 from .losses import gshard_loss, load_importance_loss
 from .ops.orders import COMBINES
 from .routers import GateSpec, RouterOutput, init_router
 from .routers import route as _router_route
-from .routing import Routing
+from .routing import Routing, _capacity_factor, capacity_for, check_finite
 
 __all__ = ["GateSpec", "MoESpec", "MoEAux", "init_params", "moe", "check_params", "route"]
 
@@ -145,8 +145,9 @@ class MoEAux:
         dropped: int64 [] (token, expert) pairs lost to capacity.
         routing: the :class:`~fmoe.Routing` used (replayable).
         capacity: C (dropless: the largest load over the group, as Tutel reports it). The
-            ragged layout never depends on it; under vmap / torch.compile ragged dropless
-            routing reports the static bound C = T instead (no host sync).
+            ragged layout never depends on it; under vmap / torch.compile dropless routing
+            reports the capacity of the load bound T instead (no host sync): C = T (ragged, or
+            padded dropless), min(T, k * int(-cf * ceil(T / E))) aligned (padded, capped).
         scores: [T, E] routing scores (the probabilities the balance losses use); None when a
             recorded routing was replayed.
         logits: [T, E] router logits as the router computes them (z-loss, HF load balancing);
@@ -164,12 +165,51 @@ class MoEAux:
     shared_gate: Optional[Tensor] = None
 
 
+    def __repr__(self) -> str:
+        return (f"MoEAux(l_aux={_brief(self.l_aux)}, counts={_brief(self.counts)}, dropped={_brief(self.dropped)}, "
+                f"routing={self.routing!r}, capacity={self.capacity}, scores={_brief(self.scores)}, "
+                f"logits={_brief(self.logits)}, shared_gate={_brief(self.shared_gate)})")
+
+
+def _brief(t) -> str:
+    """A tensor as its shape and dtype (a scalar as its value): a repr of a few lines, not kilobytes."""
+    if not isinstance(t, Tensor):
+        return repr(t)
+    if t.dim() == 0 and _plain(t):
+        return f"{t.item():.6g}" if t.is_floating_point() else str(t.item())
+    return f"{t.dtype}{list(t.shape)}".replace("torch.", "")
+
+
+def _plain(t: Tensor) -> bool:
+    return type(t) in (Tensor, torch.nn.Parameter) and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+_AUX_OPTIONAL = ("scores", "logits", "shared_gate")
+
+
+def _aux_flatten(a: MoEAux):
+    # Absent optional fields go in the context, not the leaves: a None leaf cannot leave a vmap.
+    present = tuple(n for n in _AUX_OPTIONAL if getattr(a, n) is not None)
+    return [a.l_aux, a.counts, a.dropped, a.routing, *(getattr(a, n) for n in present)], (a.capacity, present)
+
+
+def _aux_unflatten(leaves, ctx) -> MoEAux:
+    capacity, present = ctx
+    return MoEAux(*leaves[:4], capacity=capacity, **dict(zip(present, leaves[4:])))
+
+
+def _aux_flatten_with_keys(a: MoEAux):
+    leaves, ctx = _aux_flatten(a)
+    names = ("l_aux", "counts", "dropped", "routing") + ctx[1]
+    return [(pytree.GetAttrKey(n), v) for n, v in zip(names, leaves)], ctx
+
+
 pytree.register_pytree_node(
     MoEAux,
-    lambda a: ([a.l_aux, a.counts, a.dropped, a.routing, a.scores, a.logits, a.shared_gate], a.capacity),
-    lambda leaves, cap: MoEAux(*leaves[:4], capacity=cap, scores=leaves[4], logits=leaves[5],
-                               shared_gate=leaves[6]),
+    _aux_flatten,
+    _aux_unflatten,
     serialized_type_name="fmoe.moe.MoEAux",
+    flatten_with_keys_fn=_aux_flatten_with_keys,
 )
 
 
@@ -225,49 +265,112 @@ def _shape(t) -> tuple:
     return tuple(getattr(t, "logical_shape", None) or t.shape)
 
 
-_EXPERT_KEYS = {"ffn": ("fc1_w", "fc2_w"), "gated_ffn": ("gate_w", "up_w", "down_w"),
-                "gpt_oss": ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+def _expert_shapes(et: str, ex: dict, n: int, M: int, H: int, O: int, s: int) -> dict:
+    """key -> the shape ``spec`` gives that leaf of a rank's n experts (leaves named in
+    :data:`fmoe.experts.EXPERT_PARAMS`; packed weights are out x in; s ranks sharing one expert
+    hold H/s hidden units and ceil(O/s) fc2 bias entries)."""
+    def packed(key):
+        return not isinstance(ex.get(key), Tensor)
+    h = H // s
+    if et == "ffn":
+        return {"fc1_w": (n, h, M), "fc1_b": (n, h), "fc2_w": (n, O, h) if packed("fc2_w") else (n, h, O),
+                "fc2_b": (n, -(-O // s))}
+    if et == "gated_ffn":
+        w_in = (n, h, M) if packed("gate_w") else (n, M, h)
+        return {"gate_w": w_in, "up_w": w_in, "down_w": (n, O, h) if packed("down_w") else (n, h, O)}
+    if et == "swiglu":
+        return {"gate_up_proj": (n, 2 * H, M), "gate_proj": (n, H, M), "up_proj": (n, H, M), "down_proj": (n, O, H)}
+    return {"gate_up_proj": (n, 2 * H, M) if packed("gate_up_proj") else (n, M, 2 * H), "gate_up_proj_bias": (n, 2 * H),
+            "down_proj": (n, O, H) if packed("down_proj") else (n, H, O), "down_proj_bias": (n, O)}
 
 
-def check_params(params, spec: MoESpec, num_local_experts: Optional[int] = None, *, gate: bool = True) -> None:
-    """Raise ValueError naming the first key or shape that does not fit ``spec``.
+_BIAS_FLAGS = {"fc1_b": "has_fc1_bias", "fc2_b": "has_fc2_bias"}   # the ffn options a leaf can contradict
+# type -> (every leaf name, the leaves that must be there), from the one table of layouts
+_LEAF_NAMES = {t: (frozenset(p.name for p in ps), frozenset(p.name for p in ps if not p.optional))
+               for t, ps in EXPERT_PARAMS.items()}
 
-    ``gate=False`` skips the router parameters (a replayed routing never reads them). The router
-    checks its own parameters' shapes when it runs (:func:`fmoe.routers.check_router_params`);
-    with expert parallelism :func:`moe` checks them before the call's first collective."""
+
+def check_params(params, spec: MoESpec, num_local_experts: Optional[int] = None, *, gate: bool = True,
+                 world: int = 1, rank: int = 0) -> None:
+    """Raise ValueError naming the first key, shape or option of ``params`` that does not fit ``spec``.
+
+    Every built-in expert leaf (:data:`fmoe.experts.EXPERT_PARAMS`) is checked against the spec:
+    its presence (a bias the spec turns off is an error, never silently used), no unknown keys, and
+    every dimension (experts, hidden size, model and output dims; packed weights by their logical
+    shape). Shared experts' model dims too. Only shapes are read: the check works alike inside
+    torch.func transforms and torch.compile.
+
+    Args:
+        params: the pytree of :func:`init_params`.
+        spec: the layer.
+        num_local_experts: expert count of the leaves' leading dim (default: ``spec.num_experts``,
+            or with ``world > 1`` this rank's part, :func:`fmoe.parallel.sharding`).
+        gate: check the router's presence (a replayed routing never reads it). The router checks
+            its own parameters' shapes when it runs (:func:`fmoe.routers.check_router_params`);
+            with expert parallelism :func:`moe` checks them before the call's first collective.
+        world, rank: expert parallelism: the leaves are rank ``rank``'s part of the experts on
+            ``world`` ranks (:func:`fmoe.parallel.check_expert_layout` names the layout's fix).
+    """
     need = ("gate", "experts") if gate else ("experts",)
     _expect(isinstance(params, dict) and all(k in params for k in need),
             lambda: f"expected a dict with keys {' and '.join(repr(k) for k in need)}, got "
             f"{sorted(params) if isinstance(params, dict) else type(params).__name__}")
-    M = spec.model_dim
+    M, E = spec.model_dim, spec.num_experts
     ex, es = params["experts"], spec.experts
     if spec.shared is not None:
         _expect("shared" in params, lambda: f"shared={spec.shared!r} needs params['shared'], got keys {sorted(params)}")
+        sh = params["shared"]
+        _expect(isinstance(sh, dict) and {"gate_proj", "up_proj", "down_proj"} <= set(sh),
+                lambda: "params['shared'] needs 'gate_proj' [I, M], 'up_proj' [I, M] and 'down_proj' [M, I], got "
+                f"{sorted(sh) if isinstance(sh, dict) else type(sh).__name__}")
+        g, u, d = _shape(sh["gate_proj"]), _shape(sh["up_proj"]), _shape(sh["down_proj"])
+        _expect(len(g) == 2 and g[1] == M and u == g and d == (M, g[0]),
+                lambda: f"shared experts need gate_proj/up_proj [I, M={M}] and down_proj [M={M}, I], got "
+                f"{list(g)}, {list(u)}, {list(d)}")
         if spec.shared == "gated_swiglu":
-            _expect("shared_gate" in params,
-                    lambda: "shared='gated_swiglu' needs params['shared_gate']['weight'] [1, M]")
+            _expect("shared_gate" in params and _shape(params["shared_gate"]["weight"]) == (1, M),
+                    lambda: f"shared='gated_swiglu' needs params['shared_gate']['weight'] [1, M={M}]")
     if es.type == "custom":
         return
     _expect(isinstance(ex, dict), lambda: f"experts must be a dict, got {type(ex).__name__}")
-    if es.type == "swiglu":
-        _expect("down_proj" in ex and ("gate_up_proj" in ex or {"gate_proj", "up_proj"} <= set(ex)),
-                lambda: f"swiglu experts need 'down_proj' and 'gate_up_proj' (or 'gate_proj' + 'up_proj'), "
-                f"got keys {sorted(ex)}")
-        return
-    for key in _EXPERT_KEYS[es.type]:
-        _expect(key in ex, lambda: f"{es.type} experts need '{key}', got keys {sorted(ex)}")
-    if es.type != "ffn":
-        return
-    n = num_local_experts
-    w1, w2 = _shape(ex["fc1_w"]), _shape(ex["fc2_w"])
-    n = n or w1[0]
-    _expect(len(w1) == 3 and w1[0] == n and w1[2] == M,
-            lambda: f"experts.fc1_w must be [n, H, M] with n={n}, M={M}, got {w1}")
-    _expect(len(w2) == 3 and w2[0] == n, lambda: f"experts.fc2_w must be [n, H, O] with n={n}, got {w2}")
-    if es.has_fc1_bias:
-        _expect(ex.get("fc1_b") is not None, lambda: "ffn has_fc1_bias=True but 'fc1_b' is missing")
-    if es.has_fc2_bias:
-        _expect(ex.get("fc2_b") is not None, lambda: "ffn has_fc2_bias=True but 'fc2_b' is missing")
+    s = 1
+    if world > 1:
+        from .parallel import check_expert_layout, sharding   # names the layout's fix (counts, shards)
+        check_expert_layout(spec, ex, world, rank)
+        n, s = sharding(E, world)
+    else:
+        n = E
+    n = n if num_local_experts is None else num_local_experts
+    names, required = _LEAF_NAMES[es.type]
+    if not names.issuperset(ex):
+        key = sorted(set(ex) - names)[0]
+        _expect(False, lambda: f"experts[{key!r}] is not a {es.type} parameter; {es.type} experts take "
+                f"{sorted(names)}")
+    if not required.issubset(ex):
+        _expect(False, lambda: f"{es.type} experts need {sorted(required - set(ex))[0]!r}, got keys {sorted(ex)}")
+    if es.type == "ffn":
+        for key, flag in _BIAS_FLAGS.items():
+            on, held = getattr(es, flag), ex.get(key) is not None
+            _expect(on == held, lambda: (
+                f"{flag}=False but params hold experts[{key!r}]: drop the key or set {flag}=True" if held else
+                f"{flag}=True but experts[{key!r}] is missing: add it or set {flag}=False"))
+    elif es.type == "swiglu":
+        fused, split = "gate_up_proj" in ex, "gate_proj" in ex or "up_proj" in ex
+        _expect(fused != split and (fused or "up_proj" in ex and "gate_proj" in ex),
+                lambda: f"swiglu experts take 'gate_up_proj' or both 'gate_proj' and 'up_proj' (one form, not "
+                f"both), got keys {sorted(ex)}")
+    want = _expert_shapes(es.type, ex, n, M, es.hidden_size, spec.output_dim, s)
+    for key, leaf in ex.items():
+        if leaf is None:
+            continue
+        got = leaf.shape if type(leaf) is Tensor or isinstance(leaf, Tensor) else _shape(leaf)
+        if got != want[key]:
+            _expect(False, lambda: (
+                f"experts[{key!r}] has shape {list(_shape(leaf))}; this spec (num_experts={E}"
+                + (f" on {world} ranks: {n} here" if world > 1 else "")
+                + f", model_dim={M}, hidden_size={es.hidden_size}, output_dim={spec.output_dim}) needs "
+                f"{list(want[key])} for a {es.type} expert"
+                + (" (packed weights: out x in)" if not isinstance(leaf, Tensor) else "")))
 
 
 # --------------------------------------------------------------------------- forward
@@ -304,12 +407,20 @@ def _route(params, x, spec: MoESpec, kind: str, *, comm, generator, noise, train
            ) -> tuple[Routing, RouterOutput, Tensor]:
     gs = spec.gate
     capacity = None
-    if (kind == "ragged" and gs.capacity_factor == 0
-            and (torch.compiler.is_compiling() or _under_vmap(x, params["gate"]))):
-        # Dropless ragged buffers hold k*T rows whatever the loads, so the layout never needs
-        # the max load; where it cannot be read (vmap, compile) report the static bound C = T
-        # (a token picks an expert at most once) instead of Tutel's max-load capacity.
-        capacity = x.shape[0]
+    if (gs.type != "expert_choice" and (torch.compiler.is_compiling() or _under_vmap(x, params["gate"]))
+            and _capacity_factor(gs.capacity_factor) <= 0):
+        # Dropless capacity is the max load, which cannot be read under vmap or compile. Dropless
+        # ragged buffers hold k*T rows whatever the loads, so C = T (a token picks an expert at most
+        # once) is reported. Padded buffers take the capacity the same formula gives with the load
+        # bound T: C = T dropless, min(T, k * int(-cf * ceil(T / E))) capped; it drops exactly the
+        # pairs the eager call drops (larger buffers, same output).
+        T = x.shape[0]
+        k = min(gs.k, spec.num_experts)
+        if kind == "ragged" and gs.capacity_factor == 0:
+            capacity = T
+        elif comm is None or comm.size == 1:   # expert parallel ranks agree on the max load
+            capacity = capacity_for(gs.capacity_factor, num_tokens=T, num_experts=spec.num_experts, k=k,
+                                    max_load=T, alignment=spec.alignment if alignment is None else alignment)
     routing, out = _router_route(params["gate"], x, gs, num_experts=spec.num_experts,
                                  normalize=spec.normalize_gate, batch_prioritized=spec.batch_prioritized,
                                  training=training, generator=generator, noise=noise,
@@ -333,6 +444,59 @@ def _check_input(x, spec: MoESpec) -> None:
         raise ValueError(f"moe: x must have at least 2 dims [..., M], got shape {tuple(x.shape)}")
     if x.shape[-1] != spec.model_dim:
         raise ValueError(f"moe: x's last dim must be model_dim={spec.model_dim}, got shape {tuple(x.shape)}")
+
+
+def _check_finite_inputs(x: Tensor, gate_params) -> None:
+    """Expert parallelism: x and the router's parameters hold no NaN/Inf, checked before the call's
+    first collective so every rank raises (on one process the router checks its logits instead:
+    T x E values, not T x M)."""
+    why = ("the router cannot pick experts for those tokens. Find where the NaN/Inf comes from upstream, "
+           "or clean x (torch.nan_to_num) before the layer")
+    check_finite(x, "moe: x", why)
+    for path, leaf in pytree.tree_flatten_with_path(gate_params)[0]:
+        if isinstance(leaf, Tensor) and leaf.is_floating_point():
+            check_finite(leaf.reshape(-1, leaf.shape[-1]) if leaf.dim() else leaf.reshape(1, 1),
+                         f"moe: params['gate']{pytree.keystr(path)}", "the router's parameters are corrupt "
+                         "(a diverged update?): restore them from a checkpoint")
+
+
+def _check_replay(routing, num_tokens: int, spec: MoESpec, alignment: int, world: int = 1) -> None:
+    """Raise ValueError unless the injected ``routing`` is one this spec could have made for
+    ``num_tokens`` tokens: its T and E, its k (the gate's k clipped to E) and a capacity that drops
+    exactly the pairs the spec's capacity factor drops (padded: C itself; dropless: nothing;
+    capped: C up to the max load). With expert parallelism (``world > 1``) the group's token count
+    and load are not known here, so only a capacity below this rank's own value is refused."""
+    from .routing import _plain_tensor
+    if not isinstance(routing, Routing):
+        raise TypeError(f"moe: routing must be a fmoe.Routing, got {type(routing).__name__}")
+    gs, E = spec.gate, spec.num_experts
+    if routing.num_tokens != num_tokens or routing.num_experts != E:
+        raise ValueError(f"moe: injected routing is for T={routing.num_tokens}, E={routing.num_experts}; "
+                         f"this call has T={num_tokens}, E={E}")
+    k = E if gs.type == "expert_choice" else min(gs.k, E)
+    if routing.k != k:
+        raise ValueError(f"moe: injected routing has k={routing.k} pairs per token; this spec's gate has k={k} "
+                         f"(GateSpec.k={gs.k}, E={E}): replay it under the spec it was recorded with")
+    if gs.type == "expert_choice":
+        return
+    cf, C = gs.capacity_factor, routing.capacity
+    fix = ("replay it under the spec (capacity_factor, alignment) it was recorded with, or route again "
+           "(routing=None)")
+    if cf > 0:
+        want = capacity_for(cf, num_tokens=num_tokens, num_experts=E, k=k, alignment=alignment)
+        if C != want and not (world > 1 and C > want):
+            raise ValueError(f"moe: injected routing has capacity {C}; this spec (capacity_factor={cf}, T="
+                             f"{num_tokens}, E={E}, k={k}, alignment={alignment}) gives {want}: {fix}")
+        return
+    if not _plain_tensor(routing.counts) or not routing.counts.numel():
+        return   # traced or vmapped counts: the load cannot be read here
+    load = int(routing.counts.max())
+    want = capacity_for(cf, num_tokens=num_tokens, num_experts=E, k=k, max_load=load, alignment=alignment)
+    ok = C >= min(want, load) if world > 1 else min(C, load) == min(want, load)
+    if not ok:
+        mode = "dropless" if cf == 0 else f"capped dropless (capacity_factor={cf})"
+        raise ValueError(f"moe: injected routing has capacity {C}, which drops pairs of its largest expert load "
+                         f"{load}; this spec's {mode} capacity is {want}: {fix}")
 
 
 def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optional[torch.Generator] = None,
@@ -362,12 +526,23 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     if comm.size == 1:
         _check_input(x, spec)
         check_params(params, spec, gate=routing is None)
+        if routing is not None:
+            _check_replay(routing, x.numel() // spec.model_dim, spec, alignment)
     else:
         from . import parallel as _par  # distributed path lives in its own module
         parallel = parallel or _par.ParallelSpec()
+
+        def local_check():
+            _check_input(x, spec)
+            check_params(params, spec, gate=routing is None, world=comm.size, rank=comm.rank)
+            if routing is None:
+                _check_finite_inputs(x, params["gate"])
+            else:
+                _check_replay(routing, x.numel() // spec.model_dim, spec,
+                              _par.capacity_alignment(spec.num_experts, comm.size, parallel, spec.alignment),
+                              comm.size)
         # Before any other collective: bad input or ranks that disagree raise everywhere, never hang.
-        _par.check_moe_call(comm, spec, parallel, x, params, routing,
-                            lambda: (_check_input(x, spec), check_params(params, spec, gate=routing is None)))
+        _par.check_moe_call(comm, spec, parallel, x, params, routing, local_check)
         alignment = _par.capacity_alignment(spec.num_experts, comm.size, parallel, spec.alignment)
     kind = spec.layout_kind(comm.size, parallel.overlap_degree if comm.size > 1 else 1)
     tokens = x.reshape(-1, spec.model_dim)
@@ -375,10 +550,7 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     if routing is None:
         routing, out, l_aux = _route(params, tokens, spec, kind, comm=comm, generator=generator, noise=noise,
                                      training=training, alignment=alignment)
-    else:
-        if routing.num_tokens != tokens.shape[0] or routing.num_experts != spec.num_experts:
-            raise ValueError(f"moe: injected routing is for T={routing.num_tokens}, E={routing.num_experts}; "
-                             f"this call has T={tokens.shape[0]}, E={spec.num_experts}")
+    else:   # the injected routing was checked above (_check_replay), before any collective
         l_aux = x.new_zeros(())
     seen = tokens if out is None or out.tokens is None else out.tokens  # Mixtral jitter: experts see it too
     shared = None if spec.shared is None else shared_experts(spec.shared, params, seen.to(x.dtype),

@@ -557,18 +557,18 @@ def _check_router(params, spec) -> None:
 def check_moe_call(comm, spec, parallel: ParallelSpec, x, params, routing, local_check: Callable[[], None]) -> None:
     """The agreement step of a distributed :func:`fmoe.moe` call, run before any other collective.
 
-    Local input errors (``local_check``, the router's parameters, then :func:`check_expert_layout`:
-    parameters that do not fit the spec and the communicator's size) and cross-rank mismatches
+    Local input errors (``local_check``: :func:`fmoe.moe`'s input, finiteness, parameter
+    (:func:`fmoe.check_params`, which runs :func:`check_expert_layout`) and replay checks; then the
+    router's parameters) and cross-rank mismatches
     both raise on every rank. The agreement record travels with the call's first collective (no
     exchange of its own) on fmoe's communicators; their ``checks="off"`` skips it.
     """
     cache_of(comm).pop(_AGREED, None)  # a token left by a call that failed before its expert stage
 
     def local():
-        local_check()
+        local_check()   # moe's input, params (check_params: check_expert_layout first) and replay checks
         if routing is None:   # the router checks its parameters when it runs: here, on every rank first
             _check_router(params, spec)
-        check_expert_layout(spec, params["experts"], comm.size, comm.rank)
 
     if not parallel.check:
         local()

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from .routing import Routing, _group_max, make_routing, top_k
+from .routing import Routing, _group_max, check_finite, make_routing, top_k
 
 __all__ = [
     "ROUTER_TYPES", "GATE_TYPES", "SCORE_FNS", "GateSpec", "RouterOutput",
@@ -589,9 +589,17 @@ def expert_choice_capacity(capacity_factor: float, k: int, num_tokens: int, num_
     return min(C, num_tokens)
 
 
+def _check_logits(logits: Tensor) -> None:
+    # Non-finite x (or router weights) give non-finite logits; top-k would then pick experts for a
+    # NaN row (an error for some k / normalize settings, a NaN output row for the others).
+    check_finite(logits, "router logits [T, E]", "the router's input x or its parameters hold NaN/Inf. Find "
+                 "where it comes from upstream, or clean x (torch.nan_to_num) before the layer")
+
+
 def _tutel_logits(spec, params, x, training, generator, noise):
     fn = cosine_gate if spec.type == "cosine_top" else linear_gate
     logits = fn(params, x, fp32=spec.fp32_gate)
+    _check_logits(logits)
     noisy = logits
     if training and spec.gate_noise > 0:
         noisy = add_gate_noise(logits, spec.gate_noise, generator=generator, noise=noise)
@@ -669,6 +677,14 @@ def router_forward(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int,
         return RouterOutput(ids, w, logits, scores, noisy, None, slots, capacity=C, type=t)
     if noise is not None and t != "mixtral":
         raise ValueError(f"noise= is for the Tutel-style routers and mixtral jitter, not type={t!r}")
+    out = _arch_router(params, x, spec, k, normalize, training, generator, noise)
+    _check_logits(out.logits)
+    return out
+
+
+def _arch_router(params, x, spec: GateSpec, k: int, normalize: bool, training: bool, generator, noise) -> RouterOutput:
+    """The architecture routers (qwen, deepseek, gpt_oss, mixtral) of :func:`router_forward`."""
+    t = spec.type
     if t == "qwen":
         logits, probs, w, ids = _qwen(x, params["wg"], k, normalize)
         return RouterOutput(ids.t().contiguous(), w.to(logits.dtype).t().contiguous(), logits, probs,

@@ -66,6 +66,16 @@ class Routing:
         # Runs for Routing(...), dataclasses.replace and pytree unflatten alike.
         validate_routing(self)
 
+    def __repr__(self) -> str:
+        # shapes, not every element (a T=128 routing printed ~9 kB)
+        def brief(t):
+            return f"{t.dtype}{list(t.shape)}".replace("torch.", "") if isinstance(t, Tensor) else repr(t)
+        batch = f"batch={list(self.expert_ids.shape[:-2])}, " if self.expert_ids.dim() > 2 else ""
+        return (f"Routing({batch}k={self.expert_ids.shape[-2]}, T={self.expert_ids.shape[-1]}, "
+                f"num_experts={self.num_experts}, "
+                f"capacity={self.capacity}, expert_ids={brief(self.expert_ids)}, slots={brief(self.slots)}, "
+                f"weights={brief(self.weights)}, counts={brief(self.counts)})")
+
     @property
     def k(self) -> int:
         return self.expert_ids.shape[0]
@@ -162,6 +172,34 @@ def _plain_tensor(t: Tensor) -> bool:
     return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
 
 
+def check_finite(t: Tensor, name: str, why: str) -> None:
+    """Raise ValueError naming ``name`` if t holds NaN or Inf (one reduction, one host read).
+
+    Inside torch.func transforms the values are read from the tensor under the wrappers (a
+    vmapped tensor: every example at once). Under torch.compile the check is skipped: a
+    data-dependent raise would break the graph (run the step eagerly once to check it).
+
+    Args:
+        t: float [..., N]; rows are its last-dim slices (tokens for x or logits).
+        name: what t is, for the message ("x", "router logits").
+        why: the likely cause and the fix, appended to the message.
+    """
+    if torch.compiler.is_compiling():
+        return
+    F = torch._C._functorch
+    while F.is_functorch_wrapped_tensor(t):
+        t = F.get_unwrapped(t)
+    if t.device.type == "meta" or not t.numel():
+        return
+    with torch.no_grad():
+        if bool(torch.isfinite(t).all()):
+            return
+        bad = ~torch.isfinite(t.reshape(-1, t.shape[-1])).all(dim=1)
+        rows, first, nan = int(bad.sum()), int(bad.nonzero()[0, 0]), bool(torch.isnan(t).any())
+    raise ValueError(f"{name} holds non-finite values ({'NaN' if nan else 'Inf'}) in {rows} of {bad.numel()} rows "
+                     f"[..., {t.shape[-1]}] (first: row {first}); {why}")
+
+
 def _int_like(v) -> bool:
     return isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool)
 
@@ -253,6 +291,15 @@ def _flatten(r: Routing):
 
 
 def _unflatten(leaves, ctx) -> Routing:
+    ids, slots, weights, counts = leaves
+    if (isinstance(ids, Tensor) and ids.dim() > 2 and isinstance(counts, Tensor)
+            and counts.dim() == ids.dim() - 1 and ids.shape[:-2] == counts.shape[:-1]):
+        # Leaving a vmap (or any map that stacks): the leaves carry leading batch dims. The result
+        # is a stack of routings for inspection (index a leaf for one); moe() takes unbatched ones.
+        r = object.__new__(Routing)
+        for name, v in zip(_LEAVES + ("capacity", "num_experts"), (*leaves, *ctx)):
+            object.__setattr__(r, name, v)
+        return r
     return Routing(*leaves, capacity=ctx[0], num_experts=ctx[1])
 
 
@@ -411,7 +458,14 @@ def capacity_for(capacity_factor: float, *, num_tokens: int, num_experts: int, k
             raise ValueError("capacity_factor <= 0 (dropless) needs max_load")
         cap = int(max_load)
         if cf < 0:
-            cap = min(cap, k * int(-cf * spe))
+            per_slot = int(-cf * spe)
+            if per_slot == 0 and cap > 0:   # a cap of 0 would drop every pair (as +cf does, refused)
+                raise ValueError(
+                    f"capacity is 0: int(-capacity_factor * ceil(T / E)) = int({-cf} * ceil({num_tokens} / "
+                    f"{num_experts})) = 0 with capacity_factor={cf} (capped dropless), T={num_tokens}, "
+                    f"E={num_experts}: every pair would be dropped; use capacity_factor <= "
+                    f"{-1 / spe if spe else -1:.4g}, more tokens, or capacity_factor=0 (dropless)")
+            cap = min(cap, k * per_slot)
     if alignment > 256:
         alignment = -(-alignment // 128) * 128
     cap = -(-cap // alignment) * alignment

@@ -269,7 +269,7 @@ def test_error_mismatched_params(setup):
         fmoe.moe({"gate": p["gate"], "experts": ex}, torch.randn(4, 8), spec)
     with pytest.raises(ValueError, match="expected a dict with keys 'gate' and 'experts'"):
         fmoe.moe({"experts": p["experts"]}, torch.randn(4, 8), spec)
-    with pytest.raises(ValueError, match=r"experts.fc1_w must be \[n, H, M\]"):
+    with pytest.raises(ValueError, match=r"experts\['fc1_w'\] has shape \[4, 8, 5\]; .* needs \[4, 8, 8\]"):
         ex = dict(p["experts"], fc1_w=torch.randn(4, 8, 5))
         fmoe.moe({"gate": p["gate"], "experts": ex}, torch.randn(4, 8), spec)
 

@@ -34,10 +34,10 @@ def test_per_example_grads_equal_loop():
     assert batch_aux.capacity == 2 * int(0.5 * 15) and fmoe.moe(params, x[0], spec)[1].capacity == 2 * int(0.5 * 3)
 
 
-def test_dropless_ragged_runs_under_vmap_padded_needs_static_capacity():
+def test_dropless_runs_under_vmap_ragged_and_padded():
     # The ragged layout (dropless default) has a static size k*T: per-example gradients work
-    # and equal the loop. The padded dropless layout sizes C by the max load: a host sync
-    # that vmap cannot do, so it raises and says how to fix it.
+    # and equal the loop. The padded dropless layout sizes C by the max load, a host sync vmap
+    # cannot do: under vmap it takes the load bound C = T, which drops nothing either (issue 36).
     import dataclasses
     spec, params, x, y = _setup(cf=0.0)
     assert spec.layout_kind() == "ragged"
@@ -50,6 +50,10 @@ def test_dropless_ragged_runs_under_vmap_padded_needs_static_capacity():
         gi = torch.func.grad(loss)(params, x[i], y[i])
         for (path, a), b in zip(pytree.tree_leaves_with_path(grads), pytree.tree_leaves(gi)):
             torch.testing.assert_close(a[i], b, rtol=1e-5, atol=1e-7, msg=pytree.keystr(path))
-    padded = dataclasses.replace(spec, layout="padded")
-    with pytest.raises(RuntimeError, match="static capacity"):
-        ablate.per_example_grads(lambda p, xb, yb: loss(p, xb, yb, padded), params, x, y)
+    for cf in (0.0, -1.0):   # dropless and capped dropless
+        padded = dataclasses.replace(spec, layout="padded", gate=dataclasses.replace(spec.gate, capacity_factor=cf))
+        grads = ablate.per_example_grads(lambda p, xb, yb: loss(p, xb, yb, padded), params, x, y)
+        for i in range(x.shape[0]):
+            gi = torch.func.grad(loss)(params, x[i], y[i], padded)
+            for (path, a), b in zip(pytree.tree_leaves_with_path(grads), pytree.tree_leaves(gi)):
+                torch.testing.assert_close(a[i], b, rtol=1e-5, atol=1e-7, msg=f"cf={cf} {pytree.keystr(path)}")
