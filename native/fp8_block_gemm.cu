@@ -44,7 +44,7 @@ __device__ __forceinline__ void stage(uint8_t (*dst)[kTileM], const uint8_t *src
 __global__ void __launch_bounds__(256)
 fp8_block_gemm_kernel(const uint8_t *__restrict__ a, const float *__restrict__ a_s,
                       const uint8_t *__restrict__ b, const float *__restrict__ b_s,
-                      __nv_bfloat16 *__restrict__ y, int M, int N, int K) {
+                      __nv_bfloat16 *__restrict__ y, int M, int N, int K, bool vec_a, bool vec_b) {
   __shared__ __align__(16) uint8_t sA[kBK][kTileM];
   __shared__ __align__(16) uint8_t sB[kBK][kTileN];
   const int e = blockIdx.z;
@@ -55,11 +55,10 @@ fp8_block_gemm_kernel(const uint8_t *__restrict__ a, const float *__restrict__ a
   const uint8_t *be = b + (size_t)e * N * K;
   const float *ase = a_s + (size_t)e * M * KB;
   const float *bse = b_s + (size_t)e * NB * KB;
-  const bool vec_ok = (K % 16) == 0;
   float acc[4][4] = {};
   for (int kb = 0; kb < KB; ++kb) {
-    stage(sA, ae, M, K, m0, kb * kBK, vec_ok);
-    stage(sB, be, N, K, n0, kb * kBK, vec_ok);
+    stage(sA, ae, M, K, m0, kb * kBK, vec_a);
+    stage(sB, be, N, K, n0, kb * kBK, vec_b);
     __syncthreads();
     float part[4][4] = {};
 #pragma unroll 8
@@ -100,10 +99,17 @@ fp8_block_gemm_kernel(const uint8_t *__restrict__ a, const float *__restrict__ a
 extern "C" int fmoe_fp8_block_grouped_gemm(const uint8_t *a, const float *a_s, const uint8_t *b,
                                            const float *b_s, void *y, int E, int M, int N, int K,
                                            void *stream) {
-  if (E <= 0 || M < 0 || N <= 0 || K <= 0 || E > 65535) return FMOE_ERR_BAD_SHAPE;
-  if (M == 0) return 0;
+  // E is the grid's z dimension and ceil(M / 64) its y dimension (each at most 65535).
+  if (E < 0 || M < 0 || N < 0 || K < 0 || E > 65535 || (M + kTileM - 1) / kTileM > 65535)
+    return FMOE_ERR_BAD_SHAPE;
+  if (E == 0 || M == 0 || N == 0) return 0;
+  if (K == 0) return FMOE_ERR_BAD_SHAPE;
+  if (!a || !a_s || !b || !b_s || !y) return FMOE_ERR_BAD_ARGUMENT;
+  // 16-byte staging loads only where every row start is 16-byte aligned; byte loads otherwise.
+  const bool vec_a = K % 16 == 0 && reinterpret_cast<uintptr_t>(a) % 16 == 0;
+  const bool vec_b = K % 16 == 0 && reinterpret_cast<uintptr_t>(b) % 16 == 0;
   const dim3 grid((N + kTileN - 1) / kTileN, (M + kTileM - 1) / kTileM, E);
   fp8_block_gemm_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      a, a_s, b, b_s, static_cast<__nv_bfloat16 *>(y), M, N, K);
+      a, a_s, b, b_s, static_cast<__nv_bfloat16 *>(y), M, N, K, vec_a, vec_b);
   return (int)cudaGetLastError();
 }

@@ -86,9 +86,13 @@ w4a16_kernel(const __nv_bfloat16 *__restrict__ x, const uint8_t *__restrict__ w,
 extern "C" int fmoe_w4a16_grouped_matmul(const void *x, const uint8_t *w, const uint8_t *scales,
                                          const float *gscale, void *y, int fmt, int E, int C,
                                          int N, int K, void *stream) {
-  if (E <= 0 || C < 0 || N <= 0 || K <= 0 || K % 32) return FMOE_ERR_BAD_SHAPE;
-  if (C == 0) return 0;
-  if (E > 65535) return FMOE_ERR_BAD_SHAPE;
+  // E is the grid's y dimension (at most 65535); each lane covers 32 weights of K per load.
+  if (E < 0 || C < 0 || N < 0 || K < 0 || K % 32 || E > 65535) return FMOE_ERR_BAD_SHAPE;
+  if (E == 0 || C == 0 || N == 0) return 0;
+  if (K == 0) return FMOE_ERR_BAD_SHAPE;  // y would be all zeros; no caller means that
+  if (!x || !w || !scales || !y) return FMOE_ERR_BAD_ARGUMENT;
+  if (reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(w) % 16)
+    return FMOE_ERR_MISALIGNED;
   const dim3 grid((N + kWarps - 1) / kWarps, E), block(kWarps * 32);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const auto *xb = static_cast<const __nv_bfloat16 *>(x);
@@ -96,7 +100,7 @@ extern "C" int fmoe_w4a16_grouped_matmul(const void *x, const uint8_t *w, const 
   if (fmt == FMOE_FMT_MXFP4) {
     w4a16_kernel<FMOE_FMT_MXFP4><<<grid, block, 0, s>>>(xb, w, scales, nullptr, yb, C, N, K);
   } else if (fmt == FMOE_FMT_NVFP4) {
-    if (!gscale) return FMOE_ERR_BAD_FORMAT;
+    if (!gscale) return FMOE_ERR_BAD_ARGUMENT;
     w4a16_kernel<FMOE_FMT_NVFP4><<<grid, block, 0, s>>>(xb, w, scales, gscale, yb, C, N, K);
   } else {
     return FMOE_ERR_BAD_FORMAT;

@@ -7,6 +7,11 @@ kernels take float32/bfloat16 rows and accumulate combine in fp32 with fused mul
 (equal to the reference within one fp32 rounding per slot); other dtypes, and a checkout where
 ``native/build.sh`` has not been run, use the pure-torch reference on the GPU. ``gate_grad``
 has no native kernel: the reference runs on CUDA.
+
+The native wrappers check what the CPU kernels check, with their error types (wrong shapes,
+``weights`` [T, k] for [k, T], a position >= the buffer's rows: IndexError). The range check
+reads one flag the kernel sets: one 4-byte device->host copy per call, so an eager call waits
+for its kernel (during CUDA graph capture a device-side assertion replaces the read).
 """
 from __future__ import annotations
 
@@ -32,14 +37,14 @@ def native_ready(*ts: Optional[Tensor]) -> bool:
 def dispatch(x: Tensor, pos: Tensor, weights: Optional[Tensor], num_rows: int) -> Tensor:
     """CUDA kernel of ``fmoe::dispatch``: rows [num_rows, M] in x's dtype."""
     if native_ready(x):
-        return _native.dispatch(x.contiguous(), pos.contiguous(), weights, num_rows)
+        return _native.dispatch(x, pos, weights, num_rows)
     return reference.dispatch(x, pos, weights, num_rows)
 
 
 def combine(y: Tensor, pos: Tensor, weights: Optional[Tensor]) -> Tensor:
     """CUDA kernel of ``fmoe::combine``: tokens [T, M] in y's dtype."""
     if native_ready(y):
-        return _native.combine(y.contiguous(), pos.contiguous(), weights)
+        return _native.combine(y, pos, weights)
     return reference.combine(y, pos, weights)
 
 
