@@ -5,7 +5,10 @@ Commands:
              ahead of time, so the first real call is fast; prints one line
              per kernel and the threading layer. ``--tune SHAPE`` (repeatable) also
              times the kernels that compete for SHAPE's GEMMs and records the winner
-             (:mod:`fmoe.engine.wisdom`).
+             (:mod:`fmoe.engine.wisdom`). ``--calibrate`` also measures where the native grouped
+             GEMM's experts-side-by-side regime stops paying on this machine and records the
+             thresholds (:func:`fmoe.ops.native.calibrate`; a few seconds, once per machine;
+             they change the speed only).
     build    build the native CPU grouped GEMM (a torch C++ extension, ~30 s; the set-up
              scripts run it); without a C++ compiler it says so and fmoe runs the torch fallback.
     info     print the threading layer, thread counts, the TBB library, whether the native
@@ -33,6 +36,16 @@ def _warmup(args) -> int:
     times = numba_cpu.warmup(line)
     print(f"fmoe warmup: {len(times)} kernels in {time.perf_counter() - t0:.2f} s; "
           f"threading layer: {_numba.threading_layer()}", flush=True)
+    if args.calibrate:
+        from .engine import wisdom
+        from .ops import native
+        try:
+            found, seconds = native.calibrate(log=line)
+        except RuntimeError as e:
+            print(f"fmoe warmup --calibrate: not calibrated: {e}", file=sys.stderr)
+            return 1
+        wisdom.record_regime(found, seconds)
+        print(f"fmoe warmup: regime thresholds {found} recorded in {wisdom.path()}", flush=True)
     if args.tune:
         from .engine import table
         for shape in args.tune:
@@ -61,7 +74,11 @@ def _info(args) -> int:
     for (dev, phase, dt, _), kern in table.TABLE.items():
         if dev == "cpu":
             print(f"expert GEMMs cpu/{phase}/{str(dt).replace('torch.', '')}: {kern.name}")
-    tuned = wisdom.load()
+    measured = wisdom.regime()
+    print(f"native regime thresholds: {native.thresholds()} "
+          + ("(measured on this machine)" if measured else
+             "(defaults; python -m fmoe warmup --calibrate measures this machine's)"))
+    tuned = {k: v for k, v in wisdom.load().items() if k != wisdom.REGIME_KEY}
     print(f"measured choices: {len(tuned)} shape classes in {wisdom.path()}" if tuned else
           "measured choices: none (python -m fmoe warmup --tune SHAPE records some)")
     for cls, entry in sorted(tuned.items()):
@@ -82,6 +99,8 @@ def main(argv=None) -> int:
     warm = sub.add_parser("warmup", help="compile every CPU kernel signature ahead of time")
     warm.add_argument("--tune", action="append", default=[], metavar="SHAPE",
                       help="also measure the competing kernels of SHAPE's GEMMs and record the winner")
+    warm.add_argument("--calibrate", action="store_true",
+                      help="also measure the native grouped GEMM's regime thresholds on this machine and record them")
     warm.set_defaults(fn=_warmup)
     sub.add_parser("build", help="build the native CPU grouped GEMM").set_defaults(fn=_build)
     info = sub.add_parser("info", help="threading layer, thread counts and the expert engine's kernels")

@@ -15,6 +15,12 @@ matrix's bytes rounded up to a power of two). A call looks its class up; a class
 measured takes the table's default (the native kernel), so nothing is timed inside a user's
 call and the choice never changes under a running job. ``select(plan, choice=...)`` forces a
 kernel (tests, benchmarks). The file is ``~/.cache/fmoe/wisdom.json``, written atomically.
+
+It also keeps this machine's thresholds of the native grouped GEMM's threading regime
+(:func:`fmoe.ops.native.regime_for`), measured by ``python -m fmoe warmup --calibrate``
+(:func:`fmoe.ops.native.calibrate`) under the key ``"native-regime"``; :func:`regime`
+returns them, or None when never measured (the kernel's defaults then apply). Like the
+kernel choice, they pick a speed, never a result beyond the stated rounding.
 """
 from __future__ import annotations
 
@@ -25,11 +31,17 @@ from typing import Optional
 
 import torch
 
-__all__ = ["CANDIDATES", "path", "shape_class", "lookup", "record", "load", "forget"]
+__all__ = ["CANDIDATES", "REGIME_KEY", "path", "shape_class", "lookup", "record", "load", "forget",
+           "regime", "record_regime"]
 
 # table key (device, phase, dtype) -> the kernels that compete for it, the default first
 CANDIDATES = {("cpu", "decode", torch.float32): ("cpu-native", "cpu-numba-rows"),
               ("cpu", "decode", torch.float64): ("cpu-native", "cpu-numba-rows")}
+
+
+# the wisdom file's key for the native kernel's regime thresholds, and their fields (ints)
+REGIME_KEY = "native-regime"
+_REGIME_FIELDS = ("below_rows", "below_rows_big", "small_matrix_bytes")
 
 
 def path() -> str:
@@ -55,13 +67,13 @@ def load() -> dict:
         mtime = os.stat(p).st_mtime_ns
     except OSError:
         return {}
-    if _CACHE.get("mtime") != mtime:
+    if _CACHE.get("mtime") != (p, mtime):
         try:
             with open(p, encoding="utf-8") as f:
                 data = json.load(f)
         except (OSError, ValueError):
             data = {}   # a damaged file is as good as none: every class takes the default
-        _CACHE.update(mtime=mtime, data=data if isinstance(data, dict) else {})
+        _CACHE.update(mtime=(p, mtime), data=data if isinstance(data, dict) else {})
     return _CACHE["data"]
 
 
@@ -73,12 +85,12 @@ def lookup(key: tuple, cls: str) -> Optional[str]:
     return choice if choice in (names or ()) else None
 
 
-def record(cls: str, choice: str, seconds: dict) -> None:
-    """Write one class's winner into the wisdom file (atomically: a temp file, then rename)."""
+def _write(key: str, entry: dict) -> None:
+    """Set one key of the wisdom file (atomically: a temp file, then rename)."""
     p = path()
     os.makedirs(os.path.dirname(p), exist_ok=True)
     data = dict(load())
-    data[cls] = {"choice": choice, "seconds": seconds}
+    data[key] = entry
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(p), prefix=".wisdom-")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -88,6 +100,34 @@ def record(cls: str, choice: str, seconds: dict) -> None:
         os.unlink(tmp)
         raise
     _CACHE.clear()
+
+
+def record(cls: str, choice: str, seconds: dict) -> None:
+    """Write one class's winner into the wisdom file (atomically)."""
+    _write(cls, {"choice": choice, "seconds": seconds})
+
+
+def regime() -> Optional[dict]:
+    """This machine's measured regime thresholds ``{"below_rows", "below_rows_big",
+    "small_matrix_bytes"}`` (ints >= 0), or None when never measured or damaged."""
+    entry = load().get(REGIME_KEY)
+    if not isinstance(entry, dict):
+        return None
+    got = {k: entry.get(k) for k in _REGIME_FIELDS}
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in got.values()):
+        return None
+    return got
+
+
+def record_regime(thresholds: dict, seconds: dict) -> None:
+    """Write the measured regime thresholds (and the timings they came from) atomically.
+    ValueError naming the field when one is missing or not an int >= 0."""
+    for k in _REGIME_FIELDS:
+        v = thresholds.get(k)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"record_regime: thresholds[{k!r}] must be an int >= 0, got {v!r} "
+                             f"(fields: {', '.join(_REGIME_FIELDS)})")
+    _write(REGIME_KEY, {**{k: thresholds[k] for k in _REGIME_FIELDS}, "seconds": seconds})
 
 
 def forget() -> None:

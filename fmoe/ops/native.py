@@ -31,16 +31,20 @@ of gather_mm/gather_wgrad) share one dtype. mm_scatter's ``out`` may be any of t
 dtype) with one rounding, then added to ``out`` with one rounding; a token reached by
 several experts gets their terms in ascending expert id, the same order on every run.
 
-Threading. When the busy experts hold few rows each (see :data:`PARALLEL_BELOW_ROWS`:
-decode), the experts run side by side (``at::parallel_for``, one single-threaded
-``at::mm`` each); otherwise one after the other, each ``at::mm`` using the intra-op
-threads. :func:`regime_for` makes the choice; ``regime="serial"|"parallel"`` forces one
-(tests, benchmarks). The regime changes the speed, and the result only as follows.
+Threading. When the busy experts hold few rows each (decode), the experts run side by side
+(``at::parallel_for``, one single-threaded ``at::mm`` each); otherwise one after the other,
+each ``at::mm`` using the intra-op threads. :func:`regime_for` makes the choice from
+:func:`thresholds`: this machine's, measured once by ``python -m fmoe warmup --calibrate``
+(:func:`calibrate`, kept in the wisdom file, :mod:`fmoe.engine.wisdom`), else the defaults
+:data:`PARALLEL_BELOW_ROWS`, :data:`PARALLEL_BELOW_ROWS_BIG`, :data:`PARALLEL_SMALL_MATRIX_BYTES`
+(measured on one Xeon). The thresholds choose only the speed: every regime is correct on any
+host, within the bound below. ``regime="serial"|"parallel"`` forces one (tests, benchmarks).
 
 Numerics. Each expert's product is the reference's ``torch.mm`` call on operands of
 the same shape, strides and contiguity (a gathered row block is a byte copy, like
 ``index_select``), and the scatter-add does the reference's roundings in its order. So
-the serial regime equals the reference bit for bit in every dtype. The parallel regime
+the serial regime equals the reference bit for bit in every dtype (the same call on the same
+operands with the same intra-op threads, so on any host). The parallel regime
 runs each ``at::mm`` single-threaded, and MKL's single-threaded GEMV/small GEMM does not
 always split the K-term reduction as its multi-threaded one does: on the 2-core Xeon
 (AVX-512, MKL 2024.2) a float32 ``x @ W`` with one row per expert, and float64 with one
@@ -72,10 +76,11 @@ import torch
 from torch import Tensor
 
 __all__ = ["AVAILABLE", "PARALLEL_BELOW_ROWS", "PARALLEL_BELOW_ROWS_BIG", "PARALLEL_SMALL_MATRIX_BYTES",
-           "status", "build", "library_path", "regime_for",
+           "status", "build", "library_path", "regime_for", "thresholds", "calibrate",
            "gather_mm", "mm_scatter", "gather_wgrad",
            "gather_mm_reference", "mm_scatter_reference", "gather_wgrad_reference"]
 
+# The defaults of thresholds() where this machine never ran `python -m fmoe warmup --calibrate`.
 # Experts run side by side when the busy ones hold fewer rows each, on average, than
 # PARALLEL_BELOW_ROWS (expert matrix of at most PARALLEL_SMALL_MATRIX_BYTES) or
 # PARALLEL_BELOW_ROWS_BIG (larger matrices). Measured once on the 2-core Xeon (AVX-512,
@@ -86,8 +91,8 @@ __all__ = ["AVAILABLE", "PARALLEL_BELOW_ROWS", "PARALLEL_BELOW_ROWS_BIG", "PARAL
 #                                    16: 1.34-1.41, 32: 1.21
 # A matrix that stays in cache pays only per-call overhead, which side by side hides; a big one
 # is packed by MKL on every call, and one thread packing it alone is slower than two sharing
-# it. 32 and 4 stay on the winning side with a margin. The regime never changes the result
-# beyond the rounding stated in the module docstring.
+# it. 32 and 4 stay on the winning side with a margin. Another CPU (or BLAS) may have other
+# crossovers, hence calibrate(); any value is correct, only slower or faster.
 PARALLEL_BELOW_ROWS = 32
 PARALLEL_BELOW_ROWS_BIG = 4
 PARALLEL_SMALL_MATRIX_BYTES = 2 << 20
@@ -309,9 +314,22 @@ def _check_bias(fn: str, bias, like: Tensor, E: int, N: int) -> None:
     _check_same_dtype(fn, "the operand", like, "bias", bias)
 
 
+def thresholds() -> dict:
+    """The regime thresholds in force, ``{"below_rows", "below_rows_big", "small_matrix_bytes"}``:
+    this machine's measured ones (:func:`calibrate`, recorded in the wisdom file by ``python -m fmoe
+    warmup --calibrate``), else the defaults :data:`PARALLEL_BELOW_ROWS`,
+    :data:`PARALLEL_BELOW_ROWS_BIG`, :data:`PARALLEL_SMALL_MATRIX_BYTES`."""
+    from ..engine import wisdom   # here, not at the top: fmoe.engine imports this module
+    return wisdom.regime() or {"below_rows": PARALLEL_BELOW_ROWS, "below_rows_big": PARALLEL_BELOW_ROWS_BIG,
+                               "small_matrix_bytes": PARALLEL_SMALL_MATRIX_BYTES}
+
+
 def regime_for(offsets_list: list, matrix_bytes: int, regime: str = "auto") -> str:
     """'parallel' or 'serial': the threading the native kernels use for these expert bounds
-    (a list, ``offsets.tolist()``) and per-expert matrices of ``matrix_bytes`` (w[e], or z[e])."""
+    (a list, ``offsets.tolist()``) and per-expert matrices of ``matrix_bytes`` (w[e], or z[e]).
+    'auto': side by side when more than one expert is busy, there is more than one intra-op
+    thread, and the busy experts hold fewer rows each on average than :func:`thresholds` says
+    for this matrix size. The choice is a speed, never a result beyond the module's bound."""
     if regime not in ("auto", "serial", "parallel"):
         raise ValueError(f"regime must be 'auto', 'serial' or 'parallel', got {regime!r} "
                          "(it picks the threading, never the result)")
@@ -319,10 +337,71 @@ def regime_for(offsets_list: list, matrix_bytes: int, regime: str = "auto") -> s
         return regime
     E = len(offsets_list) - 1
     busy = sum(1 for e in range(E) if offsets_list[e + 1] > offsets_list[e])
-    below = PARALLEL_BELOW_ROWS if matrix_bytes <= PARALLEL_SMALL_MATRIX_BYTES else PARALLEL_BELOW_ROWS_BIG
-    if busy > 1 and torch.get_num_threads() > 1 and offsets_list[E] < below * busy:
-        return "parallel"
-    return "serial"
+    if busy < 2 or torch.get_num_threads() < 2:
+        return "serial"
+    t = thresholds()
+    below = t["below_rows"] if matrix_bytes <= t["small_matrix_bytes"] else t["below_rows_big"]
+    return "parallel" if offsets_list[E] < below * busy else "serial"
+
+
+# calibrate()'s experiments: fp32 (experts, K = N), one expert matrix 1 MiB (in cache) and 4 MiB
+_CALIBRATION_SHAPES = ((64, 512), (32, 1024))
+_CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def calibrate(*, shapes=_CALIBRATION_SHAPES, rows=_CALIBRATION_ROWS, repeats: int = 5,
+              log=None) -> tuple:
+    """Measure this machine's regime thresholds: float32 :func:`gather_mm` with gathered rows, both
+    regimes, median of ``repeats`` each, at ``rows`` rows per expert (ascending) for each
+    ``(E, D)`` of ``shapes`` (E experts, K = N = D; two sizes, the first smaller).
+
+    For each shape the threshold is the first row count where the parallel regime is no faster
+    than the serial one (twice the largest when it always is; 1, never side by side, when it
+    never is); the matrix-size boundary is the geometric mean of the two shapes' matrix bytes.
+    Takes some seconds (the defaults) and wants an otherwise idle machine: other work on the
+    cores stalls the serial regime's threaded GEMMs and skews the result towards side by side.
+    Needs the extension active and 2+ intra-op threads.
+
+    Returns:
+        (thresholds, seconds): thresholds as :func:`thresholds` gives them; seconds
+        ``{"E=64,D=512,r=4": [parallel_s, serial_s], ...}`` for each point measured.
+    """
+    if not AVAILABLE:
+        raise RuntimeError(f"calibrate: the native CPU grouped GEMM is not active ({_WHY}); "
+                           f"build it with `{_BUILD_CMD}`")
+    if torch.get_num_threads() < 2:
+        raise RuntimeError("calibrate: one intra-op thread (torch.get_num_threads() == 1): the regime is "
+                           "always serial, nothing to measure; run with 2 or more threads")
+    if len(shapes) != 2 or shapes[0][1] >= shapes[1][1] or not rows or list(rows) != sorted(rows):
+        raise ValueError(f"calibrate: shapes must be two (E, D) with the first D smaller, and rows "
+                         f"ascending, got shapes={shapes!r}, rows={rows!r}")
+    g = torch.Generator().manual_seed(0)
+    below, seconds = [], {}
+    for E, D in shapes:
+        w = torch.randn(E, D, D, generator=g)
+        x = torch.randn(2 * max(rows), D, generator=g)
+        found = 2 * max(rows)
+        for r in rows:
+            off = torch.arange(0, E * r + 1, r, dtype=torch.int64)
+            idx = torch.randint(0, x.shape[0], (E * r,), generator=g)
+            out = torch.empty(E * r, D)
+            t = {"parallel": [], "serial": []}
+            for _ in range(repeats + 1):       # the first round warms caches and MKL's buffers
+                for regime in t:
+                    t0 = time.perf_counter()
+                    gather_mm(x, w, off, rows=idx, out=out, impl="native", regime=regime)
+                    t[regime].append(time.perf_counter() - t0)
+            par, ser = (sorted(v[1:])[repeats // 2] for v in t.values())
+            seconds[f"E={E},D={D},r={r}"] = [par, ser]
+            if log is not None:
+                log(f"regime E={E} K=N={D} rows/expert={r}: parallel {par * 1e3:.3f} ms, serial {ser * 1e3:.3f} ms")
+            if par >= ser:
+                found = r
+                break
+        below.append(found)
+    small, big = (D * D * 4 for _, D in shapes)   # float32 [D, D]
+    return ({"below_rows": below[0], "below_rows_big": below[1],
+             "small_matrix_bytes": int(round((small * big) ** 0.5))}, seconds)
 
 
 def _use_native(fn: str, impl: str) -> bool:
