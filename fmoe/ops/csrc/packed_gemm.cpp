@@ -174,11 +174,13 @@ FMOE_AVX2 void decode_row_avx2(const Params& p, int64_t e, int64_t n, float* w) 
 template <int NT>
 FMOE_AVX2 void fp4_row_avx2(const Params& p, const Job& j, int64_t n, const float* x0, float* res) {
   const uint8_t* row = p.data + j.e * p.d_e + n * p.d_r;
+  const uint8_t* sr = p.sb + j.e * p.s_e + n * p.s_r;  // FP4: byte scales, bn == 1
+  const int sh = p.bk == 32 ? 5 : 4;                   // bk is 16 or 32 here (effective_isa)
   __m256 acc[NT][2];
   for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < p.K; k += 32) {
-    const __m256 s0 = _mm256_set1_ps(0.5f * scale_of(p, j.e, n, k / p.bk));
-    const __m256 s1 = _mm256_set1_ps(0.5f * scale_of(p, j.e, n, (k + 16) / p.bk));
+    const __m256 s0 = _mm256_set1_ps(0.5f * p.table[sr[k >> sh]]);
+    const __m256 s1 = _mm256_set1_ps(0.5f * p.table[sr[(k + 16) >> sh]]);
     __m128i lo, hi;
     fp4x32_i8_avx2(row + k / 2, lo, hi);
     const __m256 w0 = _mm256_mul_ps(i8x8_ps(lo), s0);                     // even k 0..14
@@ -232,17 +234,16 @@ FMOE_AVX2 void fp8_row_avx2(const Params& p, const Job& j, int64_t n, const floa
 #define FMOE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 
 // 16 scale values for one 64-byte FP4 chunk (128 k), lane j covering k = 8j .. 8j + 7 (see
-// fp4_row_avx512): lane j's block is 8j / bk.
-FMOE_AVX512 inline __m512 fp4_scales16(const Params& p, int64_t e, int64_t n, int64_t k) {
-  const int64_t i = e * p.s_e + n * p.s_r + k / p.bk;
-  if (p.bk == 32) {
-    const __m128 s = _mm_setr_ps(p.table[p.sb[i]], p.table[p.sb[i + 1]], p.table[p.sb[i + 2]], p.table[p.sb[i + 3]]);
+// fp4_rows2_avx512): lane j's block is 8j / BK; sr points at the chunk's first scale byte.
+template <int BK>
+FMOE_AVX512 inline __m512 fp4_scales16(const float* table, const uint8_t* sr) {
+  if (BK == 32) {
+    const __m128 s = _mm_setr_ps(table[sr[0]], table[sr[1]], table[sr[2]], table[sr[3]]);
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
                                  _mm512_castps128_ps512(s));
   }
-  // bk == 16
-  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.sb + i)));
-  const __m256 s = _mm256_i32gather_ps(p.table, idx, 4);
+  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sr)));
+  const __m256 s = _mm256_i32gather_ps(table, idx, 4);
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
                                _mm512_castps256_ps512(s));
 }
@@ -252,21 +253,21 @@ FMOE_AVX512 inline __m512 fp4_scales16(const Params& p, int64_t e, int64_t n, in
 // of each index, so shifting by 4q and permuting the 16-entry E2M1 table gives k = 8j + q in
 // lane j. The activations were permuted to match (prep_fp4_avx512). Requires K % 128 == 0
 // and bk in {16, 32}.
-template <int NT>
+template <int NT, int BK>
 FMOE_AVX512 void fp4_rows2_avx512(const Params& p, const Job& j, int64_t n, int64_t n2, const float* x0,
                                   float* res, float* res2) {
   const uint8_t* r0 = p.data + j.e * p.d_e + n * p.d_r;
   const uint8_t* r1 = p.data + j.e * p.d_e + n2 * p.d_r;
+  const uint8_t* sr0 = p.sb + j.e * p.s_e + n * p.s_r;  // bn == 1 for FP4
+  const uint8_t* sr1 = p.sb + j.e * p.s_e + n2 * p.s_r;
   const __m512 lut = _mm512_loadu_ps(kE2M1);
   __m512 acc[2][NT][2];
   for (int t = 0; t < NT; ++t) acc[0][t][0] = acc[0][t][1] = acc[1][t][0] = acc[1][t][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < p.K; k += 128) {
     const __m512i v0 = _mm512_loadu_si512(r0 + k / 2);
     const __m512i v1 = _mm512_loadu_si512(r1 + k / 2);
-    const __m512 s0 = fp4_scales16(p, j.e, n, k);
-    const __m512 s1 = fp4_scales16(p, j.e, n2, k);
-    // A scaled table (16 products, exact) instead of scaling each of the 8 decoded vectors
-    // only works when one scale covers the chunk, so scale the vectors.
+    const __m512 s0 = fp4_scales16<BK>(p.table, sr0 + k / BK);
+    const __m512 s1 = fp4_scales16<BK>(p.table, sr1 + k / BK);
 #define FMOE_FP4_STEP(q)                                                                   \
     {                                                                                      \
       const __m512 w0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4 * q), lut), s0); \
@@ -395,7 +396,8 @@ void rows_vec(const Params& p, const Job& j, const float* x, int isa, int64_t ro
   for (int64_t n = j.n0; n < j.n1; n += 2) {
     const int64_t n2 = std::min(n + 1, j.n1 - 1);  // an odd last row is computed twice
     if (isa == kAvx512) {
-      if (p.fp4) fp4_rows2_avx512<NT>(p, j, n, n2, x, r0, r1);
+      if (p.fp4 && p.bk == 32) fp4_rows2_avx512<NT, 32>(p, j, n, n2, x, r0, r1);
+      else if (p.fp4) fp4_rows2_avx512<NT, 16>(p, j, n, n2, x, r0, r1);
       else fp8_rows2_avx512<NT>(p, j, n, n2, x, r0, r1);
     } else {
       if (p.fp4) {
