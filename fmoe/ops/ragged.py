@@ -30,10 +30,16 @@ batched, unbatched inputs are not copied, and each segment keeps its own
 padding rows (a flat fold with offsets shifted by b*R would hand batch b's
 padding rows to its last expert). The public functions are segment count 1.
 
-Kernel: one host sync (``offsets.tolist()``, with the checks), then per segment one call into
-the native grouped GEMM (:mod:`fmoe.ops.native`, serial regime: each group is the reference's
-``torch.mm`` on the same views, so bit-identical to it; the per-expert Python loop where the
-extension is not built, and off the CPU). Empty groups are skipped and only the padding rows
+Kernel on the CPU: one host sync (``offsets.tolist()``, with the checks), then per segment one
+call into the native grouped GEMM (:mod:`fmoe.ops.native`, serial regime: each group is the
+reference's ``torch.mm`` on the same views, so bit-identical to it; the per-expert Python loop
+where the extension is not built). Off the CPU (float32 / bfloat16 / float16 operands whose
+strides ``torch._grouped_mm`` takes): one ``torch._grouped_mm`` per segment on the device's
+offsets, no ``tolist`` and no Python per expert; the offsets are checked by one device-side
+assertion (an error surfaces at the next synchronisation, as torch's own index checks do).
+torch's CUDA kernel runs bf16 on sm90/sm100 with no host sync; float32 / float16 (and bf16 on
+other GPUs) go through torch's fallback, which reads the offsets on the host once per call.
+Other dtypes and layouts take the per-expert loop. Empty groups are skipped and only the padding rows
 are zeroed. (One padded batched GEMM over balanced groups, two row gathers and a bmm, took
 1.28-1.50x the per-group calls' time in training: ``python -m benchmarks.bench_ragged --only
 train``, 2026-12-01; removed.) Sparse eager calls run on the expert engine instead, whose
@@ -164,15 +170,90 @@ def _check_wgrad_op(a: Tensor, b: Tensor, offsets: Tensor) -> int:
 
 # --------------------------------------------------------------------------- kernels
 
+# torch._grouped_mm's operand dtypes (on CPU and CUDA alike; float64 is refused).
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INT32_MAX = 2 ** 31 - 1   # its offsets are int32
+
+
+def _takes_grouped_mm(t: Tensor) -> bool:
+    """Whether the kernels for operand t run torch._grouped_mm (off the CPU, its dtypes) rather
+    than the native CPU grouped GEMM. The CPU keeps the native kernels: bit-identical to the
+    reference there, and measured faster (benchmarks/bench_ragged.py)."""
+    return t.device.type != "cpu" and t.dtype in _GROUPED_DTYPES
+
+
+def _grouped_layout_ok(*ts: Tensor) -> bool:
+    """torch._grouped_mm's layout rule for the [S, ...] operands' segments: each starts on a
+    16-byte boundary (CUDA checks its data pointer), one of the last two strides is 1 and the
+    other spans its dimension in a multiple of 16 bytes."""
+    for t in ts:
+        st, n, size = t.stride(), t.shape, t.element_size()
+        align = 16 // size
+        start = t.untyped_storage().data_ptr() + t.storage_offset() * size
+        if start % 16 or (n[0] > 1 and st[0] % align):
+            return False
+        if not ((st[-1] == 1 and st[-2] >= max(1, n[-1]) and st[-2] % align == 0)
+                or (st[-2] == 1 and st[-1] >= max(1, n[-2]) and st[-1] % align == 0)):
+            return False
+    return True
+
+
+def _assert_offsets(name: str, offsets: Tensor, R: int) -> None:
+    """:func:`_offset_lists`'s checks on every row of offsets [So, E + 1] as one assertion that
+    does not synchronise: on CUDA a device-side assertion, on the CPU a RuntimeError at once."""
+    E = offsets.shape[1] - 1
+    first, last = offsets.narrow(1, 0, 1), offsets.narrow(1, E, 1)
+    ok = (first == 0).all() & (offsets.narrow(1, 1, E) >= offsets.narrow(1, 0, E)).all() & (last <= R).all()
+    torch._assert_async(ok, f"{name}: offsets must have offsets[0] = 0, be non-decreasing and have "
+                            f"offsets[E] <= the {R} rows of the input")
+
+
+def _mm_grouped(x: Tensor, w: Tensor, offsets: Tensor, transposed: bool, S: int) -> Tensor:
+    """:func:`_mm_impl` as one ``torch._grouped_mm`` per segment (no host sync); the padding rows,
+    which it leaves unwritten, are zeroed by a mask made on the device."""
+    R, E = x.shape[1], w.shape[1]
+    _assert_offsets("ragged_mm", offsets, R)
+    if E == 0 or R == 0:
+        return x.new_zeros(S, R, w.shape[2] if transposed else w.shape[3])
+    rows = torch.arange(R, device=x.device)
+    ys = []
+    for s in range(S):
+        o, ws = _seg(offsets, s), _seg(w, s)
+        y = torch._grouped_mm(_seg(x, s), ws.transpose(1, 2) if transposed else ws,
+                              offs=o.narrow(0, 1, E).to(torch.int32))
+        ys.append(y.masked_fill_((rows >= o.narrow(0, E, 1)).unsqueeze(1), 0))
+    # its output rows are padded to 16 bytes where N * itemsize is not: contiguous, as the fake kernel says
+    return torch.stack(ys) if S > 1 else ys[0].unsqueeze(0).contiguous()
+
+
+def _wgrad_grouped(a: Tensor, b: Tensor, offsets: Tensor, S: int) -> Tensor:
+    """:func:`_wgrad_impl` as one ``torch._grouped_mm`` per segment (``a^T b`` grouped along the
+    rows; rows past offsets[E] are in no group). Experts with no rows are zeroed by a mask: the
+    kernel need not write their matrices."""
+    E = offsets.shape[1] - 1
+    _assert_offsets("ragged_wgrad", offsets, a.shape[1])
+    if E == 0:
+        return a.new_zeros(S, 0, a.shape[2], b.shape[2])
+    zs = []
+    for s in range(S):
+        o = _seg(offsets, s)
+        z = torch._grouped_mm(_seg(a, s).t(), _seg(b, s), offs=o.narrow(0, 1, E).to(torch.int32))
+        zs.append(z.masked_fill_((o.narrow(0, 1, E) == o.narrow(0, 0, E)).view(E, 1, 1), 0))
+    return torch.stack(zs) if S > 1 else zs[0].unsqueeze(0)
+
+
 def _seg(t: Tensor, s: int) -> Tensor:
-    """Segment s of a [S_t, ...] operand whose segment count is 1 (shared) or S."""
-    return t[s if t.shape[0] > 1 else 0]
+    """Segment s of a [S_t, ...] operand whose segment count is 1 (shared) or S (a view)."""
+    return t.narrow(0, s if t.shape[0] > 1 else 0, 1).squeeze(0)
 
 
 def _mm_impl(x: Tensor, w: Tensor, offsets: Tensor, transposed: bool) -> Tensor:
     """y [S, R, N]: each segment's groups in one native grouped-GEMM call (:func:`fmoe.ops.native.gather_mm`,
     serial regime: each group is the reference's ``torch.mm``, bit for bit), padding rows zeroed."""
     S = _check_mm_op(x, w, offsets, transposed)
+    if _takes_grouped_mm(x) and x.shape[1] <= _INT32_MAX and _grouped_layout_ok(
+            x, w.transpose(2, 3) if transposed else w):
+        return _mm_grouped(x, w, offsets, transposed, S)
     R = x.shape[1]
     N = w.shape[2] if transposed else w.shape[3]
     y = torch.empty(S, R, N, dtype=x.dtype, device=x.device)
@@ -194,6 +275,8 @@ def _wgrad_impl(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
     """z [S, E, P, Q]: each segment's groups in one native call (:func:`fmoe.ops.native.gather_wgrad`,
     serial regime, the reference's ``torch.mm`` per group); experts with no rows get zeros."""
     S = _check_wgrad_op(a, b, offsets)
+    if _takes_grouped_mm(a) and a.shape[1] <= _INT32_MAX and _grouped_layout_ok(a.transpose(1, 2), b):
+        return _wgrad_grouped(a, b, offsets, S)
     E = offsets.shape[1] - 1
     offs = _offset_lists("ragged_wgrad", offsets, a.shape[1])
     z = torch.empty(S, E, a.shape[2], b.shape[2], dtype=a.dtype, device=a.device)

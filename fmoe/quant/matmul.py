@@ -9,7 +9,10 @@ Paths:
   "dequant"    dequantize one expert at a time, matmul (bounded memory, fast for large C)
   "fused"      numba kernels decoding 4/8-bit weights in registers (fast for small C)
   "auto"       "fused" when C <= crossover(fmt), else "dequant", on CPU
-On CUDA tensors "auto" uses "reference" (the native kernels are reached via fmoe.quant.native).
+On CUDA tensors "auto" takes the native kernels where one fits and native/build.sh has built them
+(:func:`_cuda_choice`): W4A16 for FP4 weights at decode (bf16 x, C <= 16), the FP8 block GEMM for
+fp8_block 128x128 weights (bf16 x, quantized to 1x128 FP8 tiles first: DeepSeek-V3's inference
+recipe, so y carries that rounding, relative 2^-4 per activation at most); "reference" otherwise.
 """
 from __future__ import annotations
 
@@ -130,10 +133,46 @@ def _fused(x, w: QuantizedTensor) -> torch.Tensor:
     return out.to(x.dtype)
 
 
+# --- CUDA "auto": the native kernels where one fits ------------------------------------------
+
+# Tokens per expert up to which CUDA "auto" takes the W4A16 kernel: a decode kernel (a warp per
+# output row, 8 tokens per weight pass, CUDA cores), so larger C goes to dequantize + bmm. 16 is
+# the kernel's design point (native/README.md), not a measurement: gpu_check.py times both sides.
+_W4A16_MAX_TOKENS = 16
+
+
+def _cuda_choice(x: torch.Tensor, w: QuantizedTensor) -> str:
+    """What "auto" runs for a CUDA x [E, C, K]: "w4a16" (mxfp4/nvfp4 weights, bf16 x, K % 32 == 0,
+    C <= _W4A16_MAX_TOKENS), "fp8_block" (fp8_block weights in 128x128 blocks, bf16 x), else
+    "reference"; always "reference" where native/build.sh has not built the library."""
+    from .. import _native
+
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and _native.built()):
+        return "reference"
+    if w.fmt in FP4_FORMATS and x.shape[2] % 32 == 0 and x.shape[1] <= _W4A16_MAX_TOKENS:
+        return "w4a16"
+    if w.fmt == "fp8_block" and tuple(w.block) == (128, 128):
+        return "fp8_block"
+    return "reference"
+
+
+def _cuda_auto(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
+    """Path "auto" on CUDA: the kernel :func:`_cuda_choice` names (bf16 [E, C, N] out)."""
+    choice = _cuda_choice(x, w)
+    if choice == "reference":
+        return _reference(x, w)
+    from . import native
+    from .formats import quantize_fp8_act_tiles
+
+    if choice == "w4a16":
+        return native.w4a16_matmul(x, w)
+    return native.fp8_block_matmul(quantize_fp8_act_tiles(x, 128), w)
+
+
 def _run(x, w: QuantizedTensor, path: str) -> torch.Tensor:
     if path == "auto":
         if x.device.type != "cpu":
-            path = "reference"
+            return _cuda_auto(x, w)
         else:
             path = "fused" if x.shape[1] <= _CROSSOVER[w.fmt] else "dequant"
     if path == "fused":
