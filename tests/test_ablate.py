@@ -34,8 +34,14 @@ POINTS = [
     ablate.Point(num_experts=3, k=4, temperature=2.0, gate_noise=0.5),  # k clipped to E_s
 ]
 
-EXACT = ("loss", "task_loss", "l_aux", "z_loss", "dropped_fraction", "load_cv", "load_entropy", "load",
-         "capacity")
+EXACT = ("l_aux", "z_loss", "dropped_fraction", "load_cv", "load_entropy", "load", "capacity")
+# The losses pass through the expert GEMMs, which vmap batches into other shapes than a separate
+# run's, and a BLAS may sum their K terms in another order for another shape (host-dependent):
+# they agree to float32 rounding of those GEMMs, (M + H) eps ~ 5e-6 relative, here within 1e-5
+# (a wrong row or expert moves the loss by far more). The routing statistics and gate losses
+# come from the same unbatched gate GEMM in both: bit for bit.
+THROUGH_GEMMS = ("loss", "task_loss")
+LOSS_RTOL = 1e-5
 
 
 def _assert_tables(a, b):
@@ -49,6 +55,8 @@ def _assert_tables(a, b):
             torch.testing.assert_close(x, y, rtol=4e-7, atol=0)
         else:
             assert torch.equal(x, y), key
+    for key in THROUGH_GEMMS:
+        torch.testing.assert_close(a.table[key], b.table[key], rtol=LOSS_RTOL, atol=0, msg=key)
     torch.testing.assert_close(a.table["score_entropy"], b.table["score_entropy"], rtol=1e-12, atol=1e-7)
 
 
@@ -77,6 +85,12 @@ def test_grouped_equals_loop():
     loop = ablate.sweep_moe(params, x, spec, POINTS, target=target, noise=noise, mode="loop")
     for key in EXACT:  # grouped runs the same static shapes as the loop
         assert torch.equal(grouped.table[key], loop.table[key]), key
+    for key in THROUGH_GEMMS:   # ... vmapped over the settings of one shape: see THROUGH_GEMMS
+        torch.testing.assert_close(grouped.table[key], loop.table[key], rtol=LOSS_RTOL, atol=0, msg=key)
+    # the tolerance is tight enough to see one expert run another's weights in every setting
+    wrong = {**params, "experts": {**params["experts"], "fc2_w": params["experts"]["fc2_w"][[1, 0, 2, 3, 4, 5]]}}
+    moved = ablate.sweep_moe(wrong, x, spec, POINTS, target=target, noise=noise, mode="loop").table["loss"]
+    assert bool(((moved - loop.table["loss"]).abs() > LOSS_RTOL * loop.table["loss"].abs()).all())
     _close_grads(grouped.grads, loop.grads)
 
 
@@ -129,10 +143,10 @@ def test_stacked_gates_are_an_ensemble():
     for i in range(S):
         p = {**params, "gate": {"wg": gates["wg"][i]}}
         one = ablate.sweep_moe(p, x, spec, [pts[i]], target=target, mode="loop")
-        assert torch.equal(res.table["loss"][i], one.table["loss"][0])
+        torch.testing.assert_close(res.table["loss"][i], one.table["loss"][0], rtol=LOSS_RTOL, atol=0)
         torch.testing.assert_close(res.grads["gate"]["wg"][i], one.grads["gate"]["wg"][0], rtol=1e-5, atol=1e-7)
     loop = ablate.sweep_moe(params, x, spec, pts, target=target, gates=gates, mode="loop")
-    assert torch.equal(res.table["loss"], loop.table["loss"])
+    torch.testing.assert_close(res.table["loss"], loop.table["loss"], rtol=LOSS_RTOL, atol=0)
     _close_grads(res.grads, loop.grads)
 
 
@@ -165,5 +179,5 @@ def test_generic_sweep_trains_many_models():
     for i in range(2):
         p = pytree.tree_map(lambda t: t[i], stacked)
         g, (loss, _) = torch.func.grad_and_value(loss_fn, has_aux=True)(p, (x, target), settings[i])
-        assert torch.equal(table["loss"][i], loss)
+        torch.testing.assert_close(table["loss"][i], loss, rtol=LOSS_RTOL, atol=0)   # vmapped: THROUGH_GEMMS
         _close_grads(pytree.tree_map(lambda t: t[i:i + 1], grads), pytree.tree_map(lambda t: t[None], g))
