@@ -446,9 +446,10 @@ def test_ragged_blocks_never_span_two_experts(recipe, transposed):
 @pytest.mark.parametrize("recipe", SEG_RECIPES, ids=_name)
 def test_padded_blocks_are_per_expert(recipe):
     """The padded [E, C, K] buffers already quantize per expert: expert e's results are those
-    of a buffer holding expert e alone, bit for bit; and its rows alone (an n-row buffer)
-    decode to the same operands, so they agree up to the BLAS summation order over C vs n
-    rows (zero rows add nothing)."""
+    of a buffer holding expert e alone, and of its rows alone (an n-row buffer): the same decoded
+    operands, so they agree up to the BLAS summation order of a bmm over E vs 1 experts and C vs
+    n rows (host-dependent: a BLAS may thread a batch of E otherwise than one matrix), far below
+    the quantization error a block spanning two experts would add."""
     transposed = True
     cap = 160
     x_r, w, gy_r = _seg_data(transposed)
@@ -465,7 +466,8 @@ def test_padded_blocks_are_per_expert(recipe):
             continue
         alone = GroupedGemm(_padded((n,), cap), precision=recipe)
         y_a, dx_a, dw_a = _run_gemm(alone, x[e:e + 1], w[e:e + 1], gy[e:e + 1], transposed)
-        assert torch.equal(y[e], y_a[0]) and torch.equal(dx[e], dx_a[0]) and torch.equal(dw[e], dw_a[0]), e
+        for got, alone_e in ((y[e], y_a[0]), (dx[e], dx_a[0]), (dw[e], dw_a[0])):
+            torch.testing.assert_close(got, alone_e, rtol=1e-5, atol=1e-5, msg=str(e))
         rows = GroupedGemm(_padded((n,), n), precision=recipe)
         y_e, dx_e, dw_e = _run_gemm(rows, x[e:e + 1, :n], w[e:e + 1], gy[e:e + 1, :n], transposed)
         torch.testing.assert_close(y[e, :n], y_e[0], rtol=1e-5, atol=1e-5)
