@@ -161,6 +161,8 @@ def _fp8_scale(module, name: str):
 
 def _maybe_fp8(module, name: str):
     w = getattr(module, name)
+    if not isinstance(w, torch.Tensor):   # already packed (a QuantizedTensor), e.g. MXFP4 experts kept packed
+        return w
     if w.dtype in (torch.float8_e4m3fn, torch.uint8):
         scale = _fp8_scale(module, name)
         if scale is None:

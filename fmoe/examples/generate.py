@@ -1,0 +1,231 @@
+"""Whole-model generation with packed experts: ``python -m fmoe.examples.generate``.
+
+Writes a small checkpoint in a real packed layout (random weights, no download), loads it with
+transformers, patches the MoE blocks with :func:`fmoe.models.patch`, hands every patched block
+its experts PACKED as the checkpoint stores them (read by :func:`fmoe.models.load_moe_block`;
+transformers' own dequantized copy is dropped), and generates with ``model.generate``,
+streaming the tokens and printing tokens/s.
+
+    python -m fmoe.examples.generate                       # gpt-oss layout, MXFP4 experts
+    python -m fmoe.examples.generate --arch deepseek_v3    # DeepSeek layout, FP8 128x128 blocks
+    python -m fmoe.examples.generate --compare             # also the unpatched model: same tokens?
+
+Layouts written (the names and shapes the official checkpoints use):
+  gpt_oss      ``model.layers.N.mlp.experts.{gate_up,down}_proj_{blocks,scales}`` (uint8 [E, out,
+               in/32, 16] and [E, out, in/32]) + ``*_bias``; config ``quantization_config``
+               ``{"quant_method": "mxfp4"}``. transformers dequantizes these on a CPU.
+  deepseek_v3  ``model.layers.N.mlp.experts.M.{gate,up,down}_proj.weight`` float8_e4m3fn +
+               ``.weight_scale_inv`` float32 [out/128, in/128] (the shared experts too); config
+               ``quantization_config`` ``{"quant_method": "fp8", "weight_block_size": [128, 128]}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import torch
+from torch import nn
+
+from fmoe.quant import dequantize, quantize_fp8_block, quantize_mxfp4, to_gpt_oss
+
+# Small enough to write and load in seconds, large enough that the experts dominate the bytes.
+SIZES = {
+    "tiny": dict(hidden=64, inter=64, layers=2, experts=4, k=2, heads=4, kv=2, head_dim=16, vocab=256),
+    "small": dict(hidden=1024, inter=512, layers=4, experts=32, k=4, heads=8, kv=2, head_dim=64, vocab=4096),
+    "medium": dict(hidden=2048, inter=768, layers=8, experts=64, k=6, heads=16, kv=4, head_dim=64, vocab=8192),
+}
+
+
+def _gpt_oss_config(s: dict):
+    from transformers import GptOssConfig
+    n = s["layers"]
+    return GptOssConfig(hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=n,
+                        num_local_experts=s["experts"], num_experts_per_tok=s["k"], num_attention_heads=s["heads"],
+                        num_key_value_heads=s["kv"], head_dim=s["head_dim"], vocab_size=s["vocab"],
+                        max_position_embeddings=4096, sliding_window=128,
+                        rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+                        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)])
+
+
+def _deepseek_config(s: dict):
+    from transformers import DeepseekV3Config
+    return DeepseekV3Config(hidden_size=s["hidden"], intermediate_size=2 * s["inter"],
+                            moe_intermediate_size=s["inter"], num_hidden_layers=s["layers"], first_k_dense_replace=0,
+                            n_routed_experts=s["experts"], num_experts_per_tok=s["k"], n_shared_experts=1,
+                            n_group=1, topk_group=1, num_attention_heads=s["heads"],
+                            num_key_value_heads=s["heads"], q_lora_rank=None, kv_lora_rank=64,
+                            qk_nope_head_dim=s["head_dim"], qk_rope_head_dim=32, v_head_dim=s["head_dim"],
+                            vocab_size=s["vocab"], max_position_embeddings=4096, rope_scaling=None)
+
+
+def _sharpen(model: nn.Module) -> None:
+    # Random weights give near-flat logits, where greedy decoding is decided by rounding noise;
+    # a larger embedding/head scale gives confident tokens, so equal generations mean equal math.
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(20.0)
+        model.get_output_embeddings().weight.mul_(20.0)
+
+
+def write_checkpoint(path: str, arch: str = "gpt_oss", size: str = "tiny", seed: int = 0) -> str:
+    """A random model of `arch` at `size` (see SIZES) saved to `path` with packed experts in the
+    official layout (module docstring). Returns path."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    s = SIZES[size]
+    cfg = _gpt_oss_config(s) if arch == "gpt_oss" else _deepseek_config(s)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _sharpen(model)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if arch == "gpt_oss":
+        for k in [k for k in sd if k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj")]:
+            w = sd.pop(k) * 0.5                    # [E, in, out] (x @ W) in transformers
+            blocks, scales = to_gpt_oss(quantize_mxfp4(w.transpose(1, 2).contiguous()))   # rows = out
+            sd[k + "_blocks"], sd[k + "_scales"] = blocks, scales
+        qcfg = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                     "model.embed_tokens", "lm_head"]}
+    else:
+        for k in [k for k in sd if ".mlp.experts." in k or ".mlp.shared_experts." in k]:
+            if k.endswith("proj") and sd[k].dim() == 3:   # transformers' fused [E, out, in] -> per expert
+                w = sd.pop(k)
+                base, name = k.rsplit(".", 1)
+                parts = ([("gate_proj", w[:, : w.shape[1] // 2]), ("up_proj", w[:, w.shape[1] // 2:])]
+                         if name == "gate_up_proj" else [("down_proj", w)])
+                for pname, pw in parts:
+                    for e in range(pw.shape[0]):
+                        q = quantize_fp8_block(pw[e].contiguous())
+                        sd[f"{base}.{e}.{pname}.weight"] = q.data
+                        sd[f"{base}.{e}.{pname}.weight_scale_inv"] = q.scales
+            elif k.endswith(".weight") and ".shared_experts." in k:
+                q = quantize_fp8_block(sd[k])
+                sd[k], sd[k[:-len("weight")] + "weight_scale_inv"] = q.data, q.scales
+        qcfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128],
+                "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.gate", "lm_head"]}
+    os.makedirs(path, exist_ok=True)
+    save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    c = cfg.to_dict()
+    c["quantization_config"] = qcfg
+    c["architectures"] = [type(model).__name__]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f, indent=1)
+    return path
+
+
+class PackedExperts(nn.Module):
+    """A patched block's experts as the checkpoint stores them: QuantizedTensors (held as plain
+    attributes: they are not nn.Parameters) + float biases, read by fmoe's block adapters."""
+
+    def __init__(self, experts: dict):
+        super().__init__()
+        for name, value in experts.items():
+            if isinstance(value, torch.Tensor):
+                self.register_buffer(name, value)
+            else:
+                setattr(self, name, value)
+
+
+def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32):
+    """(model, packed_bytes): transformers' model from `path`, patched with fmoe, every MoE block's
+    experts replaced by the checkpoint's packed ones (transformers' dequantized copy freed)."""
+    import fmoe.models
+    from fmoe.models import load_moe_block
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    fmoe.models.patch(model)
+    packed_bytes = 0
+    for i, layer in enumerate(model.model.layers):
+        block = layer.mlp
+        params, _ = load_moe_block(path, arch, layer=i)
+        ex = params["experts"]
+        block.experts = PackedExperts({k: (v.to(dtype) if isinstance(v, torch.Tensor) else v) for k, v in ex.items()})
+        packed_bytes += sum(v.nbytes for v in ex.values() if not isinstance(v, torch.Tensor))
+    return model, packed_bytes
+
+
+def load_reference(path: str, dtype: torch.dtype = torch.float32):
+    """The same checkpoint through transformers alone (its CPU path dequantizes the experts)."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def greedy(model, prompt: torch.Tensor, new_tokens: int, streamer=None) -> torch.Tensor:
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             streamer=streamer, pad_token_id=0)
+    return out[:, prompt.shape[1]:]
+
+
+class _PrintStreamer:
+    """Prints token ids as generate() produces them (the random model has no tokenizer)."""
+
+    def __init__(self):
+        self.first = True
+        self.t0 = time.perf_counter()
+        self.times = []
+
+    def put(self, value):
+        if self.first:   # generate() hands over the prompt first
+            self.first = False
+            return
+        self.times.append(time.perf_counter())
+        print(" ".join(str(int(v)) for v in value.reshape(-1)), end=" ", flush=True)
+
+    def end(self):
+        print(flush=True)
+
+
+def rss_mib() -> float:
+    """Peak resident memory of this process so far, MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", choices=["gpt_oss", "deepseek_v3"], default="gpt_oss")
+    p.add_argument("--size", choices=list(SIZES), default="small")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--checkpoint", default=None, help="directory to write (default: a temporary one)")
+    p.add_argument("--compare", action="store_true", help="also generate with the unpatched model")
+    args = p.parse_args(argv)
+    tmp = None
+    path = args.checkpoint
+    if path is None:
+        tmp = tempfile.TemporaryDirectory(prefix="fmoe-generate-")
+        path = tmp.name
+    t0 = time.perf_counter()
+    write_checkpoint(path, args.arch, args.size)
+    print(f"wrote a random {args.arch} checkpoint ({args.size}) to {path} in {time.perf_counter() - t0:.1f} s; "
+          f"{os.path.getsize(os.path.join(path, 'model.safetensors')) / 2**20:.0f} MiB")
+    model, nbytes = load_patched(path, args.arch)
+    print(f"patched with fmoe; experts kept packed: {nbytes / 2**20:.1f} MiB")
+    from fmoe.quant import packed
+    print(packed.status())
+    prompt = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+    streamer = _PrintStreamer()
+    ids = greedy(model, prompt, args.tokens, streamer)
+    ts = streamer.times
+    if len(ts) > 1:
+        print(f"fmoe: {len(ts) - 1} tokens in {ts[-1] - ts[0]:.2f} s after the first = "
+              f"{(len(ts) - 1) / (ts[-1] - ts[0]):.1f} tokens/s; peak RSS {rss_mib():.0f} MiB")
+    if args.compare:
+        del model
+        ref = load_reference(path)
+        ref_ids = greedy(ref, prompt, args.tokens)
+        same = int((ids == ref_ids).cumprod(-1).sum())
+        print(f"unpatched transformers model: first {same} of {args.tokens} tokens equal")
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
