@@ -315,7 +315,8 @@ def test_both_regimes_at_1_and_2_threads(threads, dtype):
                                                           rows=c["rows"], transposed=transposed)
             bound_sc = lambda: _scatter_bound(a, c["w"], c["off"], c["rows"],  # noqa: E731
                                               torch.zeros(T, N, dtype=dtype), scale, transposed)
-            bound_wg = lambda: native.gather_wgrad_reference(_abs(c["x"]), _abs(b), c["off"], rows=c["rows"])  # noqa: E731
+            bound_wg = lambda: native.gather_wgrad_reference(_abs(c["x"]), _abs(b), c["off"],  # noqa: E731
+                                                             rows=c["rows"])
             most = int(c["off"].diff().max())
             reach = int(torch.bincount(c["rows"]).max())   # experts adding into one token
             got = {}
