@@ -154,7 +154,8 @@ def _fp8(E_, N_, K_, block, fmt="fp8_block"):
         return QuantizedTensor(torch.empty(E_, N_, K_, dtype=torch.float8_e4m3fn, **cu),
                                torch.empty(E_, N_, K_ // 32, dtype=torch.uint8, **cu), None, fmt, (E_, N_, K_), (1, 32))
     return QuantizedTensor(torch.empty(E_, N_, K_, dtype=torch.float8_e4m3fn, **cu),
-                           torch.empty(E_, -(-N_ // block[0]), -(-K_ // block[1]), **cu), None, fmt, (E_, N_, K_), block)
+                           torch.empty(E_, -(-N_ // block[0]), -(-K_ // block[1]), **cu), None, fmt, (E_, N_, K_),
+                           block)
 
 
 @pytest.mark.skipif(not _native.built(), reason="native/build.sh has not been run: 'auto' keeps the reference on CUDA")

@@ -66,7 +66,8 @@ BAD = {
                        r"weights must have the positions' shape \[k, T\] = \[2, 5\], got \[5, 2\]"),
     "weights [1, T]": (lambda x, p, w: (x, p, w.narrow(0, 0, 1)), ValueError,
                        r"weights must have the positions' shape \[k, T\] = \[2, 5\], got \[1, 5\]"),
-    "positions 1-D": (lambda x, p, w: (x, p.narrow(0, 0, 1).reshape(T), None), ValueError, r"positions must be \[k, T\], got shape \(5,\)"),
+    "positions 1-D": (lambda x, p, w: (x, p.narrow(0, 0, 1).reshape(T), None), ValueError,
+                      r"positions must be \[k, T\], got shape \(5,\)"),
     "positions float": (lambda x, p, w: (x, p.float(), w), TypeError, r"positions must be int64.*got torch.float32"),
 }
 
