@@ -6,7 +6,14 @@
 The replacement :class:`FmoeMoEBlock` adopts the original block's children (router, experts,
 shared experts) as its own, so parameter names, ``state_dict()``, ``save_pretrained``,
 ``.to()`` and gradients are unchanged; only ``forward`` differs: it reads those parameters
-into an fmoe pytree and calls ``fmoe.models.<arch>.moe_block``.
+into an fmoe pytree and calls ``fmoe.models.<arch>.moe_block``. The block's other public
+attributes (Mixtral's ``top_k``, ``jitter_noise``; DeepSeek-V3's ``config``) stay readable.
+
+By default the combine order follows transformers' experts back-end at every call, like the
+replaced block: ``model.set_experts_implementation("batched_mm")`` after ``patch`` switches the
+patched blocks to the order of that back-end (:func:`combine_for`). What stays fmoe's is the
+rest of the block: its router, its expert GEMMs (the engine's kernels, not transformers' back-end
+functions) and its shared experts.
 """
 from __future__ import annotations
 
@@ -15,10 +22,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .common import text_config
+from .common import COMBINES, text_config
 from .registry import arch_module, canonical_arch, config_from_hf
 
-__all__ = ["FmoeMoEBlock", "patch", "BLOCK_CLASSES"]
+__all__ = ["FmoeMoEBlock", "patch", "combine_for", "BLOCK_CLASSES", "BACKEND_COMBINES"]
 
 # transformers 5.24 MoE block class name -> adapter (spec architectures.md §0).
 BLOCK_CLASSES = {
@@ -36,34 +43,84 @@ BLOCK_CLASSES = {
 _ROUTER_ATTR = {"gpt_oss": "router"}
 
 
+# transformers' experts back-ends (ALL_EXPERTS_FUNCTIONS, ALL_FP8_EXPERTS_FUNCTIONS) -> the combine
+# order that reproduces each: the eager loop adds expert by expert in dt; every other built-in
+# back-end weights each (token, slot) row, then sums the k slots of a token at once
+# (``.view(T, k, H).sum(1)``: fp32 accumulation, one cast).
+BACKEND_COMBINES = {
+    None: "eager",                       # unset: transformers' experts run their eager forward
+    "eager": "eager",
+    "batched_mm": "grouped",
+    "grouped_mm": "grouped",
+    "deepgemm": "grouped",
+    "deepgemm_megamoe": "grouped",
+    "sonicmoe": "grouped",
+}
+
+
 def combine_for(hf_config: Any) -> str:
-    """The combine order that reproduces the model's experts back-end: "eager" for
-    ``_experts_implementation == "eager"`` (or unset), "grouped" otherwise (grouped_mm,
-    batched_mm and kernel back-ends all reduce over the k slots once)."""
+    """The combine order that reproduces the experts back-end ``hf_config._experts_implementation``
+    names (:data:`BACKEND_COMBINES`): "eager" for "eager" or unset, "grouped" for transformers'
+    batched_mm, grouped_mm and kernel back-ends.
+
+    Raises:
+        ValueError for a back-end whose accumulation order fmoe does not know (e.g. one a user
+        registered in transformers' ``ALL_EXPERTS_FUNCTIONS``).
+    """
     impl = getattr(hf_config, "_experts_implementation", None)
-    return "eager" if impl in (None, "eager") else "grouped"
+    try:
+        return BACKEND_COMBINES[impl]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"experts_implementation={impl!r}: fmoe does not know the accumulation order of this back-end "
+            f"(known: {sorted(k for k in BACKEND_COMBINES if k)}); pass combine='eager' or 'grouped' to "
+            "fmoe.models.patch to pin one") from None
 
 
 class FmoeMoEBlock(nn.Module):
     """A transformers MoE block whose forward runs through fmoe.
 
     Args:
-        original: the transformers block (its children are adopted, not copied).
+        original: the transformers block (its children are adopted, not copied; its other
+            public attributes, e.g. Mixtral's ``top_k`` / ``jitter_noise`` or DeepSeek-V3's
+            ``config``, are kept with the same values).
         arch: adapter name ("qwen3_moe", "deepseek_v3", ...).
         config: the block config (e.g. :class:`fmoe.models.DeepseekV3BlockConfig`).
-        combine: "eager" or "grouped".
+        combine: "eager" or "grouped" pins the combine order; None (the default) follows the
+            experts back-end at every call, as the replaced block does: the order
+            :func:`combine_for` gives for ``experts.config._experts_implementation`` (the
+            attribute transformers' ``set_experts_implementation`` sets), or for ``hf_config``'s
+            where the experts module has no config.
+        hf_config: the transformers config whose back-end a block without ``experts.config``
+            follows.
 
     Attributes:
         generator: optional ``torch.Generator`` for Mixtral's training jitter.
     """
 
-    def __init__(self, original: nn.Module, arch: str, config: Any, *, combine: str = "eager"):
+    def __init__(self, original: nn.Module, arch: str, config: Any, *, combine: Optional[str] = None,
+                 hf_config: Any = None):
         super().__init__()
+        if combine is not None and combine not in COMBINES:
+            raise ValueError(f"combine must be one of {COMBINES} or None (follow the experts back-end), "
+                             f"got {combine!r}")
         self.arch = canonical_arch(arch)
         self.block_config = config
         self.combine = combine
         self.generator: Optional[torch.Generator] = None
         self.original_class = type(original).__name__
+        self._hf_config = hf_config
+        own = set(vars(self))
+        for name, value in vars(original).items():
+            # nn.Module's own state (training, hooks, _parameters, ...) is set up by __init__ above;
+            # children go through add_module below.
+            if name.startswith("_") or name == "training":
+                continue
+            if name in own:
+                raise ValueError(f"patch: {self.original_class}.{name} would shadow FmoeMoEBlock.{name}; "
+                                 "this transformers block is not supported by fmoe.models.patch")
+            setattr(self, name, value)
+        self.training = original.training
         for name, child in original.named_children():
             self.add_module(name, child)
         # Validate now (e.g. packed MXFP4 experts) rather than at the first forward.
@@ -74,15 +131,25 @@ class FmoeMoEBlock(nn.Module):
         # Looked up, not stored: a module object attribute would break copy.deepcopy(model).
         return arch_module(self.arch)
 
+    def current_combine(self) -> str:
+        """The combine order the next forward runs: the pinned one, or the one that reproduces
+        the experts back-end the model's config names now (:func:`combine_for`)."""
+        if self.combine is not None:
+            return self.combine
+        cfg = getattr(getattr(self, "experts", None), "config", None)
+        return combine_for(cfg if cfg is not None else self._hf_config)
+
     def extra_repr(self) -> str:
-        return f"fmoe {self.arch} (was {self.original_class}), combine={self.combine!r}"
+        how = repr(self.combine) if self.combine is not None else "follows experts_implementation"
+        return f"fmoe {self.arch} (was {self.original_class}), combine={how}"
 
     def forward(self, hidden_states: torch.Tensor):
         params = self._mod.params_from_module(self)
         kwargs = {}
         if self.arch == "mixtral":
             kwargs = {"training": self.training, "generator": self.generator}
-        y, aux = self._mod.moe_block(params, hidden_states, self.block_config, combine=self.combine, **kwargs)
+        y, aux = self._mod.moe_block(params, hidden_states, self.block_config, combine=self.current_combine(),
+                                     **kwargs)
         self._emit_router_output(hidden_states, aux)
         if self.arch == "gpt_oss":
             return y, aux.topk()[1]          # GptOssMLP also returns the [T, k] routing weights
@@ -108,31 +175,41 @@ def patch(model: nn.Module, *, combine: Optional[str] = None, hf_config: Any = N
     Args:
         model: a loaded transformers model (``*ForCausalLM``, ``*Model`` or a bare block
             container) with float or FP8-blockwise experts.
-        combine: "eager" / "grouped"; default follows ``config._experts_implementation``
-            (:func:`combine_for`), so the patched model reproduces the back-end it had.
+        combine: "eager" / "grouped" pins that combine order; None (default) follows the
+            experts back-end at every call (:meth:`FmoeMoEBlock.current_combine`), so the
+            patched model reproduces the back-end it has, also after
+            ``model.set_experts_implementation(...)``.
         hf_config: the transformers config; default ``model.config``.
     Returns:
         the same ``model`` object.
     Raises:
-        ValueError if no supported MoE block is found.
+        ValueError if no supported MoE block is found, for a combine order not in ("eager",
+        "grouped"), or when following a back-end whose order fmoe does not know
+        (:func:`combine_for`); the model is then left unchanged.
     """
     cfg = hf_config if hf_config is not None else getattr(model, "config", None)
     if cfg is None:
         raise ValueError("patch: model has no .config; pass hf_config=")
     tc = text_config(cfg)
-    mode = combine if combine is not None else combine_for(cfg)
+    if combine is None:
+        combine_for(tc)   # an unknown back-end is refused now, not at the first forward
+    elif combine not in COMBINES:
+        raise ValueError(f"patch: combine must be one of {COMBINES} or None (follow the experts back-end), "
+                         f"got {combine!r}")
     targets = [(name, m) for name, m in model.named_modules() if type(m).__name__ in BLOCK_CLASSES]
     if not targets:
         raise ValueError(f"patch: no supported MoE block in {type(model).__name__}; supported classes: "
                          f"{sorted(BLOCK_CLASSES)}")
     block_cfgs: dict[str, Any] = {}
+    swaps = []
     for name, m in targets:
         if not name:
             raise ValueError("patch: the model itself is an MoE block; patch the module that contains it")
         arch = BLOCK_CLASSES[type(m).__name__]
         if arch not in block_cfgs:
             block_cfgs[arch] = config_from_hf(getattr(m, "config", None) or tc, arch)
-        new = FmoeMoEBlock(m, arch, block_cfgs[arch], combine=mode)
+        swaps.append((name, FmoeMoEBlock(m, arch, block_cfgs[arch], combine=combine, hf_config=tc)))
+    for name, new in swaps:   # every block built (and checked) before the first swap
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
