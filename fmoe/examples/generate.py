@@ -36,7 +36,7 @@ from fmoe.quant import dequantize, quantize_fp8_block, quantize_mxfp4, to_gpt_os
 
 # Small enough to write and load in seconds, large enough that the experts dominate the bytes.
 SIZES = {
-    "tiny": dict(hidden=64, inter=64, layers=2, experts=4, k=2, heads=4, kv=2, head_dim=16, vocab=256),
+    "tiny": dict(hidden=64, inter=128, layers=2, experts=4, k=2, heads=4, kv=2, head_dim=16, vocab=256),
     "small": dict(hidden=1024, inter=512, layers=4, experts=32, k=4, heads=8, kv=2, head_dim=64, vocab=4096),
     "medium": dict(hidden=2048, inter=768, layers=8, experts=64, k=6, heads=16, kv=4, head_dim=64, vocab=8192),
 }
@@ -132,6 +132,18 @@ class PackedExperts(nn.Module):
                 setattr(self, name, value)
 
 
+def _cat_rows(gate, up):
+    """[E, I, H] + [E, I, H] fp8_block -> [E, 2I, H], gate rows first (exact: I is a whole number of
+    row blocks, so no scale block straddles the seam)."""
+    from fmoe.quant import QuantizedTensor
+    E, n, k = gate.logical_shape
+    if n % gate.block[0]:
+        raise ValueError(f"the experts' intermediate size {n} is not a multiple of the FP8 row block "
+                         f"{gate.block[0]}: gate and up cannot be fused exactly")
+    data = torch.cat([gate.data.view(torch.uint8), up.data.view(torch.uint8)], 1).view(torch.float8_e4m3fn)
+    return QuantizedTensor(data, torch.cat([gate.scales, up.scales], 1), None, "fp8_block", (E, 2 * n, k), gate.block)
+
+
 def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32):
     """(model, packed_bytes): transformers' model from `path`, patched with fmoe, every MoE block's
     experts replaced by the checkpoint's packed ones (transformers' dequantized copy freed)."""
@@ -146,6 +158,8 @@ def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32):
         block = layer.mlp
         params, _ = load_moe_block(path, arch, layer=i)
         ex = params["experts"]
+        if "gate_proj" in ex:   # DeepSeek: per-projection FP8; the block adapter reads one fused gate_up_proj
+            ex = {"gate_up_proj": _cat_rows(ex.pop("gate_proj"), ex.pop("up_proj")), **ex}
         block.experts = PackedExperts({k: (v.to(dtype) if isinstance(v, torch.Tensor) else v) for k, v in ex.items()})
         packed_bytes += sum(v.nbytes for v in ex.values() if not isinstance(v, torch.Tensor))
     return model, packed_bytes

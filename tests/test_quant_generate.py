@@ -1,0 +1,34 @@
+"""fmoe.examples.generate: a transformers model patched with fmoe, its experts kept packed, generates
+the same greedy tokens as the unpatched model over the dequantized weights.
+
+The checkpoints are written here in the official layouts (gpt-oss MXFP4 blocks/scales, DeepSeek
+FP8 weight + weight_scale_inv) from random weights; transformers dequantizes them on a CPU, fmoe
+keeps them packed. Both run in float32; the patched experts' sums run in another order (the
+packed kernel), which the sharpened random model's logits absorb: every token must be equal.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")   # transformers' MXFP4 / FP8 loaders need it
+
+from fmoe.examples import generate as G  # noqa: E402
+from fmoe.quant import QuantizedTensor  # noqa: E402
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,tokens", [("gpt_oss", 64), ("deepseek_v3", 32)])
+def test_patched_packed_model_generates_the_unpatched_tokens(tmp_path, arch, tokens):
+    path = G.write_checkpoint(str(tmp_path / arch), arch, "tiny")
+    model, nbytes = G.load_patched(path, arch)
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts.gate_up_proj, QuantizedTensor) and isinstance(experts.down_proj, QuantizedTensor)
+    assert experts.gate_up_proj.fmt == ("mxfp4" if arch == "gpt_oss" else "fp8_block")
+    assert nbytes > 0
+    prompt = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+    ids = G.greedy(model, prompt, tokens)
+    ref = G.greedy(G.load_reference(path), prompt, tokens)
+    assert ids.shape == (1, tokens)
+    assert torch.equal(ids, ref), f"first difference at token {int((ids != ref).int().argmax())}"
