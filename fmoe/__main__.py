@@ -69,7 +69,12 @@ def _info(args) -> int:
     from .ops import native
     print(native.status())
     if args.explain:
-        print(table.explain(args.explain))
+        try:
+            text = table.explain(args.explain)
+        except ValueError as e:   # a bad SHAPE: the message names the fix, no traceback
+            print(f"python -m fmoe info: {e}", file=sys.stderr)
+            return 2
+        print(text)
         return 0
     for (dev, phase, dt, _), kern in table.TABLE.items():
         if dev == "cpu":

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .comm.launch import launched_world
 from .experts import EXPERT_PARAMS, ExpertSpec
 from .moe import GateSpec, MoEAux, MoESpec, init_params, moe
 
@@ -72,6 +73,8 @@ def _expert_spec(cfg: dict) -> tuple[ExpertSpec, int]:
 def _parse_parallel_type(parallel_type: str) -> str:
     if parallel_type in _PARALLEL_TYPES:
         return parallel_type
+    if parallel_type == "auto":   # Tutel's 'auto' heuristic is unreachable there too: it runs as 'data'
+        return "data"
     if isinstance(parallel_type, str) and parallel_type.startswith("adaptive:"):
         try:
             int(parallel_type.split(":", 1)[1])
@@ -79,7 +82,7 @@ def _parse_parallel_type(parallel_type: str) -> str:
             pass
         else:
             return parallel_type
-    raise ValueError(f"parallel_type must be 'data', 'model' or 'adaptive:<int>', got {parallel_type!r}")
+    raise ValueError(f"parallel_type must be 'data', 'model', 'auto' or 'adaptive:<int>', got {parallel_type!r}")
 
 
 class _LinearGate(nn.Module):
@@ -228,6 +231,13 @@ def check_not_silently_local(comm, what: str = "MoELayer") -> None:
             f"{what}: {launcher} is initialised with {size} ranks but no comm= was given, so every rank would "
             f"run every expert locally (no expert parallelism). Pass {fix}, or fmoe.comm.from_env(); pass "
             f"comm=fmoe.comm.LocalComm() to run this layer on each rank independently on purpose.")
+    launcher, size = launched_world()   # started as a job whose communicator was never set up
+    if size > 1:
+        raise RuntimeError(
+            f"{what}: this process is one of {size} ranks started by {launcher}, but no comm= was given and no "
+            f"communicator is set up, so every rank would run every expert locally as its own model (no expert "
+            f"parallelism). Pass comm=fmoe.comm.from_env() (the job's world), or comm=fmoe.comm.LocalComm() to "
+            f"run this layer on each rank independently on purpose.")
 
 
 class MoELayer(nn.Module):
@@ -251,7 +261,8 @@ class MoELayer(nn.Module):
             experts are drawn from a generator seeded with seeds[1] and gate i
             from seeds[0] + i (fmoe does not touch the global RNG).
         generator: alternatively one explicit generator for everything.
-        a2a_ffn_overlap_degree, parallel_type, use_2dh: distributed settings
+        a2a_ffn_overlap_degree, parallel_type, use_2dh: distributed settings (parallel_type
+            'data', 'model', 'adaptive:<r>', or Tutel's 'auto', which runs as 'data')
             (defaults for every call; ``forward`` can override the first two
             for one call). ``use_2dh`` needs ``local_size`` (ranks per node):
             fmoe never reads it from the environment.
@@ -259,6 +270,7 @@ class MoELayer(nn.Module):
         is_postscore, batch_prioritized_routing, normalize_gate, is_gshard_loss:
             as in :class:`fmoe.MoESpec`.
         dtype: parameter dtype of the experts (gates stay float32 with fp32_gate).
+        pad_samples: accepted for Tutel scripts and ignored (deprecated in Tutel; fmoe never pads).
         streamed, save: as in :class:`fmoe.MoESpec` (``streamed=False``: the staged
             pipeline, Tutel's arithmetic bit for bit; ``save``: what the expert engine keeps
             for backward, 'projections' | 'recompute').
@@ -271,7 +283,8 @@ class MoELayer(nn.Module):
                  is_postscore: bool = True, batch_prioritized_routing: bool = False, normalize_gate: bool = True,
                  is_gshard_loss: bool = True, parallel_type: str = "adaptive:1", use_2dh: bool = False,
                  dtype: torch.dtype = torch.float32, scan_expert_func=None, group=None,
-                 local_size: Optional[int] = None, streamed: bool = True, save: str = "projections"):
+                 local_size: Optional[int] = None, streamed: bool = True, save: str = "projections",
+                 pad_samples: bool = False):
         super().__init__()
         if group is not None:
             raise ValueError("MoELayer takes an explicit communicator: pass comm=fmoe.comm.TorchDistComm(group) "
@@ -288,7 +301,10 @@ class MoELayer(nn.Module):
         world = 1 if comm is None else comm.size
         if experts is not None:
             espec, n = _expert_spec(experts)
-            num_global = n * world if n > 0 else max(1, world // -n)
+            if n < 0 and world % -n:   # else one process would silently build one whole expert
+                raise ValueError(f"num_experts_per_device={n}: {-n} ranks cannot share an expert evenly in a group "
+                                 f"of {world} rank{'s' if world != 1 else ''} (comm.size must be a multiple of {-n})")
+            num_global = n * world if n > 0 else world // -n
         else:
             if num_experts is None:
                 raise ValueError("custom_expert needs num_experts=")

@@ -39,3 +39,25 @@ def test_research_snippet_runs(tmp_path, monkeypatch):
     exec(compile(code, "README:research", "exec"), ns)
     assert ns["res"].table["loss"].shape == (6,)
     assert (tmp_path / "routing.pt").exists()
+
+
+def test_low_precision_snippet_runs_after_the_first_example():
+    setup = next(b for b in _blocks() if "fmoe.MoESpec(" in b).split("# The primitives")[0]
+    code = next(b for b in _blocks() if 'precision="fp8_block"' in b)
+    ns = {}
+    exec(compile(setup.replace("torch.randn(4, 256, 512)", "torch.randn(2, 16, 512)"), "README:setup", "exec"), ns)
+    exec(compile(code, "README:low-precision", "exec"), ns)   # its own imports: fmoe.parallel, dataclasses
+    assert ns["y"].shape == (2, 16, 512) and ns["spec"].experts.precision is not None
+
+
+def test_per_example_recipe_states_its_capacity_caveat_where_it_is_shown():
+    code = next(b for b in _blocks() if "vmap(grad(loss)" in b)
+    line = code.index("vmap(grad(loss)")
+    assert "each example routed alone" in code[line:line + 300] and "not the batch gradient" in code[line:line + 300]
+
+
+def test_engine_snippet_comment_matches_its_output(capsys):
+    code = next(b for b in _blocks() if "fmoe.engine.make_plan" in b)
+    exec(compile(code, "README:engine", "exec"), {})
+    phase = re.search(r"phase=(\w+)", capsys.readouterr().out).group(1)
+    assert f"phase={phase}, float32, cpu)" in code

@@ -15,7 +15,7 @@ from typing import Optional
 
 from .base import LocalComm
 
-__all__ = ["from_env", "abort", "abort_on_error", "install_excepthook", "get_logger"]
+__all__ = ["from_env", "launched_world", "abort", "abort_on_error", "install_excepthook", "get_logger"]
 
 KINDS = ("auto", "mpi", "torch", "local")
 
@@ -23,6 +23,29 @@ KINDS = ("auto", "mpi", "torch", "local")
 def _torchrun_launched() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("MASTER_ADDR" in os.environ and "RANK" in os.environ
                                                    and "WORLD_SIZE" in os.environ)
+
+
+_MPI_SIZES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")   # MPICH/Hydra, Open MPI, PMIx launchers
+
+
+def launched_world() -> tuple[str, int]:
+    """(launcher, ranks) this process was started with by torchrun or an MPI launcher, or ("", 1).
+
+    Reads only the launchers' own variables and initialises nothing, so it is cheap enough to
+    run on every layer call. It decides no behaviour: :mod:`fmoe.nn` and the Tutel compat layer
+    use it to raise, instead of silently running each rank as its own model, when a
+    multi-rank job never set up its communicator."""
+    def size(var):
+        try:
+            return int(os.environ.get(var, "1"))
+        except ValueError:
+            return 1
+    if _torchrun_launched() and size("WORLD_SIZE") > 1:
+        return "torchrun", size("WORLD_SIZE")
+    for var in _MPI_SIZES:
+        if size(var) > 1:
+            return "mpiexec", size(var)
+    return "", 1
 
 
 def from_env(kind: str = "auto", *, timeout: Optional[float] = None, backend: str = "gloo",

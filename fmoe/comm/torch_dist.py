@@ -19,6 +19,9 @@ from .registry import forget_all, mark_closed
 __all__ = ["TorchDistComm"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# torch >= 2.13 deprecates all_gather_into_tensor (a FutureWarning on every rank, every job) for
+# all_gather_single, the same collective; older torch has only the first.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class TorchDistComm(matching.ControlExchange):
@@ -97,7 +100,7 @@ class TorchDistComm(matching.ControlExchange):
     def _exchange_control(self, words: list, what: str) -> list:
         w = torch.tensor(words, dtype=torch.int64)
         table = torch.empty(self.size * matching.CTRL, dtype=torch.int64)
-        self._do(what, lambda: dist.all_gather_into_tensor(table, w, group=self.group))
+        self._do(what, lambda: _all_gather_tensor(table, w, group=self.group))
         return table.reshape(self.size, matching.CTRL).tolist()
 
     def _gather_text(self, text: str, width: int = 400) -> list[str]:
@@ -105,7 +108,7 @@ class TorchDistComm(matching.ControlExchange):
         buf = torch.zeros(width, dtype=torch.uint8)
         buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
         out = torch.empty(self.size * width, dtype=torch.uint8)
-        self._do("error report", lambda: dist.all_gather_into_tensor(out, buf, group=self.group))
+        self._do("error report", lambda: _all_gather_tensor(out, buf, group=self.group))
         return [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in out.reshape(self.size, width)]
 
     def barrier(self) -> None:
@@ -147,7 +150,7 @@ class TorchDistComm(matching.ControlExchange):
             else:
                 table = torch.empty(self.size * 2 * self.size, dtype=torch.int64)
                 self._do(f"all_to_all_v #{call} (counts)",
-                         lambda: dist.all_gather_into_tensor(table, mine, group=self.group))
+                         lambda: _all_gather_tensor(table, mine, group=self.group))
             matching.check_counts(table.reshape(self.size, 2 * self.size), call)
         x = x.contiguous()
         out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))

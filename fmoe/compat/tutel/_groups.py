@@ -62,7 +62,16 @@ def comm_of(group=None):
     if group is not None and _is_comm(group):
         return group
     if group is None and not _torch_ready():
-        return _WORLD[0] if _WORLD else LocalComm()
+        if _WORLD:
+            return _WORLD[0]
+        from ...comm.launch import launched_world
+        launcher, size = launched_world()
+        if size > 1:   # group=None is the job's world: never each rank alone, silently
+            raise RuntimeError(
+                f"group=None is the job's world, but this process is one of {size} ranks started by {launcher} "
+                "and no world is set up: call fmoe.compat.tutel.system.init_data_model_parallel() first (as "
+                "Tutel scripts do), or pass group=fmoe.comm.LocalComm() to run each rank on its own on purpose")
+        return LocalComm()
     if not _torch_ready():
         raise ValueError(f"group={group!r} is a torch.distributed group, but torch.distributed is not initialised")
     key = "WORLD" if group is None or group is _dist().group.WORLD else group

@@ -480,8 +480,15 @@ class MOELayer(nn.Module):
         if input.dim() < 2 or not 1 <= reserve_dims < input.dim():
             raise ValueError(f"input must be [..., *feature] with 1 <= reserve_dims < input.dim(); got shape "
                              f"{tuple(original_shape)}, reserve_dims={reserve_dims}")
+        if not input.is_floating_point():   # cast back at the end, an int input would truncate y silently
+            raise TypeError(f"moe_layer: input must be floating point, got dtype {input.dtype}: pass "
+                            f"input.float() (or the model's dtype)")
         self._feature_shape = tuple(original_shape[-reserve_dims:])
         self._flat_dim = math.prod(self._feature_shape)
+        if self._flat_dim != self.model_dim:
+            raise ValueError(f"moe_layer: input's feature size is {self._flat_dim} (shape {tuple(original_shape)}, "
+                             f"reserve_dims={reserve_dims} trailing feature dims), but the layer was built with "
+                             f"model_dim={self.model_dim}")
         x = input.reshape(-1, self._flat_dim)
         for p in self.experts.parameters():
             x = x.to(p.dtype)
