@@ -88,8 +88,9 @@ def moe_block(params: dict, x: Tensor, config: Qwen3MoeBlockConfig, *, comm=None
     Args:
         params: see the module docstring. x: [..., H] in dt.
         config: static settings. comm: expert-parallel communicator (None = local).
-        combine: "eager" (bit-exact with transformers' eager loop) or "grouped" (one fp32
-            reduction over k, = grouped_mm/batched_mm to rounding).
+        combine: "eager" (transformers' eager loop's order) or "grouped" (one fp32 reduction
+            over k: grouped_mm/batched_mm's); what equals transformers bit for bit and what
+            agrees within a bound is said in :mod:`fmoe.models.common`.
     Returns:
         y with x's shape and dtype; :class:`BlockAux` (router_logits [T, E] dt, routing).
     """

@@ -1,8 +1,9 @@
 """The two transformers combine orders, over either layout (architectures.md §1.3, §11).
 
 :func:`fmoe.combine` (MoESpec.combine='fmoe') sums the k slots in fp32 and casts once. These
-two reproduce transformers' own accumulation orders, so an architecture block can match a
-transformers block bit for bit:
+two reproduce transformers' own accumulation orders (the same products, roundings and order
+of additions), so an architecture block matches a transformers block bit for bit wherever its
+expert GEMMs are the same calls too (see :mod:`fmoe.models.common`):
 
 * ``eager_combine`` — transformers' eager expert loop: each (token, slot) product ``y * w`` is
   formed with torch type promotion (dt x dt -> dt for Qwen/GPT-OSS, dt x fp32 -> fp32 for
