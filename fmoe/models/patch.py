@@ -44,9 +44,11 @@ _ROUTER_ATTR = {"gpt_oss": "router"}
 
 
 # transformers' experts back-ends (ALL_EXPERTS_FUNCTIONS, ALL_FP8_EXPERTS_FUNCTIONS) -> the combine
-# order that reproduces each: the eager loop adds expert by expert in dt; every other built-in
-# back-end weights each (token, slot) row, then sums the k slots of a token at once
-# (``.view(T, k, H).sum(1)``: fp32 accumulation, one cast).
+# order that reproduces each: the eager loop adds expert by expert in dt; batched_mm and
+# grouped_mm weight each (token, slot) row with torch promotion, then sum the k slots of a token
+# at once (``.view(T, k, H).sum(1)``), which is "grouped" exactly. The CUDA kernel back-ends
+# (deepgemm, sonicmoe) also sum the k slots at once but round the routing weights to dt first:
+# "grouped" is their order, to that rounding.
 BACKEND_COMBINES = {
     None: "eager",                       # unset: transformers' experts run their eager forward
     "eager": "eager",
