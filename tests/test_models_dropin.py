@@ -145,6 +145,31 @@ def test_eager_order_is_bit_exact_where_the_gemms_are_the_same_calls(name, dtype
     assert torch.equal(got, ref), (got - ref).abs().max().item()
 
 
+def test_plan_rows_are_in_transformers_eager_order():
+    # The premise of the bit-exact test above: each expert's GEMM sees the rows transformers'
+    # eager loop gives F.linear, in the same order (torch.where over the [k, T] mask of the
+    # expert: slot-major, then token). BLAS may round a row differently at another position.
+    from fmoe.engine import make_plan
+    from fmoe.models import config_from_hf, qwen3_moe
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    cfg = transformers.Qwen3MoeConfig(hidden_size=H, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32)
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    g = _randomise(block, 7)
+    x = torch.randn(40, H, generator=g)
+    with torch.no_grad():
+        _, aux = qwen3_moe.moe_block(qwen3_moe.params_from_module(block), x, config_from_hf(cfg))
+        _, _, ids = block.gate(x)                       # transformers' [T, k] expert ids
+    plan = make_plan(aux.routing, needs_grad=False, dtype=x.dtype)
+    mask = torch.nn.functional.one_hot(ids, num_classes=8).permute(2, 1, 0)   # as the eager loop builds it
+    b = plan.bounds
+    unsorted = 0
+    for e in range(8):
+        _, token_idx = torch.where(mask[e])
+        assert torch.equal(plan.tokens[b[e]:b[e + 1]], token_idx), e
+        unsorted += not torch.equal(token_idx, token_idx.sort().values)
+    assert unsorted > 0   # the order differs from token order, so the check can tell them apart
+
+
 def test_pinned_combine_and_unknown_backends():
     model = _tiny("qwen3_moe", torch.float32)
     patch(model, combine="grouped")
