@@ -136,25 +136,148 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
     return res
 
 
+# --------------------------------------------------------------------------- whole model
+
+def _vmrss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _stream_rate(repeats: int = 5) -> float:
+    buf = torch.ones(FLUSH_BYTES // 4)
+    ts = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        buf.sum()
+        ts.append(time.perf_counter() - t0)
+    return FLUSH_BYTES / statistics.median(ts[1:]) / 1e9
+
+
+def _decode_step_bytes(model, k: int, packed_experts: bool) -> int:
+    """Bytes one batch-1 decode step must read: every non-expert weight as stored except the
+    embedding table (a gather of one row), and k experts per MoE layer."""
+    total = 0
+    emb = model.get_input_embeddings().weight
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t is emb or ".experts." in name or "rotary" in name:
+            continue
+        total += t.numel() * t.element_size()
+    for layer in model.model.layers:
+        ex = layer.mlp.experts
+        for n in ("gate_up_proj", "down_proj"):
+            w = getattr(ex, n)
+            total += _nbytes(w, k) if packed_experts else w[0].numel() * w.element_size() * k
+    return total
+
+
+def model_child(variant: str, path: str, arch: str, k: int, repeats: int) -> dict:
+    """One variant in its own process (resident memory is the process's): "fmoe" (patched, packed
+    experts) or "transformers" (its CPU path: experts dequantized to bf16). bf16 activations."""
+    from fmoe.examples import generate as G
+    dt = torch.bfloat16
+    if variant == "fmoe":
+        model, _ = G.load_patched(path, arch, dtype=dt)
+    else:
+        model = G.load_reference(path, dtype=dt)
+    import gc
+    gc.collect()
+    out = {"rss_after_load_bytes": _vmrss(), "step_bytes": _decode_step_bytes(model, k, variant == "fmoe")}
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+
+    def gen(batch, new):
+        prompt = torch.randint(1, vocab, (batch, 8), generator=g)
+        t0 = time.perf_counter()
+        G.greedy(model, prompt, new)
+        return time.perf_counter() - t0
+
+    for batch in (1, 8):
+        gen(batch, 2)
+        ts = [(gen(batch, 17) - gen(batch, 1)) / 16 for _ in range(repeats)]
+        out[f"decode_b{batch}_tok_per_s"] = batch / statistics.median(ts)
+    x = torch.randint(1, vocab, (1, 512), generator=g)
+    with torch.no_grad():
+        model(x)
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(x)
+            ts.append(time.perf_counter() - t0)
+    out["prefill_512_tok_per_s"] = 512 / statistics.median(ts)
+    out["stream_gb_per_s"] = _stream_rate()
+    out["decode_b1_bound_tok_per_s"] = out["stream_gb_per_s"] * 1e9 / out["step_bytes"]
+    out["rss_peak_bytes"] = _vmrss()
+    return out
+
+
+def model_suite(arch: str = "gpt_oss", size: str = "small", repeats: int = 3, log: Callable[[str], None] = print) -> dict:
+    """fmoe-patched (packed experts) vs transformers on the same checkpoint, each in its own process."""
+    import subprocess
+    import sys
+    import tempfile
+    from fmoe.examples import generate as G
+    res = {"arch": arch, "size": size, "config": G.SIZES[size], "variants": {}}
+    with tempfile.TemporaryDirectory(prefix="fmoe-bench-inference-") as path:
+        G.write_checkpoint(path, arch, size)
+        res["checkpoint_bytes"] = os.path.getsize(os.path.join(path, "model.safetensors"))
+        for variant in ("fmoe", "transformers"):
+            cmd = [sys.executable, "-m", "benchmarks.bench_inference", "--model-child", variant, "--checkpoint", path,
+                   "--arch", arch, "--k", str(G.SIZES[size]["k"]), "--repeats", str(repeats)]
+            p = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
+                os.path.abspath(__file__))), timeout=1800)
+            if p.returncode:
+                res["variants"][variant] = {"error": p.stderr[-2000:]}
+                log(f"  {variant}: failed\n{p.stderr[-2000:]}")
+                continue
+            r = json.loads(p.stdout.strip().splitlines()[-1])
+            res["variants"][variant] = r
+            log(f"  {arch}/{size} {variant}: decode b1 {r['decode_b1_tok_per_s']:.1f} tok/s (bound "
+                f"{r['decode_b1_bound_tok_per_s']:.0f}), b8 {r['decode_b8_tok_per_s']:.1f} tok/s, prefill 512 "
+                f"{r['prefill_512_tok_per_s']:.0f} tok/s, RSS {r['rss_after_load_bytes'] / 2**20:.0f} MiB")
+    v = res["variants"]
+    if all("error" not in v.get(n, {"error": 1}) for n in ("fmoe", "transformers")):
+        res["decode_b1_speedup"] = v["fmoe"]["decode_b1_tok_per_s"] / v["transformers"]["decode_b1_tok_per_s"]
+        res["rss_ratio"] = v["fmoe"]["rss_after_load_bytes"] / v["transformers"]["rss_after_load_bytes"]
+    return res
+
+
 def run(quick: bool, only: Optional[str] = None, log: Callable[[str], None] = print) -> dict:
     out = {"loadavg_start": os.getloadavg()}
     out["layer"] = layer_decode(repeats=7 if quick else 15, log=log)
+    out["model"] = model_suite(repeats=2 if quick else 3, log=log)
     out["loadavg_end"] = os.getloadavg()
     return out
 
 
 def tables(res: dict) -> list[str]:
     lay = res.get("layer")
-    if not lay:
-        return []
     lines = [f"load average at start {res['loadavg_start'][0]:.1f}, end {res['loadavg_end'][0]:.1f} (2 cores)", "",
              "| T | busy | format | layer ms | x stream | expert GEMMs ms | x stream | stream GB/s |",
-             "|---|---|---|---|---|---|---|---|"]
-    for T, row in lay["tokens"].items():
+             "|---|---|---|---|---|---|---|---|"] if lay else []
+    for T, row in (lay["tokens"] if lay else {}).items():
         for f, r in row["formats"].items():
             g = f"{r['gemms_seconds'] * 1e3:.2f} | {r['gemms_vs_stream']:.2f}" if "gemms_seconds" in r else " | "
             lines.append(f"| {T} | {row['busy_experts']} | {f} | {r['layer_seconds'] * 1e3:.2f} | "
                          f"{r['layer_vs_stream']:.2f} | {g} | {row['stream_gb_per_s']:.1f} |")
+    mod = res.get("model")
+    if mod:
+        lines += ["", f"Whole model ({mod['arch']}, {mod['size']}: {mod['config']}), bf16 activations; "
+                  f"checkpoint {mod['checkpoint_bytes'] / 2**20:.0f} MiB", "",
+                  "| variant | decode b1 tok/s | b1 stream bound tok/s | decode b8 tok/s | prefill 512 tok/s | "
+                  "RSS after load MiB |", "|---|---|---|---|---|---|"]
+        for n, r in mod["variants"].items():
+            if "error" in r:
+                lines.append(f"| {n} | failed | | | | |")
+                continue
+            lines.append(f"| {n} | {r['decode_b1_tok_per_s']:.1f} | {r['decode_b1_bound_tok_per_s']:.0f} | "
+                         f"{r['decode_b8_tok_per_s']:.1f} | {r['prefill_512_tok_per_s']:.0f} | "
+                         f"{r['rss_after_load_bytes'] / 2**20:.0f} |")
+        if "decode_b1_speedup" in mod:
+            lines.append(f"\nfmoe / transformers: decode b1 {mod['decode_b1_speedup']:.2f}x, resident memory "
+                         f"{mod['rss_ratio']:.2f}x")
     return lines
 
 
@@ -166,9 +289,22 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16])
     p.add_argument("--no-float", action="store_true", help="skip the float32 experts")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--model", action="store_true", help="also the whole-model comparison")
+    p.add_argument("--model-only", action="store_true", help="only the whole-model comparison")
+    p.add_argument("--size", default="small", help="whole-model size (fmoe.examples.generate.SIZES)")
+    p.add_argument("--arch", default="gpt_oss")
+    p.add_argument("--model-child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--k", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.model_child:
+        print(json.dumps(model_child(args.model_child, args.checkpoint, args.arch, args.k, args.repeats)))
+        return 0
     res = {"loadavg_start": os.getloadavg()}
-    res["layer"] = layer_decode(args.formats, args.tokens, args.repeats, not args.no_float)
+    if not args.model_only:
+        res["layer"] = layer_decode(args.formats, args.tokens, args.repeats, not args.no_float)
+    if args.model or args.model_only:
+        res["model"] = model_suite(args.arch, args.size, min(args.repeats, 3))
     res["loadavg_end"] = os.getloadavg()
     print("\n".join(tables(res)))
     if args.json:

@@ -142,3 +142,26 @@ def test_bad_arguments_name_themselves():
         packed.grouped_matmul(a, torch.randn(2, 8, 32), _offsets([1, 2]))
     with pytest.raises(ValueError, match="isa must be one of"):
         packed.grouped_matmul(a, w, _offsets([1, 2]), isa="neon")
+
+
+def test_moe_runs_packed_weights_in_one_call_per_projection(monkeypatch):
+    # fmoe.moe on the engine (rows plan) and on the staged ragged layout: one grouped_matmul per
+    # projection, and the layer equals the same layer over the dequantized (float) weights
+    import dataclasses
+
+    import fmoe
+    spec = fmoe.MoESpec(model_dim=64, num_experts=4, gate=fmoe.GateSpec(k=2, capacity_factor=0.0),
+                        experts=fmoe.ExpertSpec(type="swiglu", hidden_size=64), layout="ragged")
+    params = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))
+    packed_ex = {k: Q.quantize(v, "mxfp4") for k, v in params["experts"].items()}
+    float_ex = {k: Q.dequantize(v) for k, v in packed_ex.items()}
+    x = torch.randn(24, 64, generator=torch.Generator().manual_seed(1))
+    calls = []
+    real = packed.grouped_matmul
+    monkeypatch.setattr(packed, "grouped_matmul", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    want, _ = fmoe.moe(dict(params, experts=float_ex), x, spec)
+    for s in (spec, dataclasses.replace(spec, streamed=False)):
+        calls.clear()
+        y, _ = fmoe.moe(dict(params, experts=packed_ex), x, s)
+        assert len(calls) == 2, s.streamed
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)

@@ -152,9 +152,17 @@ class GroupedGemm:
         lay = self.layout
         if lay.kind == "padded":
             return quant.expert_matmul(x, w).to(x.dtype)
-        # Ragged rows: one fused low-precision call per busy expert on its row slice.
+        # Ragged rows: one fused low-precision call per busy expert on its row slice; on the CPU,
+        # where the groups tile rows 0..end (the ragged layout's own starts), one native call for all.
         out = x.new_zeros(x.shape[0], w.logical_shape[1])
         starts, sizes = lay.starts.tolist(), lay.sizes.tolist()
+        bounds = [0]
+        for n in sizes:
+            bounds.append(bounds[-1] + n)
+        if x.device.type == "cpu" and starts == bounds[:-1]:
+            from ..quant import packed
+            out[:bounds[-1]] = packed.grouped_matmul(x[:bounds[-1]], w, torch.tensor(bounds, dtype=torch.int64))
+            return out
         for e, (s, n) in enumerate(zip(starts, sizes)):
             if n:
                 out[s:s + n] = quant.expert_matmul(x[s:s + n].unsqueeze(0), w[e:e + 1])[0].to(x.dtype)
