@@ -11,10 +11,11 @@ Default suites (issue 11; everything side by side in one run, medians and ratios
   training, prefill and decode.
 
 Peak resident memory of every variant is measured in its own subprocess (``--no-memory``
-skips it). Other suites run only when named: ``--only core|layouts|routing|profile|gemm_calls``
+skips it). Other suites run only when named: ``--only core|layouts|routing|profile|gemm_calls|inference``
 (``profile``: where fine_cf125's and dropless's step time and memory go, benchmarks/bench_profile.py;
 ``gemm_calls``: per-expert vs batched GEMM calls, the decode weight order and MoELayer's weight storage,
-benchmarks/bench_gemm_calls.py).
+benchmarks/bench_gemm_calls.py; ``inference``: packed-expert MoE decode against the memory-stream bound and a
+whole patched model against transformers, benchmarks/bench_inference.py).
 ``--only`` also takes one layer config or one arch name. Writes ``<out>/results.json``
 (atomically), ``<out>/results.md`` (the tables) and PNG plots; prints the tables and one
 status line per target.
@@ -33,12 +34,12 @@ import torch
 
 from fmoe import _numba
 
-from . import (bench_blocks, bench_common, bench_core, bench_cpu_layouts, bench_cpu_routing, bench_gemm_calls, bench_layer,
-               bench_profile)
+from . import (bench_blocks, bench_common, bench_core, bench_cpu_layouts, bench_cpu_routing, bench_gemm_calls,
+               bench_inference, bench_layer, bench_profile)
 
 DEFAULT_SUITES = {"layer": bench_layer, "blocks": bench_blocks}
 EXTRA_SUITES = {"core": bench_core, "layouts": bench_cpu_layouts, "routing": bench_cpu_routing,
-                "profile": bench_profile, "gemm_calls": bench_gemm_calls}
+                "profile": bench_profile, "gemm_calls": bench_gemm_calls, "inference": bench_inference}
 # Issue 11's thresholds; each suite's targets() turns its results into status lines against them.
 TARGETS = {
     "T1 training useful GFLOP/s / dense GEMM rate of the same shapes": ">= 0.90",
@@ -224,6 +225,9 @@ def table(results: dict) -> str:
         lines += ["", "### Where the step goes (suite `profile`)", ""] + profile_tables(s["profile"])
     if "gemm_calls" in s:
         lines += ["", "### How expert GEMMs are issued (suite `gemm_calls`)", ""] + bench_gemm_calls.tables(s["gemm_calls"])
+    if "inference" in s:
+        lines += ["", "### Packed-expert inference vs the stream bound and transformers (suite `inference`)", ""] + \
+            bench_inference.tables(s["inference"])
     legacy = legacy_tables(results)
     if legacy:
         lines += ["", legacy]
@@ -402,7 +406,7 @@ def select(only):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small shapes, 2 repeats, a subset (< 60 s): a smoke run")
-    p.add_argument("--only", default=None, help="a suite (layer, blocks, core, layouts, routing, profile, gemm_calls), "
+    p.add_argument("--only", default=None, help="a suite (layer, blocks, core, layouts, routing, profile, gemm_calls, inference), "
                    "layer configs (comma-separated; a config's base name runs every expert kind of it) or an arch")
     p.add_argument("--out", default=os.path.join("benchmarks", "out"), help="output directory")
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant peak-memory subprocesses")
