@@ -208,6 +208,15 @@ def test_non_finite_x_raises_for_every_router(gate):
         fmoe.moe(p, _x(), spec)
 
 
+def test_finite_check_is_exact_when_the_sum_overflows():
+    from fmoe.routing import check_finite
+    big = torch.full((64, 8), 60000.0, dtype=torch.float16)   # finite, but their sum is inf in fp16
+    check_finite(big, "x", "")
+    big[9, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"x holds non-finite values \(NaN\) in 1 of 64 rows \[\.\.\., 8\] \(first: row 9\)"):
+        check_finite(big, "x", "")
+
+
 def test_non_finite_x_raises_inside_vmap_and_grad():
     spec = _spec(k=1)
     p = _params(spec)
