@@ -274,13 +274,20 @@ def test_layers_refuse_to_run_silently_local_under_a_launcher(launcher):
 
 def test_one_process_is_not_a_launch(monkeypatch):
     from fmoe.comm.launch import launched_world
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS",
+                "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "RANK"):
         monkeypatch.delenv(var, raising=False)
     assert launched_world() == ("", 1)
     monkeypatch.setenv("PMI_SIZE", "1")   # mpiexec -n 1: one process, nothing to share
+    monkeypatch.setenv("SLURM_NTASKS", "8")   # an allocation, not a launch: `python` inside sbatch is one process
     assert launched_world() == ("", 1)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    assert launched_world() == ("srun", 4)
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
     assert launched_world() == ("mpiexec", 3)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert launched_world() == ("torchrun", 2)
 
 
 # ------------------------------------------------------------------ 6: replayed routings

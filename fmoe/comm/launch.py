@@ -25,11 +25,14 @@ def _torchrun_launched() -> bool:
                                                    and "WORLD_SIZE" in os.environ)
 
 
-_MPI_SIZES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")   # MPICH/Hydra, Open MPI, PMIx launchers
+# the rank counts MPI launchers set: MPICH/Hydra and Intel MPI, Open MPI, PMIx, MVAPICH2; then srun's
+# (per job step: a plain `python` inside an sbatch/salloc allocation is one process and has none)
+_MPI_SIZES = (("mpiexec", "PMI_SIZE"), ("mpiexec", "OMPI_COMM_WORLD_SIZE"), ("mpiexec", "PMIX_SIZE"),
+              ("mpiexec", "MV2_COMM_WORLD_SIZE"), ("srun", "SLURM_STEP_NUM_TASKS"))
 
 
 def launched_world() -> tuple[str, int]:
-    """(launcher, ranks) this process was started with by torchrun or an MPI launcher, or ("", 1).
+    """(launcher, ranks) this process was started with by torchrun, an MPI launcher or srun, or ("", 1).
 
     Reads only the launchers' own variables and initialises nothing, so it is cheap enough to
     run on every layer call. It decides no behaviour: :mod:`fmoe.nn` and the Tutel compat layer
@@ -42,9 +45,9 @@ def launched_world() -> tuple[str, int]:
             return 1
     if _torchrun_launched() and size("WORLD_SIZE") > 1:
         return "torchrun", size("WORLD_SIZE")
-    for var in _MPI_SIZES:
+    for launcher, var in _MPI_SIZES:
         if size(var) > 1:
-            return "mpiexec", size(var)
+            return launcher, size(var)
     return "", 1
 
 
