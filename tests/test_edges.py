@@ -332,6 +332,17 @@ def test_vmap_over_dropless_and_capped_capacity_equals_the_loop(cf, layout):
                                    rtol=1e-6, atol=1e-6)
 
 
+def test_compile_runs_capped_padded_fullgraph_and_checks_params():
+    spec = _spec(k=2, cf=-1.0, layout="padded")   # the max load cannot be read: C from the load bound T
+    p = _params(spec)
+    x = _x(32)
+    f = torch.compile(lambda p, x: fmoe.moe(p, x, spec)[0], fullgraph=True)
+    torch.testing.assert_close(f(p, x), fmoe.moe(p, x, spec)[0], rtol=1e-5, atol=1e-6)
+    g = torch.compile(lambda p, x: fmoe.moe(p, x, _no_bias(spec))[0])   # fullgraph: torch wraps the raise
+    with pytest.raises(ValueError, match=r"has_fc1_bias=False but params hold experts\['fc1_b'\]"):
+        g(p, x)
+
+
 def test_moe_aux_leaves_a_vmap():
     spec = _spec(k=2, cf=1.0)
     p = _params(spec)
