@@ -408,7 +408,7 @@ def _route(params, x, spec: MoESpec, kind: str, *, comm, generator, noise, train
     gs = spec.gate
     capacity = None
     if (gs.type != "expert_choice" and (torch.compiler.is_compiling() or _under_vmap(x, params["gate"]))
-            and _capacity_factor(gs.capacity_factor) <= 0):
+            and _capacity_factor(gs.static_capacity_factor) <= 0):
         # Dropless capacity is the max load, which cannot be read under vmap or compile. Dropless
         # ragged buffers hold k*T rows whatever the loads, so C = T (a token picks an expert at most
         # once) is reported. Padded buffers take the capacity the same formula gives with the load
@@ -416,10 +416,10 @@ def _route(params, x, spec: MoESpec, kind: str, *, comm, generator, noise, train
         # pairs the eager call drops (larger buffers, same output).
         T = x.shape[0]
         k = min(gs.k, spec.num_experts)
-        if kind == "ragged" and gs.capacity_factor == 0:
+        if kind == "ragged" and gs.static_capacity_factor == 0:
             capacity = T
         elif comm is None or comm.size == 1:   # expert parallel ranks agree on the max load
-            capacity = capacity_for(gs.capacity_factor, num_tokens=T, num_experts=spec.num_experts, k=k,
+            capacity = capacity_for(gs.static_capacity_factor, num_tokens=T, num_experts=spec.num_experts, k=k,
                                     max_load=T, alignment=spec.alignment if alignment is None else alignment)
     routing, out = _router_route(params["gate"], x, gs, num_experts=spec.num_experts,
                                  normalize=spec.normalize_gate, batch_prioritized=spec.batch_prioritized,

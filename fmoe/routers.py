@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Optional
 
 import torch
@@ -170,6 +171,19 @@ class GateSpec:
         if t == "expert_choice" and not self.capacity_factor > 0:
             raise ValueError(f"GateSpec.capacity_factor must be > 0 for type='expert_choice' (it sizes each "
                              f"expert's choice C), got {self.capacity_factor!r}")
+        # The capacity factor sizes the buffers. A recompiling torch.compile makes a float that
+        # changed between calls symbolic (automatic dynamic), and a symbolic capacity cannot size a
+        # buffer; a string is a constant to it (guarded by value), so capacity reads the factor's text.
+        cf = self.capacity_factor
+        real = isinstance(cf, numbers.Real) and not isinstance(cf, bool)
+        object.__setattr__(self, "_capacity_factor_text", repr(float(cf)) if real else None)
+
+    @property
+    def static_capacity_factor(self):
+        """``capacity_factor`` as a constant under torch.compile (never symbolic: a sweep that
+        recompiles for another factor specializes on it); what sizes capacity."""
+        text = self._capacity_factor_text
+        return self.capacity_factor if text is None else float(text)
 
 
 # --------------------------------------------------------------------------- output
@@ -666,7 +680,7 @@ def router_forward(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int,
     if t == "expert_choice":
         logits, noisy, scores = _tutel_logits(spec, params, x, training, generator, noise)
         T, E = scores.shape
-        C = expert_choice_capacity(spec.capacity_factor, k, T, E)
+        C = expert_choice_capacity(spec.static_capacity_factor, k, T, E)
         st = scores.t()                                                     # [E, T]
         vals, tok = torch.topk(st, C, dim=1, sorted=True)                  # [E, C]
         experts = torch.arange(E, device=x.device)[:, None]
@@ -761,7 +775,7 @@ def route(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, normaliz
         if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
             raise ValueError(f"alignment must be an int >= 1, got {alignment!r}")
         return _expert_choice_routing(out, num_experts, alignment=alignment, comm=comm, capacity=capacity), out
-    routing = make_routing(out.expert_ids, out.weights, num_experts, spec.capacity_factor,
+    routing = make_routing(out.expert_ids, out.weights, num_experts, spec.static_capacity_factor,
                            importance=out.importance if batch_prioritized else None, alignment=alignment,
                            comm=comm, capacity=capacity)
     return routing, out
