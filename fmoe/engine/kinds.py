@@ -409,6 +409,14 @@ def _staged(kern, form: ExpertForm, x: Tensor, gates: Tensor, plan: ExpertPlan, 
     return kern.combine(y, r, order=order, weighted=not prescore)
 
 
+def _matrix_bytes(w) -> int:
+    """Bytes of one expert's matrix of ``w`` [E, a, b] (packed weights: as stored): the size by
+    which the kernel table's measured choices (:mod:`fmoe.engine.wisdom`) are classed."""
+    if isinstance(w, Tensor):
+        return w.shape[1] * w.shape[2] * w.element_size()
+    return sum(t.numel() * t.element_size() for t in (w.data, w.scales) if isinstance(t, Tensor)) // max(1, w.logical_shape[0])
+
+
 def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out: Tensor, *,
         b_in: Optional[Tensor] = None, b_out: Optional[Tensor] = None, order: str = "fmoe",
         save: str = "projections", prescore: bool = False, kernel: Optional[Kernel] = None,
@@ -448,7 +456,7 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tup
     _check(x, w_rows, plan, w_in, w_out, order)
     if save not in SAVES:
         raise ValueError(f"save must be one of {SAVES}, got {save!r}")
-    kern = select(plan, generator=generator) if kernel is None else kernel
+    kern = select(plan, _matrix_bytes(w_out), generator=generator) if kernel is None else kernel
     if plan.layout is not None:
         return _staged(kern, form, x, w_rows, plan, w_in, b_in, w_out, b_out, order, prescore)
     if prescore:
