@@ -254,7 +254,8 @@ def run(quick: bool, only: Optional[str] = None, log: Callable[[str], None] = pr
 
 def tables(res: dict) -> list[str]:
     lay = res.get("layer")
-    lines = [f"load average at start {res['loadavg_start'][0]:.1f}, end {res['loadavg_end'][0]:.1f} (2 cores)", "",
+    lines = [f"load average at start {res['loadavg_start'][0]:.1f}, end {res['loadavg_end'][0]:.1f} (2 cores); "
+             f"{res.get('threads', torch.get_num_threads())} torch threads", "",
              "| T | busy | format | layer ms | x stream | expert GEMMs ms | x stream | stream GB/s |",
              "|---|---|---|---|---|---|---|---|"] if lay else []
     for T, row in (lay["tokens"] if lay else {}).items():
@@ -289,6 +290,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16])
     p.add_argument("--no-float", action="store_true", help="skip the float32 experts")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--model", action="store_true", help="also the whole-model comparison")
     p.add_argument("--model-only", action="store_true", help="only the whole-model comparison")
     p.add_argument("--size", default="small", help="whole-model size (fmoe.examples.generate.SIZES)")
@@ -297,10 +299,12 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     p.add_argument("--k", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.model_child:
         print(json.dumps(model_child(args.model_child, args.checkpoint, args.arch, args.k, args.repeats)))
         return 0
-    res = {"loadavg_start": os.getloadavg()}
+    res = {"loadavg_start": os.getloadavg(), "threads": torch.get_num_threads()}
     if not args.model_only:
         res["layer"] = layer_decode(args.formats, args.tokens, args.repeats, not args.no_float)
     if args.model or args.model_only:
