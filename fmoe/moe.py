@@ -137,7 +137,8 @@ class MoESpec:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class MoEAux:
-    """Auxiliary outputs of :func:`moe` (a pytree; ``capacity`` is static).
+    """Auxiliary outputs of :func:`moe` (a pytree; ``capacity`` and which optional fields are None
+    are static, so an aux leaves ``vmap`` with a batch axis on every tensor, its routing stacked).
 
     Attributes:
         l_aux: scalar balance loss (GShard or load/importance), unweighted.
