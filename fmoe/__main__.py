@@ -67,7 +67,9 @@ def _info(args) -> int:
           f"(max {numba.config.NUMBA_NUM_THREADS})")
     from .engine import table, wisdom
     from .ops import native
+    from .quant import packed
     print(native.status())
+    print(packed.status())
     if args.explain:
         try:
             text = table.explain(args.explain)
