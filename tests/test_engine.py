@@ -578,6 +578,23 @@ def test_grouped_mm_kernel_equals_the_reference():
             torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
 
 
+def test_grouped_wgrad_kernel_equals_the_reference():
+    # The CUDA entry's weight gradient (one torch._grouped_mm, empty experts zeroed), on the CPU.
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch has no _grouped_mm")
+    g = _gen(21)
+    x, dy = torch.randn(12, 16, generator=g), torch.randn(20, 8, generator=g)
+    bounds = [0, 7, 7, 20, 20]   # experts 1 and 3 have no rows
+    tokens = torch.randint(0, 12, (20,), generator=g)
+    plan = plan_from_bounds(tokens, tokens, bounds, 12, needs_grad=True, dtype=torch.float32)
+    with torch.no_grad():
+        got = table._grouped_wgrad(x, dy, plan, rows=plan.tokens)
+        ref = native.gather_wgrad_reference(x, dy, plan.offsets, rows=plan.tokens)
+    assert got.shape == (4, 16, 8) and torch.equal(got[1], torch.zeros(16, 8)) and torch.equal(got[3], got[1])
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert table.kernel_for("cuda", "train", torch.float32).name == "cuda-grouped-mm"
+
+
 def test_a_stochastic_activation_runs_once_and_equals_the_staged_pipeline(monkeypatch):
     # Tutel's examples put dropout inside the activation: the engine calls it once, in forward,
     # on the ragged layout's rows, and keeps its graph (the same mask in backward, the same RNG draws)

@@ -173,7 +173,7 @@ def plan_from_bounds(tokens: Tensor, pairs: Tensor, bounds, num_tokens: int, *, 
         raise ValueError(f"plan tokens and pairs must be int64 [N] with N={bounds[-1]} (the last bound), got "
                          f"{tuple(tokens.shape)} and {tuple(pairs.shape)}")
     busy = sum(1 for b0, b1 in zip(bounds, bounds[1:]) if b1 > b0)
-    offsets = torch.tensor(bounds, dtype=torch.int64)
+    offsets = torch.tensor(bounds, dtype=torch.int64, device=tokens.device)
     return ExpertPlan(tokens, pairs, offsets, bounds, num_tokens, dropped, phase_of(needs_grad, bounds[-1], busy),
                       dtype, precision)
 

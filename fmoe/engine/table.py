@@ -115,6 +115,22 @@ def _grouped_mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor
     return native.gather_mm_reference(a, w, plan.offsets.to(a.device), transposed=transposed, bias=bias)
 
 
+def _grouped_wgrad(a: Tensor, b: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None,
+                   rows_b: Optional[Tensor] = None) -> Tensor:
+    """One ``torch._grouped_mm`` over every expert's ``a_e^T b_e`` (rows gathered first); experts
+    with no rows are zeroed (the op leaves them unwritten); the per-expert reference where its
+    layout rule refuses the operands."""
+    if rows is not None:
+        a = a.index_select(0, rows)
+    if rows_b is not None:
+        b = b.index_select(0, rows_b)
+    offs = plan.offsets.to(a.device)
+    if plan.num_rows and _grouped_mm_ok(a.t(), b):
+        z = torch._grouped_mm(a.t(), b, offs=offs[1:].to(torch.int32))
+        return z.masked_fill_((offs[1:] == offs[:-1]).view(-1, 1, 1), 0)
+    return native.gather_wgrad_reference(a, b, offs)
+
+
 def _scatter_through(mm: Callable) -> Callable:
     """A scatter from an ``mm``: the products into a buffer, then one index_add_ (rows in expert order)."""
     def scatter(a, w, plan, *, index, out, scale=None, transposed, bias=None):
@@ -135,9 +151,9 @@ def _entry(device: str, phase: str, dtype: torch.dtype) -> Kernel:
             return Kernel("cpu-native", f"C++ grouped GEMM, rows gathered in C++; {how}", mm, wg, sc)
         return Kernel("cpu-torch", f"per-expert torch.mm from Python ({native.status()})",
                       *_native_kernel("reference"))
-    if dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-        return Kernel("cuda-grouped-mm", "torch._grouped_mm over all experts (bf16); weight gradients per expert",
-                      _grouped_mm, _native_kernel("reference")[1], _scatter_through(_grouped_mm))
+    if dtype in (torch.bfloat16, torch.float16, torch.float32) and hasattr(torch, "_grouped_mm"):
+        return Kernel("cuda-grouped-mm", "torch._grouped_mm over all experts, products and weight gradients",
+                      _grouped_mm, _grouped_wgrad, _scatter_through(_grouped_mm))
     return Kernel("cuda-torch", f"per-expert torch.mm ({str(dtype).replace('torch.', '')}: no grouped kernel)",
                   *_native_kernel("reference"))
 
