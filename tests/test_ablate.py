@@ -118,11 +118,14 @@ def test_masked_route_matches_static_routing():
 def test_static_run_is_the_library_forward():
     for cf in (1.0, 0.0, -0.5):
         spec, params, x, _, _ = _setup(cf=cf)
-        # the sweeps run padded buffers: bit for bit equal to moe()'s padded layout
+        # the sweeps run padded buffers: the static and the masked run bit for bit alike; moe()'s
+        # padded layout reaches the same products through other GEMM calls, so within float32
+        # rounding (bit for bit on Intel's MKL paths, 1 ulp apart on those MKL takes on other CPUs)
         y, aux = fmoe.moe(params, x, dataclasses.replace(spec, layout="padded"))
         y2, aux2 = ablate.static_moe(params, x, spec, ablate.resolve(ablate.Point(), spec, T))
         y3, aux3 = ablate.masked_moe(params, x, spec, *_one(spec))
-        assert torch.equal(y, y2) and torch.equal(y, y3)
+        assert torch.equal(y2, y3)
+        torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-6)
         # and to the default layout (ragged when dropless) within float rounding
         torch.testing.assert_close(fmoe.moe(params, x, spec)[0], y, rtol=1e-5, atol=1e-6)
         assert torch.equal(aux.l_aux, aux2.l_aux) and torch.equal(aux.l_aux, aux3.l_aux)
