@@ -165,3 +165,21 @@ def test_moe_runs_packed_weights_in_one_call_per_projection(monkeypatch):
         y, _ = fmoe.moe(dict(params, experts=packed_ex), x, s)
         assert len(calls) == 2, s.streamed
         torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_broken_library_leaves_fmoe_on_the_numba_kernels(tmp_path, monkeypatch):
+    broken = tmp_path / "fmoe_packed_gemm.so"
+    broken.write_bytes(b"not a shared library")
+    monkeypatch.setattr(packed, "library_path", lambda: str(broken))
+    try:
+        packed._try_load()
+        assert not packed.AVAILABLE and "failed" in packed.status()
+        w = Q.quantize(torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(4)), "mxfp4")
+        o = _offsets([3, 1])
+        a = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
+        y = packed.grouped_matmul(a, w, o)
+        assert not ((y - packed.grouped_matmul_reference(a, w, o)).abs() > _bound(a, w, o)).any()
+    finally:
+        monkeypatch.undo()
+        packed._try_load()
+    assert packed.AVAILABLE == HAS_COMPILER
