@@ -17,7 +17,7 @@ each per repeat (medians):
                    names, same weights; the outputs are compared once); for swiglu, Tutel's
                    'llama_ffn' of the same sizes (the same SwiGLU math, its own weights); skipped
                    for gpt_oss (Tutel has no clamped GLU) and when ``import tutel`` fails
-    fmoe_staged    the staged pipeline (``streamed=False``: dispatch -> seam -> combine)
+    fmoe_staged    the staged pipeline (``plan="layout"``: dispatch -> seam -> combine)
     fmoe_recompute gated_ffn training only: ``save='recompute'``
     dense_flat     training only: the 9 GEMMs of a SwiGLU FFN fwd+bwd on one [kept, M] matrix
     dense_batched  training only: the same on [E, ceil(kept/E), M] (per-expert shapes, balanced)
@@ -110,7 +110,7 @@ def tutel_status() -> Optional[str]:
 
 # fmoe variants beside the default layer (the expert engine, projections saved for backward):
 # the engine recomputing them, and the staged pipeline.
-FMOE_VARIANTS = {"fmoe": {}, "fmoe_recompute": {"save": "recompute"}, "fmoe_staged": {"streamed": False}}
+FMOE_VARIANTS = {"fmoe": {}, "fmoe_recompute": {"save": "recompute"}, "fmoe_staged": {"plan": "layout"}}
 
 
 def variants_of(c: LayerConfig) -> list:

@@ -130,7 +130,7 @@ def layer_tables(lay: dict) -> list[str]:
     if train and any("fmoe_recompute" in r["variants"] for r in train.values()):
         L += ["", "fmoe variants: `fmoe` = default (the expert engine, `save='projections'`: the in-projection "
               "outputs kept for backward); `recompute` = `save='recompute'` (recomputed in backward); `staged` = "
-              "`streamed=False` (dispatch -> seam -> combine, Tutel's arithmetic bit for bit). Same round-robin as "
+              "`plan='layout'` (dispatch -> seam -> combine, Tutel's arithmetic bit for bit). Same round-robin as "
               "the table above.", "",
               "| config | fmoe ms | recompute ms | staged ms | fmoe vs dense | recompute vs dense | staged vs dense | "
               "recompute/tutel time | fmoe mem MiB | recompute mem MiB | staged mem MiB | "

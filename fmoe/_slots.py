@@ -1,6 +1,6 @@
 """Slot assignment as a numba counter walk (the fast path of :func:`fmoe.routing.assign_slots`),
 and its inverse: the kept pairs listed by expert and slot (the fast path of
-:func:`fmoe.ops.streamed.routing_rows`).
+:func:`fmoe.engine.plan.make_plan`).
 
 Kept apart from :mod:`fmoe.ops` so that routing (plain data) never imports the ops.
 """

@@ -34,6 +34,7 @@ from .routing import Routing, _capacity_factor, capacity_for, check_finite
 __all__ = ["GateSpec", "MoESpec", "MoEAux", "init_params", "moe", "check_params", "route"]
 
 SHARED = ("swiglu", "gated_swiglu")
+PLANS = ("auto", "layout")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,21 +63,19 @@ class MoESpec:
         shared: shared experts run on every token and added to the routed output: None,
             'swiglu' (DeepSeek: params["shared"]) or 'gated_swiglu' (Qwen2-MoE: sigmoid gate
             params["shared_gate"]["weight"] [1, M]).
-        streamed: on one process in eager mode, run the experts over a rows plan of the expert
-            engine (:mod:`fmoe.engine`) with combine 'fmoe' or 'eager': the kept pairs sorted by
-            expert, each projection one grouped-GEMM call whose kernel gathers x's rows itself,
-            the outputs added straight into y; only kept pairs are multiplied (either layout).
-            Every built-in kind (ffn with any activation, gated_ffn, swiglu, gpt_oss) with float
-            weights, quantized-training recipes (quantize blocks per expert, as on the ragged
-            layout) or packed weights (one fused low-precision call per busy expert). Equal to
-            the staged kernel within float rounding (the k terms of a token are summed in expert
-            order); combine='eager' stays transformers' order bit for bit. False: a layout plan,
-            the engine's staged kernel (dispatch -> one op per projection over the layout's
-            buffers -> combine; with the padded layout Tutel's arithmetic bit for bit). Under
-            torch.func / torch.compile, with custom experts on padded buffers, pre-scored gates
-            or combine='grouped' the layout plan runs too; with expert parallelism the staged
-            kernel runs around the all-to-alls.
-        save: with ``streamed``, what backward keeps: 'projections' (the in-projection outputs,
+        plan: which expert plan runs the experts. 'auto': on one process and with expert
+            parallelism in eager mode a rows plan of the expert engine (:mod:`fmoe.engine`): the
+            kept pairs sorted by expert, each projection one grouped-GEMM call whose kernel
+            gathers x's rows itself, the outputs added straight into y; only kept pairs are
+            multiplied (either layout). Every built-in kind with float weights, quantized-training
+            recipes (quantize blocks per expert) or packed weights. Equal to the layout plan
+            within float rounding (the k terms of a token are summed in expert order);
+            combine='eager' stays transformers' order. Under torch.func / torch.compile, with
+            custom experts on padded buffers, pre-scored gates or combine='grouped', a layout plan
+            runs instead. 'layout': always the layout plan, the engine's staged kernel (dispatch
+            -> one op per projection over the layout's buffers -> combine; with the padded layout
+            Tutel's arithmetic bit for bit, every capacity row multiplied).
+        save: on a rows plan, what backward keeps: 'projections' (the in-projection outputs,
             [N, H] or [N, 2H] for N kept pairs) or 'recompute' (nothing beyond the inputs: one
             more in-projection GEMM in backward).
     """
@@ -94,7 +93,7 @@ class MoESpec:
     layout: str = "auto"
     combine: str = "fmoe"
     shared: Optional[str] = None
-    streamed: bool = True
+    plan: str = "auto"
     save: str = "projections"
 
     def __post_init__(self):
@@ -108,6 +107,8 @@ class MoESpec:
             raise ValueError(f"MoESpec.layout must be 'auto', 'padded' or 'ragged', got {self.layout!r}")
         if self.layout == "ragged" and not self.experts.layout_aware:
             raise ValueError("MoESpec.layout='ragged' needs built-in experts; custom experts take padded buffers")
+        if self.plan not in PLANS:
+            raise ValueError(f"MoESpec.plan must be one of {PLANS}, got {self.plan!r}")
         if self.save not in _kinds.SAVES:
             raise ValueError(f"MoESpec.save must be one of {_kinds.SAVES}, got {self.save!r}")
         if self.combine not in COMBINES:
@@ -580,7 +581,7 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
 def _experts(spec: MoESpec, experts, compute: Tensor, routing: Routing, kind: str,
              generator: Optional[torch.Generator]) -> tuple[Tensor, Tensor]:
     """(y [T, O], pairs dropped int64 []) on one process: the expert engine over a rows plan
-    where it applies (see ``MoESpec.streamed``; custom experts with ``takes_plan`` always), else
+    where it applies (``MoESpec.plan`` 'auto'; custom experts with ``takes_plan`` always), else
     over a layout plan (the staged kernel)."""
     es = spec.experts
     kw = None if es.type == "custom" else expert_form(es, experts)
@@ -592,7 +593,7 @@ def _experts(spec: MoESpec, experts, compute: Tensor, routing: Routing, kind: st
         raise ValueError("custom experts with takes_plan=True run on one process in eager mode (no torch.func "
                          "transform, no torch.compile) with is_postscore=True and combine 'fmoe' or 'eager'; "
                          "use takes_plan=False (padded [E, C, M] buffers) there")
-    on_rows = es.takes_plan or (kw is not None and spec.streamed and rows_ok)
+    on_rows = es.takes_plan or (kw is not None and spec.plan == "auto" and rows_ok)
     # a custom expert's parameters are not in ts: any call with grad on may be a training call
     needs_grad = torch.is_grad_enabled() and (es.type == "custom" or any(t is not None and t.requires_grad for t in ts))
     layout = None if on_rows else make_layout(routing, kind)

@@ -271,9 +271,9 @@ class MoELayer(nn.Module):
             as in :class:`fmoe.MoESpec`.
         dtype: parameter dtype of the experts (gates stay float32 with fp32_gate).
         pad_samples: accepted for Tutel scripts and ignored (deprecated in Tutel; fmoe never pads).
-        streamed, save: as in :class:`fmoe.MoESpec` (``streamed=False``: the staged
-            pipeline, Tutel's arithmetic bit for bit; ``save``: what the expert engine keeps
-            for backward, 'projections' | 'recompute').
+        plan, save: as in :class:`fmoe.MoESpec` (``plan='layout'``: the staged kernel on
+            the layout's buffers, Tutel's arithmetic bit for bit; ``save``: what the expert
+            engine keeps for backward, 'projections' | 'recompute').
     """
 
     def __init__(self, gate_type: Union[dict, Sequence[dict]], model_dim: int, experts: Optional[dict] = None,
@@ -283,7 +283,7 @@ class MoELayer(nn.Module):
                  is_postscore: bool = True, batch_prioritized_routing: bool = False, normalize_gate: bool = True,
                  is_gshard_loss: bool = True, parallel_type: str = "adaptive:1", use_2dh: bool = False,
                  dtype: torch.dtype = torch.float32, scan_expert_func=None, group=None,
-                 local_size: Optional[int] = None, streamed: bool = True, save: str = "projections",
+                 local_size: Optional[int] = None, plan: str = "auto", save: str = "projections",
                  pad_samples: bool = False):
         super().__init__()
         if group is not None:
@@ -315,7 +315,7 @@ class MoELayer(nn.Module):
             raise ValueError("gate_type list is empty")
         base = dict(model_dim=model_dim, num_experts=num_global, experts=espec, is_postscore=is_postscore,
                     batch_prioritized=batch_prioritized_routing, normalize_gate=normalize_gate,
-                    is_gshard_loss=is_gshard_loss, streamed=streamed, save=save)
+                    is_gshard_loss=is_gshard_loss, plan=plan, save=save)
         self.specs = tuple(MoESpec(gate=_gate_spec(c), **base) for c in gate_cfgs)
         self.parallel_type = _parse_parallel_type(parallel_type)
         self.a2a_ffn_overlap_degree = a2a_ffn_overlap_degree

@@ -89,7 +89,7 @@ def test_engine_equals_the_staged_pipeline(expert_type, act, cf, split, save, mo
     calls = _count_engine(monkeypatch)
     ys, gxs, gps = _step(spec, p, x)
     assert calls == [save], "the engine did not run"
-    yr, gxr, gpr = _step(dataclasses.replace(spec, streamed=False), p, x)
+    yr, gxr, gpr = _step(dataclasses.replace(spec, plan="layout"), p, x)
     assert len(calls) == 1
     torch.testing.assert_close(ys, yr, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(gxs, gxr, rtol=1e-11, atol=1e-11)
@@ -103,11 +103,11 @@ def test_engine_runs_on_the_padded_layout_and_counts_drops(monkeypatch):
     x = torch.randn(50, 16, generator=_gen(2), dtype=DT)
     calls = _count_engine(monkeypatch)
     ys, gxs, gps = _step(spec, p, x)
-    yr, gxr, gpr = _step(dataclasses.replace(spec, streamed=False), p, x)
+    yr, gxr, gpr = _step(dataclasses.replace(spec, plan="layout"), p, x)
     assert calls
     torch.testing.assert_close(ys, yr, rtol=1e-12, atol=1e-12)
     with torch.no_grad():
-        a, b = fmoe.moe(p, x, spec)[1], fmoe.moe(p, x, dataclasses.replace(spec, streamed=False))[1]
+        a, b = fmoe.moe(p, x, spec)[1], fmoe.moe(p, x, dataclasses.replace(spec, plan="layout"))[1]
     assert int(a.dropped) == int(b.dropped) > 0
 
 
@@ -146,7 +146,7 @@ def test_weights_given_as_transposed_views_run_in_their_storage_order(form, monk
     assert len(calls) == 1
     q = pytree.tree_map(lambda t: t.detach().clone().requires_grad_(True), p)
     xr = x.clone().requires_grad_(True)
-    yr, aux = fmoe.moe(q, xr, dataclasses.replace(spec, streamed=False))
+    yr, aux = fmoe.moe(q, xr, dataclasses.replace(spec, plan="layout"))
     ((yr * c).sum() + aux.l_aux).backward()
     torch.testing.assert_close(y, yr, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(xx.grad, xr.grad, rtol=1e-11, atol=1e-11)
@@ -164,7 +164,7 @@ def test_low_precision_within_rounding_and_eager_order_bit_exact(expert_type, dt
     p = _params(spec, dtype)
     x = torch.randn(64, 32, generator=_gen(2)).to(dtype)
     ys, gxs, gps = _step(spec, p, x)
-    yr, gxr, gpr = _step(dataclasses.replace(spec, streamed=False), p, x)
+    yr, gxr, gpr = _step(dataclasses.replace(spec, plan="layout"), p, x)
     if combine == "eager" and expert_type == "swiglu":   # transformers' eager order, bit for bit
         assert torch.equal(ys, yr)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=2e-5, atol=2e-5)
@@ -413,7 +413,7 @@ def test_saved_memory_is_the_projections_or_nothing():
     routing_sized = 100 * 8 * 8
     projections = saved(spec) - base
     recompute = saved(dataclasses.replace(spec, save="recompute")) - base
-    staged = saved(dataclasses.replace(spec, streamed=False)) - base
+    staged = saved(dataclasses.replace(spec, plan="layout")) - base
     assert recompute < routing_sized
     assert N * 8 * 8 <= projections < N * 8 * 8 + routing_sized     # z [N, H] and routing-sized tensors
     assert staged - projections >= 2 * N * 32 * 8                     # staged keeps [R, M]-sized buffers
@@ -609,7 +609,7 @@ def test_a_stochastic_activation_runs_once_and_equals_the_staged_pipeline(monkey
     got = _step(spec, p, x)
     after = torch.get_rng_state()
     torch.manual_seed(3)
-    want = _step(dataclasses.replace(spec, streamed=False), p, x)
+    want = _step(dataclasses.replace(spec, plan="layout"), p, x)
     assert calls and torch.equal(after, torch.get_rng_state())
     torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got[1], want[1], rtol=1e-11, atol=1e-11)
@@ -662,7 +662,7 @@ def test_grouped_mm_gradients_and_custom_plan_errors():
 
 
 def engine_and_staged(monkeypatch, spec, params, x, hook: str, *, expert_grads: bool = False, seed=None):
-    """(y, grads) of ``fmoe.moe`` on the engine and on the staged pipeline (``streamed=False``), with
+    """(y, grads) of ``fmoe.moe`` on the engine and on the staged pipeline (``plan='layout'``), with
     ``fmoe.engine.kinds.<hook>`` spied on to prove the first ran on the engine and the second did not.
     grads: of ``sum(y * dy)`` w.r.t. x (and the expert leaves with ``expert_grads``); ``seed`` seeds
     the recipe's generator identically for both."""
@@ -687,6 +687,6 @@ def engine_and_staged(monkeypatch, spec, params, x, hook: str, *, expert_grads: 
     on_engine = run(spec)
     assert calls, f"kinds.{hook} did not run: the call did not take the engine"
     calls.clear()
-    staged = run(dataclasses.replace(spec, streamed=False))
-    assert not calls, f"kinds.{hook} ran with streamed=False"
+    staged = run(dataclasses.replace(spec, plan="layout"))
+    assert not calls, f"kinds.{hook} ran with plan='layout'"
     return on_engine, staged

@@ -98,7 +98,7 @@ def test_gated_experts_stored_out_by_in_and_saved_flat_in_tutel_order(tmp_path):
 def test_gated_experts_train_into_contiguous_gradients_equal_to_the_staged_pipeline():
     kw = dict(experts={"type": "llama_ffn", "num_experts_per_device": 4, "hidden_size_per_expert": 8},
               dtype=torch.float64)
-    fast, slow = _layer(**kw), _layer(streamed=False, **kw)
+    fast, slow = _layer(**kw), _layer(plan="layout", **kw)
     slow.load_state_dict(fast.state_dict())
     x = torch.randn(24, 16, dtype=torch.float64)
     dy = torch.randn(24, 16, dtype=torch.float64)
@@ -113,12 +113,12 @@ def test_gated_experts_train_into_contiguous_gradients_equal_to_the_staged_pipel
 @pytest.mark.parametrize("cf,tokens", [(1.0, 24), (0, 24), (1.0, 1)],
                          ids=["padded_full_buffers", "ragged_dropless", "padded_few_busy"])
 def test_staged_pipeline_hands_gated_weight_gradients_over_in_the_parameters_strides(cf, tokens):
-    """streamed=False (and expert parallel) multiply the x @ W views of the out x in Parameters:
+    """plan='layout' (and expert parallel) multiply the x @ W views of the out x in Parameters:
     the gradient each Parameter's AccumulateGrad receives already has its strides (no copy into
     them), and equals the gradient of contiguous x @ W weights through the same pipeline."""
     kw = dict(gate_type={"type": "top", "k": 2, "capacity_factor": cf},
               experts={"type": "llama_ffn", "num_experts_per_device": 4, "hidden_size_per_expert": 8},
-              dtype=torch.float64, streamed=False)
+              dtype=torch.float64, plan="layout")
     layer = _layer(**kw)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(tokens, 16, dtype=torch.float64, generator=g)

@@ -261,7 +261,7 @@ def test_mixed_packed_and_float_projections_run_on_the_engine_as_the_staged_pipe
     on_rows = run(spec)
     assert calls
     calls.clear()
-    staged = run(dataclasses.replace(spec, streamed=False))
+    staged = run(dataclasses.replace(spec, plan="layout"))
     assert not calls
     for a, b in zip(on_rows, staged):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -160,10 +160,10 @@ def test_moe_runs_packed_weights_in_one_call_per_projection(monkeypatch):
     real = packed.grouped_matmul
     monkeypatch.setattr(packed, "grouped_matmul", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     want, _ = fmoe.moe(dict(params, experts=float_ex), x, spec)
-    for s in (spec, dataclasses.replace(spec, streamed=False)):
+    for s in (spec, dataclasses.replace(spec, plan="layout")):
         calls.clear()
         y, _ = fmoe.moe(dict(params, experts=packed_ex), x, s)
-        assert len(calls) == 2, s.streamed
+        assert len(calls) == 2, s.plan
         torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
 
 

@@ -3,7 +3,7 @@
 The staged pipeline (dispatch -> experts -> combine over a layout's buffers) is the expert
 engine's kernel for a layout plan (:mod:`fmoe.engine.table`: under torch.func transforms and
 torch.compile, custom experts on padded buffers, pre-scored gates, transformers' grouped
-order and ``streamed=False``) and expert parallelism's expert stage. One implementation per
+order and ``plan='layout'``) and expert parallelism's expert stage. One implementation per
 layout, no per-call kernel predicates:
 
 * padded [E, C, K]: one ``torch.bmm`` over every row of every expert buffer (Tutel's
