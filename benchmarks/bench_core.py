@@ -294,16 +294,6 @@ def bench_dispatch_combine(c: Config, tokens: int, repeats: int, bandwidth: floa
     kept = int(r.kept().sum())
     nbytes = dispatch_combine_bytes(tokens, c.model_dim, R, kept)
     res = {"bytes": nbytes, "bound_seconds": {k: v / bandwidth for k, v in nbytes.items()}, "backends": {}}
-    pos = r.positions()
-    dbuf, cbuf = torch.empty(R, c.model_dim), torch.empty(tokens, c.model_dim)
-
-    def into():  # caller-owned buffers: no fresh pages to fault in
-        numba_cpu.combine_into(cbuf, numba_cpu.dispatch_into(dbuf, x, pos).view(R, -1), pos, r.weights)
-
-    res["numba_into_fwd_seconds"] = median_time(into, repeats)
-    res["numba_into_fwd_vs_bound"] = res["numba_into_fwd_seconds"] / res["bound_seconds"]["fwd"]
-    log(f"  {c.name} dispatch_into+combine_into numba: fwd {res['numba_into_fwd_seconds'] * 1e3:.2f} ms "
-        f"({res['numba_into_fwd_vs_bound']:.2f}x bound)")
     for name, ctx in (("reference", numba_cpu.disabled), ("numba", contextlib.nullcontext)):
         with ctx():
             fwd = median_time(lambda: fmoe.combine(fmoe.dispatch(x, r), r), repeats)

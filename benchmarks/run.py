@@ -264,8 +264,6 @@ def legacy_tables(results: dict) -> str:
         lines.append("|---|---|---|---|---|---|")
         for name, r in core["configs"].items():
             dc = r["dispatch_combine"]
-            lines.append(f"| {name} | numba, into reused buffers | {dc['numba_into_fwd_seconds'] * 1e3:.2f} | "
-                         f"{dc['numba_into_fwd_vs_bound']:.2f} | | |")
             for b, m in dc["backends"].items():
                 lines.append(f"| {name} | {b} | {m['fwd_seconds'] * 1e3:.2f} | {m['fwd_vs_bound']:.2f} | "
                              f"{m['bwd_seconds'] * 1e3:.2f} | {m['bwd_vs_bound']:.2f} |")

@@ -13,9 +13,6 @@ is the reference's "compute in fp32, round once". Other dtypes use the
 reference.
 
 Extras:
-    dispatch_into(out, x, pos, weights): write a dispatch into a caller-owned
-        buffer (no fresh allocation, so no page faults on the hot path).
-    combine_into(out, y, pos, weights): the same for combine.
     few_rows_mm(x, w, bounds, transposed): experts with few rows each in one call (the
         expert engine's measured decode candidate).
     disabled(): context manager that routes the ops back to the reference.
@@ -36,7 +33,7 @@ from . import _numba_kernels as K
 from . import primitives, reference, tuning
 from .memory_order import stored_transposed
 
-__all__ = ["dispatch", "combine", "gate_grad", "dispatch_into", "combine_into", "few_rows_mm", "disabled", "warmup",
+__all__ = ["dispatch", "combine", "gate_grad", "few_rows_mm", "disabled", "warmup",
            "threading_layer", "NATIVE_DTYPES"]
 
 NATIVE_DTYPES = (torch.float32, torch.float64)
@@ -165,59 +162,6 @@ def gate_grad(a: Tensor, b: Tensor, pos: Tensor) -> Tensor:
         _check_rows(_view(p), ba.shape[0], "gate_grad")
         K.gate_grad_rows(_view(aa), _view(ba), _view(p), _NP_ZERO[acc], _view(out))
     return out.to(a.dtype)
-
-
-# --------------------------------------------------------------------------- into caller buffers
-
-def _check_out(name: str, out: Tensor, shape: tuple, dtype: torch.dtype) -> None:
-    if tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
-        raise ValueError(f"{name}: out must be a contiguous CPU {dtype} tensor of shape {shape}, got "
-                         f"{out.dtype} {tuple(out.shape)} contiguous={out.is_contiguous()} on {out.device}")
-
-
-@torch.library.custom_op("fmoe::dispatch_into", mutates_args=("out",))
-def _dispatch_into_op(out: Tensor, x: Tensor, pos: Tensor, weights: Optional[Tensor]) -> None:
-    if out.dtype in NATIVE_DTYPES and x.dtype == out.dtype and out.device.type == "cpu":
-        _dispatch_native(out, x.contiguous(), _pos(pos), weights)
-    else:
-        out.copy_(reference.dispatch(x, pos, weights, out.shape[0]))
-
-
-@torch.library.custom_op("fmoe::combine_into", mutates_args=("out",))
-def _combine_into_op(out: Tensor, y: Tensor, pos: Tensor, weights: Optional[Tensor]) -> None:
-    if out.dtype in NATIVE_DTYPES and y.dtype == out.dtype and out.device.type == "cpu":
-        _combine_native(out, y.contiguous(), _pos(pos), weights)
-    else:
-        out.copy_(reference.combine(y, pos, weights))
-
-
-def dispatch_into(out: Tensor, x: Tensor, pos: Tensor, weights: Optional[Tensor] = None) -> Tensor:
-    """Dispatch into a reused buffer: ``out[pos[j,t]] = w[j,t] * x[t]``, every other row 0.
-
-    Not differentiable (use :func:`fmoe.dispatch` for training); meant for
-    inference loops that keep one buffer alive. Works under torch.compile
-    (a mutating custom op).
-
-    Args:
-        out: contiguous [R, M] buffer, x's dtype; fully overwritten.
-        x: [T, M]. pos: int64 [k, T] flat rows (``Routing.positions()``).
-        weights: optional [k, T] gates (pre-score mode).
-    Returns:
-        out.
-    """
-    _check_out("dispatch_into", out, (out.shape[0], x.shape[1]), x.dtype)
-    torch.ops.fmoe.dispatch_into(out, x, pos, weights)
-    return out
-
-
-def combine_into(out: Tensor, y: Tensor, pos: Tensor, weights: Optional[Tensor] = None) -> Tensor:
-    """Combine into a reused buffer: ``out[t] = sum_j w[j,t] * y[pos[j,t]]`` ([T, M], y's dtype).
-
-    Not differentiable; see :func:`dispatch_into`.
-    """
-    _check_out("combine_into", out, (pos.shape[1], y.shape[1]), y.dtype)
-    torch.ops.fmoe.combine_into(out, y, pos, weights)
-    return out
 
 
 # --------------------------------------------------------------------------- few-row expert products
