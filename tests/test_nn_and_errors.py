@@ -293,8 +293,8 @@ def test_error_bad_layer_config():
         _layer(gate_type={"type": "auto"})
     with pytest.raises(ValueError, match="num_experts_per_device must be a non-zero int"):
         _layer(experts={"type": "ffn", "num_experts_per_device": 0.5, "hidden_size_per_expert": 4})
-    with pytest.raises(ValueError, match="parallel_type must be"):
-        _layer(parallel_type="auto")
+    with pytest.raises(ValueError, match="parallel_type must be"):   # 'auto' is Tutel's, accepted (issue 36)
+        _layer(parallel_type="adaptive")
     with pytest.raises(ValueError, match="unknown expert type"):
         _layer(experts={"type": "moe", "num_experts_per_device": 1, "hidden_size_per_expert": 4})
 
