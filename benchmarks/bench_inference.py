@@ -7,7 +7,11 @@ read of a 512 MiB float32 buffer (larger than this host's L3) evicts them, and t
 is the machine's memory-stream rate, measured in the same run, interleaved with the variants. The
 bound of a call = the busy experts' stored bytes (packed data + scales, both projections) / that
 rate; the table reports time / bound for the whole layer and for its two expert GEMM calls alone
-(``fmoe.quant.packed.grouped_matmul`` on the plan's rows, the calls the layer makes).
+(``fmoe.quant.packed.grouped_matmul`` on the plan's rows, the calls the layer makes), and for FP4 the
+same calls with the opt-in int8 activations (``activations="int8"``, AVX-512 VNNI) where the CPU has them.
+
+``model`` (``--model``): the whole-model comparison, fmoe-patched with packed experts vs transformers'
+own CPU path on the same written checkpoint (fmoe.examples.generate), each in its own process.
 
 Run: ``python -m benchmarks.bench_inference [--quick] [--repeats N] [--formats mxfp4 ...] [--tokens 1 4 16]``
 or ``python -m benchmarks.run --only inference``. Medians; the host is shared: the load average is
@@ -115,6 +119,10 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
                 wf = weights[f]
                 steps[f"gemms_{f}"] = (lambda a=a, h=h, o=offs, wf=wf: (packed.grouped_matmul(a, wf["gate_up_proj"], o),
                                                                       packed.grouped_matmul(h, wf["down_proj"], o)))
+                if f in ("mxfp4", "nvfp4") and packed.has_int8_path():   # opt-in int8 activations (VNNI)
+                    steps[f"gemms8_{f}"] = (lambda a=a, h=h, o=offs, wf=wf: (
+                        packed.grouped_matmul(a, wf["gate_up_proj"], o, activations="int8"),
+                        packed.grouped_matmul(h, wf["down_proj"], o, activations="int8")))
         with torch.no_grad():
             t = timed_cold(steps, repeats, log)
         rate = t["stream_gb_per_s"]
@@ -127,10 +135,14 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
             if f"gemms_{f}" in t:
                 r["gemms_seconds"] = t[f"gemms_{f}"]
                 r["gemms_vs_stream"] = t[f"gemms_{f}"] / bound
+            if f"gemms8_{f}" in t:
+                r["gemms_int8_seconds"] = t[f"gemms8_{f}"]
+                r["gemms_int8_vs_stream"] = t[f"gemms8_{f}"] / bound
             row["formats"][f] = r
             log(f"  T={T} {f:9s} busy {busy:2d}: layer {r['layer_seconds'] * 1e3:7.2f} ms = "
                 f"{r['layer_vs_stream']:.2f}x stream"
                 + (f", gemms {r['gemms_seconds'] * 1e3:7.2f} ms = {r['gemms_vs_stream']:.2f}x" if "gemms_seconds" in r else "")
+                + (f", int8 act {r['gemms_int8_vs_stream']:.2f}x" if "gemms_int8_seconds" in r else "")
                 + f"  ({rate:.1f} GB/s stream)")
         res["tokens"][str(T)] = row
     return res
@@ -256,13 +268,16 @@ def tables(res: dict) -> list[str]:
     lay = res.get("layer")
     lines = [f"load average at start {res['loadavg_start'][0]:.1f}, end {res['loadavg_end'][0]:.1f} (2 cores); "
              f"{res.get('threads', torch.get_num_threads())} torch threads", "",
-             "| T | busy | format | layer ms | x stream | expert GEMMs ms | x stream | stream GB/s |",
-             "|---|---|---|---|---|---|---|---|"] if lay else []
+             "| T | busy | format | layer ms | x stream | expert GEMMs ms | x stream | GEMMs, int8 act. ms | x stream "
+             "| stream GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"] if lay else []
     for T, row in (lay["tokens"] if lay else {}).items():
         for f, r in row["formats"].items():
             g = f"{r['gemms_seconds'] * 1e3:.2f} | {r['gemms_vs_stream']:.2f}" if "gemms_seconds" in r else " | "
+            g8 = (f"{r['gemms_int8_seconds'] * 1e3:.2f} | {r['gemms_int8_vs_stream']:.2f}" if "gemms_int8_seconds" in r
+                  else " | ")
             lines.append(f"| {T} | {row['busy_experts']} | {f} | {r['layer_seconds'] * 1e3:.2f} | "
-                         f"{r['layer_vs_stream']:.2f} | {g} | {row['stream_gb_per_s']:.1f} |")
+                         f"{r['layer_vs_stream']:.2f} | {g} | {g8} | {row['stream_gb_per_s']:.1f} |")
     mod = res.get("model")
     if mod:
         lines += ["", f"Whole model ({mod['arch']}, {mod['size']}: {mod['config']}), bf16 activations; "

@@ -183,3 +183,38 @@ def test_a_broken_library_leaves_fmoe_on_the_numba_kernels(tmp_path, monkeypatch
         monkeypatch.undo()
         packed._try_load()
     assert packed.AVAILABLE == HAS_COMPILER
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_int8_activations_within_the_rounding_of_their_blocks(fmt):
+    # activations="int8": each 32-block of a row rounded to int8 (d = amax / 127), integer dot
+    # products. |y - ref| <= |W| @ (d / 2) over the row's blocks, plus the float bound (taken
+    # with |a| + d / 2, the rounded activations' magnitude)
+    if not packed.AVAILABLE or not packed.has_int8_path():
+        pytest.skip("no AVX-512 VNNI path here: " + packed.status())
+    g = torch.Generator().manual_seed(6)
+    counts = [1, 0, 2, 4, 3, 12]           # 12 rows: that expert takes the float decode + mm path
+    w = Q.quantize(torch.randn(len(counts), 70, 256, generator=g), fmt)
+    o = _offsets(counts)
+    a = torch.randn(int(o[-1]), 256, generator=g)
+    ref = packed.grouped_matmul_reference(a, w, o)
+    y = packed.grouped_matmul(a, w, o, activations="int8")
+    d = a.reshape(a.shape[0], -1, 32).abs().amax(-1) / 127
+    half = (d / 2).repeat_interleave(32, dim=1)
+    W = Q.dequantize(w).abs()
+    bound = torch.zeros_like(ref)
+    for e in range(len(counts)):
+        rows = slice(int(o[e]), int(o[e + 1]))
+        bound[rows] = half[rows] @ W[e].T + 258 * torch.finfo(torch.float32).eps * ((a[rows].abs() + half[rows]) @ W[e].T)
+    assert not ((y - ref).abs() > bound).any()
+    assert (y - ref).abs().max() > 0             # the int8 path did run (float would be far closer)
+    big = slice(int(o[-2]), int(o[-1]))          # the many-rows expert stays on the float path
+    assert not ((y[big] - ref[big]).abs() > _bound(a[big], w[-1:], _offsets([12]))).any()
+
+
+def test_int8_activations_refuse_what_they_cannot_run():
+    w = Q.quantize(torch.randn(2, 8, 96), "fp8_block")
+    with pytest.raises(ValueError, match="activations='int8' needs mxfp4/nvfp4 weights"):
+        packed.grouped_matmul(torch.randn(2, 96), w, _offsets([1, 1]), activations="int8")
+    with pytest.raises(ValueError, match="activations must be 'float' or 'int8'"):
+        packed.grouped_matmul(torch.randn(2, 96), w, _offsets([1, 1]), activations="int4")

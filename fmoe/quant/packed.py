@@ -41,7 +41,7 @@ from torch import Tensor
 from . import _codecs as C
 from .tensor import FP4_FORMATS, QuantizedTensor, dequantize
 
-__all__ = ["AVAILABLE", "DENSE_FROM", "ISAS", "grouped_matmul", "grouped_matmul_reference", "best_isa",
+__all__ = ["AVAILABLE", "DENSE_FROM", "ISAS", "grouped_matmul", "grouped_matmul_reference", "best_isa", "has_int8_path",
            "status", "build", "build_command", "library_path"]
 
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
@@ -226,15 +226,22 @@ def _operands(w: QuantizedTensor):
     return data, w.scales.float().contiguous(), C.E8M0_TABLE, False, bn, bk, None
 
 
-def _native(a: Tensor, w: QuantizedTensor, offsets: Tensor, isa: str) -> Tensor:
+def _native(a: Tensor, w: QuantizedTensor, offsets: Tensor, isa: str, act_int8: bool = False) -> Tensor:
     data, scales, table, fp4, bn, bk, gs = _operands(w)
     out = torch.empty(a.shape[0], w.logical_shape[1], dtype=torch.float32)
     _EXT.packed_grouped_mm(a.detach().float().contiguous(), offsets.contiguous(), data, scales, table, C.E4M3_TABLE, gs,
-                           fp4, bn, bk, out, ISAS[isa], DENSE_FROM)
+                           fp4, bn, bk, out, ISAS[isa], DENSE_FROM, act_int8)
     return out.to(a.dtype)
 
 
-def _run(a: Tensor, w: QuantizedTensor, offsets: Tensor, o: list, isa: str, impl: str) -> Tensor:
+def has_int8_path() -> bool:
+    """Whether ``activations="int8"`` runs here (the extension built, an AVX-512 VNNI CPU)."""
+    return AVAILABLE and bool(_EXT.has_vnni())
+
+
+def _run(a: Tensor, w: QuantizedTensor, offsets: Tensor, o: list, isa: str, impl: str, act: str = "float") -> Tensor:
+    if act == "int8":
+        return _native(a, w, offsets, isa, True)
     if impl == "reference":
         return grouped_matmul_reference(a, w, offsets)
     if impl == "native" or (impl == "auto" and AVAILABLE):
@@ -249,16 +256,16 @@ class _GroupedMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, offsets, data, scales, gscale, meta):
-        fmt, shape, block, o, isa, impl = meta
+        fmt, shape, block, o, isa, impl, act = meta
         w = QuantizedTensor(data, scales, gscale, fmt, shape, block)
         ctx.save_for_backward(data, scales, gscale)
         ctx.meta = meta
-        return _run(a, w, offsets, list(o), isa, impl)
+        return _run(a, w, offsets, list(o), isa, impl, act)
 
     @staticmethod
     def backward(ctx, dy):
         data, scales, gscale = ctx.saved_tensors
-        fmt, shape, block, o, _, _ = ctx.meta
+        fmt, shape, block, o = ctx.meta[:4]
         w = QuantizedTensor(data, scales, gscale, fmt, shape, block)
         da = torch.zeros(dy.shape[0], shape[-1], dtype=torch.float32)
         for e in range(len(o) - 1):
@@ -268,12 +275,17 @@ class _GroupedMatmul(torch.autograd.Function):
 
 
 def grouped_matmul(a: Tensor, w: QuantizedTensor, offsets: Tensor, *, isa: str = "auto",
-                   impl: str = "auto") -> Tensor:
+                   impl: str = "auto", activations: str = "float") -> Tensor:
     """y[r] = a[r] @ dequant(w[e]).T for every expert e's rows offsets[e]:offsets[e + 1] (module docstring).
 
     a: float32/bfloat16 [R, K]; w: QuantizedTensor [E, N, K]; offsets: int64 [E + 1] (CPU).
     Returns [R, N] in a.dtype. isa: "auto" | "portable" | "avx2" | "avx512"; impl: "auto" |
-    "native" | "reference".
+    "native" | "reference". activations: "float" (default: a as given, FP32 products) or "int8"
+    (opt-in, mxfp4/nvfp4 with K % 128 == 0 on an AVX-512 VNNI CPU, :func:`has_int8_path`): each
+    32-element block of a row is rounded to int8 (scale amax / 127) and multiplied with integer
+    dot products, as llama.cpp's Q8 activations are; |error| <= |W| @ (d / 2) per row over the
+    blocks' scales d, beside the float rounding. Experts with more than DENSE_FROM rows still
+    take the float path.
     """
     o = _check(a, w, offsets)
     if isa not in ISAS:
@@ -283,7 +295,13 @@ def grouped_matmul(a: Tensor, w: QuantizedTensor, offsets: Tensor, *, isa: str =
     if isa not in ("auto", "portable") and AVAILABLE and ISAS[isa] > ISAS[best_isa()]:
         raise ValueError(f"grouped_matmul: isa={isa!r} is not supported by this CPU (widest: {best_isa()!r}); "
                          f"pass isa='auto'")
-    meta = (w.fmt, w.shape, w.block, tuple(o), isa, impl)
+    if activations not in ("float", "int8"):
+        raise ValueError(f"grouped_matmul: activations must be 'float' or 'int8', got {activations!r}")
+    if activations == "int8" and not (has_int8_path() and w.fmt in FP4_FORMATS and a.shape[1] % 128 == 0):
+        raise ValueError(f"grouped_matmul: activations='int8' needs mxfp4/nvfp4 weights (got {w.fmt}), K % 128 == 0 "
+                         f"(got K={a.shape[1]}) and the extension on an AVX-512 VNNI CPU ({status()}); use "
+                         f"activations='float'")
+    meta = (w.fmt, w.shape, w.block, tuple(o), isa, impl, activations)
     return _GroupedMatmul.apply(a, offsets, w.data, w.scales, w.global_scale, meta)
 
 

@@ -34,6 +34,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -355,9 +356,120 @@ FMOE_AVX512 void fp8_rows2_avx512(const Params& p, const Job& j, int64_t n, int6
   }
 }
 
+// ------------------------------------------------------------------ int8 activations (AVX-512 VNNI), FP4 only
+
+#define FMOE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+// Activations quantized per 32-k block (d = amax / 127, q = round(x / d)), stored per 128-k chunk
+// as u8 q + 128 in the FP4 byte order: 64 bytes of the even k (k = 2b), then 64 of the odd k.
+// xd: 16 floats per chunk, lane j = the scale of k = 8j's block (the lanes of the VNNI sums).
+void quantize_acts_int8(const float* a, int64_t R, int64_t K, uint8_t* xq, float* xd) {
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = a + r * K;
+      for (int64_t c = 0; c < K / 128; ++c) {
+        float d[4];
+        for (int b = 0; b < 4; ++b) {
+          float amax = 0.0f;
+          for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[128 * c + 32 * b + i]));
+          d[b] = amax / 127.0f;
+        }
+        uint8_t* q = xq + (r * (K / 128) + c) * 128;
+        for (int i = 0; i < 128; ++i) {
+          const int k = (i < 64) ? 2 * i : 2 * (i - 64) + 1;
+          const float db = d[k / 32];
+          const float v = db > 0.0f ? std::nearbyint(x[128 * c + k] / db) : 0.0f;
+          q[i] = static_cast<uint8_t>(static_cast<int>(std::max(-127.0f, std::min(127.0f, v))) + 128);
+        }
+        float* dd = xd + (r * (K / 128) + c) * 16;
+        for (int j = 0; j < 16; ++j) dd[j] = d[j / 4];
+      }
+    }
+  });
+}
+
+// FP4 weight rows n, n2 against NT int8 activation rows: 2 * E2M1 as int8 through vpshufb,
+// vpdpbusd of (q + 128) u8 x w s8 into 16 int32 lanes (lane j: k = 8j .. 8j + 7, one weight
+// and one activation block), minus 128 * sum(w) (also a vpdpbusd), then lane * weight scale *
+// activation scale into float. Requires K % 128 == 0 and bk in {16, 32}.
+template <int NT, int BK>
+FMOE_VNNI void fp4_rows2_vnni(const Params& p, const Job& j, int64_t n, int64_t n2, const uint8_t* xq,
+                              const float* xd, float* res, float* res2) {
+  const uint8_t* r0 = p.data + j.e * p.d_e + n * p.d_r;
+  const uint8_t* r1 = p.data + j.e * p.d_e + n2 * p.d_r;
+  const uint8_t* sr0 = p.sb + j.e * p.s_e + n * p.s_r;
+  const uint8_t* sr1 = p.sb + j.e * p.s_e + n2 * p.s_r;
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
+  const __m512i m4 = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
+  const int64_t nc = p.K / 128;
+  __m512 acc[2][NT];
+  for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < nc; ++c) {
+    const __m512i v0 = _mm512_loadu_si512(r0 + 64 * c), v1 = _mm512_loadu_si512(r1 + 64 * c);
+    const __m512i a_lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v0, m4));
+    const __m512i a_hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4));
+    const __m512i b_lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v1, m4));
+    const __m512i b_hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4));
+    const __m512i ca = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, a_lo), ones, a_hi), 7);
+    const __m512i cb = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, b_lo), ones, b_hi), 7);
+    const __m512 s0 = fp4_scales16<BK>(p.table, sr0 + 128 * c / BK);
+    const __m512 s1 = fp4_scales16<BK>(p.table, sr1 + 128 * c / BK);
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* q = xq + (t * nc + c) * 128;
+      const __m512i xl = _mm512_loadu_si512(q), xh = _mm512_loadu_si512(q + 64);
+      const __m512 d = _mm512_loadu_ps(xd + (t * nc + c) * 16);
+      const __m512i ia = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xl, a_lo), xh, a_hi), ca);
+      const __m512i ib = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xl, b_lo), xh, b_hi), cb);
+      acc[0][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(s0, d), acc[0][t]);
+      acc[1][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(s1, d), acc[1][t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    res[t] = 0.5f * _mm512_reduce_add_ps(acc[0][t]);   // the LUT holds 2 * E2M1
+    res2[t] = 0.5f * _mm512_reduce_add_ps(acc[1][t]);
+  }
+}
+
+template <int NT>
+void rows_vnni(const Params& p, const Job& j, const uint8_t* xq, const float* xd, int64_t row0) {
+  float r0[4], r1[4];
+  const float g = gscale_of(p, j.e);
+  for (int64_t n = j.n0; n < j.n1; n += 2) {
+    const int64_t n2 = std::min(n + 1, j.n1 - 1);
+    if (p.bk == 32) fp4_rows2_vnni<NT, 32>(p, j, n, n2, xq, xd, r0, r1);
+    else fp4_rows2_vnni<NT, 16>(p, j, n, n2, xq, xd, r0, r1);
+    for (int t = 0; t < NT; ++t) {
+      p.out[(row0 + t) * p.N + n] = r0[t] * g;
+      p.out[(row0 + t) * p.N + n2] = r1[t] * g;
+    }
+  }
+}
+
+void run_job_vnni(const Params& p, const Job& j, const uint8_t* xq, const float* xd) {
+  const int64_t nc = p.K / 128;
+  for (int64_t c = 0; c < j.c; c += 4) {
+    const int64_t nt = std::min<int64_t>(4, j.c - c), r = j.lo + c;
+    const uint8_t* q = xq + r * nc * 128;
+    const float* d = xd + r * nc * 16;
+    switch (nt) {
+      case 1: rows_vnni<1>(p, j, q, d, r); break;
+      case 2: rows_vnni<2>(p, j, q, d, r); break;
+      case 3: rows_vnni<3>(p, j, q, d, r); break;
+      default: rows_vnni<4>(p, j, q, d, r); break;
+    }
+  }
+}
+
 // ------------------------------------------------------------------ drivers
 
 enum Isa { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
+
+bool has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+}
 
 int best_isa() {
   __builtin_cpu_init();
@@ -461,7 +573,7 @@ void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const at:
 int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const at::Tensor& data,
                           const at::Tensor& scales, const at::Tensor& table, const at::Tensor& e4m3,
                           const c10::optional<at::Tensor>& gscale, bool fp4, int64_t bn, int64_t bk,
-                          at::Tensor& out, int64_t isa, int64_t dense_from) {
+                          at::Tensor& out, int64_t isa, int64_t dense_from, bool act_int8) {
   TORCH_CHECK_VALUE(a.scalar_type() == at::kFloat && a.dim() == 2 && a.is_contiguous(), "a must be contiguous float32 [R, K]");
   TORCH_CHECK_VALUE(data.scalar_type() == at::kByte && data.dim() == 3 && data.is_contiguous(),
                     "data must be contiguous uint8 [E, N, K']");
@@ -511,11 +623,20 @@ int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const 
   TORCH_CHECK_VALUE(isa <= best, "isa ", isa, " is not supported by this CPU (best: ", best, ")");
   const int run = effective_isa(p, isa == kAuto ? best : static_cast<int>(isa));
 
+  if (act_int8)
+    TORCH_CHECK_VALUE(fp4 && has_vnni() && K % 128 == 0 && (bk == 16 || bk == 32),
+                      "int8 activations need FP4 weights, K % 128 == 0 and an AVX-512 VNNI CPU");
+  at::Tensor xq, xd;
+  if (act_int8) {
+    xq = at::empty({R * (K / 128) * 128}, at::kByte);
+    xd = at::empty({R * (K / 128) * 16}, at::kFloat);
+    quantize_acts_int8(p.a, R, K, xq.data_ptr<uint8_t>(), xd.data_ptr<float>());
+  }
   // The permuted activations are only read by the small-rows vector kernels.
   at::Tensor xs = a;
   bool any_small = false;
   for (int64_t e = 0; e < E; ++e) any_small |= (o[e + 1] > o[e] && o[e + 1] - o[e] <= dense_from);
-  if (p.fp4 && run != kPortable && any_small) {
+  if (p.fp4 && run != kPortable && any_small && !act_int8) {
     xs = at::empty({R, K}, at::kFloat);
     permute_acts(p.a, R, K, run, xs.data_ptr<float>());
   }
@@ -531,6 +652,7 @@ int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const 
     for (int64_t i = j0; i < j1; ++i) {
       const Job& j = jobs[i];
       if (j.c > dense_from) run_job_dense(p, j, a, out, run);
+      else if (act_int8) run_job_vnni(p, j, xq.const_data_ptr<uint8_t>(), xd.const_data_ptr<float>());
       else run_job_small(p, j, xsp, run, w);
     }
   });
@@ -538,8 +660,10 @@ int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const 
 }
 
 int64_t packed_best_isa() { return best_isa(); }
+bool packed_has_vnni() { return has_vnni(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_grouped_mm", &packed_grouped_mm, "grouped GEMM over packed expert weights (see packed_gemm.cpp)");
+  m.def("has_vnni", &packed_has_vnni, "whether the int8-activation (AVX-512 VNNI) FP4 path runs here");
   m.def("best_isa", &packed_best_isa, "the widest ISA path this CPU runs: 1 portable, 2 AVX2, 3 AVX-512");
 }
