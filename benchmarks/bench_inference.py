@@ -231,13 +231,14 @@ def model_suite(arch: str = "gpt_oss", size: str = "small", repeats: int = 3, lo
     import sys
     import tempfile
     from fmoe.examples import generate as G
-    res = {"arch": arch, "size": size, "config": G.SIZES[size], "variants": {}}
+    res = {"arch": arch, "size": size, "config": G.SIZES[size], "threads": torch.get_num_threads(), "variants": {}}
     with tempfile.TemporaryDirectory(prefix="fmoe-bench-inference-") as path:
         G.write_checkpoint(path, arch, size)
         res["checkpoint_bytes"] = os.path.getsize(os.path.join(path, "model.safetensors"))
         for variant in ("fmoe", "transformers"):
             cmd = [sys.executable, "-m", "benchmarks.bench_inference", "--model-child", variant, "--checkpoint", path,
-                   "--arch", arch, "--k", str(G.SIZES[size]["k"]), "--repeats", str(repeats)]
+                   "--arch", arch, "--k", str(G.SIZES[size]["k"]), "--repeats", str(repeats),
+                   "--threads", str(torch.get_num_threads())]
             p = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
                 os.path.abspath(__file__))), timeout=1800)
             if p.returncode:
@@ -280,7 +281,8 @@ def tables(res: dict) -> list[str]:
                          f"{r['layer_vs_stream']:.2f} | {g} | {g8} | {row['stream_gb_per_s']:.1f} |")
     mod = res.get("model")
     if mod:
-        lines += ["", f"Whole model ({mod['arch']}, {mod['size']}: {mod['config']}), bf16 activations; "
+        lines += ["", f"Whole model ({mod['arch']}, {mod['size']}: {mod['config']}), bf16 activations, "
+                  f"{mod.get('threads')} threads; "
                   f"checkpoint {mod['checkpoint_bytes'] / 2**20:.0f} MiB", "",
                   "| variant | decode b1 tok/s | b1 stream bound tok/s | decode b8 tok/s | prefill 512 tok/s | "
                   "RSS after load MiB |", "|---|---|---|---|---|---|"]
