@@ -271,6 +271,27 @@ def test_record_regime_names_a_bad_field():
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="calibrate times the native kernel; no C++ compiler here")
+def test_warmup_calibrate_records_the_thresholds(monkeypatch, capsys):
+    """`python -m fmoe warmup --calibrate` (in process, on tiny experiments) writes what calibrate
+    found into the wisdom file, and regime_for follows it; at one thread it records nothing, exit 1."""
+    from fmoe.__main__ import main
+    monkeypatch.setattr(native, "_CALIBRATION_SHAPES", ((4, 8), (4, 16)))
+    monkeypatch.setattr(native, "_CALIBRATION_ROWS", (1, 2))
+    with _threads(1):
+        assert main(["warmup", "--calibrate"]) == 1
+    assert "not calibrated: calibrate: one intra-op thread" in capsys.readouterr().err
+    assert wisdom.regime() is None
+    with _threads(2):
+        assert main(["warmup", "--calibrate"]) == 0
+        got = wisdom.regime()
+        assert got is not None and native.thresholds() == got and got["small_matrix_bytes"] == 512
+        assert got["below_rows"] in (1, 2, 4) and got["below_rows_big"] in (1, 2, 4)
+        assert f"regime thresholds {got} recorded in {wisdom.path()}" in capsys.readouterr().out
+        busy2 = [0, 1, 2]                       # two experts, one row each, 256-byte matrices
+        assert native.regime_for(busy2, 256) == ("parallel" if got["below_rows"] > 1 else "serial")
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="calibrate times the native kernel; no C++ compiler here")
 def test_calibrate_measures_thresholds_on_this_machine():
     # tiny shapes: the structure and the rule, not the speed (benchmarks/ measure that)
     shapes, rows = ((4, 8), (4, 16)), (1, 2, 4)

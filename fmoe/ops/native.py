@@ -349,11 +349,12 @@ _CALIBRATION_SHAPES = ((64, 512), (32, 1024))
 _CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def calibrate(*, shapes=_CALIBRATION_SHAPES, rows=_CALIBRATION_ROWS, repeats: int = 5,
+def calibrate(*, shapes: Optional[tuple] = None, rows: Optional[tuple] = None, repeats: int = 5,
               log=None) -> tuple:
     """Measure this machine's regime thresholds: float32 :func:`gather_mm` with gathered rows, both
     regimes, median of ``repeats`` each, at ``rows`` rows per expert (ascending) for each
-    ``(E, D)`` of ``shapes`` (E experts, K = N = D; two sizes, the first smaller).
+    ``(E, D)`` of ``shapes`` (E experts, K = N = D; two sizes, the first smaller; None: 64 experts
+    of 512 x 512 and 32 of 1024 x 1024, rows 1 to 64).
 
     For each shape the threshold is the first row count where the parallel regime is no faster
     than the serial one (twice the largest when it always is; 1, never side by side, when it
@@ -366,6 +367,8 @@ def calibrate(*, shapes=_CALIBRATION_SHAPES, rows=_CALIBRATION_ROWS, repeats: in
         (thresholds, seconds): thresholds as :func:`thresholds` gives them; seconds
         ``{"E=64,D=512,r=4": [parallel_s, serial_s], ...}`` for each point measured.
     """
+    shapes = _CALIBRATION_SHAPES if shapes is None else shapes
+    rows = _CALIBRATION_ROWS if rows is None else rows
     if not AVAILABLE:
         raise RuntimeError(f"calibrate: the native CPU grouped GEMM is not active ({_WHY}); "
                            f"build it with `{_BUILD_CMD}`")
