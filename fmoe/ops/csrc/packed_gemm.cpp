@@ -12,7 +12,7 @@
 //   fp8: data uint8 [E, N, K] (E4M3 bytes), scales either float32 [E, ceil(N/bn), ceil(K/bk)]
 //        (fp8_block, fp8_row) or uint8 E8M0 [E, N, K/32] through the table (mxfp8).
 //
-// Work split: jobs = (busy expert, tile of kTileN weight rows), at::parallel_for over jobs,
+// Work split: jobs = (busy expert, tile of weight rows), at::parallel_for over jobs,
 // so the threads split the weight stream. Per job, experts with few rows (C <= dense_from)
 // decode each weight row in registers and dot it with every row of the expert (register
 // blocked, up to 4 rows per pass); experts with more rows decode the tile to float32 once
@@ -41,7 +41,8 @@
 
 namespace {
 
-constexpr int64_t kTileN = 64;  // weight rows per job
+constexpr int64_t kTileN = 64;        // weight rows per job (register kernels)
+constexpr int64_t kTileDense = 256;   // weight rows per job decoded to float (<= 2 MiB at K = 2048: L2)
 
 // E2M1 code -> value (spec table); sign is bit 3.
 constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
@@ -645,7 +646,9 @@ int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const 
   std::vector<Job> jobs;
   for (int64_t e = 0; e < E; ++e) {
     if (o[e + 1] == o[e]) continue;
-    for (int64_t n0 = 0; n0 < N; n0 += kTileN) jobs.push_back({e, o[e], o[e + 1] - o[e], n0, std::min(N, n0 + kTileN)});
+    // Fewer, larger tiles for the decode + at::mm path: each at::mm call has a fixed cost.
+    const int64_t tile = (o[e + 1] - o[e] > dense_from) ? kTileDense : kTileN;
+    for (int64_t n0 = 0; n0 < N; n0 += tile) jobs.push_back({e, o[e], o[e + 1] - o[e], n0, std::min(N, n0 + tile)});
   }
   at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t j0, int64_t j1) {
     std::vector<float> w;
