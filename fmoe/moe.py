@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from .comm import resolve
 from .engine import kinds as _kinds
 from .engine import plan as _plan
+from .engine import traced as _traced
 from .experts import EXPERT_PARAMS, ExpertSpec, expert_dtype, expert_form, init_experts, shared_experts
 from .layout import LAYOUTS, make_layout
 from .losses import gshard_loss, load_importance_loss
@@ -593,6 +594,11 @@ def _experts(spec: MoESpec, experts, compute: Tensor, routing: Routing, kind: st
         raise ValueError("custom experts with takes_plan=True run on one process in eager mode (no torch.func "
                          "transform, no torch.compile) with is_postscore=True and combine 'fmoe' or 'eager'; "
                          "use takes_plan=False (padded [E, C, M] buffers) there")
+    if (kw is not None and spec.plan == "auto" and spec.is_postscore and not es.takes_plan
+            and _traced.applies(kw["form"], ts, es.precision, spec.combine)):   # torch.compile: the rows plan's op
+        y = _traced.run(kw["form"], compute, routing, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"],
+                        order=spec.combine, save=spec.save)
+        return y, routing.num_dropped()
     on_rows = es.takes_plan or (kw is not None and spec.plan == "auto" and rows_ok)
     # a custom expert's parameters are not in ts: any call with grad on may be a training call
     needs_grad = torch.is_grad_enabled() and (es.type == "custom" or any(t is not None and t.requires_grad for t in ts))

@@ -30,7 +30,7 @@ from .. import _slots
 from ..layout import Layout
 from ..routing import Routing
 
-__all__ = ["PHASES", "TRACED", "DECODE_ROWS", "ExpertPlan", "make_plan", "plan_from_bounds", "phase_of"]
+__all__ = ["PHASES", "TRACED", "DECODE_ROWS", "ExpertPlan", "make_plan", "plan_from_bounds", "phase_of", "kept_rows"]
 
 PHASES = ("train", "prefill", "decode")
 TRACED = "traced"   # the phase of a layout plan
@@ -133,34 +133,46 @@ class ExpertPlan:
                 f"{self.device.type}" + ("" if self.precision is None else f", precision={self.precision}") + ")")
 
 
-def _rows_cpu(routing: Routing) -> tuple[Tensor, Tensor, tuple, Tensor]:
+def _rows_cpu(ids: Tensor, slots: Tensor, counts: Tensor, C: int) -> tuple[Tensor, Tensor, tuple, Tensor]:
     # One numba walk over the pairs replaces the ragged layout's two dozen small ops (about
     # 0.15-0.3 ms of a decode call at T 16, E 32-64).
-    ids = routing.expert_ids
     k, T = ids.shape
-    E = routing.num_experts
+    E = counts.shape[0]
     out, pairs = torch.empty(E + 2 + k * T, dtype=torch.int64), torch.empty(k * T, dtype=torch.int64)
     a = _slots.int64_array
-    N = _slots.kept_rows_walk(a(ids), a(routing.slots), a(routing.counts), routing.capacity, out.numpy(), pairs.numpy())
+    N = _slots.kept_rows_walk(a(ids), a(slots), a(counts), C, out.numpy(), pairs.numpy())
     if N < 0:
         raise ValueError(f"make_plan: the routing's counts disagree with its slots: {_slots.KEPT_ROWS_ERRORS[N]}")
     return out[E + 2:E + 2 + N], pairs[:N], tuple(out[:E + 1].tolist()), out[E + 1]
 
 
-def rows_reference(routing: Routing) -> tuple[Tensor, Tensor, tuple, Tensor]:
-    """(tokens, pairs, bounds, dropped) in torch ops: the reference of the CPU walk, and the
-    path off the CPU. Ragged rows run in (expert, slot) order, which is the order of the
-    padded rows ``e * C + slot``: sorting the kept pairs by that key gives them."""
-    ids, slots, C = routing.expert_ids, routing.slots, routing.capacity
+def _rows_torch(ids: Tensor, slots: Tensor, counts: Tensor, C: int) -> tuple[Tensor, Tensor, tuple, Tensor]:
+    # Ragged rows run in (expert, slot) order, which is the order of the padded rows
+    # e * C + slot: sorting the kept pairs by that key gives them.
     kept = ((ids >= 0) & (slots < C)).reshape(-1)
     pairs = torch.nonzero(kept).squeeze(1)
     key = (ids * C + slots).reshape(-1).index_select(0, pairs)
     pairs = pairs.index_select(0, torch.argsort(key, stable=True))
     bounds = [0]
-    for n in routing.counts.clamp(max=C).tolist():
+    for n in counts.clamp(max=C).tolist():
         bounds.append(bounds[-1] + n)
     dropped = ((ids >= 0) & (slots >= C)).sum()
-    return pairs.remainder(routing.num_tokens), pairs, tuple(bounds), dropped
+    return pairs.remainder(ids.shape[1]), pairs, tuple(bounds), dropped
+
+
+def rows_reference(routing: Routing) -> tuple[Tensor, Tensor, tuple, Tensor]:
+    """(tokens, pairs, bounds, dropped) in torch ops: the reference of the CPU walk, and the
+    path off the CPU."""
+    return _rows_torch(routing.expert_ids, routing.slots, routing.counts, routing.capacity)
+
+
+def kept_rows(expert_ids: Tensor, slots: Tensor, counts: Tensor, capacity: int) -> tuple[Tensor, Tensor, tuple, Tensor]:
+    """(tokens [N], pairs [N], bounds (E + 1 host ints), dropped []) of a routing given as its
+    tensors (``expert_ids``/``slots`` int64 [k, T], ``counts`` int64 [E]) and capacity: the kept
+    pairs sorted by expert, one host sync."""
+    if expert_ids.device.type == "cpu":
+        return _rows_cpu(expert_ids, slots, counts, capacity)
+    return _rows_torch(expert_ids, slots, counts, capacity)
 
 
 def plan_from_bounds(tokens: Tensor, pairs: Tensor, bounds, num_tokens: int, *, needs_grad: bool,
@@ -197,9 +209,6 @@ def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precisi
     if layout is not None:
         return ExpertPlan(None, None, None, None, routing.num_tokens, routing.num_dropped(), TRACED, dtype, precision,
                           routing=routing, layout=layout)
-    if routing.expert_ids.device.type == "cpu":
-        tokens, pairs, bounds, dropped = _rows_cpu(routing)
-    else:
-        tokens, pairs, bounds, dropped = rows_reference(routing)
+    tokens, pairs, bounds, dropped = kept_rows(routing.expert_ids, routing.slots, routing.counts, routing.capacity)
     return plan_from_bounds(tokens, pairs, bounds, routing.num_tokens, needs_grad=needs_grad, dtype=dtype,
                             precision=precision, dropped=dropped)

@@ -1,0 +1,125 @@
+"""torch.compile and torch.func against eager mode, one process, interleaved.
+
+    python -m benchmarks.bench_compile [--reps 7] [--kinds ffn,swiglu] [--cfs 1.25,0] [--json out.json]
+
+Per (kind, capacity factor), a training step (forward + backward of ``fmoe.moe``):
+
+* ``eager``: the rows plan on the native kernels;
+* ``compiled``: ``torch.compile(fullgraph=True)`` of the same step (the rows plan's custom op,
+  :mod:`fmoe.engine.traced`);
+* ``compiled_layout``: compiled with ``MoESpec(plan='layout')``: the staged kernel over the
+  layout's buffers, the route compiled calls took before the custom op.
+
+And a sweep of N gate matrices: one ``vmap`` over them (forward, the layout plan: vmap's batch
+rule) against N eager calls. Medians of ``--reps`` rounds, each round running every variant once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from torch.func import vmap
+
+import fmoe
+
+KINDS = ("ffn", "gated_ffn", "swiglu", "gpt_oss")
+
+
+def _spec(kind, cf, M, H, E, k, plan="auto"):
+    return fmoe.MoESpec(model_dim=M, num_experts=E, gate=fmoe.GateSpec(k=k, capacity_factor=cf),
+                        experts=fmoe.ExpertSpec(type=kind, hidden_size=H), plan=plan)
+
+
+def _leaves(p):
+    return [v for d in p.values() for v in d.values() if v is not None]
+
+
+def _train_step(spec):
+    def step(p, x):
+        y, aux = fmoe.moe(p, x, spec)
+        return y.square().mean() + aux.l_aux
+    return step
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--kinds", default="ffn,swiglu")
+    ap.add_argument("--cfs", default="1.25,0")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--model_dim", type=int, default=768)
+    ap.add_argument("--hidden", type=int, default=384)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--sweep", type=int, default=8, help="gate settings in the vmapped sweep")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    T, M, H, E, k = a.tokens, a.model_dim, a.hidden, a.experts, a.k
+    x = torch.randn(T, M, generator=torch.Generator().manual_seed(1))
+    rows = []
+    torch._dynamo.config.recompile_limit = 64   # one compiled step per variant and setting
+    for kind in a.kinds.split(","):
+        for cf in (float(c) for c in a.cfs.split(",")):
+            spec, lspec = _spec(kind, cf, M, H, E, k), _spec(kind, cf, M, H, E, k, plan="layout")
+            p = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))
+            leaves = _leaves(p)
+            for t in leaves:
+                t.requires_grad_(True)
+            fns = {"eager": _train_step(spec), "compiled": torch.compile(_train_step(spec), fullgraph=True),
+                   "compiled_layout": torch.compile(_train_step(lspec), fullgraph=True)}
+            runs = {n: (lambda f=f: torch.autograd.grad(f(p, x), leaves)) for n, f in fns.items()}
+            for f in runs.values():   # compile and warm up outside the timing
+                f()
+                f()
+            times = {n: [] for n in runs}
+            for _ in range(a.reps):
+                for n, f in runs.items():
+                    times[n].append(_timed(f))
+            med = {n: statistics.median(v) for n, v in times.items()}
+            row = {"kind": kind, "cf": cf, **{f"{n}_ms": v * 1e3 for n, v in med.items()},
+                   "compiled_over_eager": med["compiled"] / med["eager"],
+                   "compiled_layout_over_eager": med["compiled_layout"] / med["eager"]}
+            rows.append(row)
+            print(f"{kind:9s} cf={cf:<5} eager {row['eager_ms']:8.1f} ms | compiled {row['compiled_ms']:8.1f} ms "
+                  f"({row['compiled_over_eager']:.2f}x) | compiled, layout plan {row['compiled_layout_ms']:8.1f} ms "
+                  f"({row['compiled_layout_over_eager']:.2f}x)", flush=True)
+    # the vmapped sweep: N gate matrices in one call against N eager calls (forward)
+    spec = _spec("ffn", 1.25, M, H, E, k)
+    p = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))
+    wgs = torch.randn(a.sweep, *p["gate"]["wg"].shape, generator=torch.Generator().manual_seed(2)) * 0.02
+    one = lambda wg: fmoe.moe({"gate": {"wg": wg}, "experts": p["experts"]}, x, spec)[0]  # noqa: E731
+    swept = lambda: vmap(one)(wgs)  # noqa: E731
+    loop = lambda: [one(wg) for wg in wgs]  # noqa: E731
+    with torch.no_grad():
+        swept(), loop()
+        ts = {"vmap": [], "loop": []}
+        for _ in range(a.reps):
+            ts["vmap"].append(_timed(swept))
+            ts["loop"].append(_timed(loop))
+    sweep = {"N": a.sweep, "vmap_ms": statistics.median(ts["vmap"]) * 1e3,
+             "loop_ms": statistics.median(ts["loop"]) * 1e3}
+    sweep["vmap_over_loop"] = sweep["vmap_ms"] / sweep["loop_ms"]
+    print(f"sweep of {a.sweep} gate settings (ffn cf=1.25, forward): vmap {sweep['vmap_ms']:.1f} ms, "
+          f"{a.sweep} eager calls {sweep['loop_ms']:.1f} ms ({sweep['vmap_over_loop']:.2f}x)")
+    out = {"T": T, "M": M, "H": H, "E": E, "k": k, "threads": torch.get_num_threads(), "reps": a.reps,
+           "load": os.getloadavg(), "steps": rows, "sweep": sweep}
+    if a.json:
+        tmp = a.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f, indent=1)
+        os.replace(tmp, a.json)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Expert-parallel training step against one process running the same local GEMM shapes.
+
+    mpiexec -n 2 python -m benchmarks.bench_ep [--reps 7] [--kinds ffn,swiglu] [--cfs 1.25,0] [--json out.json]
+
+Each rank holds E/W experts and receives about k*T rows; the baseline runs fmoe.moe on one
+process with E/W experts and the same T tokens per rank (the same expert GEMMs, no exchange),
+on every rank at once so both see the same load. Variants per (kind, capacity factor), timed
+interleaved round by round (forward + backward, one torch thread per rank, the slowest rank's
+time):
+
+* ``mpi``: expert parallel over MPIComm;
+* ``gloo``: expert parallel over TorchDistComm (gloo, initialised inside this job);
+* ``staged``: ``mpi`` with the engine switched off inside this benchmark, so the received
+  buffers run the staged kernel (every padded row multiplied): the route before the engine;
+* ``local``: the one-process baseline.
+
+Rank 0 prints the medians and the ratios to ``local``; with ``--json`` it writes them too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+
+import fmoe
+from fmoe import parallel as _par
+from fmoe.parallel import ParallelSpec, shard_experts
+from mpi_backend import MPIComm
+
+KINDS = ("ffn", "gated_ffn", "swiglu", "gpt_oss")
+
+
+def _gloo(comm):
+    import torch.distributed as dist
+    from fmoe.comm import TorchDistComm
+    port = torch.tensor([0])
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port[0] = s.getsockname()[1]
+    port = int(comm.all_reduce(port, "max"))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
+    return TorchDistComm()
+
+
+def _spec(kind: str, E: int, M: int, H: int, k: int, cf: float) -> fmoe.MoESpec:
+    return fmoe.MoESpec(model_dim=M, num_experts=E, gate=fmoe.GateSpec(k=k, capacity_factor=cf),
+                        experts=fmoe.ExpertSpec(type=kind, hidden_size=H))
+
+
+def _step(params, x, spec, comm=None, parallel=None):
+    p = {g: {k: v.detach().requires_grad_(True) for k, v in d.items() if v is not None}
+         for g, d in params.items()}
+    y, _ = fmoe.moe(p, x, spec, comm=comm, parallel=parallel)
+    y.square().mean().backward()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--cfs", default="1.25,2.0,0")
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--model_dim", type=int, default=768)
+    ap.add_argument("--hidden", type=int, default=384)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    comm = MPIComm()
+    W = comm.size
+    if W < 2:
+        sys.exit("run under mpiexec -n 2 (or more)")
+    gloo = _gloo(comm)
+    T, E, M, H, k = a.tokens, a.experts, a.model_dim, a.hidden, a.k
+    x = torch.randn(T, M, generator=torch.Generator().manual_seed(1 + comm.rank))
+    results = []
+    engine_form = _par._engine_form
+    for kind in a.kinds.split(","):
+        for cf in (float(c) for c in a.cfs.split(",")):
+            spec = _spec(kind, E, M, H, k, cf)
+            full = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))
+            local = {"gate": full["gate"], "experts": shard_experts(kind, full["experts"], E, comm.rank, W)}
+            # the baseline: E/W experts on one process, the same tokens: the same local GEMM shapes
+            one_spec = _spec(kind, E // W, M, H, k, cf)
+            one = fmoe.init_params(one_spec, generator=torch.Generator().manual_seed(0))
+
+            def staged():
+                _par._engine_form = lambda *args: None
+                try:
+                    _step(local, x, spec, comm, ParallelSpec())
+                finally:
+                    _par._engine_form = engine_form
+
+            variants = {"mpi": lambda: _step(local, x, spec, comm, ParallelSpec()),
+                        "gloo": lambda: _step(local, x, spec, gloo, ParallelSpec()),
+                        "staged": staged,
+                        "local": lambda: _step(one, x, one_spec)}
+            times = {n: [] for n in variants}
+            for rep in range(a.reps + 1):   # round 0 warms up
+                for name, fn in variants.items():
+                    comm.mpi_comm.Barrier()
+                    t0 = time.perf_counter()
+                    fn()
+                    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                    dt = float(comm.all_reduce(dt, "max"))
+                    if rep:
+                        times[name].append(dt)
+            med = {n: statistics.median(v) for n, v in times.items()}
+            row = {"kind": kind, "cf": cf, **{f"{n}_ms": v * 1e3 for n, v in med.items()},
+                   **{f"{n}_over_local": med[n] / med["local"] for n in ("mpi", "gloo", "staged")}}
+            results.append(row)
+            if comm.rank == 0:
+                print(f"{kind:9s} cf={cf:<5} local {row['local_ms']:8.1f} ms | mpi {row['mpi_ms']:8.1f} ms "
+                      f"({row['mpi_over_local']:.2f}x) | gloo {row['gloo_ms']:8.1f} ms ({row['gloo_over_local']:.2f}x)"
+                      f" | staged {row['staged_ms']:8.1f} ms ({row['staged_over_local']:.2f}x)", flush=True)
+    out = {"ranks": W, "threads_per_rank": 1, "T_per_rank": T, "E": E, "M": M, "H": H, "k": k, "reps": a.reps,
+           "load": os.getloadavg(), "rows": results}
+    if comm.rank == 0 and a.json:
+        tmp = a.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f, indent=1)
+        os.replace(tmp, a.json)
+    comm.close()
+    return out
+
+
+if __name__ == "__main__":
+    main()
