@@ -28,11 +28,13 @@ is masked down to its own values, exactly as a separate run would see them:
 
 Exactness (tested against ``mode="loop"``, i.e. separate runs with real
 shapes through the library's ``top_k_routing``): routing decisions (ids,
-kept slots, counts, drops) are identical, and losses and statistics are equal
-bit for bit. The exceptions are reductions over the expert axis when a setting
-masks experts: softmax denominators and the GShard sum add E_max (zero-padded)
-instead of E_s terms and may differ in the last bit. Gradients pass through
-batched matmuls of other shapes and agree to float rounding (rtol 1e-5).
+kept slots, counts, drops) are identical, and routing statistics and the gate
+losses are equal bit for bit. The exceptions are reductions over the expert axis
+when a setting masks experts: softmax denominators and the GShard sum add E_max
+(zero-padded) instead of E_s terms and may differ in the last bit. The task loss
+and the gradients pass through expert GEMMs that vmap batches into other shapes
+and agree to float rounding (rtol 1e-5; bit for bit on Intel's MKL paths, not on
+those MKL takes on other CPUs).
 
 Masking costs compute (every setting pays for E_max x C_max buffer rows). When
 the shape settings vary a lot, ``mode="grouped"`` runs one vmapped call per
