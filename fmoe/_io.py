@@ -13,8 +13,6 @@ import os
 import tempfile
 from typing import Callable, Iterator
 
-__all__ = ["atomic_write", "atomic_save", "atomic_write_text", "replace_all"]
-
 
 def _fsync_dir(folder: str) -> None:
     try:

@@ -25,7 +25,6 @@ from typing import Iterator, Optional
 
 import numba
 
-__all__ = ["threading_layer", "tbb_library", "kernel_call", "sync_threads", "TBB_ERROR"]
 
 TBB_ERROR: Optional[str] = None  # why TBB could not be loaded (None when it was)
 _TBB_PATH: Optional[str] = None

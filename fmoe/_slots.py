@@ -15,8 +15,6 @@ from torch import Tensor
 
 from . import _numba  # noqa: F401  (selects numba's threading layer before any kernel compiles)
 
-__all__ = ["assign_slots_walk", "assign_slots_fast", "kept_rows_walk", "KEPT_ROWS_ERRORS", "int64_array"]
-
 
 @njit(cache=True, nogil=True)
 def assign_slots_walk(ids, order, num_experts, slots, counts):

@@ -17,9 +17,6 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
-__all__ = ["unwrap", "expert_parameter_names", "named_parameters_by_kind", "local_full",
-           "logical_tensors", "load_logical", "num_experts_of"]
-
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside a DistributedDataParallel wrapper (FSDP2 does not wrap)."""

@@ -17,9 +17,6 @@ from ...ops import combine, dispatch
 from ...routing import Routing, top_k_routing
 from ._groups import comm_of
 
-__all__ = ["fast_cumsum_sub_one", "extract_critical", "routing_of", "critical_of", "fast_encode", "fast_decode",
-           "get_reversed_sample_ids", "get_topk_selection", "get_dispatch_count", "gshard_loss"]
-
 
 def gshard_loss(scores: Tensor, topk_ids: Tensor) -> Tensor:
     """Tutel's default ``loss_fn(scores [T, E], topk_ids [T, k])``: GShard loss of the top-1 ids."""

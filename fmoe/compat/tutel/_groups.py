@@ -20,7 +20,6 @@ import sys
 
 from ...comm import LocalComm
 
-__all__ = ["comm_of", "set_world", "world_size_of", "close_all", "SESSION", "OWNED", "session_local_size"]
 
 _BY_GROUP: dict = {}
 _WORLD: list = []  # the MPI world communicator, when the session runs over MPI

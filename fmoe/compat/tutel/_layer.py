@@ -34,7 +34,6 @@ from ...routing import top_k_routing
 from ... import losses as _losses
 from ._groups import comm_of, session_local_size
 
-__all__ = ["moe_layer", "MOELayer"]
 
 _BUILTIN_GATE_KEYS = {"top": {"k", "fp32_gate", "capacity_factor", "gate_noise"},
                       "cosine_top": {"k", "fp32_gate", "capacity_factor", "gate_noise", "proj_dim", "init_t"}}
