@@ -10,8 +10,8 @@ bounds, both as host ints (the kernels' loop bounds) and as an int64 ``offsets [
 tensor (their argument); ``experts [N]``, the expert of each row, is made on first use. Rows
 in a plan are exactly the rows of :func:`fmoe.make_layout` (routing, 'ragged'); tests check it.
 
-A layout plan (``make_plan(..., layout=)``: under torch.func transforms and torch.compile,
-and wherever the staged arithmetic is asked for) holds the routing and its
+A layout plan (``make_plan(..., layout=)``: under torch.func transforms, and wherever the
+staged arithmetic is asked for; torch.compile runs rows plans, :mod:`.traced`) holds the routing and its
 :class:`~fmoe.Layout` instead: static buffer shapes, no host bounds, phase 'traced'.
 
 Either plan names the call's phase, dtype and precision: the key by which
