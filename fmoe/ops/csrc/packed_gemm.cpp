@@ -34,6 +34,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -650,9 +651,14 @@ int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const 
     const int64_t tile = (o[e + 1] - o[e] > dense_from) ? kTileDense : kTileN;
     for (int64_t n0 = 0; n0 < N; n0 += tile) jobs.push_back({e, o[e], o[e + 1] - o[e], n0, std::min(N, n0 + tile)});
   }
-  at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t j0, int64_t j1) {
+  // Jobs are taken from a shared counter, not split in fixed halves: on a shared or busy host a
+  // thread that starts late (descheduled) leaves its share to the others instead of holding
+  // the whole call until it has run its half.
+  std::atomic<int64_t> next{0};
+  const int64_t njobs = static_cast<int64_t>(jobs.size());
+  at::parallel_for(0, std::min<int64_t>(njobs, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     std::vector<float> w;
-    for (int64_t i = j0; i < j1; ++i) {
+    for (int64_t i = next.fetch_add(1); i < njobs; i = next.fetch_add(1)) {
       const Job& j = jobs[i];
       if (j.c > dense_from) run_job_dense(p, j, a, out, run);
       else if (act_int8) run_job_vnni(p, j, xq.const_data_ptr<uint8_t>(), xd.const_data_ptr<float>());
