@@ -47,8 +47,9 @@ __all__ = ["AVAILABLE", "DENSE_FROM", "ISAS", "grouped_matmul", "grouped_matmul_
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
 _ISA_NAMES = {v: k for k, v in ISAS.items()}
 # Rows per expert above which a job decodes its tile to FP32 and runs at::mm instead of the
-# register kernels (which re-decode the weights for every 4 rows). Measured with
-# benchmarks/bench_inference.py --kernel-only on the 2-core AVX-512 dev VM (see BENCHMARKS.md).
+# register kernels (which decode the weights again for every 4 rows). Chosen, not measured: two
+# passes of the register kernels still read the weights at decode speed, and at::mm wins once
+# the FLOPs per weight dominate; re-measure when the shared dev VM is quiet.
 DENSE_FROM = 8
 
 _NAME = "fmoe_packed_gemm"
