@@ -370,6 +370,13 @@ def expert_stage(experts, expert_params, x: Tensor, routing, comm, parallel: Opt
     Returns:
         [T, O] in x's dtype.
     """
+    par = parallel or ParallelSpec()
+    _, s = sharding(num_experts, comm.size)
+    if (layout_kind == "padded" and s == 1 and par.degree(s) == 1 and par.overlap_degree == 1
+            and _engine_form(experts, expert_params, x) is not None):
+        # The engine multiplies the kept rows only; exchanged as ragged rows, no row past an
+        # expert's fill crosses the wire either (the same pairs in the same order: equal outputs)
+        layout_kind = "ragged"
     layout = make_layout(routing, layout_kind)
     kern = GroupedGemm(layout)
     buffers = kern.dispatch(x, routing, weighted=prescore)
