@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -33,20 +32,9 @@ from fmoe import parallel as _par
 from fmoe.parallel import ParallelSpec, shard_experts
 from mpi_backend import MPIComm
 
+from . import bench_comm
+
 KINDS = ("ffn", "gated_ffn", "swiglu", "gpt_oss")
-
-
-def _gloo(comm):
-    import torch.distributed as dist
-    from fmoe.comm import TorchDistComm
-    port = torch.tensor([0])
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port[0] = s.getsockname()[1]
-    port = int(comm.all_reduce(port, "max"))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
-    return TorchDistComm()
 
 
 def _spec(kind: str, E: int, M: int, H: int, k: int, cf: float) -> fmoe.MoESpec:
@@ -78,7 +66,7 @@ def main(argv=None) -> dict:
     W = comm.size
     if W < 2:
         sys.exit("run under mpiexec -n 2 (or more)")
-    gloo = _gloo(comm)
+    gloo = bench_comm.gloo(comm)
     T, E, M, H, k = a.tokens, a.experts, a.model_dim, a.hidden, a.k
     x = torch.randn(T, M, generator=torch.Generator().manual_seed(1 + comm.rank))
     results = []

@@ -135,9 +135,10 @@ def library_path() -> str:
     return os.path.join(_cache_root(), _key(), _NAME + ".so")
 
 
-def _load(path: str):
-    loader = importlib.machinery.ExtensionFileLoader(_NAME, path)
-    spec = importlib.util.spec_from_file_location(_NAME, path, loader=loader)
+def load_extension(name: str, path: str):
+    """The built extension module ``name`` at ``path`` (exceptions propagate: callers fall back)."""
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module
@@ -156,7 +157,7 @@ def _try_load() -> None:
                 else "no C++ compiler (c++/g++ not on PATH): torch fallback")
         return
     try:
-        _EXT = _load(path)
+        _EXT = load_extension(_NAME, path)
     except Exception as e:  # a broken build must not break the import of fmoe
         _WHY = f"load of {path} failed ({type(e).__name__}: {e}): torch fallback; rebuild with `{_BUILD_CMD}`"
         return
@@ -187,33 +188,40 @@ class _ninja_on_path:
         os.environ["PATH"] = self._old
 
 
-def build(verbose: bool = True) -> str:
-    """Compile the extension for the current key (a no-op when built) and activate it.
-
-    Builds in a temporary directory beside the final one and renames the finished library
-    into place, so a concurrent or interrupted build never leaves a partial file to load.
-    Returns the library path. Raises RuntimeError when no C++ compiler is on PATH.
-    """
+def compile_extension(name: str, source: str, path: str, *, cflags, ldflags, what: str, tag: str,
+                      verbose: bool) -> None:
+    """Compile ``source`` as the extension ``name`` into ``path`` (torch.utils.cpp_extension with
+    ninja). Built in a temporary directory beside the final one and renamed into place, so a
+    concurrent or interrupted build never leaves a partial file to load. RuntimeError naming
+    ``what`` when no C++ compiler is on PATH."""
     from torch.utils import cpp_extension
 
+    if not _compiler():
+        raise RuntimeError(f"no C++ compiler (c++/g++) on PATH: cannot build {what}")
+    final_dir = os.path.dirname(path)
+    os.makedirs(final_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".build-", dir=os.path.dirname(final_dir))
+    t0 = time.time()
+    say = print if verbose else (lambda *a, **k: None)
+    say(f"[{tag}] compiling {source}\n[{tag}] into {final_dir} (about a minute)", flush=True)
+    try:
+        with _ninja_on_path():
+            cpp_extension.load(name, [source], extra_cflags=list(cflags), extra_ldflags=list(ldflags),
+                               build_directory=tmp, verbose=verbose, with_cuda=False)
+        os.replace(os.path.join(tmp, name + ".so"), path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    say(f"[{tag}] built {path} in {time.time() - t0:.0f} s", flush=True)
+
+
+def build(verbose: bool = True) -> str:
+    """Compile the extension for the current key (a no-op when built) and activate it
+    (:func:`compile_extension`). Returns the library path. Raises RuntimeError when no C++
+    compiler is on PATH."""
     path = library_path()
     if not os.path.exists(path):
-        if not _compiler():
-            raise RuntimeError("no C++ compiler (c++/g++) on PATH: cannot build the native grouped GEMM")
-        final_dir = os.path.dirname(path)
-        os.makedirs(final_dir, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".build-", dir=os.path.dirname(final_dir))
-        t0 = time.time()
-        say = print if verbose else (lambda *a, **k: None)
-        say(f"[fmoe.native] compiling {_SOURCE}\n[fmoe.native] into {final_dir} (about a minute)", flush=True)
-        try:
-            with _ninja_on_path():
-                cpp_extension.load(_NAME, [_SOURCE], extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS),
-                                   build_directory=tmp, verbose=verbose, with_cuda=False)
-            os.replace(os.path.join(tmp, _NAME + ".so"), path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        say(f"[fmoe.native] built {path} in {time.time() - t0:.0f} s", flush=True)
+        compile_extension(_NAME, _SOURCE, path, cflags=_CFLAGS, ldflags=_LDFLAGS, what="the native grouped GEMM",
+                          tag="fmoe.native", verbose=verbose)
     if not AVAILABLE:
         _try_load()
         if not AVAILABLE:

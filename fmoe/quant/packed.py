@@ -26,14 +26,8 @@ path against that bound). Weight bytes that encode NaN decode to NaN, as in dequ
 from __future__ import annotations
 
 import hashlib
-import importlib.machinery
-import importlib.util
 import os
-import shutil
 import sys
-import tempfile
-import time
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -95,10 +89,7 @@ def _try_load() -> None:
                 else "no C++ compiler (c++/g++ not on PATH): numba fallback")
         return
     try:
-        loader = importlib.machinery.ExtensionFileLoader(_NAME, path)
-        spec = importlib.util.spec_from_file_location(_NAME, path, loader=loader)
-        module = importlib.util.module_from_spec(spec)
-        loader.exec_module(module)
+        module = native.load_extension(_NAME, path)
     except Exception as e:  # a broken build must not break the import of fmoe
         _WHY = f"load of {path} failed ({type(e).__name__}: {e}): numba fallback; rebuild with `{_BUILD_CMD}`"
         return
@@ -116,27 +107,11 @@ def build(verbose: bool = True) -> str:
     """Compile the packed-weight extension for the current key (a no-op when built) and load it.
     Same machinery as :func:`fmoe.ops.native.build`, its own module and cache directory, so a
     failure here never touches the float grouped GEMM. Returns the library path."""
-    from torch.utils import cpp_extension
-
     from ..ops import native
     path = library_path()
     if not os.path.exists(path):
-        if not native._compiler():
-            raise RuntimeError("no C++ compiler (c++/g++) on PATH: cannot build the packed-weight GEMM")
-        final_dir = os.path.dirname(path)
-        os.makedirs(final_dir, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".build-", dir=os.path.dirname(final_dir))
-        t0 = time.time()
-        say = print if verbose else (lambda *a, **k: None)
-        say(f"[fmoe.quant.packed] compiling {_SOURCE}\n[fmoe.quant.packed] into {final_dir}", flush=True)
-        try:
-            with native._ninja_on_path():
-                cpp_extension.load(_NAME, [_SOURCE], extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS),
-                                   build_directory=tmp, verbose=verbose, with_cuda=False)
-            os.replace(os.path.join(tmp, _NAME + ".so"), path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        say(f"[fmoe.quant.packed] built {path} in {time.time() - t0:.0f} s", flush=True)
+        native.compile_extension(_NAME, _SOURCE, path, cflags=_CFLAGS, ldflags=_LDFLAGS,
+                                 what="the packed-weight GEMM", tag="fmoe.quant.packed", verbose=verbose)
     if not AVAILABLE:
         _try_load()
         if not AVAILABLE:
