@@ -479,8 +479,9 @@ def test_a_layout_plan_runs_the_staged_kernel_and_equals_the_rows_plan():
                       b_out=kw["b_out"])
     for kind in ("padded", "ragged"):
         plan = make_plan(r, needs_grad=False, dtype=DT, layout=make_layout(r, kind))
-        assert plan.phase == "traced" and plan.tokens is None and plan.num_rows == plan.layout.num_rows
-        assert repr(plan).startswith(f"ExpertPlan(T=30, E=6, layout={kind}, rows={plan.layout.num_rows}, phase=traced")
+        assert isinstance(plan, engine.LayoutPlan) and not hasattr(plan, "tokens")
+        assert plan.phase == "traced" and plan.num_rows == plan.layout.num_rows and plan.num_tokens == 30
+        assert repr(plan).startswith(f"LayoutPlan(T=30, E=6, layout={kind}, rows={plan.layout.num_rows}, phase=traced")
         assert plan.row_weights(r.weights) is r.weights
         assert isinstance(engine.select(plan), GroupedGemm)
         with pytest.raises(ValueError, match="no host row counts"):

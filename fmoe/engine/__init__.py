@@ -13,10 +13,10 @@ multiply through :func:`grouped_mm` (the table's kernels, differentiable). A lay
 (``make_plan(..., layout=)``, for traced calls) runs the same kinds on the staged kernel,
 :class:`fmoe.ops.grouped.GroupedGemm` over the layout's buffers.
 """
-from .plan import ExpertPlan, make_plan
+from .plan import ExpertPlan, LayoutPlan, make_plan
 from .table import Kernel, explain, select
 from .kinds import ExpertForm, combine_rows, reference, run, run_custom
 from .grouped import grouped_mm
 
-__all__ = ["ExpertPlan", "make_plan", "Kernel", "select", "explain", "ExpertForm", "run", "run_custom", "reference", "grouped_mm",
+__all__ = ["ExpertPlan", "LayoutPlan", "make_plan", "Kernel", "select", "explain", "ExpertForm", "run", "run_custom", "reference", "grouped_mm",
            "combine_rows"]

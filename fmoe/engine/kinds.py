@@ -30,7 +30,7 @@ transformers' eager loop bit for bit (``(y_e * w).to(dt)`` added in dt, one expe
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ from ..ops.memory_order import stored_transposed
 from ..ops.orders import COMBINES
 from ..ops.primitives import PLAIN_TENSORS
 from ..ops.reference import compute_dtype
-from .plan import ExpertPlan
+from .plan import ExpertPlan, LayoutPlan
 from .table import Kernel, select
 
 __all__ = ["FORMS", "ORDERS", "LAYOUT_ORDERS", "SAVES", "ExpertForm", "run", "run_custom", "as_stored", "reference", "forward", "applies",
@@ -100,13 +100,14 @@ class ExpertForm:
 
 
 def _check(x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out: Tensor, order: str) -> None:
-    orders = LAYOUT_ORDERS if plan.layout is not None else ORDERS
+    layout = isinstance(plan, LayoutPlan)
+    orders = LAYOUT_ORDERS if layout else ORDERS
     if order not in orders:
-        raise ValueError(f"order must be one of {orders} on a {'layout' if plan.layout is not None else 'rows'} plan, "
+        raise ValueError(f"order must be one of {orders} on a {'layout' if layout else 'rows'} plan, "
                          f"got {order!r}")
     if x.dim() != 2 or x.shape[0] != plan.num_tokens:
         raise ValueError(f"x must be [T, M] with T={plan.num_tokens} (the plan's tokens), got {tuple(x.shape)}")
-    if plan.layout is not None:   # the staged kernel casts weights to x's dtype (gates: _gated_routing)
+    if layout:   # the staged kernel casts weights to x's dtype (gates: _gated_routing)
         return
     if w_rows.shape != (plan.num_rows,):
         raise ValueError(f"the gate weights must be [N] = [{plan.num_rows}] (one per plan row), got "
@@ -388,7 +389,7 @@ def as_stored(form: ExpertForm, w_in: tuple, w_out) -> tuple:
     return dataclasses.replace(form, in_transposed=in_t, out_transposed=out_t), w_in, w_out
 
 
-def _gated_routing(plan: ExpertPlan, gates: Tensor):
+def _gated_routing(plan: LayoutPlan, gates: Tensor):
     """A layout plan's routing carrying ``gates`` [k, T] (the caller's, which may differ from the
     routing's own), for the staged kernel's dispatch and combine."""
     if tuple(gates.shape) != tuple(plan.routing.weights.shape):
@@ -397,7 +398,7 @@ def _gated_routing(plan: ExpertPlan, gates: Tensor):
     return plan.routing if gates is plan.routing.weights else dataclasses.replace(plan.routing, weights=gates)
 
 
-def _staged(kern, form: ExpertForm, x: Tensor, gates: Tensor, plan: ExpertPlan, w_in: tuple, b_in, w_out, b_out,
+def _staged(kern, form: ExpertForm, x: Tensor, gates: Tensor, plan: LayoutPlan, w_in: tuple, b_in, w_out, b_out,
             order: str, prescore: bool) -> Tensor:
     """A layout plan's experts: dispatch into its buffers, each projection one op over every
     buffer row (padded: Tutel's arithmetic bit for bit), combine; plain autograd through ops
@@ -417,7 +418,7 @@ def _matrix_bytes(w) -> int:
     return sum(t.numel() * t.element_size() for t in (w.data, w.scales) if isinstance(t, Tensor)) // max(1, w.logical_shape[0])
 
 
-def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out: Tensor, *,
+def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Union[ExpertPlan, LayoutPlan], w_in: tuple, w_out: Tensor, *,
         b_in: Optional[Tensor] = None, b_out: Optional[Tensor] = None, order: str = "fmoe",
         save: str = "projections", prescore: bool = False, kernel: Optional[Kernel] = None,
         generator: Optional[torch.Generator] = None) -> Tensor:
@@ -457,7 +458,7 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tup
     if save not in SAVES:
         raise ValueError(f"save must be one of {SAVES}, got {save!r}")
     kern = select(plan, _matrix_bytes(w_out), generator=generator) if kernel is None else kernel
-    if plan.layout is not None:
+    if isinstance(plan, LayoutPlan):
         return _staged(kern, form, x, w_rows, plan, w_in, b_in, w_out, b_out, order, prescore)
     if prescore:
         raise ValueError("pre-scored gates (prescore=True) run on a layout plan (make_plan(..., layout=))")
@@ -470,7 +471,7 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tup
     return reference(form, x, w_rows, plan, w_in, b_in, w_out, b_out, order, mm=_rows_mm(kern, plan, generator))
 
 
-def run_custom(fn: Callable, params, x: Tensor, w_rows: Tensor, plan: ExpertPlan, *, order: str = "fmoe",
+def run_custom(fn: Callable, params, x: Tensor, w_rows: Tensor, plan: Union[ExpertPlan, LayoutPlan], *, order: str = "fmoe",
                prescore: bool = False) -> Tensor:
     """A custom expert on the plan, summed back to tokens: y [T, O] in x's dtype.
 
@@ -478,7 +479,7 @@ def run_custom(fn: Callable, params, x: Tensor, w_rows: Tensor, plan: ExpertPlan
     multiply through :func:`fmoe.engine.grouped_mm`), gate-weighted and summed here in ``order``.
     On a layout plan ``fn(params, buffers) -> buffers`` over the layout's padded [E, C, M]
     buffers (Tutel's custom-expert contract), dispatched and combined by the staged kernel."""
-    if plan.layout is not None:
+    if isinstance(plan, LayoutPlan):
         if plan.layout.kind != "padded":
             raise ValueError("custom experts take padded buffers [E, C, M]; route them with layout='padded'")
         kern = select(plan)

@@ -3,15 +3,16 @@
     plan = make_plan(routing, needs_grad=True, dtype=torch.float32)
     print(plan)   # ExpertPlan(T=64, E=8, rows=128, busy=8, max_rows=23, phase=train, float32, cpu)
 
-A rows plan (eager calls on one process) lists the kept (token, expert) pairs sorted by expert
+A rows plan (:class:`ExpertPlan`: eager calls, torch.compile's custom op, each rank of an
+expert-parallel call) lists the kept (token, expert) pairs sorted by expert
 (capacity honoured, dropped pairs absent): ``tokens [N]`` (the token of each row), ``pairs
 [N]`` (the flat pair index ``j * T + t``, which gathers the row's gate weight) and the expert
 bounds, both as host ints (the kernels' loop bounds) and as an int64 ``offsets [E + 1]``
 tensor (their argument); ``experts [N]``, the expert of each row, is made on first use. Rows
 in a plan are exactly the rows of :func:`fmoe.make_layout` (routing, 'ragged'); tests check it.
 
-A layout plan (``make_plan(..., layout=)``: under torch.func transforms, and wherever the
-staged arithmetic is asked for; torch.compile runs rows plans, :mod:`.traced`) holds the routing and its
+A layout plan (:class:`LayoutPlan`, ``make_plan(..., layout=)``: under torch.func transforms,
+and wherever the staged arithmetic is asked for) holds the routing and its
 :class:`~fmoe.Layout` instead: static buffer shapes, no host bounds, phase 'traced'.
 
 Either plan names the call's phase, dtype and precision: the key by which
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -30,7 +31,7 @@ from .. import _slots
 from ..layout import Layout
 from ..routing import Routing
 
-__all__ = ["PHASES", "TRACED", "DECODE_ROWS", "ExpertPlan", "make_plan", "plan_from_bounds", "phase_of", "kept_rows"]
+__all__ = ["PHASES", "TRACED", "DECODE_ROWS", "ExpertPlan", "LayoutPlan", "make_plan", "plan_from_bounds", "phase_of", "kept_rows"]
 
 PHASES = ("train", "prefill", "decode")
 TRACED = "traced"   # the phase of a layout plan
@@ -53,8 +54,7 @@ def phase_of(needs_grad: bool, rows: int, busy: int) -> str:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ExpertPlan:
-    """The kept pairs of one routing sorted by expert (a rows plan), or the routing and its
-    layout (a layout plan), and the call's kernel key.
+    """A rows plan: the kept pairs of one routing sorted by expert, and the call's kernel key.
 
     Attributes:
         tokens: int64 [N]. Token of each row (rows sorted by expert, then slot).
@@ -63,52 +63,45 @@ class ExpertPlan:
         bounds: the same E + 1 offsets as host ints.
         num_tokens: T.
         dropped: int64 [] pairs lost to capacity (None where unknown).
-        phase: one of :data:`PHASES`, or :data:`TRACED` for a layout plan.
+        phase: one of :data:`PHASES`.
         dtype: the compute dtype of the expert GEMMs.
         precision: None (float GEMMs) or a quantized-training recipe.
-        routing, layout: a layout plan's routing and its :class:`~fmoe.Layout` (the row
-            fields above are then None).
     """
 
-    tokens: Optional[Tensor]
-    pairs: Optional[Tensor]
-    offsets: Optional[Tensor]
-    bounds: Optional[tuple]
+    tokens: Tensor
+    pairs: Tensor
+    offsets: Tensor
+    bounds: tuple
     num_tokens: int
     dropped: Optional[Tensor] = None
     phase: str = "train"
     dtype: torch.dtype = torch.float32
     precision: Any = None
-    routing: Optional[Routing] = None
-    layout: Optional[Layout] = None
 
     @property
     def num_experts(self) -> int:
-        return self.layout.num_experts if self.layout is not None else len(self.bounds) - 1
+        return len(self.bounds) - 1
 
     @property
     def num_rows(self) -> int:
-        """Rows the expert GEMMs see: N kept pairs, or the layout's static buffer rows."""
-        return self.layout.num_rows if self.layout is not None else self.bounds[-1]
+        """Rows the expert GEMMs see: N kept pairs."""
+        return self.bounds[-1]
 
     @functools.cached_property
     def experts(self) -> Tensor:
-        """int64 [N]: the expert of each row of a rows plan (per-expert biases; made on first use,
-        since bias-free kinds never need it)."""
+        """int64 [N]: the expert of each row (per-expert biases; made on first use, since
+        bias-free kinds never need it)."""
         sizes = torch.tensor(self.sizes, dtype=torch.int64, device=self.device)
         return torch.repeat_interleave(torch.arange(self.num_experts, device=self.device), sizes,
                                        output_size=self.num_rows)
 
     def row_weights(self, weights: Tensor) -> Tensor:
-        """The gate weight of each row: [N] from the routing's [k, T] ``weights`` (a layout
-        plan's kernels read them as [k, T] through the layout's positions)."""
-        return weights if self.layout is not None else weights.reshape(-1).index_select(0, self.pairs)
+        """The gate weight of each row: [N] from the routing's [k, T] ``weights``."""
+        return weights.reshape(-1).index_select(0, self.pairs)
 
     @property
     def sizes(self) -> list:
-        """Rows per expert (host ints; a rows plan's)."""
-        if self.layout is not None:
-            raise ValueError("a layout plan has no host row counts (its buffers have static shapes)")
+        """Rows per expert (host ints)."""
         b = self.bounds
         return [b[e + 1] - b[e] for e in range(len(b) - 1)]
 
@@ -119,18 +112,67 @@ class ExpertPlan:
 
     @property
     def device(self) -> torch.device:
-        return self.layout.positions.device if self.layout is not None else self.tokens.device
+        return self.tokens.device
 
     def __repr__(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
-        if self.layout is not None:
-            return (f"ExpertPlan(T={self.num_tokens}, E={self.num_experts}, layout={self.layout.kind}, "
-                    f"rows={self.num_rows}, phase={self.phase}, {dt}, {self.device.type}"
-                    + ("" if self.precision is None else f", precision={self.precision}") + ")")
         sizes = self.sizes
         return (f"ExpertPlan(T={self.num_tokens}, E={self.num_experts}, rows={self.num_rows}, busy={self.busy}, "
                 f"max_rows={max(sizes, default=0)}, phase={self.phase}, {dt}, "
                 f"{self.device.type}" + ("" if self.precision is None else f", precision={self.precision}") + ")")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayoutPlan:
+    """A layout plan: one routing and its :class:`~fmoe.Layout` (static buffer shapes, no host
+    row counts), the staged kernel's plan; its phase is :data:`TRACED`.
+
+    Attributes:
+        routing: the :class:`~fmoe.Routing`.
+        layout: :func:`fmoe.make_layout` of it, padded or ragged.
+        dtype, precision: as :class:`ExpertPlan`'s.
+    """
+
+    routing: Routing
+    layout: Layout
+    dtype: torch.dtype = torch.float32
+    precision: Any = None
+    phase = TRACED
+
+    @property
+    def num_tokens(self) -> int:
+        return self.routing.num_tokens
+
+    @property
+    def num_experts(self) -> int:
+        return self.layout.num_experts
+
+    @property
+    def num_rows(self) -> int:
+        """The layout's static buffer rows."""
+        return self.layout.num_rows
+
+    @property
+    def dropped(self) -> Tensor:
+        return self.routing.num_dropped()
+
+    @property
+    def sizes(self):
+        raise ValueError("a layout plan has no host row counts (its buffers have static shapes)")
+
+    def row_weights(self, weights: Tensor) -> Tensor:
+        """The kernels read the routing's [k, T] ``weights`` through the layout's positions."""
+        return weights
+
+    @property
+    def device(self) -> torch.device:
+        return self.layout.positions.device
+
+    def __repr__(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        return (f"LayoutPlan(T={self.num_tokens}, E={self.num_experts}, layout={self.layout.kind}, "
+                f"rows={self.num_rows}, phase={self.phase}, {dt}, {self.device.type}"
+                + ("" if self.precision is None else f", precision={self.precision}") + ")")
 
 
 def _rows_cpu(ids: Tensor, slots: Tensor, counts: Tensor, C: int) -> tuple[Tensor, Tensor, tuple, Tensor]:
@@ -191,7 +233,7 @@ def plan_from_bounds(tokens: Tensor, pairs: Tensor, bounds, num_tokens: int, *, 
 
 
 def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precision=None,
-              layout: Optional[Layout] = None) -> ExpertPlan:
+              layout: Optional[Layout] = None) -> Union[ExpertPlan, LayoutPlan]:
     """The plan of ``routing``: its kept pairs sorted by expert (one host sync), or with
     ``layout`` a layout plan (no host sync: the staged kernels over the layout's buffers).
 
@@ -207,8 +249,7 @@ def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precisi
     if not isinstance(routing, Routing):
         raise TypeError(f"make_plan: routing must be a fmoe.Routing, got {type(routing).__name__}")
     if layout is not None:
-        return ExpertPlan(None, None, None, None, routing.num_tokens, routing.num_dropped(), TRACED, dtype, precision,
-                          routing=routing, layout=layout)
+        return LayoutPlan(routing, layout, dtype, precision)
     tokens, pairs, bounds, dropped = kept_rows(routing.expert_ids, routing.slots, routing.counts, routing.capacity)
     return plan_from_bounds(tokens, pairs, bounds, routing.num_tokens, needs_grad=needs_grad, dtype=dtype,
                             precision=precision, dropped=dropped)

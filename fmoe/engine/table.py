@@ -23,7 +23,7 @@ import dataclasses
 import itertools
 import statistics
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -31,7 +31,7 @@ from torch import Tensor
 from ..ops import native, numba_cpu
 from ..ops.grouped import GroupedGemm
 from . import wisdom
-from .plan import PHASES, TRACED, ExpertPlan, phase_of, plan_from_bounds
+from .plan import PHASES, TRACED, ExpertPlan, LayoutPlan, phase_of, plan_from_bounds
 
 __all__ = ["Kernel", "TABLE", "DTYPES", "select", "kernel_for", "kernel_by_name", "explain", "parse_shape", "tune"]
 
@@ -185,7 +185,7 @@ def kernel_by_name(key: tuple, name: str) -> Kernel:
     return TABLE[key + (None,)] if name == TABLE[key + (None,)].name else _COMPETING[name]()
 
 
-def select(plan: ExpertPlan, matrix_bytes: int = 0, *, choice: Optional[str] = None,
+def select(plan: Union[ExpertPlan, LayoutPlan], matrix_bytes: int = 0, *, choice: Optional[str] = None,
            generator: Optional[torch.Generator] = None):
     """The kernel for every GEMM of the call ``plan`` describes.
 
@@ -195,7 +195,7 @@ def select(plan: ExpertPlan, matrix_bytes: int = 0, *, choice: Optional[str] = N
     ``choice`` forces one by name; else the winner recorded for the call's shape class
     (``matrix_bytes``: one expert weight matrix) is taken if this machine has measured it, and
     the table's own entry otherwise."""
-    if plan.layout is not None:
+    if isinstance(plan, LayoutPlan):
         return GroupedGemm(plan.layout, precision=plan.precision, generator=generator)
     # a quantized-training recipe quantizes the operands around the float entry's GEMMs
     # (fmoe.quant.training.quantized_mm, composed by fmoe.engine.kinds.run)
