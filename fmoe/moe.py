@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from .comm import resolve
 from .engine import kinds as _kinds
+from .engine import door as _door
 from .engine import plan as _plan
 from .engine import traced as _traced
 from .experts import EXPERT_PARAMS, ExpertSpec, expert_dtype, expert_form, init_experts, shared_experts
@@ -588,21 +589,24 @@ def _experts(spec: MoESpec, experts, compute: Tensor, routing: Routing, kind: st
     kw = None if es.type == "custom" else expert_form(es, experts)
     ts = (compute, routing.weights) if kw is None else (
         compute, routing.weights, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"])
-    ts = tuple(t for t in ts if t is None or isinstance(t, Tensor))   # packed weights: their own type
-    rows_ok = spec.is_postscore and spec.combine in _kinds.ORDERS and _kinds.applies(*ts)
-    if es.takes_plan and not rows_ok:
-        raise ValueError("custom experts with takes_plan=True run on one process in eager mode (no torch.func "
-                         "transform, no torch.compile) with is_postscore=True and combine 'fmoe' or 'eager'; "
-                         "use takes_plan=False (padded [E, C, M] buffers) there")
-    if (kw is not None and spec.plan == "auto" and spec.is_postscore and not es.takes_plan
-            and _traced.applies(kw["form"], ts, es.precision, spec.combine)):   # torch.compile: the rows plan's op
-        y = _traced.run(kw["form"], compute, routing, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"],
+    form = None if kw is None else kw["form"]
+    how = dict(order=spec.combine, prescore=not spec.is_postscore)
+    # custom experts take padded buffers (a layout plan) unless written for the plan's rows
+    d = "layout" if kw is None else _door.door(form, ts, precision=es.precision, plan=spec.plan, **how)
+    if es.takes_plan:   # custom experts written for the plan: its rows or nothing
+        if _door.door(None, ts, **how) != "rows":
+            raise ValueError("custom experts with takes_plan=True run on one process in eager mode (no torch.func "
+                             "transform, no torch.compile) with is_postscore=True and combine 'fmoe' or 'eager'; "
+                             "use takes_plan=False (padded [E, C, M] buffers) there")
+        d = "rows"
+    if d == "compiled":
+        y = _traced.run(form, compute, routing, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"],
                         order=spec.combine, save=spec.save)
         return y, routing.num_dropped()
-    on_rows = es.takes_plan or (kw is not None and spec.plan == "auto" and rows_ok)
+    ts = tuple(t for t in ts if t is None or isinstance(t, Tensor))   # packed weights: their own type
     # a custom expert's parameters are not in ts: any call with grad on may be a training call
     needs_grad = torch.is_grad_enabled() and (es.type == "custom" or any(t is not None and t.requires_grad for t in ts))
-    layout = None if on_rows else make_layout(routing, kind)
+    layout = None if d == "rows" else make_layout(routing, kind)
     plan = _plan.make_plan(routing, needs_grad=needs_grad, dtype=compute.dtype,
                            precision=None if kw is None else es.precision, layout=layout)
     w_rows = plan.row_weights(routing.weights)

@@ -45,6 +45,7 @@ from .comm.agreement import InconsistentRanksError, agree_across_ranks  # step a
 from .comm.hierarchical import Hierarchical2DComm
 from .comm.registry import cache_of, calls_of
 from .engine import kinds as _kinds
+from .engine.door import door
 from .engine.plan import plan_from_bounds
 from .experts import EXPERT_PARAMS, apply_experts, expert_form, shard_axes
 from .layout import Layout, make_layout
@@ -310,8 +311,7 @@ def _engine_form(experts, params, x: Tensor) -> Optional[dict]:
     if experts.type == "custom":
         return None
     kw = expert_form(experts, params)
-    ts = (x, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"])
-    return kw if _kinds.applies(*(t for t in ts if t is None or isinstance(t, Tensor))) else None
+    return kw if door(kw["form"], (x, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"])) == "rows" else None
 
 
 def _engine_rows(experts, kw: dict, x: Tensor, mask: Tensor, save: str, generator,

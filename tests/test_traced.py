@@ -8,6 +8,8 @@ orders, biases, save='recompute', transposed weight views); the compiled call ru
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -134,3 +136,24 @@ def test_transposed_weight_views_compile(op_calls):
     assert op_calls
     for a, b in zip(*out):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_the_door_is_decided_in_one_place():
+    """fmoe.engine.door: 'rows' in eager mode, 'compiled' under torch.compile, 'layout' for what
+    only the staged kernel takes (and under a torch.func transform)."""
+    from fmoe.engine.door import door
+    spec = _spec("ffn")
+    w = expert_form(spec.experts, _params(spec)["experts"])
+    x = torch.randn(6, M, dtype=torch.float64)
+    ts = (x, *w["w_in"], w["w_out"])
+    assert door(w["form"], ts) == "rows"
+    assert door(w["form"], ts, plan="layout") == door(w["form"], ts, prescore=True) == "layout"
+    assert door(w["form"], ts, order="grouped") == "layout"
+    assert torch.func.vmap(lambda t: t + (door(w["form"], (t, *ts[1:])) == "layout"))(x).equal(x + 1)
+    seen = torch.compile(lambda t: t + (1.0 if door(w["form"], (t, *ts[1:])) == "compiled" else 0.0),
+                         fullgraph=True)
+    torch._dynamo.reset()
+    assert seen(x).equal(x + 1)
+    odd = dataclasses.replace(w["form"], activation=lambda z: z.relu() * 2)   # no known name: no custom op
+    torch._dynamo.reset()
+    assert torch.compile(lambda t: t + (door(odd, (t, *ts[1:])) == "layout"), fullgraph=True)(x).equal(x + 1)
