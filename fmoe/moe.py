@@ -22,7 +22,6 @@ from torch.utils import _pytree as pytree
 
 from .comm import resolve
 from .engine import kinds as _kinds
-from .engine import door as _door
 from .engine import plan as _plan
 from .engine import traced as _traced
 from .experts import EXPERT_PARAMS, ExpertSpec, expert_dtype, expert_form, init_experts, shared_experts
@@ -592,9 +591,9 @@ def _experts(spec: MoESpec, experts, compute: Tensor, routing: Routing, kind: st
     form = None if kw is None else kw["form"]
     how = dict(order=spec.combine, prescore=not spec.is_postscore)
     # custom experts take padded buffers (a layout plan) unless written for the plan's rows
-    d = "layout" if kw is None else _door.door(form, ts, precision=es.precision, plan=spec.plan, **how)
+    d = "layout" if kw is None else _traced.door(form, ts, precision=es.precision, plan=spec.plan, **how)
     if es.takes_plan:   # custom experts written for the plan: its rows or nothing
-        if _door.door(None, ts, **how) != "rows":
+        if _traced.door(None, ts, **how) != "rows":
             raise ValueError("custom experts with takes_plan=True run on one process in eager mode (no torch.func "
                              "transform, no torch.compile) with is_postscore=True and combine 'fmoe' or 'eager'; "
                              "use takes_plan=False (padded [E, C, M] buffers) there")

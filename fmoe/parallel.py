@@ -45,7 +45,7 @@ from .comm.agreement import InconsistentRanksError, agree_across_ranks  # step a
 from .comm.hierarchical import Hierarchical2DComm
 from .comm.registry import cache_of, calls_of
 from .engine import kinds as _kinds
-from .engine.door import door
+from .engine.traced import door
 from .engine.plan import plan_from_bounds
 from .experts import EXPERT_PARAMS, apply_experts, expert_form, shard_axes
 from .layout import Layout, make_layout

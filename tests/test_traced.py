@@ -139,9 +139,9 @@ def test_transposed_weight_views_compile(op_calls):
 
 
 def test_the_door_is_decided_in_one_place():
-    """fmoe.engine.door: 'rows' in eager mode, 'compiled' under torch.compile, 'layout' for what
+    """fmoe.engine.traced.door: 'rows' in eager mode, 'compiled' under torch.compile, 'layout' for what
     only the staged kernel takes (and under a torch.func transform)."""
-    from fmoe.engine.door import door
+    from fmoe.engine.traced import door
     spec = _spec("ffn")
     w = expert_form(spec.experts, _params(spec)["experts"])
     x = torch.randn(6, M, dtype=torch.float64)

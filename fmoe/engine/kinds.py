@@ -35,17 +35,14 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._C import _functorch
-from torch.autograd import forward_ad as _fwd_ad
 
 from ..ops.memory_order import stored_transposed
 from ..ops.orders import COMBINES
-from ..ops.primitives import PLAIN_TENSORS
 from ..ops.reference import compute_dtype
 from .plan import ExpertPlan, LayoutPlan
 from .table import Kernel, select
 
-__all__ = ["FORMS", "ORDERS", "LAYOUT_ORDERS", "SAVES", "ExpertForm", "run", "run_custom", "as_stored", "reference", "forward", "applies",
+__all__ = ["FORMS", "ORDERS", "LAYOUT_ORDERS", "SAVES", "ExpertForm", "run", "run_custom", "as_stored", "reference", "forward",
            "combine_rows", "scatters_output"]
 
 FORMS = ("ffn", "glu", "gpt_oss")
@@ -358,20 +355,6 @@ def _reference_grads(ctx, gy, need, x, w_rows, b_in, w_out, b_out, w_in) -> tupl
     return tuple(next(grads) if (t is not None and n) else None for t, n in zip(inputs, need))
 
 
-def applies(*ts: Optional[Tensor]) -> bool:
-    """True where :func:`run` can run: eager mode (no torch.func transform, no torch.compile, no
-    forward-AD level) on plain tensors without ``__torch_function__`` overrides. Elsewhere the
-    caller runs the staged pipeline (its ops carry vmap, jvp and compile rules)."""
-    if torch.compiler.is_compiling() or _functorch.maybe_current_level() is not None:
-        return False
-    if _fwd_ad._current_level >= 0:
-        return False
-    present = [t for t in ts if t is not None]
-    if any(type(t) not in PLAIN_TENSORS for t in present):
-        return False
-    return not torch.overrides.has_torch_function(tuple(present))
-
-
 def as_stored(form: ExpertForm, w_in: tuple, w_out) -> tuple:
     """(form, w_in, w_out) with every float weight that is a transposed view of contiguous
     storage (``fmoe.nn.MoELayer`` holds gated_ffn weights out x in and hands out x @ W views)
@@ -443,8 +426,8 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Union[ExpertPlan, Lay
     Returns:
         y [T, O] in x's dtype; tokens with no kept pair are 0.
 
-    A rows plan runs eager mode only (:func:`applies`): float weights through one autograd
-    Function over the table's kernels (a weight given as a transposed view of contiguous
+    A rows plan runs eager mode only (:func:`fmoe.engine.traced.door`): float weights through
+    one autograd Function over the table's kernels (a weight given as a transposed view of contiguous
     storage is read as that storage). Packed weights (:class:`fmoe.quant.QuantizedTensor`, any
     projection) run the same composition with one fused low-precision call per busy expert
     (:func:`fmoe.quant.expert_matmul`). With a quantized-training recipe (``plan.precision``)

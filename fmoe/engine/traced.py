@@ -1,4 +1,5 @@
-"""The rows plan under torch.compile: the engine's expert op as one ``torch.library`` custom op.
+"""The rows plan under torch.compile: the engine's expert op as one ``torch.library`` custom op;
+and :func:`door`, the one place that decides which door of the engine a call takes.
 
     y = traced.run(form, x, routing, w_in, w_out, b_in=b_in, b_out=b_out, order="fmoe", save="projections")
 
@@ -24,14 +25,17 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._C import _functorch
+from torch.autograd import forward_ad as _fwd_ad
 
+from ..ops.primitives import PLAIN_TENSORS
 from ..routing import Routing
 from . import kinds
 from .kinds import ExpertForm
 from .plan import kept_rows, plan_from_bounds
 from .table import select
 
-__all__ = ["ACTIVATIONS", "applies", "run"]
+__all__ = ["ACTIVATIONS", "DOORS", "door", "applies", "run"]
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
                "softplus": F.softplus, "elu": F.elu, "leaky_relu": F.leaky_relu, "mish": F.mish, "selu": F.selu,
@@ -186,3 +190,45 @@ def run(form: ExpertForm, x: Tensor, routing: Routing, w_in: tuple, w_out: Tenso
                                      form.out_transposed, act, float(form.alpha), float(form.limit), order, train,
                                      train and save == "projections")
     return out[0]
+
+
+def _eager(*ts: Optional[Tensor]) -> bool:
+    """True where :func:`fmoe.engine.kinds.run` runs a rows plan: eager mode (no torch.func transform, no torch.compile, no
+    forward-AD level) on plain tensors without ``__torch_function__`` overrides. Elsewhere the
+    caller runs the staged pipeline (its ops carry vmap, jvp and compile rules)."""
+    if torch.compiler.is_compiling() or _functorch.maybe_current_level() is not None:
+        return False
+    if _fwd_ad._current_level >= 0:
+        return False
+    present = [t for t in ts if t is not None]
+    if any(type(t) not in PLAIN_TENSORS for t in present):
+        return False
+    return not torch.overrides.has_torch_function(tuple(present))
+
+
+DOORS = ("rows", "compiled", "layout")
+
+
+def door(form: Optional[ExpertForm], tensors: tuple, *, precision=None, order: str = "fmoe", prescore: bool = False,
+         plan: str = "auto") -> str:
+    """The door of one call: 'rows' (a rows plan in eager mode, :func:`fmoe.engine.kinds.run`),
+    'compiled' (the same plan and kernels inside this module's custom op, under torch.compile) or
+    'layout' (a layout plan, the staged kernel: torch.func transforms, pre-scored gates, combine
+    'grouped', ``MoESpec(plan='layout')``, what the custom op does not take). :func:`fmoe.moe`
+    and each rank's :func:`fmoe.parallel.expert_stage` ask here.
+
+    Args:
+        form: the kind (None: custom experts, which have no compiled door).
+        tensors: the call's x, gates and weights (packed weights, None biases allowed).
+        precision: the quantized-training recipe or None. order: the combine order.
+        prescore: gates scale the experts' inputs. plan: :attr:`fmoe.MoESpec.plan`.
+    Returns:
+        one of :data:`DOORS`.
+    """
+    if plan != "auto" or prescore or order not in kinds.ORDERS:
+        return "layout"
+    if _eager(*(t for t in tensors if t is None or isinstance(t, Tensor))):
+        return "rows"
+    if form is not None and applies(form, tensors, precision, order):
+        return "compiled"
+    return "layout"
