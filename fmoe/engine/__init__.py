@@ -9,9 +9,11 @@
 precision), :mod:`.kinds` the expert kinds (ffn with any activation, gated/SwiGLU, GPT-OSS) as
 one autograd Function each over the plan, with a pure-torch reference as their oracle, and
 :mod:`fmoe.ops.native` the C++ grouped GEMM the CPU entries call. Custom experts take the plan and
-multiply through :func:`grouped_mm` (the table's kernels, differentiable). A layout plan
-(``make_plan(..., layout=)``, for traced calls) runs the same kinds on the staged kernel,
-:class:`fmoe.ops.grouped.GroupedGemm` over the layout's buffers.
+multiply through :func:`grouped_mm` (the table's kernels, differentiable). :mod:`.traced`
+runs the same plan and kernels inside one torch.library custom op under torch.compile, and its
+``door()`` decides, once per call, which door a call takes. A :class:`LayoutPlan`
+(``make_plan(..., layout=)``: torch.func transforms, ``MoESpec(plan='layout')``) runs the same
+kinds on the staged kernel, :class:`fmoe.ops.grouped.GroupedGemm` over the layout's buffers.
 """
 from .plan import ExpertPlan, LayoutPlan, make_plan
 from .table import Kernel, explain, select
