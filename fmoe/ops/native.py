@@ -116,23 +116,22 @@ def _compiler() -> Optional[str]:
     return shutil.which("c++") or shutil.which("g++")
 
 
-def _key() -> str:
-    """torch + Python versions + hash of the source and flags: a new key for any change."""
+def extension_path(name: str, source: str, cflags, ldflags) -> str:
+    """Where the built extension ``name`` for this torch, Python, source and flags lives (may not
+    exist): its folder is keyed by the torch and Python versions and a hash of the source and
+    flags, so any change gets a new key and a stale build is never loaded."""
     h = hashlib.sha256()
-    with open(_SOURCE, "rb") as f:
+    with open(source, "rb") as f:
         h.update(f.read())
-    h.update(repr((_CFLAGS, _LDFLAGS)).encode())
+    h.update(repr((tuple(cflags), tuple(ldflags))).encode())
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return f"torch{torch.__version__}-{py}-{h.hexdigest()[:16]}".replace("+", "_")
-
-
-def _cache_root() -> str:
-    return os.path.join(os.path.expanduser("~"), ".cache", "fmoe", "native-cpu")
+    key = f"torch{torch.__version__}-{py}-{h.hexdigest()[:16]}".replace("+", "_")
+    return os.path.join(os.path.expanduser("~"), ".cache", "fmoe", "native-cpu", key, name + ".so")
 
 
 def library_path() -> str:
     """Where the built extension for this torch, Python and source lives (may not exist)."""
-    return os.path.join(_cache_root(), _key(), _NAME + ".so")
+    return extension_path(_NAME, _SOURCE, _CFLAGS, _LDFLAGS)
 
 
 def load_extension(name: str, path: str):

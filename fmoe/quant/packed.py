@@ -25,7 +25,6 @@ path against that bound). Weight bytes that encode NaN decode to NaN, as in dequ
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 
@@ -61,19 +60,10 @@ AVAILABLE = False
 
 # --------------------------------------------------------------------------- build and load
 
-def _key() -> str:
-    h = hashlib.sha256()
-    with open(_SOURCE, "rb") as f:
-        h.update(f.read())
-    h.update(repr((_CFLAGS, _LDFLAGS)).encode())
-    py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return f"torch{torch.__version__}-{py}-{h.hexdigest()[:16]}".replace("+", "_")
-
-
 def library_path() -> str:
     """Where the built extension for this torch, Python and source lives (may not exist)."""
     from ..ops import native
-    return os.path.join(native._cache_root(), _key(), _NAME + ".so")
+    return native.extension_path(_NAME, _SOURCE, _CFLAGS, _LDFLAGS)
 
 
 def _try_load() -> None:
