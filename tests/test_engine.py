@@ -4,7 +4,6 @@ differences, for every expert kind (ffn with relu / gelu / a user's callable, ga
 swiglu fused and split, gpt_oss), both layouts, capacity modes, dtypes, both accumulation
 orders, both save modes, weights given as transposed views, retained graphs, double backward,
 saved memory and errors."""
-import contextlib
 import dataclasses
 
 import pytest
@@ -20,6 +19,7 @@ from fmoe.ops import native
 from fmoe.engine.plan import make_plan, plan_from_bounds, rows_reference
 from fmoe.experts import expert_form
 from fmoe.layout import ragged_layout
+from tests.test_engine_native import _threads
 from tests.test_pipeline import _saved_bytes
 
 DT = torch.float64
@@ -252,15 +252,6 @@ def test_run_matches_a_per_pair_loop_and_skips_unused_grads(form):
     torch.testing.assert_close(gx, gx_all, rtol=1e-13, atol=1e-13)
 
 
-@contextlib.contextmanager
-def _threads(n):
-    """Run a block with n intra-op threads (restored after)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _per_hidden(f, parts):

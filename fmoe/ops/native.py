@@ -143,24 +143,27 @@ def load_extension(name: str, path: str):
     return module
 
 
+def find_extension(name: str, source: str, path: str, fallback: str) -> tuple:
+    """(module, "") for the built extension ``name`` at ``path``, or (None, why not): its source
+    missing from the install, not built (or no compiler), or a load that failed. Never
+    compiles; a broken build never breaks the import of fmoe. ``fallback`` names what runs
+    instead, for the message."""
+    if not os.path.exists(source):
+        return None, f"source {source} missing from the install: {fallback}"
+    if not os.path.exists(path):
+        return None, (f"not built: run `{_BUILD_CMD}`" if _compiler()
+                      else f"no C++ compiler (c++/g++ not on PATH): {fallback}")
+    try:
+        return load_extension(name, path), ""
+    except Exception as e:
+        return None, f"load of {path} failed ({type(e).__name__}: {e}): {fallback}; rebuild with `{_BUILD_CMD}`"
+
+
 def _try_load() -> None:
     """Load the built library for the current key if present; never compiles."""
     global _EXT, _WHY, AVAILABLE
-    _EXT, AVAILABLE = None, False
-    if not os.path.exists(_SOURCE):
-        _WHY = f"source {_SOURCE} missing from the install: torch fallback"
-        return
-    path = library_path()
-    if not os.path.exists(path):
-        _WHY = (f"not built: run `{_BUILD_CMD}`" if _compiler()
-                else "no C++ compiler (c++/g++ not on PATH): torch fallback")
-        return
-    try:
-        _EXT = load_extension(_NAME, path)
-    except Exception as e:  # a broken build must not break the import of fmoe
-        _WHY = f"load of {path} failed ({type(e).__name__}: {e}): torch fallback; rebuild with `{_BUILD_CMD}`"
-        return
-    _WHY, AVAILABLE = "", True
+    _EXT, _WHY = find_extension(_NAME, _SOURCE, library_path(), "torch fallback")
+    AVAILABLE = _EXT is not None
 
 
 def status() -> str:

@@ -51,7 +51,6 @@ _SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # No -march: the vector paths carry their own target attributes and are picked at run time.
 _CFLAGS = ("-O3", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
-_BUILD_CMD = "python -m fmoe build"
 
 _EXT = None
 _WHY = ""
@@ -69,21 +68,8 @@ def library_path() -> str:
 def _try_load() -> None:
     global _EXT, _WHY, AVAILABLE
     from ..ops import native
-    _EXT, AVAILABLE = None, False
-    if not os.path.exists(_SOURCE):
-        _WHY = f"source {_SOURCE} missing from the install: numba fallback"
-        return
-    path = library_path()
-    if not os.path.exists(path):
-        _WHY = (f"not built: run `{_BUILD_CMD}`" if native._compiler()
-                else "no C++ compiler (c++/g++ not on PATH): numba fallback")
-        return
-    try:
-        module = native.load_extension(_NAME, path)
-    except Exception as e:  # a broken build must not break the import of fmoe
-        _WHY = f"load of {path} failed ({type(e).__name__}: {e}): numba fallback; rebuild with `{_BUILD_CMD}`"
-        return
-    _EXT, _WHY, AVAILABLE = module, "", True
+    _EXT, _WHY = native.find_extension(_NAME, _SOURCE, library_path(), "numba fallback")
+    AVAILABLE = _EXT is not None
 
 
 def status() -> str:
