@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -172,64 +173,112 @@ FMOE_AVX2 void decode_row_avx2(const Params& p, int64_t e, int64_t n, float* w) 
   }
 }
 
-// FP4 dot of one weight row with NT activation rows; x permuted per 32 k as [16 even k, 16 odd k]
-// (prep_fp4_avx2). Requires K % 32 == 0.
-template <int NT>
-FMOE_AVX2 void fp4_row_avx2(const Params& p, const Job& j, int64_t n, const float* x0, float* res) {
-  const uint8_t* row = p.data + j.e * p.d_e + n * p.d_r;
-  const uint8_t* sr = p.sb + j.e * p.s_e + n * p.s_r;  // FP4: byte scales, bn == 1
-  const int sh = p.bk == 32 ? 5 : 4;                   // bk is 16 or 32 here (effective_isa)
-  __m256 acc[NT][2];
-  for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+// FP4 tile on AVX2: NR consecutive weight rows n.. against NT activation rows (x permuted per 32 k
+// as [16 even k, 16 odd k], prep_acts), res[t * NR + i]. 16 packed bytes (32 k) at a time,
+// decoded once for all NT rows to 2 * E2M1 int8 (vpshufb), widened to float and multiplied by
+// half the block scale (exact: the product dequantize() forms). P accumulator chains per
+// (row, activation row) hide the FMA latency when NR * NT is small. Requires K % 32 == 0 and
+// bk in {16, 32}.
+template <int NR, int NT>
+FMOE_AVX2 void fp4_tile_avx2(const Params& p, int64_t e, int64_t n, const float* x0, float* res) {
+  constexpr int P = NR * NT <= 2 ? 2 : 1;
+  const int sh = p.bk == 32 ? 5 : 4;
+  const uint8_t* r[NR];
+  const uint8_t* sr[NR];
+  for (int i = 0; i < NR; ++i) {
+    r[i] = p.data + e * p.d_e + (n + i) * p.d_r;
+    sr[i] = p.sb + e * p.s_e + (n + i) * p.s_r;
+  }
+  __m256 acc[NR][NT][P];
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t)
+      for (int c = 0; c < P; ++c) acc[i][t][c] = _mm256_setzero_ps();
   for (int64_t k = 0; k < p.K; k += 32) {
-    const __m256 s0 = _mm256_set1_ps(0.5f * p.table[sr[k >> sh]]);
-    const __m256 s1 = _mm256_set1_ps(0.5f * p.table[sr[(k + 16) >> sh]]);
-    __m128i lo, hi;
-    fp4x32_i8_avx2(row + k / 2, lo, hi);
-    const __m256 w0 = _mm256_mul_ps(i8x8_ps(lo), s0);                     // even k 0..14
-    const __m256 w1 = _mm256_mul_ps(i8x8_ps(_mm_srli_si128(lo, 8)), s1);  // even k 16..30
-    const __m256 w2 = _mm256_mul_ps(i8x8_ps(hi), s0);                     // odd k 1..15
-    const __m256 w3 = _mm256_mul_ps(i8x8_ps(_mm_srli_si128(hi, 8)), s1);  // odd k 17..31
-    for (int t = 0; t < NT; ++t) {
-      const float* x = x0 + t * p.K + k;
-      acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc[t][0]);
-      acc[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), acc[t][1]);
-      acc[t][0] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), acc[t][0]);
-      acc[t][1] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), acc[t][1]);
-    }
-  }
-  for (int t = 0; t < NT; ++t) res[t] = hsum256(_mm256_add_ps(acc[t][0], acc[t][1]));
-}
-
-template <int NT>
-FMOE_AVX2 void fp8_row_avx2(const Params& p, const Job& j, int64_t n, const float* x0, float* res) {
-  const uint8_t* row = p.data + j.e * p.d_e + n * p.d_r;
-  __m256 acc[NT][2];
-  float tail[NT];
-  for (int t = 0; t < NT; ++t) {
-    acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-    tail[t] = 0.0f;
-  }
-  for (int64_t k0 = 0; k0 < p.K; k0 += p.bk) {
-    const int64_t k1 = std::min(p.K, k0 + p.bk);
-    const float s = scale_of(p, j.e, n, k0 / p.bk);
-    const __m256 s8 = _mm256_set1_ps(s * 256.0f);
-    int64_t k = k0;
-    for (; k + 16 <= k1; k += 16) {
-      const __m256 w0 = _mm256_mul_ps(e4m3x8_avx2(row + k), s8);
-      const __m256 w1 = _mm256_mul_ps(e4m3x8_avx2(row + k + 8), s8);
+    for (int i = 0; i < NR; ++i) {
+      const __m256 s0 = _mm256_set1_ps(0.5f * p.table[sr[i][k >> sh]]);
+      const __m256 s1 = _mm256_set1_ps(0.5f * p.table[sr[i][(k + 16) >> sh]]);
+      __m128i lo, hi;
+      fp4x32_i8_avx2(r[i] + k / 2, lo, hi);
+      const __m256 w0 = _mm256_mul_ps(i8x8_ps(lo), s0);                     // even k 0..14
+      const __m256 w1 = _mm256_mul_ps(i8x8_ps(_mm_srli_si128(lo, 8)), s1);  // even k 16..30
+      const __m256 w2 = _mm256_mul_ps(i8x8_ps(hi), s0);                     // odd k 1..15
+      const __m256 w3 = _mm256_mul_ps(i8x8_ps(_mm_srli_si128(hi, 8)), s1);  // odd k 17..31
       for (int t = 0; t < NT; ++t) {
         const float* x = x0 + t * p.K + k;
-        acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc[t][0]);
-        acc[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), acc[t][1]);
+        acc[i][t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc[i][t][0]);
+        acc[i][t][P - 1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), acc[i][t][P - 1]);
+        acc[i][t][0] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), acc[i][t][0]);
+        acc[i][t][P - 1] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), acc[i][t][P - 1]);
       }
     }
-    for (; k < k1; ++k) {
-      const float w = p.e4m3[row[k]] * s;
-      for (int t = 0; t < NT; ++t) tail[t] += w * x0[t * p.K + k];
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t)
+      res[t * NR + i] = hsum256(P == 2 ? _mm256_add_ps(acc[i][t][0], acc[i][t][P - 1]) : acc[i][t][0]);
+}
+
+// 16 E4M3 bytes -> two vectors of 8 floats * 2^-8 (the binary16 placement of e4m3x32_avx512;
+// NaN codes come out finite, the caller checks them).
+FMOE_AVX2 inline void e4m3x16_avx2(__m128i b8, __m256& f0, __m256& f1) {
+  const __m256i b = _mm256_cvtepu8_epi16(b8);
+  const __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(b, 8), 1),
+                                     _mm256_set1_epi16(static_cast<short>(0xBF80)));
+  f0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  f1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+// FP8 tile on AVX2 (see fp8_tile_avx512): 16 weights at a time decoded once for all NT rows and
+// multiplied by the block scale (times 2^8); k beyond the last whole 16 of a block run scalar.
+template <int NR, int NT>
+FMOE_AVX2 void fp8_tile_avx2(const Params& p, int64_t e, int64_t n, const float* x0, float* res) {
+  constexpr int P = NR * NT <= 2 ? 2 : 1;
+  const uint8_t* r[NR];
+  for (int i = 0; i < NR; ++i) r[i] = p.data + e * p.d_e + (n + i) * p.d_r;
+  __m256 acc[NR][NT][P];
+  float tail[NR][NT];
+  int nan[NR];
+  for (int i = 0; i < NR; ++i) {
+    nan[i] = 0;
+    for (int t = 0; t < NT; ++t) {
+      tail[i][t] = 0.0f;
+      for (int c = 0; c < P; ++c) acc[i][t][c] = _mm256_setzero_ps();
     }
   }
-  for (int t = 0; t < NT; ++t) res[t] = hsum256(_mm256_add_ps(acc[t][0], acc[t][1])) + tail[t];
+  const __m128i m7f = _mm_set1_epi8(0x7F);
+  for (int64_t k0 = 0; k0 < p.K; k0 += p.bk) {
+    const int64_t k1 = std::min(p.K, k0 + p.bk);
+    __m256 s8[NR];
+    float s[NR];
+    for (int i = 0; i < NR; ++i) {
+      s[i] = scale_of(p, e, n + i, k0 / p.bk);
+      s8[i] = _mm256_set1_ps(s[i] * 256.0f);
+    }
+    int64_t k = k0;
+    for (; k + 16 <= k1; k += 16) {
+      for (int i = 0; i < NR; ++i) {
+        const __m128i b8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r[i] + k));
+        nan[i] |= _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_and_si128(b8, m7f), m7f));
+        __m256 w0, w1;
+        e4m3x16_avx2(b8, w0, w1);
+        w0 = _mm256_mul_ps(w0, s8[i]);
+        w1 = _mm256_mul_ps(w1, s8[i]);
+        for (int t = 0; t < NT; ++t) {
+          const float* x = x0 + t * p.K + k;
+          acc[i][t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc[i][t][0]);
+          acc[i][t][P - 1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), acc[i][t][P - 1]);
+        }
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int64_t kk = k; kk < k1; ++kk) {
+        const float wv = p.e4m3[r[i][kk]] * s[i];
+        for (int t = 0; t < NT; ++t) tail[i][t] += wv * x0[t * p.K + kk];
+      }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t)
+      res[t * NR + i] = nan[i] ? std::numeric_limits<float>::quiet_NaN()
+                               : hsum256(P == 2 ? _mm256_add_ps(acc[i][t][0], acc[i][t][P - 1]) : acc[i][t][0]) + tail[i][t];
 }
 
 // ------------------------------------------------------------------ AVX-512 (F, BW, VL, DQ)
@@ -251,111 +300,144 @@ FMOE_AVX512 inline __m512 fp4_scales16(const float* table, const uint8_t* sr) {
                                _mm512_castps256_ps512(s));
 }
 
-// FP4 dot of weight rows n and n2 with NT activation rows. 64 packed bytes (128 k) at a time:
-// dword j of the load holds the codes of k = 8j .. 8j + 7; vpermps reads only the low 4 bits
-// of each index, so shifting by 4q and permuting the 16-entry E2M1 table gives k = 8j + q in
-// lane j. The activations were permuted to match (prep_fp4_avx512). Requires K % 128 == 0
-// and bk in {16, 32}.
-template <int NT, int BK>
-FMOE_AVX512 void fp4_rows2_avx512(const Params& p, const Job& j, int64_t n, int64_t n2, const float* x0,
-                                  float* res, float* res2) {
-  const uint8_t* r0 = p.data + j.e * p.d_e + n * p.d_r;
-  const uint8_t* r1 = p.data + j.e * p.d_e + n2 * p.d_r;
-  const uint8_t* sr0 = p.sb + j.e * p.s_e + n * p.s_r;  // bn == 1 for FP4
-  const uint8_t* sr1 = p.sb + j.e * p.s_e + n2 * p.s_r;
+// FP4 tile: NR consecutive weight rows n.. against NT activation rows (x0, stride K, permuted by
+// permute_acts), res[t * NR + i] = row (n + i) . x[t]. 64 packed bytes (128 k) at a time: dword j
+// of the load holds the codes of k = 8j .. 8j + 7; vpermps reads only the low 4 bits of each
+// index, so shifting by 4q and permuting the 16-entry E2M1 table gives k = 8j + q in lane j.
+// Every lane of a chunk stays inside one scale block (8 | BK), so the chunk's products are summed
+// per lane unscaled (P independent chains, for the FMA latency when NR * NT is small) and the
+// lane's scale multiplies that sum once. The block scales are fetched 16 at a time with one
+// gather through the table (masked at the row's end) and spread to the lanes with one vpermps
+// per chunk. The NR weight rows share every activation load; the whole tile is decoded once.
+// Requires K % 128 == 0 and bk in {16, 32}.
+template <int NR, int NT, int BK>
+FMOE_AVX512 void fp4_tile_avx512(const Params& p, int64_t e, int64_t n, const float* x0, float* res) {
+  constexpr int P = NR * NT <= 4 ? 2 : 1;
+  constexpr int kSpc = 128 / BK;   // scales per chunk
+  constexpr int kCpv = 16 / kSpc;  // chunks per gathered vector of 16 scales
+  const int64_t nc = p.K / 128, ns = p.K / BK;
+  const uint8_t* r[NR];
+  const uint8_t* sr[NR];
+  for (int i = 0; i < NR; ++i) {
+    r[i] = p.data + e * p.d_e + (n + i) * p.d_r;
+    sr[i] = p.sb + e * p.s_e + (n + i) * p.s_r;  // bn == 1 for FP4
+  }
   const __m512 lut = _mm512_loadu_ps(kE2M1);
-  __m512 acc[2][NT];
-  for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < p.K; k += 128) {
-    const __m512i v0 = _mm512_loadu_si512(r0 + k / 2);
-    const __m512i v1 = _mm512_loadu_si512(r1 + k / 2);
-    const __m512 s0 = fp4_scales16<BK>(p.table, sr0 + k / BK);
-    const __m512 s1 = fp4_scales16<BK>(p.table, sr1 + k / BK);
-    // Every lane of the 8 decoded vectors stays inside one scale block, so the chunk's
-    // products are summed per lane unscaled and the lane's scale multiplies that sum once
-    // (2 FMAs a row instead of 8 multiplies).
-    __m512 t0[NT][2], t1[NT][2];
-    for (int t = 0; t < NT; ++t) t0[t][0] = t0[t][1] = t1[t][0] = t1[t][1] = _mm512_setzero_ps();
-#define FMOE_FP4_STEP(q)                                                                   \
-    {                                                                                      \
-      const __m512 w0 = _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4 * q), lut);         \
-      const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4 * q), lut);         \
-      for (int t = 0; t < NT; ++t) {                                                       \
-        const __m512 xv = _mm512_loadu_ps(x0 + t * p.K + k + 16 * q);                      \
-        t0[t][q & 1] = _mm512_fmadd_ps(w0, xv, t0[t][q & 1]);                              \
-        t1[t][q & 1] = _mm512_fmadd_ps(w1, xv, t1[t][q & 1]);                              \
-      }                                                                                    \
+  // lane j of chunk c (c % kCpv == u) takes scale u * kSpc + 8j / BK of the gathered vector
+  const __m512i lane_blk = _mm512_srli_epi32(_mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120),
+                                             BK == 32 ? 5 : 4);
+  __m512 acc[NR][NT], sv[NR];
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < nc; ++c) {
+    const int u = static_cast<int>(c % kCpv);
+    if (u == 0) {
+      const int64_t s0 = c * kSpc;
+      const __mmask16 m = static_cast<__mmask16>(ns - s0 >= 16 ? 0xFFFF : (1u << (ns - s0)) - 1);
+      for (int i = 0; i < NR; ++i) {
+        const __m512i idx = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, sr[i] + s0));
+        sv[i] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, p.table, 4);
+      }
     }
-    FMOE_FP4_STEP(0) FMOE_FP4_STEP(1) FMOE_FP4_STEP(2) FMOE_FP4_STEP(3)
-    FMOE_FP4_STEP(4) FMOE_FP4_STEP(5) FMOE_FP4_STEP(6) FMOE_FP4_STEP(7)
-    for (int t = 0; t < NT; ++t) {
-      acc[0][t] = _mm512_fmadd_ps(_mm512_add_ps(t0[t][0], t0[t][1]), s0, acc[0][t]);
-      acc[1][t] = _mm512_fmadd_ps(_mm512_add_ps(t1[t][0], t1[t][1]), s1, acc[1][t]);
+    __m512i v[NR];
+    for (int i = 0; i < NR; ++i) v[i] = _mm512_loadu_si512(r[i] + 64 * c);
+    const float* xc = x0 + 128 * c;
+    __m512 part[NR][NT][P];
+#define FMOE_FP4_Q(q)                                                                             \
+    {                                                                                             \
+      __m512 w[NR];                                                                               \
+      for (int i = 0; i < NR; ++i) w[i] = _mm512_permutexvar_ps(q ? _mm512_srli_epi32(v[i], 4 * q) : v[i], lut); \
+      for (int t = 0; t < NT; ++t) {                                                              \
+        const __m512 xv = _mm512_loadu_ps(xc + t * p.K + 16 * q);                                 \
+        for (int i = 0; i < NR; ++i)                                                              \
+          part[i][t][q % P] = q < P ? _mm512_mul_ps(w[i], xv) : _mm512_fmadd_ps(w[i], xv, part[i][t][q % P]); \
+      }                                                                                           \
     }
-#undef FMOE_FP4_STEP
+    FMOE_FP4_Q(0) FMOE_FP4_Q(1) FMOE_FP4_Q(2) FMOE_FP4_Q(3)
+    FMOE_FP4_Q(4) FMOE_FP4_Q(5) FMOE_FP4_Q(6) FMOE_FP4_Q(7)
+#undef FMOE_FP4_Q
+    const __m512i sel = _mm512_add_epi32(lane_blk, _mm512_set1_epi32(u * kSpc));
+    for (int i = 0; i < NR; ++i) {
+      const __m512 s = _mm512_permutexvar_ps(sel, sv[i]);
+      for (int t = 0; t < NT; ++t) {
+        const __m512 sum = P == 2 ? _mm512_add_ps(part[i][t][0], part[i][t][P - 1]) : part[i][t][0];
+        acc[i][t] = _mm512_fmadd_ps(sum, s, acc[i][t]);
+      }
+    }
   }
-  for (int t = 0; t < NT; ++t) {
-    res[t] = _mm512_reduce_add_ps(acc[0][t]);
-    res2[t] = _mm512_reduce_add_ps(acc[1][t]);
-  }
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t) res[t * NR + i] = _mm512_reduce_add_ps(acc[i][t]);
 }
 
-// 32 E4M3 bytes -> two vectors of 16 floats * 2^-8 (the binary16 placement of e4m3x8_avx2).
-FMOE_AVX512 inline void e4m3x32_avx512(const uint8_t* q, __m512& f0, __m512& f1) {
-  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-  __m512i h = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(b, 7), _mm512_set1_epi16(0x3F80)),
-                              _mm512_and_si512(_mm512_slli_epi16(b, 8), _mm512_set1_epi16(static_cast<short>(0x8000))));
-  const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(b, _mm512_set1_epi16(0x7F)), _mm512_set1_epi16(0x7F));
-  h = _mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(0x7E00));
+// 32 E4M3 bytes -> two vectors of 16 floats * 2^-8: byte b placed in binary16 as (b << 8) >> 1
+// (arithmetic: the sign lands in bits 15 and 14) & 0xBF80, i.e. sign, then exponent and
+// mantissa with the bias 7 of E4M3 read as binary16's 15 (subnormals line up too). The NaN
+// codes 0x7F / 0xFF decode to finite values here; the caller checks for them (nan_bytes).
+FMOE_AVX512 inline void e4m3x32_avx512(__m256i b8, __m512& f0, __m512& f1) {
+  const __m512i b = _mm512_cvtepu8_epi16(b8);
+  const __m512i h = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(b, 8), 1),
+                                     _mm512_set1_epi16(static_cast<short>(0xBF80)));
   f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
   f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }
 
-template <int NT>
-FMOE_AVX512 void fp8_rows2_avx512(const Params& p, const Job& j, int64_t n, int64_t n2, const float* x0,
-                                  float* res, float* res2) {
-  const uint8_t* r0 = p.data + j.e * p.d_e + n * p.d_r;
-  const uint8_t* r1 = p.data + j.e * p.d_e + n2 * p.d_r;
-  __m512 acc[2][NT][2];
-  float tail[2][NT];
-  for (int t = 0; t < NT; ++t) {
-    acc[0][t][0] = acc[0][t][1] = acc[1][t][0] = acc[1][t][1] = _mm512_setzero_ps();
-    tail[0][t] = tail[1][t] = 0.0f;
+FMOE_AVX512 inline __mmask32 nan_bytes(__m256i b8) {
+  return _mm256_cmpeq_epi8_mask(_mm256_and_si256(b8, _mm256_set1_epi8(0x7F)), _mm256_set1_epi8(0x7F));
+}
+
+// FP8 tile: NR consecutive weight rows n.. against NT activation rows (stride K, natural order),
+// res[t * NR + i]. Per scale block of bk: 32 weights at a time decoded once for all NT rows,
+// products summed unscaled in two chains, the block's scale (times 2^8) multiplies the block's
+// sum once; k beyond the last whole 32 of a block run scalar through the E4M3 table. A row
+// holding a NaN byte gives NaN, as dequantize() then matmul does.
+template <int NR, int NT>
+FMOE_AVX512 void fp8_tile_avx512(const Params& p, int64_t e, int64_t n, const float* x0, float* res) {
+  const uint8_t* r[NR];
+  for (int i = 0; i < NR; ++i) r[i] = p.data + e * p.d_e + (n + i) * p.d_r;
+  __m512 acc[NR][NT];
+  float tail[NR][NT];
+  __mmask32 nan[NR];
+  for (int i = 0; i < NR; ++i) {
+    nan[i] = 0;
+    for (int t = 0; t < NT; ++t) {
+      acc[i][t] = _mm512_setzero_ps();
+      tail[i][t] = 0.0f;
+    }
   }
   for (int64_t k0 = 0; k0 < p.K; k0 += p.bk) {
     const int64_t k1 = std::min(p.K, k0 + p.bk);
-    const float sa = scale_of(p, j.e, n, k0 / p.bk), sb = scale_of(p, j.e, n2, k0 / p.bk);
-    const __m512 s0 = _mm512_set1_ps(sa * 256.0f), s1 = _mm512_set1_ps(sb * 256.0f);
+    __m512 part[NR][NT][2];
+    for (int i = 0; i < NR; ++i)
+      for (int t = 0; t < NT; ++t) part[i][t][0] = part[i][t][1] = _mm512_setzero_ps();
     int64_t k = k0;
     for (; k + 32 <= k1; k += 32) {
-      __m512 a0, a1, b0, b1;
-      e4m3x32_avx512(r0 + k, a0, a1);
-      e4m3x32_avx512(r1 + k, b0, b1);
-      a0 = _mm512_mul_ps(a0, s0);
-      a1 = _mm512_mul_ps(a1, s0);
-      b0 = _mm512_mul_ps(b0, s1);
-      b1 = _mm512_mul_ps(b1, s1);
+      __m512 w[NR][2];
+      for (int i = 0; i < NR; ++i) {
+        const __m256i b8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[i] + k));
+        nan[i] |= nan_bytes(b8);
+        e4m3x32_avx512(b8, w[i][0], w[i][1]);
+      }
       for (int t = 0; t < NT; ++t) {
-        const float* x = x0 + t * p.K + k;
-        const __m512 x0v = _mm512_loadu_ps(x), x1v = _mm512_loadu_ps(x + 16);
-        acc[0][t][0] = _mm512_fmadd_ps(a0, x0v, acc[0][t][0]);
-        acc[0][t][1] = _mm512_fmadd_ps(a1, x1v, acc[0][t][1]);
-        acc[1][t][0] = _mm512_fmadd_ps(b0, x0v, acc[1][t][0]);
-        acc[1][t][1] = _mm512_fmadd_ps(b1, x1v, acc[1][t][1]);
+        const __m512 xa = _mm512_loadu_ps(x0 + t * p.K + k), xb = _mm512_loadu_ps(x0 + t * p.K + k + 16);
+        for (int i = 0; i < NR; ++i) {
+          part[i][t][0] = _mm512_fmadd_ps(w[i][0], xa, part[i][t][0]);
+          part[i][t][1] = _mm512_fmadd_ps(w[i][1], xb, part[i][t][1]);
+        }
       }
     }
-    for (; k < k1; ++k) {
-      const float wa = p.e4m3[r0[k]] * sa, wb = p.e4m3[r1[k]] * sb;
-      for (int t = 0; t < NT; ++t) {
-        tail[0][t] += wa * x0[t * p.K + k];
-        tail[1][t] += wb * x0[t * p.K + k];
+    for (int i = 0; i < NR; ++i) {
+      const float s = scale_of(p, e, n + i, k0 / p.bk);
+      const __m512 s8 = _mm512_set1_ps(s * 256.0f);
+      for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_fmadd_ps(_mm512_add_ps(part[i][t][0], part[i][t][1]), s8, acc[i][t]);
+      for (int64_t kk = k; kk < k1; ++kk) {
+        const float wv = p.e4m3[r[i][kk]] * s;
+        for (int t = 0; t < NT; ++t) tail[i][t] += wv * x0[t * p.K + kk];
       }
     }
   }
-  for (int t = 0; t < NT; ++t) {
-    res[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][t][0], acc[0][t][1])) + tail[0][t];
-    res2[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[1][t][0], acc[1][t][1])) + tail[1][t];
-  }
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t)
+      res[t * NR + i] = nan[i] ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_add_ps(acc[i][t]) + tail[i][t];
 }
 
 // ------------------------------------------------------------------ int8 activations (AVX-512 VNNI), FP4 only
@@ -512,45 +594,52 @@ void permute_acts(const float* a, int64_t R, int64_t K, int isa, float* out) {
   });
 }
 
-template <int NT>
-void rows_vec(const Params& p, const Job& j, const float* x, int isa, int64_t row0) {
-  float r0[4], r1[4];
+// The register kernels of one ISA and format: tile[r][nt] for r weight rows (1, 2, 4) and nt
+// activation rows (1 .. 8); nullptr where that shape is not instantiated.
+using TileFn = void (*)(const Params&, int64_t, int64_t, const float*, float*);
+struct Tiles {
+  TileFn one[9], two[5], four[2];
+};
+
+#define FMOE_T8(F, ...)                                                                       \
+  { nullptr, F<1, 1 __VA_ARGS__>, F<1, 2 __VA_ARGS__>, F<1, 3 __VA_ARGS__>, F<1, 4 __VA_ARGS__>, \
+    F<1, 5 __VA_ARGS__>, F<1, 6 __VA_ARGS__>, F<1, 7 __VA_ARGS__>, F<1, 8 __VA_ARGS__> }
+#define FMOE_T4(F, ...) { nullptr, F<2, 1 __VA_ARGS__>, F<2, 2 __VA_ARGS__>, F<2, 3 __VA_ARGS__>, F<2, 4 __VA_ARGS__> }
+
+const Tiles kFp4Avx512[2] = {  // bk 16, 32
+    {FMOE_T8(fp4_tile_avx512, , 16), FMOE_T4(fp4_tile_avx512, , 16), {nullptr, fp4_tile_avx512<4, 1, 16>}},
+    {FMOE_T8(fp4_tile_avx512, , 32), FMOE_T4(fp4_tile_avx512, , 32), {nullptr, fp4_tile_avx512<4, 1, 32>}}};
+const Tiles kFp8Avx512 = {FMOE_T8(fp8_tile_avx512), FMOE_T4(fp8_tile_avx512), {nullptr, fp8_tile_avx512<4, 1>}};
+const Tiles kFp4Avx2 = {FMOE_T8(fp4_tile_avx2), FMOE_T4(fp4_tile_avx2), {nullptr, nullptr}};
+const Tiles kFp8Avx2 = {FMOE_T8(fp8_tile_avx2), FMOE_T4(fp8_tile_avx2), {nullptr, nullptr}};
+#undef FMOE_T8
+#undef FMOE_T4
+
+// Weight rows [j.n0, j.n1) of expert j.e against its j.c (<= dense_from) activation rows: groups
+// of r weight rows (4 for one activation row where the ISA has it, 2 up to 4 rows, else 1; the
+// rows left at the tile's end one at a time), each group against all activation rows in passes
+// of at most 8 inside the loop over weight rows, so each weight row comes from memory once.
+void run_tiles(const Params& p, const Job& j, const float* xs, const Tiles& T) {
+  const int nr = (j.c == 1 && T.four[1] != nullptr) ? 4 : j.c <= 4 ? 2 : 1;
   const float g = gscale_of(p, j.e);
-  for (int64_t n = j.n0; n < j.n1; n += 2) {
-    const int64_t n2 = std::min(n + 1, j.n1 - 1);  // an odd last row is computed twice
-    if (isa == kAvx512) {
-      if (p.fp4 && p.bk == 32) fp4_rows2_avx512<NT, 32>(p, j, n, n2, x, r0, r1);
-      else if (p.fp4) fp4_rows2_avx512<NT, 16>(p, j, n, n2, x, r0, r1);
-      else fp8_rows2_avx512<NT>(p, j, n, n2, x, r0, r1);
-    } else {
-      if (p.fp4) {
-        fp4_row_avx2<NT>(p, j, n, x, r0);
-        fp4_row_avx2<NT>(p, j, n2, x, r1);
-      } else {
-        fp8_row_avx2<NT>(p, j, n, x, r0);
-        fp8_row_avx2<NT>(p, j, n2, x, r1);
-      }
+  float res[8 * 4];
+  for (int64_t n = j.n0; n < j.n1;) {
+    const int r = j.n1 - n >= nr ? nr : 1;
+    for (int64_t c = 0; c < j.c; c += 8) {
+      const int nt = static_cast<int>(std::min<int64_t>(8, j.c - c));
+      const TileFn f = r == 4 ? T.four[nt] : r == 2 ? T.two[nt] : T.one[nt];
+      f(p, j.e, n, xs + (j.lo + c) * p.K, res);
+      for (int t = 0; t < nt; ++t)
+        for (int i = 0; i < r; ++i) p.out[(j.lo + c + t) * p.N + n + i] = res[t * r + i] * g;
     }
-    for (int t = 0; t < NT; ++t) {
-      p.out[(row0 + t) * p.N + n] = r0[t] * g;
-      p.out[(row0 + t) * p.N + n2] = r1[t] * g;
-    }
+    n += r;
   }
 }
 
 void run_job_small(const Params& p, const Job& j, const float* xs, int isa, std::vector<float>& w) {
   if (isa == kPortable) return rows_portable(p, j, w);
-  for (int64_t c = 0; c < j.c; c += 4) {
-    const int64_t nt = std::min<int64_t>(4, j.c - c);
-    const float* x = xs + (j.lo + c) * p.K;
-    Job sub = j;
-    switch (nt) {
-      case 1: rows_vec<1>(p, sub, x, isa, j.lo + c); break;
-      case 2: rows_vec<2>(p, sub, x, isa, j.lo + c); break;
-      case 3: rows_vec<3>(p, sub, x, isa, j.lo + c); break;
-      default: rows_vec<4>(p, sub, x, isa, j.lo + c); break;
-    }
-  }
+  if (isa == kAvx512) return run_tiles(p, j, xs, p.fp4 ? kFp4Avx512[p.bk == 32] : kFp8Avx512);
+  run_tiles(p, j, xs, p.fp4 ? kFp4Avx2 : kFp8Avx2);
 }
 
 // Many rows: decode the tile once to float32, then one single-threaded at::mm.
@@ -568,8 +657,6 @@ void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const at:
   at::Tensor o = out.narrow(0, j.lo, j.c).narrow(1, j.n0, tn);
   at::mm_out(o, a.narrow(0, j.lo, j.c), w.t());
 }
-
-}  // namespace
 
 // out [R, N] float32 (written); see the file comment for the operands. Returns the ISA run.
 int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const at::Tensor& data,
@@ -670,6 +757,9 @@ int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const 
 
 int64_t packed_best_isa() { return best_isa(); }
 bool packed_has_vnni() { return has_vnni(); }
+
+}  // namespace (internal linkage: a second build loaded beside this one, e.g. by
+   // benchmarks/bench_packed_kernels.py --old, cannot bind its calls to ours)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_grouped_mm", &packed_grouped_mm, "grouped GEMM over packed expert weights (see packed_gemm.cpp)");

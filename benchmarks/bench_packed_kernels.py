@@ -1,0 +1,179 @@
+"""Packed-weight decode kernels (fmoe/ops/csrc/packed_gemm.cpp) against a float32 GEMV of the same bytes.
+
+``single``: one warm expert [N=1536, K=2048] per format (mxfp4, nvfp4, mxfp8, fp8_block, fp8_row), one
+activation row, 1 thread, every ISA path the CPU has (forced), the native call alone (no Python front;
+``front_auto``: through ``grouped_matmul``), timed by the thread's CPU time (``time.thread_time``),
+interleaved with ``torch.mv`` over a float32 matrix holding as many bytes as the packed expert (data +
+scales). Reports GB/s of stored bytes read and the ratio to that GEMV rate.
+
+``multi``: E=64 experts [1536, 2048] (gate_up_proj's shape at M=2048, I=768), T = 1, 4, 16 tokens routed
+top-6 (about 6 / 21 / 54 busy experts), 2 threads, through ``fmoe.quant.packed.grouped_matmul`` (the call
+the layer makes), cold: each timed call follows an untimed 512 MiB read (bench_inference.timed_cold),
+beside a cold float32 GEMV of the busy experts' packed bytes; ratio = call time / GEMV time.
+
+``--old PATH`` times a second build of the extension (e.g. the previous commit's .so) in the same run,
+interleaved, so before/after share the host's noise. Medians of ``--repeats`` samples.
+
+Run: ``python -m benchmarks.bench_packed_kernels [--repeats 15] [--formats ...] [--old OLD.so] [--no-multi]``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import json
+import statistics
+import time
+
+import torch
+
+FORMATS = ("mxfp4", "nvfp4", "mxfp8", "fp8_block", "fp8_row")
+N, K, E, TOP = 1536, 2048, 64, 6
+
+
+def _load_so(path: str):
+    loader = importlib.machinery.ExtensionFileLoader("fmoe_packed_gemm", path)
+    spec = importlib.util.spec_from_file_location("fmoe_packed_gemm", path, loader=loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def _weights(fmt: str, experts: int, g: torch.Generator):
+    import fmoe.quant as Q
+    # quantize one expert's floats and repeat it: valid codes and scales without quantizing 64 experts
+    w = Q.quantize(torch.randn(1, N, K, generator=g), fmt)
+    rep = lambda t: None if t is None else t.expand(experts, *t.shape[1:]).contiguous()  # noqa: E731
+    if experts == 1:
+        return w
+    return Q.QuantizedTensor(rep(w.data), rep(w.scales), rep(w.global_scale), fmt, (experts, N, K), w.block)
+
+
+def _call(ext, a, offsets, w, isa: int):
+    from fmoe.quant import _codecs as C
+    from fmoe.quant import packed
+    data, scales, table, fp4, bn, bk, gs = packed._operands(w)
+    out = torch.empty(a.shape[0], N)
+    return lambda: ext.packed_grouped_mm(a, offsets, data, scales, table, C.E4M3_TABLE, gs, fp4, bn, bk, out, isa,
+                                         packed.DENSE_FROM, False)
+
+
+def _interleaved(steps: dict, repeats: int, inner: int, clock=time.perf_counter) -> dict:
+    times = {n: [] for n in steps}
+    for fn in steps.values():
+        fn()
+    order = list(steps)
+    for r in range(repeats):
+        for name in (order[::-1] if r % 2 else order):
+            fn = steps[name]
+            t0 = clock()
+            for _ in range(inner):
+                fn()
+            times[name].append((clock() - t0) / inner)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def single(formats, repeats: int, old=None, log=print) -> dict:
+    from fmoe.quant import packed
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    best = packed.ISAS[packed.best_isa()]
+    isas = [i for i in ("avx2", "avx512") if packed.ISAS[i] <= best]
+    a = torch.randn(1, K, generator=g)
+    off = torch.tensor([0, 1], dtype=torch.int64)
+    res = {}
+    for fmt in formats:
+        w = _weights(fmt, 1, g)
+        nbytes = w.nbytes
+        wf = torch.randn(nbytes // 4 // K, K, generator=g)
+        xf = torch.randn(K, generator=g)
+        steps = {"gemv": lambda: torch.mv(wf, xf)}
+        for isa in isas:
+            steps[f"new_{isa}"] = _call(packed._EXT, a, off, w, packed.ISAS[isa])
+            if old is not None:
+                steps[f"old_{isa}"] = _call(old, a, off, w, packed.ISAS[isa])
+        steps["front_auto"] = lambda: packed.grouped_matmul(a, w, off)
+        # this thread's CPU time: on the shared 2-core host a wall clock mostly times the other tenants
+        t = _interleaved(steps, repeats, inner=10, clock=time.thread_time)
+        gemv = wf.numel() * 4 / t["gemv"] / 1e9
+        row = {"bytes": nbytes, "gemv_gb_per_s": gemv}
+        for name, s in t.items():
+            if name != "gemv":
+                row[name] = {"gb_per_s": nbytes / s / 1e9, "vs_gemv": nbytes / s / 1e9 / gemv, "us": s * 1e6}
+        res[fmt] = row
+        log(f"  {fmt:9s} {nbytes / 2**20:5.2f} MiB  gemv {gemv:5.1f} GB/s | " + "  ".join(
+            f"{n} {row[n]['gb_per_s']:5.1f} ({row[n]['vs_gemv']:.2f})" for n in t if n != "gemv"))
+    return res
+
+
+def multi(formats, tokens, repeats: int, old=None, log=print) -> dict:
+    from fmoe.quant import packed
+
+    from .bench_inference import timed_cold
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(1)
+    res = {}
+    for fmt in formats:
+        w = _weights(fmt, E, g)
+        per_expert = w.nbytes // E
+        for T in tokens:
+            idx = torch.randn(T, E, generator=g).topk(TOP, dim=-1).indices.reshape(-1)
+            counts = torch.bincount(idx, minlength=E)
+            busy = int((counts > 0).sum())
+            off = torch.zeros(E + 1, dtype=torch.int64)
+            off[1:] = counts.cumsum(0)
+            a = torch.randn(int(off[-1]), K, generator=g)
+            nbytes = busy * per_expert
+            wf = torch.randn(nbytes // 4 // K, K, generator=g)
+            xf = torch.randn(K, generator=g)
+            steps = {"gemv": lambda: torch.mv(wf, xf), "new": lambda: packed.grouped_matmul(a, w, off)}
+            if old is not None:
+                steps["old"] = _call(old, a, off, w, 0)
+            with torch.no_grad():
+                t = timed_cold(steps, repeats, log)
+            row = {"busy": busy, "rows": int(off[-1]), "bytes": nbytes, "stream_gb_per_s": t["stream_gb_per_s"],
+                   "gemv_gb_per_s": wf.numel() * 4 / t["gemv"] / 1e9}
+            for name in steps:
+                if name != "gemv":
+                    row[name] = {"ms": t[name] * 1e3, "gb_per_s": nbytes / t[name] / 1e9, "vs_gemv": t[name] / t["gemv"]}
+            res[f"{fmt}_T{T}"] = row
+            log(f"  {fmt:9s} T={T:2d} busy {busy:2d}: gemv {row['gemv_gb_per_s']:5.1f} GB/s | " + "  ".join(
+                f"{n} {row[n]['ms']:6.2f} ms {row[n]['gb_per_s']:5.1f} GB/s ({row[n]['vs_gemv']:.2f}x gemv)"
+                for n in steps if n != "gemv"))
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16])
+    p.add_argument("--old", default=None, help="path of another build of fmoe_packed_gemm to time beside this one")
+    p.add_argument("--no-single", action="store_true")
+    p.add_argument("--no-multi", action="store_true")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+    from fmoe.quant import packed
+    packed.build(verbose=False)
+    old = _load_so(args.old) if args.old else None
+    with open("/proc/loadavg") as f:
+        load0 = f.read().split()[:3]
+    print(f"{packed.status()}; load average {' '.join(load0)}")
+    out = {"status": packed.status(), "loadavg_start": load0}
+    if not args.no_single:
+        print("single expert [1536, 2048], one row, warm, 1 thread: GB/s of stored bytes (ratio to the fp32 GEMV)")
+        out["single"] = single(args.formats, args.repeats, old)
+    if not args.no_multi:
+        print("E=64 [1536, 2048], top-6 routed rows, cold, 2 threads")
+        out["multi"] = multi(args.formats, args.tokens, args.repeats, old)
+    with open("/proc/loadavg") as f:
+        out["loadavg_end"] = f.read().split()[:3]
+    print(f"load average at the end: {' '.join(out['loadavg_end'])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
