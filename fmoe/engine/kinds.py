@@ -25,7 +25,10 @@ which), and within float rounding in backward (the gate-weight gradient's other 
 
 Orders of the final sum (``order``): 'fmoe' widens bf16/fp16 products to fp32, sums there and
 rounds once (:func:`fmoe.combine`'s arithmetic, k terms in expert order); 'eager' is
-transformers' eager loop bit for bit (``(y_e * w).to(dt)`` added in dt, one expert at a time).
+transformers' eager loop bit for bit (``(y_e * w).to(dt)`` added in dt, one expert at a time);
+'grouped' (transformers' grouped_mm order: each row times its gate with torch promotion, the k
+slots of a token summed in fp32 in slot order, one cast) on a layout plan and on the composed
+route of packed weights and recipes (:func:`composes`), as the staged kernel sums it.
 """
 from __future__ import annotations
 
@@ -43,12 +46,12 @@ from .plan import ExpertPlan, LayoutPlan
 from .table import Kernel, select
 
 __all__ = ["FORMS", "ORDERS", "LAYOUT_ORDERS", "SAVES", "ExpertForm", "run", "run_custom", "as_stored", "reference", "forward",
-           "combine_rows", "scatters_output"]
+           "combine_rows", "scatters_output", "composes", "rows_orders"]
 
 FORMS = ("ffn", "glu", "gpt_oss")
 PURE_ACTIVATIONS = frozenset({F.relu, F.gelu, F.silu, F.sigmoid, F.tanh, F.softplus, F.elu, F.leaky_relu, F.mish,
                               F.selu, F.hardswish, torch.relu, torch.sigmoid, torch.tanh})
-ORDERS = ("fmoe", "eager")   # a rows plan's; a layout plan's kernel also has 'grouped' (LAYOUT_ORDERS)
+ORDERS = ("fmoe", "eager")   # a float rows plan's; a layout plan and the composed route also 'grouped' (LAYOUT_ORDERS)
 LAYOUT_ORDERS = COMBINES
 SAVES = ("projections", "recompute")
 
@@ -96,12 +99,28 @@ class ExpertForm:
         return (u + 1) * (g * torch.sigmoid(g * self.alpha))
 
 
+def composes(plan: Union[ExpertPlan, LayoutPlan], w_in: tuple, w_out) -> bool:
+    """A rows plan whose experts run :func:`reference`'s composition with the kernel's GEMMs: a
+    packed weight (:class:`fmoe.quant.QuantizedTensor`) or a quantized-training recipe. That
+    route also sums in transformers' 'grouped' order (the autograd Function's float route does not)."""
+    return (not isinstance(plan, LayoutPlan)
+            and (plan.precision is not None or not all(isinstance(w, Tensor) for w in (*w_in, w_out))))
+
+
+def rows_orders(plan: Union[ExpertPlan, LayoutPlan], w_in: tuple, w_out) -> tuple:
+    """The combine orders ``run`` takes for this plan and these weights: every order of
+    :data:`LAYOUT_ORDERS` on a layout plan and on the composed route (:func:`composes`),
+    :data:`ORDERS` on the float rows route."""
+    return LAYOUT_ORDERS if isinstance(plan, LayoutPlan) or composes(plan, w_in, w_out) else ORDERS
+
+
 def _check(x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out: Tensor, order: str) -> None:
     layout = isinstance(plan, LayoutPlan)
-    orders = LAYOUT_ORDERS if layout else ORDERS
+    orders = rows_orders(plan, w_in, w_out)
     if order not in orders:
-        raise ValueError(f"order must be one of {orders} on a {'layout' if layout else 'rows'} plan, "
-                         f"got {order!r}")
+        raise ValueError(f"order must be one of {orders} on a {'layout' if layout else 'rows'} plan"
+                         + ("" if layout or orders is LAYOUT_ORDERS else " with float weights")
+                         + f", got {order!r}")
     if x.dim() != 2 or x.shape[0] != plan.num_tokens:
         raise ValueError(f"x must be [T, M] with T={plan.num_tokens} (the plan's tokens), got {tuple(x.shape)}")
     if layout:   # the staged kernel casts weights to x's dtype (gates: _gated_routing)
@@ -121,6 +140,17 @@ def _accumulate(y_r: Tensor, w_rows: Tensor, plan: ExpertPlan, order: str, dt: t
     """y [T, O] in dt: ``y[t] += w_r * y_r`` over the rows in plan (ascending expert) order."""
     T, O = plan.num_tokens, y_r.shape[1]
     tokens = plan.tokens
+    if order == "grouped":
+        # transformers' grouped_mm order (fmoe.ops.orders.grouped_combine): each row times its
+        # gate with torch promotion (bf16 x bf16 rounds to bf16), then a token's k terms summed
+        # in fp32 in slot order, one cast. Rows sorted by pair index j * T + t run slot by slot,
+        # and an fp32 index_add_ adds duplicates in index order.
+        acc = compute_dtype(dt)
+        by_slot = torch.argsort(plan.pairs)
+        y = y_r.new_zeros((T, O), dtype=acc)
+        y.index_add_(0, tokens.index_select(0, by_slot),
+                     (y_r * w_rows.unsqueeze(1)).index_select(0, by_slot).to(acc))
+        return y.to(dt)
     if order == "fmoe":
         acc = compute_dtype(dt)
         y = y_r.new_zeros((T, O), dtype=acc)
@@ -415,8 +445,9 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Union[ExpertPlan, Lay
         w_in: in-projection weights in x's dtype, one ([E, M, H] or [E, M, 2H] fused) or two
             (gate, up), transposed ([E, H, M]) with ``form.in_transposed``.
         w_out: [E, H, O] ([E, O, H] with ``form.out_transposed``). b_in [E, H|2H], b_out [E, O]: optional.
-        order: 'fmoe' or 'eager' (see the module docstring); a layout plan also has 'grouped'
-            (transformers' grouped_mm order, :func:`fmoe.ops.orders.grouped_combine`).
+        order: 'fmoe' or 'eager' (see the module docstring); a layout plan and packed weights or
+            a recipe (:func:`composes`) also 'grouped' (transformers' grouped_mm order,
+            :func:`fmoe.ops.orders.grouped_combine`).
         save: what backward keeps of a rows plan's forward: 'projections' (the in-projection
             output z [N, H] / [N, 2H]) or 'recompute' (nothing: one more in-projection GEMM in backward).
         prescore: the gates scale the experts' inputs instead of their outputs (layout plans).
