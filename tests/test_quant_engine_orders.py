@@ -1,5 +1,5 @@
 """Packed expert weights on the rows plan in transformers' 'grouped' combine order (kinds.run's
-composed route): bit for bit the layout plan's staged kernel, which sums in that order too.
+reference composition over the packed GEMMs): bit for bit the layout plan's staged kernel, which sums in that order too.
 
 Both make the same packed GEMM calls (fmoe.quant.packed.grouped_matmul) on the same rows in
 the same order, the same bias additions and the same activation; the combine multiplies each
@@ -45,7 +45,7 @@ def test_packed_rows_plan_in_grouped_order_equals_the_staged_kernel(typ, fmt, dt
     kw = expert_form(spec.experts, experts)
     w_in, w_out, b_in, b_out = kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"]
     rows = make_plan(r, needs_grad=False, dtype=dt)
-    assert kinds.composes(rows, tuple(w_in), w_out) and "grouped" in kinds.rows_orders(rows, tuple(w_in), w_out)
+    assert kinds.packed_rows(rows, tuple(w_in), w_out) and "grouped" in kinds.rows_orders(rows, tuple(w_in), w_out)
     got = kinds.run(kw["form"], x, rows.row_weights(r.weights), rows, w_in, w_out, b_in=b_in, b_out=b_out,
                     order="grouped")
     staged = make_plan(r, needs_grad=False, dtype=dt, layout=make_layout(r, "ragged"))
@@ -58,7 +58,7 @@ def test_float_rows_plan_still_refuses_the_grouped_order():
     ex = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))["experts"]
     kw = expert_form(spec.experts, ex)
     rows = make_plan(r, needs_grad=False, dtype=torch.float32)
-    assert not kinds.composes(rows, tuple(kw["w_in"]), kw["w_out"])
+    assert not kinds.packed_rows(rows, tuple(kw["w_in"]), kw["w_out"])
     with pytest.raises(ValueError, match=r"order must be one of \('fmoe', 'eager'\) on a rows plan with float "
                                          r"weights, got 'grouped'"):
         kinds.run(kw["form"], x, rows.row_weights(r.weights), rows, kw["w_in"], kw["w_out"], order="grouped")

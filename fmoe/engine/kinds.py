@@ -27,8 +27,8 @@ Orders of the final sum (``order``): 'fmoe' widens bf16/fp16 products to fp32, s
 rounds once (:func:`fmoe.combine`'s arithmetic, k terms in expert order); 'eager' is
 transformers' eager loop bit for bit (``(y_e * w).to(dt)`` added in dt, one expert at a time);
 'grouped' (transformers' grouped_mm order: each row times its gate with torch promotion, the k
-slots of a token summed in fp32 in slot order, one cast) on a layout plan and on the composed
-route of packed weights and recipes (:func:`composes`), as the staged kernel sums it.
+slots of a token summed in fp32 in slot order, one cast) on a layout plan and on a rows plan
+with packed weights (:func:`packed_rows`), as the staged kernel sums it.
 """
 from __future__ import annotations
 
@@ -46,12 +46,12 @@ from .plan import ExpertPlan, LayoutPlan
 from .table import Kernel, select
 
 __all__ = ["FORMS", "ORDERS", "LAYOUT_ORDERS", "SAVES", "ExpertForm", "run", "run_custom", "as_stored", "reference", "forward",
-           "combine_rows", "scatters_output", "composes", "rows_orders"]
+           "combine_rows", "scatters_output", "packed_rows", "rows_orders"]
 
 FORMS = ("ffn", "glu", "gpt_oss")
 PURE_ACTIVATIONS = frozenset({F.relu, F.gelu, F.silu, F.sigmoid, F.tanh, F.softplus, F.elu, F.leaky_relu, F.mish,
                               F.selu, F.hardswish, torch.relu, torch.sigmoid, torch.tanh})
-ORDERS = ("fmoe", "eager")   # a float rows plan's; a layout plan and the composed route also 'grouped' (LAYOUT_ORDERS)
+ORDERS = ("fmoe", "eager")   # a float rows plan's; a layout plan and packed weights also 'grouped' (LAYOUT_ORDERS)
 LAYOUT_ORDERS = COMBINES
 SAVES = ("projections", "recompute")
 
@@ -99,19 +99,18 @@ class ExpertForm:
         return (u + 1) * (g * torch.sigmoid(g * self.alpha))
 
 
-def composes(plan: Union[ExpertPlan, LayoutPlan], w_in: tuple, w_out) -> bool:
-    """A rows plan whose experts run :func:`reference`'s composition with the kernel's GEMMs: a
-    packed weight (:class:`fmoe.quant.QuantizedTensor`) or a quantized-training recipe. That
-    route also sums in transformers' 'grouped' order (the autograd Function's float route does not)."""
-    return (not isinstance(plan, LayoutPlan)
-            and (plan.precision is not None or not all(isinstance(w, Tensor) for w in (*w_in, w_out))))
+def packed_rows(plan: Union[ExpertPlan, LayoutPlan], w_in: tuple, w_out) -> bool:
+    """A rows plan with a packed weight (:class:`fmoe.quant.QuantizedTensor`): its experts run
+    :func:`reference`'s composition over the packed GEMMs, which also sums in transformers'
+    'grouped' order (the autograd Function's float route does not)."""
+    return not isinstance(plan, LayoutPlan) and not all(isinstance(w, Tensor) for w in (*w_in, w_out))
 
 
 def rows_orders(plan: Union[ExpertPlan, LayoutPlan], w_in: tuple, w_out) -> tuple:
     """The combine orders ``run`` takes for this plan and these weights: every order of
-    :data:`LAYOUT_ORDERS` on a layout plan and on the composed route (:func:`composes`),
-    :data:`ORDERS` on the float rows route."""
-    return LAYOUT_ORDERS if isinstance(plan, LayoutPlan) or composes(plan, w_in, w_out) else ORDERS
+    :data:`LAYOUT_ORDERS` on a layout plan and with packed weights (:func:`packed_rows`),
+    :data:`ORDERS` on a rows plan with float weights."""
+    return LAYOUT_ORDERS if isinstance(plan, LayoutPlan) or packed_rows(plan, w_in, w_out) else ORDERS
 
 
 def _check(x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out: Tensor, order: str) -> None:
@@ -445,8 +444,8 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Union[ExpertPlan, Lay
         w_in: in-projection weights in x's dtype, one ([E, M, H] or [E, M, 2H] fused) or two
             (gate, up), transposed ([E, H, M]) with ``form.in_transposed``.
         w_out: [E, H, O] ([E, O, H] with ``form.out_transposed``). b_in [E, H|2H], b_out [E, O]: optional.
-        order: 'fmoe' or 'eager' (see the module docstring); a layout plan and packed weights or
-            a recipe (:func:`composes`) also 'grouped' (transformers' grouped_mm order,
+        order: 'fmoe' or 'eager' (see the module docstring); a layout plan and packed weights
+            (:func:`packed_rows`) also 'grouped' (transformers' grouped_mm order,
             :func:`fmoe.ops.orders.grouped_combine`).
         save: what backward keeps of a rows plan's forward: 'projections' (the in-projection
             output z [N, H] / [N, 2H]) or 'recompute' (nothing: one more in-projection GEMM in backward).
