@@ -598,7 +598,7 @@ def _experts(spec: MoESpec, experts, compute: Tensor, routing: Routing, kind: st
                              "transform, no torch.compile) with is_postscore=True and combine 'fmoe' or 'eager'; "
                              "use takes_plan=False (padded [E, C, M] buffers) there")
         d = "rows"
-    if d == "compiled":
+    if d == "traced":
         y = _traced.run(form, compute, routing, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"],
                         order=spec.combine, save=spec.save)
         return y, routing.num_dropped()

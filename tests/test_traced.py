@@ -139,8 +139,8 @@ def test_transposed_weight_views_compile(op_calls):
 
 
 def test_the_door_is_decided_in_one_place():
-    """fmoe.engine.traced.door: 'rows' in eager mode, 'compiled' under torch.compile, 'layout' for what
-    only the staged kernel takes (and under a torch.func transform)."""
+    """fmoe.engine.traced.door: 'rows' in eager mode, 'traced' under torch.compile and under vmap /
+    grad transforms, 'layout' for what only the staged kernel takes (forward-mode AD among it)."""
     from fmoe.engine.traced import door
     spec = _spec("ffn")
     w = expert_form(spec.experts, _params(spec)["experts"])
@@ -149,11 +149,131 @@ def test_the_door_is_decided_in_one_place():
     assert door(w["form"], ts) == "rows"
     assert door(w["form"], ts, plan="layout") == door(w["form"], ts, prescore=True) == "layout"
     assert door(w["form"], ts, order="grouped") == "layout"
-    assert torch.func.vmap(lambda t: t + (door(w["form"], (t, *ts[1:])) == "layout"))(x).equal(x + 1)
-    seen = torch.compile(lambda t: t + (1.0 if door(w["form"], (t, *ts[1:])) == "compiled" else 0.0),
+    assert torch.func.vmap(lambda t: t + (door(w["form"], (t, *ts[1:])) == "traced"))(x).equal(x + 1)
+    grad_door = torch.func.grad(lambda t: t.sum() * (door(w["form"], (t, *ts[1:])) == "traced"))(x)
+    assert grad_door.equal(torch.ones_like(x))
+    tangent = torch.func.jvp(lambda t: t * (door(w["form"], (t, *ts[1:])) == "layout"), (x,), (x,))[1]
+    assert tangent.equal(x)
+    seen = torch.compile(lambda t: t + (1.0 if door(w["form"], (t, *ts[1:])) == "traced" else 0.0),
                          fullgraph=True)
     torch._dynamo.reset()
     assert seen(x).equal(x + 1)
     odd = dataclasses.replace(w["form"], activation=lambda z: z.relu() * 2)   # no known name: no custom op
     torch._dynamo.reset()
     assert torch.compile(lambda t: t + (door(odd, (t, *ts[1:])) == "layout"), fullgraph=True)(x).equal(x + 1)
+
+
+# --------------------------------------------------------------------------- torch.func on the op
+
+SWEEPS = [("ffn", 1.25, {"has_fc1_bias": True, "has_fc2_bias": True}), ("swiglu", 0.0, {}), ("gpt_oss", -1.0, {}),
+          ("gated_ffn", 0.5, {"combine": "eager"})]
+
+
+@pytest.mark.parametrize("kind,cf,kw", SWEEPS, ids=[f"{k}-{cf}" for k, cf, _ in SWEEPS])
+def test_vmapped_gate_sweep_runs_the_op_and_equals_the_loop(kind, cf, kw, op_calls):
+    """A sweep of gate settings (the ablation use): one folded call, each (token, expert) pair
+    any setting keeps multiplied once, each setting's output its own eager call's. Capacity
+    dropped, dropless and negative (Tutel's bounded dropless) capacity; biases; both orders."""
+    spec = _spec(kind, cf, **kw)
+    p = _params(spec)
+    x = torch.randn(24, M, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    wgs = torch.randn(5, E, M, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+
+    def one(wg):
+        y, aux = fmoe.moe({"gate": {"wg": wg}, "experts": p["experts"]}, x, spec)
+        return y, aux.dropped
+
+    ys, dropped = torch.func.vmap(one)(wgs)
+    assert op_calls, "the vmapped call did not take the traced op"
+    if cf > 0 and cf < 1:
+        assert int(dropped.sum()) > 0   # the capacity drops pairs, which the fold must drop too
+    for i, wg in enumerate(wgs):
+        y, d = one(wg)
+        torch.testing.assert_close(ys[i], y, rtol=0, atol=1e-14)
+        assert int(dropped[i]) == int(d)
+
+
+def test_vmap_over_tokens_and_over_expert_weights_equals_the_loop(op_calls):
+    """Batched tokens fold into more tokens, batched expert weights (an ensemble) into more
+    experts: one op call either way, equal to the loop."""
+    spec = _spec("swiglu", 1.0)
+    p = _params(spec)
+    xs = torch.randn(3, 20, M, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    f = lambda x: fmoe.moe(p, x, spec)[0]  # noqa: E731
+    torch.testing.assert_close(torch.func.vmap(f)(xs), torch.stack([f(x) for x in xs]), rtol=0, atol=1e-14)
+    ensembles = [_params(spec) for _ in range(3)]
+    for i, q in enumerate(ensembles):
+        q["experts"] = {kk: v * (1 + 0.25 * i) for kk, v in q["experts"].items()}
+    stacked = {kk: torch.stack([q["experts"][kk] for q in ensembles]) for kk in ensembles[0]["experts"]}
+    g = lambda ex: fmoe.moe({"gate": p["gate"], "experts": ex}, xs[0], spec)[0]  # noqa: E731
+    got = torch.func.vmap(g)(stacked)
+    for i, q in enumerate(ensembles):
+        torch.testing.assert_close(got[i], g(q["experts"]), rtol=0, atol=1e-14)
+    assert len(op_calls) >= 2
+
+
+@pytest.mark.parametrize("kind", ["ffn", "gpt_oss"])
+def test_grad_and_per_example_grads_run_the_op(kind, op_calls):
+    """torch.func.grad through the op's Function front equals plain autograd in eager mode; vmap
+    of grad (per-example gradients) equals the loop."""
+    spec = _spec(kind, 1.25, **({"has_fc1_bias": True, "has_fc2_bias": True} if kind == "ffn" else {}))
+    p = _params(spec)
+    xs = torch.randn(3, 16, M, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+    loss = _step(spec)
+    g = torch.func.grad(loss, argnums=(0, 1))(p, xs[0])
+    assert op_calls
+    want = _grads(loss, p, xs[0])
+    got = [g[1], *(v for d in g[0].values() for v in d.values() if v is not None)]
+    for a, b in zip(got, want[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    per = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(p, xs)
+    for i, x in enumerate(xs):
+        single = torch.func.grad(loss)(p, x)
+        for part in single:
+            for key, v in single[part].items():
+                if v is not None:
+                    torch.testing.assert_close(per[part][key][i], v, rtol=1e-12, atol=1e-13)
+
+
+def test_second_derivatives_and_bf16_under_vmap(op_calls):
+    """A second grad level takes the layout plan (the op's backward is first order) and stays
+    correct; bf16 under vmap runs the op once per element, bit for bit each element's call."""
+    spec = _spec("ffn", 1.0)
+    p = _params(spec)
+    x = torch.randn(12, M, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    v = torch.randn(12, M, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    f = lambda t: fmoe.moe(p, t, spec)[0].square().sum()  # noqa: E731
+    hvp = torch.func.grad(lambda t: (torch.func.grad(f)(t) * v).sum())(x)
+    assert not op_calls
+    xx = x.clone().requires_grad_()
+    (gx,) = torch.autograd.grad(f(xx), xx, create_graph=True)
+    (want,) = torch.autograd.grad((gx * v).sum(), xx)
+    torch.testing.assert_close(hvp, want, rtol=1e-10, atol=1e-12)
+    eps = 1e-6   # both against central differences of the first derivative
+    fd = (torch.func.grad(f)(x + eps * v) - torch.func.grad(f)(x - eps * v)) / (2 * eps)
+    torch.testing.assert_close(hvp, fd, rtol=1e-6, atol=1e-8)
+    pb = _params(spec, torch.bfloat16)
+    xs = torch.randn(3, 12, M, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    fb = lambda t: fmoe.moe(pb, t, spec)[0]  # noqa: E731
+    ys = torch.func.vmap(fb)(xs)
+    assert op_calls
+    r = [fmoe.moe(pb, t, spec)[1].routing for t in xs]
+    w = expert_form(spec.experts, pb["experts"])
+    for i, t in enumerate(xs):   # the same op call on the same operands as the fold's per-element loop
+        y = traced.run(w["form"], t, r[i], w["w_in"], w["w_out"], b_in=w["b_in"], b_out=w["b_out"])
+        assert torch.equal(ys[i], y)
+
+
+@pytest.mark.parametrize("kind", ["ffn", "swiglu"])
+def test_eager_first_derivative_with_create_graph_is_the_plain_one(kind):
+    """The rows plan's create_graph backward (the reference under autograd) takes partial
+    derivatives: a gate weight computed from x must not add its path to x's gradient twice."""
+    spec = _spec(kind, 1.0)
+    p = _params(spec)
+    x = torch.randn(12, M, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
+    c = torch.randn(12, M, generator=torch.Generator().manual_seed(15), dtype=torch.float64)
+    got = []
+    for create_graph in (False, True):
+        xx = x.clone().requires_grad_()
+        got.append(torch.autograd.grad((fmoe.moe(p, xx, spec)[0] * c).sum(), xx, create_graph=create_graph)[0])
+    torch.testing.assert_close(got[1], got[0], rtol=1e-12, atol=1e-14)

@@ -374,11 +374,13 @@ def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need
 
 
 def _reference_grads(ctx, gy, need, x, w_rows, b_in, w_out, b_out, w_in) -> tuple:
-    # The saved inputs themselves (not detached copies): the gradients must stay connected to
-    # them for the next derivative.
-    inputs = (x, w_rows, b_in, w_out, b_out, *w_in)
+    # Aliases of the saved inputs (not detached copies): the gradients stay connected to them for
+    # the next derivative, and each is a partial derivative. With the inputs themselves, a gate
+    # weight computed from x would add its path to x's gradient, and autograd adds it again.
+    inputs = tuple(None if t is None else t.view_as(t) for t in (x, w_rows, b_in, w_out, b_out, *w_in))
     wanted = [t for t, n in zip(inputs, need) if t is not None and n]
     with torch.enable_grad():
+        x, w_rows, b_in, w_out, b_out, *w_in = inputs
         y = reference(ctx.form, x, w_rows, ctx.plan, tuple(w_in), b_in, w_out, b_out, ctx.order)
         grads = iter(torch.autograd.grad(y, wanted, gy, create_graph=True, allow_unused=True))
     return tuple(next(grads) if (t is not None and n) else None for t, n in zip(inputs, need))

@@ -1,5 +1,6 @@
-"""The rows plan under torch.compile: the engine's expert op as one ``torch.library`` custom op;
-and :func:`door`, the one place that decides which door of the engine a call takes.
+"""The rows plan under torch.compile and torch.func: the engine's expert op as one
+``torch.library`` custom op; and :func:`door`, the one place that decides which door of the
+engine a call takes.
 
     y = traced.run(form, x, routing, w_in, w_out, b_in=b_in, b_out=b_out, order="fmoe", save="projections")
 
@@ -10,12 +11,16 @@ rows. The op's shapes are static: y [T, O], and the saved in-projection outputs 
 bound of k*T rows (:func:`torch.library.register_fake`), so ``torch.compile(fullgraph=True)``
 captures it with no graph break and no host sync in the graph. Its backward is a second custom op
 over the same kernels (:func:`fmoe.engine.kinds` ``_backward``), registered with
-:func:`torch.library.register_autograd`.
+:func:`torch.library.register_autograd`. Under ``vmap`` the batch folds into one call
+(:func:`torch.library.register_vmap`): batched tokens and batched experts become more tokens and
+more experts, and each (token, expert) pair that any batch element keeps is multiplied once, so
+a sweep of gate settings over one x shares the pairs its settings agree on.
 
 What it takes: built-in kinds with float weights whose activation is a known pure function
 (:data:`ACTIVATIONS`, or GPT-OSS), no quantized-training recipe, combine 'fmoe' or 'eager', gates
-on the outputs, and no torch.func transform around the compiled call (vmap/grad/jvp keep the
-layout plan's staged kernel, whose ops carry those rules); :func:`applies` says which.
+on the outputs; compiled outside any torch.func transform, or in eager mode under vmap and grad
+levels (forward-mode AD keeps the layout plan's staged kernel, whose ops carry jvp rules);
+:func:`applies` says which.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch._C import _functorch
+from torch._functorch import pyfunctorch as _pyfunctorch
 from torch.autograd import forward_ad as _fwd_ad
 
 from ..ops.primitives import PLAIN_TENSORS
@@ -48,11 +54,28 @@ def _activation_name(form: ExpertForm) -> Optional[str]:
     return "" if form.form == "gpt_oss" else _NAMES.get(form.activation)
 
 
+def _functorch_reaches() -> bool:
+    """The custom op carries this call's torch.func transforms: vmap levels and at most one grad
+    level (vjp, jacrev, grad); not forward-mode AD (jvp, jacfwd), functionalize, or a second
+    derivative (its backward is first order; the layout plan's ops are closed under
+    differentiation)."""
+    if _fwd_ad._current_level >= 0:
+        return False
+    TT = torch._C._functorch.TransformType
+    keys = [i.key() for i in _pyfunctorch.retrieve_all_functorch_interpreters()]
+    return all(k in (TT.Vmap, TT.Grad) for k in keys) and keys.count(TT.Grad) <= 1
+
+
 def applies(form: ExpertForm, w: tuple, precision, order: str) -> bool:
-    """True where a compiled call runs the experts through the custom op: compiling, outside any
-    torch.func transform, float weights, no recipe, a known activation, order 'fmoe'/'eager'."""
+    """True where the call runs the experts through the custom op: under torch.compile outside
+    any torch.func transform, or in eager mode under vmap / grad levels only; float weights, no
+    recipe, a known activation, order 'fmoe'/'eager'."""
     # _are_functorch_transforms_active: the functorch check dynamo folds to a constant
-    if not torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if torch.compiler.is_compiling():
+        if torch._C._are_functorch_transforms_active():
+            return False
+    elif not (torch._C._are_functorch_transforms_active() and _functorch_reaches()) or \
+            torch.overrides.has_torch_function(tuple(t for t in w if isinstance(t, Tensor))):
         return False
     return (precision is None and order in kinds.ORDERS and _activation_name(form) is not None
             and all(t is None or isinstance(t, Tensor) for t in w))
@@ -141,29 +164,153 @@ def _(gy, x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_ou
     return [torch.empty_like(t) if n and t is not None else x.new_empty(0) for t, n in zip(like, need)]
 
 
-def _setup(ctx, inputs, output):
-    (x, gates, ids, slots, counts, capacity, w_in, w_out, b_in, b_out, form, in_t, out_t, act, alpha, limit, order,
-     train, keep) = inputs
-    ctx.statics = (capacity, form, in_t, out_t, act, alpha, limit, order)
+def _save(ctx, need: list, x, gates, ids, slots, counts, capacity, w_in, w_out, b_in, b_out, statics, z) -> None:
+    ctx.statics = (capacity, *statics)
     ctx.n_in = len(w_in)
-    ctx.need = [x.requires_grad, gates.requires_grad, b_in is not None and b_in.requires_grad, w_out.requires_grad,
-                b_out is not None and b_out.requires_grad, *(w.requires_grad for w in w_in)]
-    ctx.save_for_backward(x, gates, ids, slots, counts, w_out, b_in, b_out, *w_in, *output[1:])
+    ctx.need = need
+    ctx.save_for_backward(x, gates, ids, slots, counts, w_out, b_in, b_out, *w_in, *z)
 
 
-def _backward(ctx, grads):
+def _grads(ctx, gy: Tensor) -> tuple:
+    """(gx, g_gates, g_bin, g_out, g_bout, g_in list), None where not needed."""
     capacity, form, in_t, out_t, act, alpha, limit, order = ctx.statics
     saved = ctx.saved_tensors
     x, gates, ids, slots, counts, w_out, b_in, b_out = saved[:8]
     w_in, z = list(saved[8:8 + ctx.n_in]), list(saved[8 + ctx.n_in:])
-    g = torch.ops.fmoe.expert_rows_backward(grads[0].contiguous(), x, gates, ids, slots, counts, capacity, w_in,
-                                            w_out, b_in, b_out, z, form, in_t, out_t, act, alpha, limit, order,
-                                            ctx.need)
+    g = torch.ops.fmoe.expert_rows_backward(gy.contiguous(), x, gates, ids, slots, counts, capacity, w_in, w_out,
+                                            b_in, b_out, z, form, in_t, out_t, act, alpha, limit, order, ctx.need)
     gx, g_gates, g_bin, g_out, g_bout, *g_in = (t if n else None for t, n in zip(g, ctx.need))
+    return gx, g_gates, g_bin, g_out, g_bout, g_in
+
+
+def _setup(ctx, inputs, output):
+    (x, gates, ids, slots, counts, capacity, w_in, w_out, b_in, b_out, form, in_t, out_t, act, alpha, limit, order,
+     train, keep) = inputs
+    need = [x.requires_grad, gates.requires_grad, b_in is not None and b_in.requires_grad, w_out.requires_grad,
+            b_out is not None and b_out.requires_grad, *(w.requires_grad for w in w_in)]
+    _save(ctx, need, x, gates, ids, slots, counts, capacity, w_in, w_out, b_in, b_out,
+          (form, in_t, out_t, act, alpha, limit, order), output[1:])
+
+
+def _backward(ctx, grads):
+    gx, g_gates, g_bin, g_out, g_bout, g_in = _grads(ctx, grads[0])
     return (gx, g_gates, None, None, None, None, g_in, g_out, g_bin, g_bout) + (None,) * 9
 
 
 torch.library.register_autograd("fmoe::expert_rows", _backward, setup_context=_setup)
+
+
+class _ExpertRows(torch.autograd.Function):
+    """The op behind an ``autograd.Function`` front for torch.func: in torch 2.13 ``grad``,
+    ``vjp`` and ``jacrev`` refuse a custom op's registered autograd (its generated Function has
+    no ``setup_context``). The in-projection weights come last and one by one (a Function
+    differentiates tensor arguments only, not a list); vmap runs the op's own rule."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, gates, ids, slots, counts, capacity, w_out, b_in, b_out, statics, train, keep, *w_in):
+        return tuple(torch.ops.fmoe.expert_rows(x, gates, ids, slots, counts, capacity, list(w_in), w_out, b_in,
+                                                b_out, *statics, train, keep))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, gates, ids, slots, counts, capacity, w_out, b_in, b_out, statics, train, keep, *w_in = inputs
+        _save(ctx, [], x, gates, ids, slots, counts, capacity, w_in, w_out, b_in, b_out, statics, output[1:])
+        ctx.mark_non_differentiable(*output[1:])
+
+    @staticmethod
+    def backward(ctx, gy, *_):
+        n = ctx.needs_input_grad
+        ctx.need = [n[0], n[1], n[7], n[6], n[8], *n[12:]]
+        # first order only (the door sends nested grad levels to the layout plan): functorch
+        # runs every backward with create_graph, and the backward op has no autograd of its own
+        with torch.no_grad():
+            gx, g_gates, g_bin, g_out, g_bout, g_in = _grads(ctx, gy)
+        return (gx, g_gates, None, None, None, None, g_out, g_bin, g_bout, None, None, None, *g_in)
+
+
+# --------------------------------------------------------------------------- vmap
+
+def _take(a, d, b: int):
+    """Batch element b of one op argument (a list argument has a dim per element)."""
+    if isinstance(a, (list, tuple)):
+        return [_take(t, dt, b) for t, dt in zip(a, d)]
+    return a if d is None or a is None else a.select(d, b)
+
+
+def _loop(op, info, in_dims, args) -> tuple:
+    """The op once per batch element, outputs stacked on dim 0 (the rule where rows cannot be
+    shared: saved in-projection outputs in each element's own row order, and the backward)."""
+    outs = [op(*(_take(a, d, b) for a, d in zip(args, in_dims))) for b in range(info.batch_size)]
+    return [torch.stack(ts) for ts in zip(*outs)], [0] * len(outs[0])
+
+
+def _batched(t: Tensor, d: Optional[int], B: int) -> Tensor:
+    return t.movedim(d, 0) if d is not None else t.unsqueeze(0).expand(B, *t.shape)
+
+
+def _expert_rows_vmap(info, in_dims, x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out, form,
+                      in_t, out_t, act, alpha, limit, order, train, keep):
+    """vmap's rule: the batch folded into one call. Tokens of a batched x and experts of batched
+    weights become B*T tokens and B*E experts; every (token, expert) pair kept by any element
+    is multiplied once (a sweep of gate settings over the same x and weights shares the pairs
+    its settings agree on), then each element sums its own pairs with its own gates, k terms in
+    ascending expert order. Saved projections (``keep``) and bf16/fp16 outputs (whose per-row
+    roundings the op's combine does not reproduce here) run once per element instead."""
+    args = (x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out, form, in_t, out_t, act, alpha,
+            limit, order, train, keep)
+    if keep or x.dtype not in (torch.float32, torch.float64):
+        return _loop(torch.ops.fmoe.expert_rows, info, in_dims, args)
+    B = info.batch_size
+    dx, dg, di, ds, _, _, dwi, dwo, dbi, dbo = in_dims[:10]
+    ids, sl, g = _batched(expert_ids, di, B), _batched(slots, ds, B), _batched(gates, dg, B)   # [B, k, T]
+    T = ids.shape[-1]
+    xs = x.movedim(dx, 0).reshape(B * T, x.shape[-1]) if dx is not None else x
+    weights = (*w_in, w_out, b_in, b_out)
+    w_dims = (*dwi, dwo, dbi, dbo)
+    E = _batched(w_out, dwo, B).shape[1]
+    if any(d is not None for t, d in zip(weights, w_dims) if t is not None):   # per-element experts: B*E of them
+        weights = tuple(None if t is None else _batched(t, d, B).reshape(B * E, *_batched(t, d, B).shape[2:])
+                        for t, d in zip(weights, w_dims))
+        ids = ids + E * torch.arange(B, device=ids.device).view(B, 1, 1)
+        E = B * E
+    tok = torch.arange(T, device=ids.device).expand_as(ids)
+    if dx is not None:
+        tok = tok + T * torch.arange(B, device=ids.device).view(B, 1, 1)
+    # each token's k terms in ascending expert order, as the op adds them
+    order_k = ids.argsort(dim=1)
+    ids, sl, g, tok = (t.gather(1, order_k) for t in (ids, sl, g, tok))
+    kept = sl < capacity
+    keys, inv = torch.unique((ids * xs.shape[0] + tok)[kept], sorted=True, return_inverse=True)
+    e_u, t_u = keys // xs.shape[0], keys % xs.shape[0]
+    counts_u = torch.bincount(e_u, minlength=E)
+    starts = counts_u.cumsum(0) - counts_u
+    U = keys.numel()
+    slots_u = torch.arange(U, device=keys.device) - starts[e_u]
+    *w_in_u, w_out_u, b_in_u, b_out_u = weights
+    y_u = torch.ops.fmoe.expert_rows(xs.index_select(0, t_u), g.new_ones(1, U), e_u.view(1, U),
+                                     slots_u.view(1, U), counts_u, max(1, U), w_in_u, w_out_u, b_in_u, b_out_u,
+                                     form, in_t, out_t, act, alpha, limit, order, train, False)[0]
+    # dropped pairs read an appended zero row: no mask pass, and no 0 * inf from a kept row
+    y_u = torch.cat([y_u, y_u.new_zeros(1, y_u.shape[1])])
+    row = torch.full_like(ids, U)
+    row[kept] = inv
+    g = g.to(y_u.dtype)
+    y = None
+    for j in range(ids.shape[1]):   # y = ((0 + w_1 y_1) + w_2 y_2) + ...: the op's sum, term by term
+        term = y_u.index_select(0, row[:, j].reshape(-1)).mul_(g[:, j].reshape(-1, 1))
+        y = term if y is None else y.add_(term)
+    return [y.view(B, T, -1)], [0]
+
+
+torch.library.register_vmap("fmoe::expert_rows", _expert_rows_vmap)
+
+
+def _expert_rows_backward_vmap(info, in_dims, *args):
+    return _loop(torch.ops.fmoe.expert_rows_backward, info, in_dims, args)
+
+
+torch.library.register_vmap("fmoe::expert_rows_backward", _expert_rows_backward_vmap)
 
 
 def run(form: ExpertForm, x: Tensor, routing: Routing, w_in: tuple, w_out: Tensor, *,
@@ -185,11 +332,12 @@ def run(form: ExpertForm, x: Tensor, routing: Routing, w_in: tuple, w_out: Tenso
                          "(other callables run on the layout plan)")
     ts = (x, routing.weights, b_in, w_out, b_out, *w_in)
     train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
-    out = torch.ops.fmoe.expert_rows(x, routing.weights, routing.expert_ids, routing.slots, routing.counts,
-                                     routing.capacity, list(w_in), w_out, b_in, b_out, form.form, form.in_transposed,
-                                     form.out_transposed, act, float(form.alpha), float(form.limit), order, train,
-                                     train and save == "projections")
-    return out[0]
+    statics = (form.form, form.in_transposed, form.out_transposed, act, float(form.alpha), float(form.limit), order)
+    args = (x, routing.weights, routing.expert_ids, routing.slots, routing.counts, routing.capacity)
+    keep = train and save == "projections"
+    if torch.compiler.is_compiling():   # the op itself, whose registered autograd dynamo captures
+        return torch.ops.fmoe.expert_rows(*args, list(w_in), w_out, b_in, b_out, *statics, train, keep)[0]
+    return _ExpertRows.apply(*args, w_out, b_in, b_out, statics, train, keep, *w_in)[0]
 
 
 def _eager(*ts: Optional[Tensor]) -> bool:
@@ -206,19 +354,20 @@ def _eager(*ts: Optional[Tensor]) -> bool:
     return not torch.overrides.has_torch_function(tuple(present))
 
 
-DOORS = ("rows", "compiled", "layout")
+DOORS = ("rows", "traced", "layout")
 
 
 def door(form: Optional[ExpertForm], tensors: tuple, *, precision=None, order: str = "fmoe", prescore: bool = False,
          plan: str = "auto") -> str:
     """The door of one call: 'rows' (a rows plan in eager mode, :func:`fmoe.engine.kinds.run`),
-    'compiled' (the same plan and kernels inside this module's custom op, under torch.compile) or
-    'layout' (a layout plan, the staged kernel: torch.func transforms, pre-scored gates, combine
+    'traced' (the same plan and kernels inside this module's custom op: under torch.compile, and
+    under vmap / grad transforms in eager mode) or 'layout' (a layout plan, the staged kernel:
+    forward-mode AD, a torch.func transform inside a compiled call, pre-scored gates, combine
     'grouped', ``MoESpec(plan='layout')``, what the custom op does not take). :func:`fmoe.moe`
     and each rank's :func:`fmoe.parallel.expert_stage` ask here.
 
     Args:
-        form: the kind (None: custom experts, which have no compiled door).
+        form: the kind (None: custom experts, which have no traced door).
         tensors: the call's x, gates and weights (packed weights, None biases allowed).
         precision: the quantized-training recipe or None. order: the combine order.
         prescore: gates scale the experts' inputs. plan: :attr:`fmoe.MoESpec.plan`.
@@ -230,5 +379,5 @@ def door(form: Optional[ExpertForm], tensors: tuple, *, precision=None, order: s
     if _eager(*(t for t in tensors if t is None or isinstance(t, Tensor))):
         return "rows"
     if form is not None and applies(form, tensors, precision, order):
-        return "compiled"
+        return "traced"
     return "layout"
