@@ -10,8 +10,10 @@ Per (kind, capacity factor), a training step (forward + backward of ``fmoe.moe``
 * ``compiled_layout``: compiled with ``MoESpec(plan='layout')``: the staged kernel over the
   layout's buffers, the route compiled calls took before the custom op.
 
-And a sweep of N gate matrices: one ``vmap`` over them (forward, the layout plan: vmap's batch
-rule) against N eager calls. Medians of ``--reps`` rounds, each round running every variant once.
+And a sweep of N gate matrices: one ``vmap`` over them (forward: the custom op's vmap rule, one
+folded call that multiplies each kept (token, expert) pair once) against N eager calls, and the
+same vmap with ``MoESpec(plan='layout')`` (the staged kernel, the route vmapped calls took before).
+Medians of ``--reps`` rounds, each round running every variant once.
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def main(argv=None) -> dict:
     x = torch.randn(T, M, generator=torch.Generator().manual_seed(1))
     rows = []
     torch._dynamo.config.recompile_limit = 64   # one compiled step per variant and setting
-    for kind in a.kinds.split(","):
+    for kind in filter(None, a.kinds.split(",")):   # --kinds "": the sweep alone
         for cf in (float(c) for c in a.cfs.split(",")):
             spec, lspec = _spec(kind, cf, M, H, E, k), _spec(kind, cf, M, H, E, k, plan="layout")
             p = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))
@@ -98,19 +100,23 @@ def main(argv=None) -> dict:
     p = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))
     wgs = torch.randn(a.sweep, *p["gate"]["wg"].shape, generator=torch.Generator().manual_seed(2)) * 0.02
     one = lambda wg: fmoe.moe({"gate": {"wg": wg}, "experts": p["experts"]}, x, spec)[0]  # noqa: E731
-    swept = lambda: vmap(one)(wgs)  # noqa: E731
-    loop = lambda: [one(wg) for wg in wgs]  # noqa: E731
+    spec_layout = _spec("ffn", 1.25, M, H, E, k, plan="layout")
+    one_layout = lambda wg: fmoe.moe({"gate": {"wg": wg}, "experts": p["experts"]}, x, spec_layout)[0]  # noqa: E731
+    fns = {"vmap": lambda: vmap(one)(wgs), "vmap_layout": lambda: vmap(one_layout)(wgs),
+           "loop": lambda: [one(wg) for wg in wgs]}
     with torch.no_grad():
-        swept(), loop()
-        ts = {"vmap": [], "loop": []}
+        for f in fns.values():
+            f()
+        ts = {n: [] for n in fns}
         for _ in range(a.reps):
-            ts["vmap"].append(_timed(swept))
-            ts["loop"].append(_timed(loop))
-    sweep = {"N": a.sweep, "vmap_ms": statistics.median(ts["vmap"]) * 1e3,
-             "loop_ms": statistics.median(ts["loop"]) * 1e3}
+            for n, f in fns.items():
+                ts[n].append(_timed(f))
+    sweep = {"N": a.sweep, **{f"{n}_ms": statistics.median(v) * 1e3 for n, v in ts.items()}}
     sweep["vmap_over_loop"] = sweep["vmap_ms"] / sweep["loop_ms"]
-    print(f"sweep of {a.sweep} gate settings (ffn cf=1.25, forward): vmap {sweep['vmap_ms']:.1f} ms, "
-          f"{a.sweep} eager calls {sweep['loop_ms']:.1f} ms ({sweep['vmap_over_loop']:.2f}x)")
+    sweep["vmap_layout_over_loop"] = sweep["vmap_layout_ms"] / sweep["loop_ms"]
+    print(f"sweep of {a.sweep} gate settings (ffn cf=1.25, forward): vmap {sweep['vmap_ms']:.1f} ms "
+          f"({sweep['vmap_over_loop']:.2f}x), vmap on the layout plan {sweep['vmap_layout_ms']:.1f} ms "
+          f"({sweep['vmap_layout_over_loop']:.2f}x), {a.sweep} eager calls {sweep['loop_ms']:.1f} ms")
     out = {"T": T, "M": M, "H": H, "E": E, "k": k, "threads": torch.get_num_threads(), "reps": a.reps,
            "load": os.getloadavg(), "steps": rows, "sweep": sweep}
     if a.json:

@@ -217,8 +217,8 @@ _SHAPE_KEYS = {"T": int, "M": int, "H": int, "E": int, "k": int, "O": int, "kind
 def parse_shape(text: str) -> dict:
     """'T=4096,M=512,H=1024,E=8,k=2,kind=ffn,dtype=float32,phase=train' -> dict (defaults:
     k 2, O = M, kind ffn, dtype float32, device cpu, phase from T*k/E as :func:`phase_of` with
-    needs_grad for 'train'; 'traced': a step under a torch.func transform, on a layout plan;
-    torch.compile runs the rows plan's kernels, :mod:`fmoe.engine.traced`)."""
+    needs_grad for 'train'; 'traced': a step on a layout plan (forward-mode AD, plan='layout');
+    torch.compile and vmap/grad run the rows plan's kernels, :mod:`fmoe.engine.traced`)."""
     out = {"k": 2, "kind": "ffn", "dtype": "float32", "device": "cpu"}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, val = part.partition("=")
