@@ -1,5 +1,6 @@
 """Packed expert weights on the rows plan in transformers' 'grouped' combine order (kinds.run's
-reference composition over the packed GEMMs): bit for bit the layout plan's staged kernel, which sums in that order too.
+reference composition over the packed GEMMs): bit for bit the layout plan's staged kernel, which
+sums in that order too.
 
 Both make the same packed GEMM calls (fmoe.quant.packed.grouped_matmul) on the same rows in
 the same order, the same bias additions and the same activation; the combine multiplies each

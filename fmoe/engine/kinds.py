@@ -261,8 +261,6 @@ def _rows_mm(kern: Kernel, plan: ExpertPlan, generator: Optional[torch.Generator
     rows (quantize blocks per expert) around the kernel's float GEMMs; other float weights
     (beside packed ones), one ``torch.mm`` per busy expert."""
     b = plan.bounds
-    busy = [e for e in range(plan.num_experts) if b[e + 1] > b[e]]
-    per_expert = _per_expert_mm(plan)
 
     def mm(a_rows: Tensor, w, transposed: bool) -> Tensor:
         if not isinstance(w, Tensor):
@@ -271,10 +269,10 @@ def _rows_mm(kern: Kernel, plan: ExpertPlan, generator: Optional[torch.Generator
                 return packed.grouped_matmul(a_rows, w, plan.offsets)
             from .. import quant
             parts = [quant.expert_matmul(a_rows[b[e]:b[e + 1]].unsqueeze(0), w[e:e + 1])[0].to(a_rows.dtype)
-                     for e in busy]
+                     for e in range(plan.num_experts) if b[e + 1] > b[e]]
             return torch.cat(parts) if parts else a_rows.new_zeros((0, w.logical_shape[1]))
         if plan.precision is None:
-            return per_expert(a_rows, w.to(a_rows.dtype), transposed)
+            return _per_expert_mm(plan)(a_rows, w.to(a_rows.dtype), transposed)
         from ..quant import training as _qt   # optional: quantized training recipes
         return _qt.quantized_mm(a_rows, w, plan.precision, transposed=transposed, generator=generator,
                                 offsets=plan.offsets, mm=lambda a, w_, t: kern.mm(a, w_, plan, transposed=t),
