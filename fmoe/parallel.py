@@ -45,11 +45,13 @@ from .comm.agreement import InconsistentRanksError, agree_across_ranks  # step a
 from .comm.hierarchical import Hierarchical2DComm
 from .comm.registry import cache_of, calls_of
 from .engine import kinds as _kinds
+from .engine import traced as _traced
 from .engine.traced import door
 from .engine.plan import plan_from_bounds
 from .experts import EXPERT_PARAMS, apply_experts, expert_form, shard_axes
 from .layout import Layout, make_layout
 from .routers import check_router_params
+from .routing import _trusted_routing
 from .ops.grouped import GroupedGemm
 
 __all__ = ["ParallelSpec", "sharding", "shard_experts", "capacity_alignment", "expert_stage", "expert_parallel",
@@ -305,18 +307,48 @@ def _ragged_gemm(sizes: Tensor, num_rows: int, precision, generator) -> GroupedG
 
 
 def _engine_form(experts, params, x: Tensor) -> Optional[dict]:
-    """The kind's :func:`~fmoe.experts.expert_form` where the engine's rows plan runs these
-    experts on x (built-in kinds in eager mode), else None (custom experts, traced calls: the
-    staged kernel, whose ops carry torch.func and compile rules)."""
+    """The kind's :func:`~fmoe.experts.expert_form`, and the engine door ('rows' or 'traced') that
+    runs these experts on x, as ``kw["door"]``; None where only the staged kernel does (custom
+    experts on padded buffers; forward-mode AD, a second derivative, an activation or a recipe
+    the traced op does not take)."""
     if experts.type == "custom":
         return None
     kw = expert_form(experts, params)
-    return kw if door(kw["form"], (x, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"])) == "rows" else None
+    d = door(kw["form"], (x, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"]), precision=experts.precision)
+    return None if d == "layout" else {**kw, "door": d}
+
+
+def _received_routing(x: Tensor, mask: Tensor, rows: Optional[Tensor]):
+    """The received rows as a routing of k = 1 over R = ``x.shape[0]`` "tokens" (the traced op
+    builds its plan from a routing's tensors): row t is a pair of its local expert at its rank
+    among that expert's rows; an empty padded row is a masked pair (id -1). Gates are 1 (they act
+    at the source rank's combine). Shapes are static (no host sync), as a compiled graph needs.
+
+    Args:
+        x: [R, M] the received rows, flat.
+        mask: uint8/bool [n, R_e] (padded, R = n * R_e) or int64 [n] rows per local expert (ragged).
+        rows: ragged only: int64 [R], x's rows in local-expert order (None: x's own order).
+    """
+    R = x.shape[0]
+    if mask.dim() == 2:
+        n, per = mask.shape
+        filled = mask.reshape(-1).bool()
+        ids = torch.arange(n, device=x.device).repeat_interleave(per)
+        rank = filled.view(n, per).cumsum(1).reshape(-1) - 1
+        ids, slots, counts = ids.masked_fill(~filled, -1), rank.masked_fill(~filled, -1), mask.sum(1, dtype=torch.int64)
+    else:
+        n, counts = mask.shape[0], mask
+        ids = torch.repeat_interleave(torch.arange(n, device=x.device), counts, output_size=R)
+        slots = torch.arange(R, device=x.device) - (counts.cumsum(0) - counts).index_select(0, ids)
+        if rows is not None:   # the i-th row in expert order is x's row rows[i]
+            ids, slots = torch.empty_like(ids).index_put_((rows,), ids), torch.empty_like(slots).index_put_((rows,), slots)
+    return _trusted_routing(ids.view(1, R), slots.view(1, R), x.new_ones(1, R), counts, max(1, R), n)
 
 
 def _engine_rows(experts, kw: dict, x: Tensor, mask: Tensor, save: str, generator,
                  rows: Optional[Tensor] = None) -> Tensor:
-    """The experts on the filled rows of a received buffer, through the engine's rows plan.
+    """The experts on the filled rows of a received buffer, through the engine: a rows plan in
+    eager mode, the traced op (the same plan built inside it) under torch.compile and torch.func.
 
     Args:
         kw: :func:`_engine_form` of this rank's experts (n of them).
@@ -329,6 +361,10 @@ def _engine_rows(experts, kw: dict, x: Tensor, mask: Tensor, save: str, generato
         [*x.shape[:-1], O]: each filled row's expert output, unweighted; empty rows 0.
     """
     flat = x.reshape(-1, x.shape[-1])
+    if kw["door"] == "traced":
+        y = _traced.run(kw["form"], flat, _received_routing(flat, mask, rows), kw["w_in"], kw["w_out"],
+                        b_in=kw["b_in"], b_out=kw["b_out"], save=save)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     if x.dim() == 3:
         rows = torch.nonzero(mask.reshape(-1)).squeeze(1)        # e-major: sorted by local expert
         sizes = mask.sum(1, dtype=torch.int64)
@@ -372,8 +408,9 @@ def expert_stage(experts, expert_params, x: Tensor, routing, comm, parallel: Opt
     """
     par = parallel or ParallelSpec()
     _, s = sharding(num_experts, comm.size)
+    kw = None if layout_kind != "padded" else _engine_form(experts, expert_params, x)
     if (layout_kind == "padded" and s == 1 and par.degree(s) == 1 and par.overlap_degree == 1
-            and _engine_form(experts, expert_params, x) is not None):
+            and kw is not None and kw["door"] == "rows"):
         # The engine multiplies the kept rows only; exchanged as ragged rows, no row past an
         # expert's fill crosses the wire either (the same pairs in the same order: equal outputs)
         layout_kind = "ragged"

@@ -269,6 +269,7 @@ def _expert_rows_vmap(info, in_dims, x, gates, expert_ids, slots, counts, capaci
     weights = (*w_in, w_out, b_in, b_out)
     w_dims = (*dwi, dwo, dbi, dbo)
     E = _batched(w_out, dwo, B).shape[1]
+    kept = (sl < capacity) & (ids >= 0)   # negative ids: masked pairs
     if any(d is not None for t, d in zip(weights, w_dims) if t is not None):   # per-element experts: B*E of them
         weights = tuple(None if t is None else _batched(t, d, B).reshape(B * E, *_batched(t, d, B).shape[2:])
                         for t, d in zip(weights, w_dims))
@@ -279,8 +280,7 @@ def _expert_rows_vmap(info, in_dims, x, gates, expert_ids, slots, counts, capaci
         tok = tok + T * torch.arange(B, device=ids.device).view(B, 1, 1)
     # each token's k terms in ascending expert order, as the op adds them
     order_k = ids.argsort(dim=1)
-    ids, sl, g, tok = (t.gather(1, order_k) for t in (ids, sl, g, tok))
-    kept = sl < capacity
+    ids, g, tok, kept = (t.gather(1, order_k) for t in (ids, g, tok, kept))
     keys, inv = torch.unique((ids * xs.shape[0] + tok)[kept], sorted=True, return_inverse=True)
     e_u, t_u = keys // xs.shape[0], keys % xs.shape[0]
     counts_u = torch.bincount(e_u, minlength=E)
