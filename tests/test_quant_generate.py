@@ -32,3 +32,28 @@ def test_patched_packed_model_generates_the_unpatched_tokens(tmp_path, arch, tok
     ref = G.greedy(G.load_reference(path), prompt, tokens)
     assert ids.shape == (1, tokens)
     assert torch.equal(ids, ref), f"first difference at token {int((ids != ref).int().argmax())}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_load_patched_equals_from_pretrained_outside_the_experts(tmp_path, dtype):
+    # load_patched builds the gpt-oss model with its experts on the meta device and fills them with
+    # the packed ones: every other tensor must equal what transformers' from_pretrained loads (cast
+    # alike), the computed rotary buffers too, and nothing may stay on the meta device
+    import fmoe.models
+    from transformers import AutoModelForCausalLM
+    path = G.write_checkpoint(str(tmp_path / "gpt_oss"), "gpt_oss", "tiny")
+    model, _ = G.load_patched(path, "gpt_oss", dtype=dtype)
+    ref = fmoe.models.patch(AutoModelForCausalLM.from_pretrained(path, dtype=dtype))
+    assert not model.training and model.model.layers[0].mlp.current_combine() == "grouped"
+    got = {k: v for k, v in model.state_dict().items() if ".experts." not in k}
+    want = {k: v for k, v in ref.state_dict().items() if ".experts." not in k}
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+    bufs = dict(model.named_buffers())
+    for k, v in ref.named_buffers():
+        if ".experts." not in k:
+            assert torch.equal(bufs[k], v), k
+    assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not [n for n, t in model.state_dict().items() if ".experts." in n and t.is_floating_point()
+                and t.dim() == 3], "a dequantized expert weight is resident"

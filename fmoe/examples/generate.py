@@ -144,14 +144,55 @@ def _cat_rows(gate, up):
     return QuantizedTensor(data, torch.cat([gate.scales, up.scales], 1), None, "fp8_block", (E, 2 * n, k), gate.block)
 
 
+_EXPERTS = ".mlp.experts."
+
+
+def _without_experts(path: str, dtype: torch.dtype):
+    """transformers' model of the checkpoint at `path` with every weight but the routed experts'
+    read from it (floats cast to dtype, as from_pretrained does) and the experts left unallocated
+    (on the meta device) for the packed ones: no dequantized copy of the experts is ever made,
+    so neither the load's peak nor the heap it leaves behind holds one (from_pretrained's CPU path
+    dequantizes MXFP4 experts to dtype first: 384 MiB at size 'small', most of which glibc keeps
+    resident after they are freed)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path)
+    cfg.quantization_config = None   # the experts are fmoe's; the rest is stored unquantized
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    sd = {}
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        for key in f.keys():
+            if _EXPERTS not in key:
+                t = f.get_tensor(key)
+                sd[key] = t.to(dtype) if t.is_floating_point() else t
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    if unexpected or any(_EXPERTS not in k for k in missing):
+        raise ValueError(f"{path}: the checkpoint does not fit {type(model).__name__}: unexpected "
+                         f"{unexpected[:4]}, missing {[k for k in missing if _EXPERTS not in k][:4]}")
+    model.tie_weights()
+    for name, m in model.named_modules():
+        if any(b.is_meta for b in m.buffers(recurse=False)):
+            if not name.endswith("rotary_emb"):
+                raise ValueError(f"{name}: a computed buffer left on the meta device")
+            model.get_submodule(name.rpartition(".")[0]).rotary_emb = type(m)(config=model.config)
+    return model.eval()
+
+
 def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32):
     """(model, packed_bytes): transformers' model from `path`, patched with fmoe, every MoE block's
-    experts replaced by the checkpoint's packed ones (transformers' dequantized copy freed)."""
+    experts the checkpoint's packed ones. gpt_oss: the experts are never dequantized
+    (:func:`_without_experts`); deepseek_v3: transformers loads the model (its FP8 shared experts
+    dequantized as its own CPU path does) and its dequantized routed experts are freed."""
     import fmoe.models
     from fmoe.models import load_moe_block
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if arch == "gpt_oss":
+        model = _without_experts(path, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     fmoe.models.patch(model)
     packed_bytes = 0
     for i, layer in enumerate(model.model.layers):
