@@ -11,8 +11,9 @@ top-6 (about 6 / 21 / 54 busy experts), 2 threads, through ``fmoe.quant.packed.g
 the layer makes), cold: each timed call follows an untimed 512 MiB read (bench_inference.timed_cold),
 beside a cold float32 GEMV of the busy experts' packed bytes; ratio = call time / GEMV time.
 
-``--old PATH`` times a second build of the extension (e.g. the previous commit's .so) in the same run,
-interleaved, so before/after share the host's noise. Medians of ``--repeats`` samples.
+``--old PATH`` times a second build of the extension (e.g. the previous commit's source compiled as
+``fmoe_packed_gemm_old``: Python keeps one module per name) in the same run, interleaved, so before/after
+share the host's noise. Medians of ``--repeats`` samples.
 
 Run: ``python -m benchmarks.bench_packed_kernels [--repeats 15] [--formats ...] [--old OLD.so] [--no-multi]``.
 """
@@ -22,6 +23,7 @@ import argparse
 import importlib.machinery
 import importlib.util
 import json
+import os
 import statistics
 import time
 
@@ -32,8 +34,14 @@ N, K, E, TOP = 1536, 2048, 64, 6
 
 
 def _load_so(path: str):
-    loader = importlib.machinery.ExtensionFileLoader("fmoe_packed_gemm", path)
-    spec = importlib.util.spec_from_file_location("fmoe_packed_gemm", path, loader=loader)
+    # Python keeps one module per extension name, so the other build must carry its own name
+    # (the file's stem, e.g. fmoe_packed_gemm_old.so built from the old source under that name)
+    name = os.path.basename(path).split(".")[0]
+    if name == "fmoe_packed_gemm":
+        raise ValueError(f"--old {path}: build it under another module name (its file stem), e.g. "
+                         f"fmoe.ops.native.compile_extension('fmoe_packed_gemm_old', OLD.cpp, .../fmoe_packed_gemm_old.so, ...)")
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)
     return mod
@@ -73,21 +81,24 @@ def _interleaved(steps: dict, repeats: int, inner: int, clock=time.perf_counter)
     return {n: statistics.median(v) for n, v in times.items()}
 
 
-def single(formats, repeats: int, old=None, log=print) -> dict:
+def single(formats, repeats: int, old=None, rows=(1,), log=print) -> dict:
     from fmoe.quant import packed
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     best = packed.ISAS[packed.best_isa()]
     isas = [i for i in ("avx2", "avx512") if packed.ISAS[i] <= best]
-    a = torch.randn(1, K, generator=g)
-    off = torch.tensor([0, 1], dtype=torch.int64)
     res = {}
-    for fmt in formats:
+    for fmt, R in [(f, r) for r in rows for f in formats]:
+        a = torch.randn(R, K, generator=g)
+        off = torch.tensor([0, R], dtype=torch.int64)
         w = _weights(fmt, 1, g)
         nbytes = w.nbytes
         wf = torch.randn(nbytes // 4 // K, K, generator=g)
         xf = torch.randn(K, generator=g)
         steps = {"gemv": lambda: torch.mv(wf, xf)}
+        if R > 1:   # the same bytes against R rows: an fp32 GEMM of R rows
+            xr = torch.randn(K, R, generator=g)
+            steps["gemv"] = lambda: torch.mm(wf, xr)
         for isa in isas:
             steps[f"new_{isa}"] = _call(packed._EXT, a, off, w, packed.ISAS[isa])
             if old is not None:
@@ -100,8 +111,8 @@ def single(formats, repeats: int, old=None, log=print) -> dict:
         for name, s in t.items():
             if name != "gemv":
                 row[name] = {"gb_per_s": nbytes / s / 1e9, "vs_gemv": nbytes / s / 1e9 / gemv, "us": s * 1e6}
-        res[fmt] = row
-        log(f"  {fmt:9s} {nbytes / 2**20:5.2f} MiB  gemv {gemv:5.1f} GB/s | " + "  ".join(
+        res[f"{fmt}_rows{R}"] = row
+        log(f"  {fmt:9s} rows {R:2d} {nbytes / 2**20:5.2f} MiB  gemv {gemv:5.1f} GB/s | " + "  ".join(
             f"{n} {row[n]['gb_per_s']:5.1f} ({row[n]['vs_gemv']:.2f})" for n in t if n != "gemv"))
     return res
 
@@ -148,6 +159,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16])
+    p.add_argument("--rows", nargs="+", type=int, default=[1], help="activation rows of the single-expert call")
     p.add_argument("--old", default=None, help="path of another build of fmoe_packed_gemm to time beside this one")
     p.add_argument("--no-single", action="store_true")
     p.add_argument("--no-multi", action="store_true")
@@ -162,7 +174,7 @@ def main(argv=None) -> int:
     out = {"status": packed.status(), "loadavg_start": load0}
     if not args.no_single:
         print("single expert [1536, 2048], one row, warm, 1 thread: GB/s of stored bytes (ratio to the fp32 GEMV)")
-        out["single"] = single(args.formats, args.repeats, old)
+        out["single"] = single(args.formats, args.repeats, old, args.rows)
     if not args.no_multi:
         print("E=64 [1536, 2048], top-6 routed rows, cold, 2 threads")
         out["multi"] = multi(args.formats, args.tokens, args.repeats, old)

@@ -64,6 +64,7 @@ struct Params {
   const float* gscale;  // [E] or nullptr
   float* out;           // [R, N]
   bool fp4;
+  bool e8m0;            // table is E8M0's (e8m0_table)
 };
 
 struct Job {
@@ -114,6 +115,22 @@ void rows_portable(const Params& p, const Job& j, std::vector<float>& w) {
 // ------------------------------------------------------------------ AVX2 + FMA + F16C
 
 #define FMOE_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define FMOE_INLINE inline __attribute__((always_inline))
+
+using TileFn = void (*)(const Params&, int64_t, int64_t, const float*, float*);
+
+// Weight rows n0, n0 + NR, ... (while a whole group of NR fits below n1) against NT activation
+// rows through the tile kernel F, inlined, so a job pays the call, the constants and the register
+// setup once rather than per group; out = the first activation row's output row, g = gscale.
+template <TileFn F, int NR, int NT>
+FMOE_AVX2 void rows_avx2(const Params& p, int64_t e, int64_t n0, int64_t n1, const float* x, float* out, float g) {
+  float res[NR * NT];
+  for (int64_t n = n0; n + NR <= n1; n += NR) {
+    F(p, e, n, x, res);
+    for (int t = 0; t < NT; ++t)
+      for (int i = 0; i < NR; ++i) out[t * p.N + n + i] = res[t * NR + i] * g;
+  }
+}
 
 FMOE_AVX2 inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -180,7 +197,7 @@ FMOE_AVX2 void decode_row_avx2(const Params& p, int64_t e, int64_t n, float* w) 
 // (row, activation row) hide the FMA latency when NR * NT is small. Requires K % 32 == 0 and
 // bk in {16, 32}.
 template <int NR, int NT>
-FMOE_AVX2 void fp4_tile_avx2(const Params& p, int64_t e, int64_t n, const float* x0, float* res) {
+FMOE_AVX2 FMOE_INLINE void fp4_tile_avx2(const Params& p, int64_t e, int64_t n, const float* x0, float* res) {
   constexpr int P = NR * NT <= 2 ? 2 : 1;
   const int sh = p.bk == 32 ? 5 : 4;
   const uint8_t* r[NR];
@@ -230,7 +247,7 @@ FMOE_AVX2 inline void e4m3x16_avx2(__m128i b8, __m256& f0, __m256& f1) {
 // FP8 tile on AVX2 (see fp8_tile_avx512): 16 weights at a time decoded once for all NT rows and
 // multiplied by the block scale (times 2^8); k beyond the last whole 16 of a block run scalar.
 template <int NR, int NT>
-FMOE_AVX2 void fp8_tile_avx2(const Params& p, int64_t e, int64_t n, const float* x0, float* res) {
+FMOE_AVX2 FMOE_INLINE void fp8_tile_avx2(const Params& p, int64_t e, int64_t n, const float* x0, float* res) {
   constexpr int P = NR * NT <= 2 ? 2 : 1;
   const uint8_t* r[NR];
   for (int i = 0; i < NR; ++i) r[i] = p.data + e * p.d_e + (n + i) * p.d_r;
@@ -285,6 +302,16 @@ FMOE_AVX2 void fp8_tile_avx2(const Params& p, int64_t e, int64_t n, const float*
 
 #define FMOE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 
+template <TileFn F, int NR, int NT>  // rows_avx2 for the AVX-512 tiles
+FMOE_AVX512 void rows_avx512(const Params& p, int64_t e, int64_t n0, int64_t n1, const float* x, float* out, float g) {
+  float res[NR * NT];
+  for (int64_t n = n0; n + NR <= n1; n += NR) {
+    F(p, e, n, x, res);
+    for (int t = 0; t < NT; ++t)
+      for (int i = 0; i < NR; ++i) out[t * p.N + n + i] = res[t * NR + i] * g;
+  }
+}
+
 // 16 scale values for one 64-byte FP4 chunk (128 k), lane j covering k = 8j .. 8j + 7 (see
 // fp4_rows2_avx512): lane j's block is 8j / BK; sr points at the chunk's first scale byte.
 template <int BK>
@@ -305,17 +332,17 @@ FMOE_AVX512 inline __m512 fp4_scales16(const float* table, const uint8_t* sr) {
 // of the load holds the codes of k = 8j .. 8j + 7; vpermps reads only the low 4 bits of each
 // index, so shifting by 4q and permuting the 16-entry E2M1 table gives k = 8j + q in lane j.
 // Every lane of a chunk stays inside one scale block (8 | BK), so the chunk's products are summed
-// per lane unscaled (P independent chains, for the FMA latency when NR * NT is small) and the
-// lane's scale multiplies that sum once. The block scales are fetched 16 at a time with one
-// gather through the table (masked at the row's end) and spread to the lanes with one vpermps
-// per chunk. The NR weight rows share every activation load; the whole tile is decoded once.
-// Requires K % 128 == 0 and bk in {16, 32}.
-template <int NR, int NT, int BK>
-FMOE_AVX512 void fp4_tile_avx512(const Params& p, int64_t e, int64_t n, const float* x0, float* res) {
-  constexpr int P = NR * NT <= 4 ? 2 : 1;
-  constexpr int kSpc = 128 / BK;   // scales per chunk
-  constexpr int kCpv = 16 / kSpc;  // chunks per gathered vector of 16 scales
-  const int64_t nc = p.K / 128, ns = p.K / BK;
+// per lane unscaled (two chains) and the lane's scale multiplies that sum once. The NR weight rows
+// share every activation load; the tile is decoded once for all NT rows. E8: the scales are E8M0
+// bytes none of which is 0 or 255 (e8m0_plain), so their floats are the bits b << 23, spread to
+// the lanes with one vpshufb (lane j takes the chunk's scale j / 4; BK = 32); otherwise they go
+// through the table (fp4_scales16). Requires K % 128 == 0 and bk in {16, 32}.
+template <int NR, int NT, int BK, bool E8>
+FMOE_AVX512 FMOE_INLINE void fp4_tile_avx512(const Params& p, int64_t e, int64_t n, const float* x0, float* res) {
+  static_assert(!E8 || BK == 32, "the E8M0 bit path spreads 4 scales per chunk");
+  constexpr int P = 2;
+  constexpr int kSpc = 128 / BK;  // scales per chunk
+  const int64_t nc = p.K / 128;
   const uint8_t* r[NR];
   const uint8_t* sr[NR];
   for (int i = 0; i < NR; ++i) {
@@ -323,22 +350,14 @@ FMOE_AVX512 void fp4_tile_avx512(const Params& p, int64_t e, int64_t n, const fl
     sr[i] = p.sb + e * p.s_e + (n + i) * p.s_r;  // bn == 1 for FP4
   }
   const __m512 lut = _mm512_loadu_ps(kE2M1);
-  // lane j of chunk c (c % kCpv == u) takes scale u * kSpc + 8j / BK of the gathered vector
-  const __m512i lane_blk = _mm512_srli_epi32(_mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120),
-                                             BK == 32 ? 5 : 4);
-  __m512 acc[NR][NT], sv[NR];
+  // per 128-bit lane L (lanes j = 4L .. 4L + 3): every dword = byte L zero-extended
+  const __m512i spread = _mm512_set_epi32(0x80808003, 0x80808003, 0x80808003, 0x80808003, 0x80808002, 0x80808002,
+                                          0x80808002, 0x80808002, 0x80808001, 0x80808001, 0x80808001, 0x80808001,
+                                          0x80808000, 0x80808000, 0x80808000, 0x80808000);
+  __m512 acc[NR][NT];
   for (int i = 0; i < NR; ++i)
     for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
   for (int64_t c = 0; c < nc; ++c) {
-    const int u = static_cast<int>(c % kCpv);
-    if (u == 0) {
-      const int64_t s0 = c * kSpc;
-      const __mmask16 m = static_cast<__mmask16>(ns - s0 >= 16 ? 0xFFFF : (1u << (ns - s0)) - 1);
-      for (int i = 0; i < NR; ++i) {
-        const __m512i idx = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, sr[i] + s0));
-        sv[i] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, p.table, 4);
-      }
-    }
     __m512i v[NR];
     for (int i = 0; i < NR; ++i) v[i] = _mm512_loadu_si512(r[i] + 64 * c);
     const float* xc = x0 + 128 * c;
@@ -356,17 +375,42 @@ FMOE_AVX512 void fp4_tile_avx512(const Params& p, int64_t e, int64_t n, const fl
     FMOE_FP4_Q(0) FMOE_FP4_Q(1) FMOE_FP4_Q(2) FMOE_FP4_Q(3)
     FMOE_FP4_Q(4) FMOE_FP4_Q(5) FMOE_FP4_Q(6) FMOE_FP4_Q(7)
 #undef FMOE_FP4_Q
-    const __m512i sel = _mm512_add_epi32(lane_blk, _mm512_set1_epi32(u * kSpc));
     for (int i = 0; i < NR; ++i) {
-      const __m512 s = _mm512_permutexvar_ps(sel, sv[i]);
-      for (int t = 0; t < NT; ++t) {
-        const __m512 sum = P == 2 ? _mm512_add_ps(part[i][t][0], part[i][t][P - 1]) : part[i][t][0];
-        acc[i][t] = _mm512_fmadd_ps(sum, s, acc[i][t]);
+      __m512 s;
+      if constexpr (E8) {
+        int32_t b4;
+        std::memcpy(&b4, sr[i] + kSpc * c, 4);
+        s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(b4), spread), 23));
+      } else {
+        s = fp4_scales16<BK>(p.table, sr[i] + kSpc * c);
       }
+      for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_fmadd_ps(_mm512_add_ps(part[i][t][0], part[i][t][1]), s, acc[i][t]);
     }
   }
   for (int i = 0; i < NR; ++i)
     for (int t = 0; t < NT; ++t) res[t * NR + i] = _mm512_reduce_add_ps(acc[i][t]);
+}
+
+// Whether the table is E8M0's (b -> 2^(b - 127), i.e. the float bits b << 23 for b in 1 .. 254).
+bool e8m0_table(const float* table) {
+  for (uint32_t b = 1; b < 255; ++b) {
+    uint32_t bits;
+    std::memcpy(&bits, table + b, 4);
+    if (bits != b << 23) return false;
+  }
+  return true;
+}
+
+// Whether none of the n bytes is 0 or 255 (the E8M0 codes whose float is not b << 23).
+FMOE_AVX512 bool e8m0_plain(const uint8_t* s, int64_t n) {
+  __mmask64 bad = 0;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512i v = _mm512_loadu_si512(s + i);
+    bad |= _mm512_cmpeq_epi8_mask(v, _mm512_setzero_si512()) | _mm512_cmpeq_epi8_mask(v, _mm512_set1_epi8(-1));
+  }
+  for (; i < n; ++i) bad |= (s[i] == 0 || s[i] == 255);
+  return bad == 0;
 }
 
 // 32 E4M3 bytes -> two vectors of 16 floats * 2^-8: byte b placed in binary16 as (b << 8) >> 1
@@ -391,7 +435,7 @@ FMOE_AVX512 inline __mmask32 nan_bytes(__m256i b8) {
 // sum once; k beyond the last whole 32 of a block run scalar through the E4M3 table. A row
 // holding a NaN byte gives NaN, as dequantize() then matmul does.
 template <int NR, int NT>
-FMOE_AVX512 void fp8_tile_avx512(const Params& p, int64_t e, int64_t n, const float* x0, float* res) {
+FMOE_AVX512 FMOE_INLINE void fp8_tile_avx512(const Params& p, int64_t e, int64_t n, const float* x0, float* res) {
   const uint8_t* r[NR];
   for (int i = 0; i < NR; ++i) r[i] = p.data + e * p.d_e + (n + i) * p.d_r;
   __m512 acc[NR][NT];
@@ -594,51 +638,72 @@ void permute_acts(const float* a, int64_t R, int64_t K, int isa, float* out) {
   });
 }
 
-// The register kernels of one ISA and format: tile[r][nt] for r weight rows (1, 2, 4) and nt
-// activation rows (1 .. 8); nullptr where that shape is not instantiated.
-using TileFn = void (*)(const Params&, int64_t, int64_t, const float*, float*);
+// The register kernels of one ISA and format: rows[r][nt] for groups of r weight rows (1, 2, 4)
+// against nt activation rows (1 .. max_nt); nullptr where that shape is not instantiated. An
+// expert's activation rows go in passes of at most max_nt; groups of 2 weight rows serve up to
+// two_upto rows (then single rows, whose tiles hold more activation rows in registers).
+using RowsFn = void (*)(const Params&, int64_t, int64_t, int64_t, const float*, float*, float);
 struct Tiles {
-  TileFn one[9], two[5], four[2];
+  int max_nt, two_upto;
+  RowsFn one[9], two[9], four[2];
 };
 
-#define FMOE_T8(F, ...)                                                                       \
-  { nullptr, F<1, 1 __VA_ARGS__>, F<1, 2 __VA_ARGS__>, F<1, 3 __VA_ARGS__>, F<1, 4 __VA_ARGS__>, \
-    F<1, 5 __VA_ARGS__>, F<1, 6 __VA_ARGS__>, F<1, 7 __VA_ARGS__>, F<1, 8 __VA_ARGS__> }
-#define FMOE_T4(F, ...) { nullptr, F<2, 1 __VA_ARGS__>, F<2, 2 __VA_ARGS__>, F<2, 3 __VA_ARGS__>, F<2, 4 __VA_ARGS__> }
+#define FMOE_R(W, F, R, T, ...) W<F<R, T __VA_ARGS__>, R, T>
+#define FMOE_T4(W, F, R, ...)                                                                        \
+  nullptr, FMOE_R(W, F, R, 1, __VA_ARGS__), FMOE_R(W, F, R, 2, __VA_ARGS__), FMOE_R(W, F, R, 3, __VA_ARGS__), \
+      FMOE_R(W, F, R, 4, __VA_ARGS__)
+#define FMOE_T8(W, F, R, ...)                                                                        \
+  FMOE_T4(W, F, R, __VA_ARGS__), FMOE_R(W, F, R, 5, __VA_ARGS__), FMOE_R(W, F, R, 6, __VA_ARGS__),        \
+      FMOE_R(W, F, R, 7, __VA_ARGS__), FMOE_R(W, F, R, 8, __VA_ARGS__)
 
-const Tiles kFp4Avx512[2] = {  // bk 16, 32
-    {FMOE_T8(fp4_tile_avx512, , 16), FMOE_T4(fp4_tile_avx512, , 16), {nullptr, fp4_tile_avx512<4, 1, 16>}},
-    {FMOE_T8(fp4_tile_avx512, , 32), FMOE_T4(fp4_tile_avx512, , 32), {nullptr, fp4_tile_avx512<4, 1, 32>}}};
-const Tiles kFp8Avx512 = {FMOE_T8(fp8_tile_avx512), FMOE_T4(fp8_tile_avx512), {nullptr, fp8_tile_avx512<4, 1>}};
-const Tiles kFp4Avx2 = {FMOE_T8(fp4_tile_avx2), FMOE_T4(fp4_tile_avx2), {nullptr, nullptr}};
-const Tiles kFp8Avx2 = {FMOE_T8(fp8_tile_avx2), FMOE_T4(fp8_tile_avx2), {nullptr, nullptr}};
+// FP4 on AVX-512: pairs of weight rows in passes of 4 activation rows (measured faster than
+// single rows with 8: half the activation loads per FMA).
+const Tiles kFp4Avx512[3] = {  // bk 16, 32, 32 with plain E8M0 scales
+    {4, 16, {FMOE_T4(rows_avx512, fp4_tile_avx512, 1, , 16, false)}, {FMOE_T4(rows_avx512, fp4_tile_avx512, 2, , 16, false)},
+     {nullptr, FMOE_R(rows_avx512, fp4_tile_avx512, 4, 1, , 16, false)}},
+    {4, 16, {FMOE_T4(rows_avx512, fp4_tile_avx512, 1, , 32, false)}, {FMOE_T4(rows_avx512, fp4_tile_avx512, 2, , 32, false)},
+     {nullptr, FMOE_R(rows_avx512, fp4_tile_avx512, 4, 1, , 32, false)}},
+    {4, 16, {FMOE_T4(rows_avx512, fp4_tile_avx512, 1, , 32, true)}, {FMOE_T4(rows_avx512, fp4_tile_avx512, 2, , 32, true)},
+     {nullptr, FMOE_R(rows_avx512, fp4_tile_avx512, 4, 1, , 32, true)}}};
+const Tiles kFp8Avx512 = {8, 4, {FMOE_T8(rows_avx512, fp8_tile_avx512, 1)}, {FMOE_T4(rows_avx512, fp8_tile_avx512, 2)},
+                          {nullptr, FMOE_R(rows_avx512, fp8_tile_avx512, 4, 1)}};
+const Tiles kFp4Avx2 = {8, 4, {FMOE_T8(rows_avx2, fp4_tile_avx2, 1)}, {FMOE_T4(rows_avx2, fp4_tile_avx2, 2)}, {nullptr, nullptr}};
+const Tiles kFp8Avx2 = {8, 4, {FMOE_T8(rows_avx2, fp8_tile_avx2, 1)}, {FMOE_T4(rows_avx2, fp8_tile_avx2, 2)}, {nullptr, nullptr}};
+#undef FMOE_R
 #undef FMOE_T8
 #undef FMOE_T4
 
-// Weight rows [j.n0, j.n1) of expert j.e against its j.c (<= dense_from) activation rows: groups
-// of r weight rows (4 for one activation row where the ISA has it, 2 up to 4 rows, else 1; the
-// rows left at the tile's end one at a time), each group against all activation rows in passes
-// of at most 8 inside the loop over weight rows, so each weight row comes from memory once.
+// Weight rows [j.n0, j.n1) of expert j.e against its j.c (<= dense_from) activation rows, in
+// groups of r weight rows (4 for one activation row where the ISA has it, else 2 or 1 as the
+// Tiles say; the rows left at the tile's end one at a time). Up to max_nt activation rows: one
+// sweep over the weight rows. More: the weight rows in slices of kSlice, each slice swept once
+// per pass (it stays in L1 between the passes), so each weight row comes from memory once.
+constexpr int64_t kSlice = 4;
+
 void run_tiles(const Params& p, const Job& j, const float* xs, const Tiles& T) {
-  const int nr = (j.c == 1 && T.four[1] != nullptr) ? 4 : j.c <= 4 ? 2 : 1;
+  const int nr = (j.c == 1 && T.four[1] != nullptr) ? 4 : j.c <= T.two_upto ? 2 : 1;
   const float g = gscale_of(p, j.e);
-  float res[8 * 4];
-  for (int64_t n = j.n0; n < j.n1;) {
-    const int r = j.n1 - n >= nr ? nr : 1;
-    for (int64_t c = 0; c < j.c; c += 8) {
-      const int nt = static_cast<int>(std::min<int64_t>(8, j.c - c));
-      const TileFn f = r == 4 ? T.four[nt] : r == 2 ? T.two[nt] : T.one[nt];
-      f(p, j.e, n, xs + (j.lo + c) * p.K, res);
-      for (int t = 0; t < nt; ++t)
-        for (int i = 0; i < r; ++i) p.out[(j.lo + c + t) * p.N + n + i] = res[t * r + i] * g;
+  const int64_t slice = j.c <= T.max_nt ? j.n1 - j.n0 : kSlice;
+  for (int64_t s0 = j.n0; s0 < j.n1; s0 += slice) {
+    const int64_t s1 = std::min(j.n1, s0 + slice);
+    for (int64_t c = 0; c < j.c; c += T.max_nt) {
+      const int nt = static_cast<int>(std::min<int64_t>(T.max_nt, j.c - c));
+      const float* x = xs + (j.lo + c) * p.K;
+      float* out = p.out + (j.lo + c) * p.N;
+      const int64_t whole = s0 + (s1 - s0) / nr * nr;
+      (nr == 4 ? T.four[nt] : nr == 2 ? T.two[nt] : T.one[nt])(p, j.e, s0, whole, x, out, g);
+      if (whole < s1) T.one[nt](p, j.e, whole, s1, x, out, g);
     }
-    n += r;
   }
 }
 
 void run_job_small(const Params& p, const Job& j, const float* xs, int isa, std::vector<float>& w) {
   if (isa == kPortable) return rows_portable(p, j, w);
-  if (isa == kAvx512) return run_tiles(p, j, xs, p.fp4 ? kFp4Avx512[p.bk == 32] : kFp8Avx512);
+  if (isa == kAvx512 && p.fp4) {
+    const bool e8 = p.bk == 32 && p.e8m0 && e8m0_plain(p.sb + j.e * p.s_e + j.n0 * p.s_r, (j.n1 - j.n0) * p.s_r);
+    return run_tiles(p, j, xs, kFp4Avx512[e8 ? 2 : p.bk == 32]);
+  }
+  if (isa == kAvx512) return run_tiles(p, j, xs, kFp8Avx512);
   run_tiles(p, j, xs, p.fp4 ? kFp4Avx2 : kFp8Avx2);
 }
 
@@ -706,6 +771,7 @@ int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const 
   p.gscale = gscale.has_value() ? gscale->const_data_ptr<float>() : nullptr;
   p.out = out.data_ptr<float>();
   p.fp4 = fp4;
+  p.e8m0 = byte_scales && e8m0_table(p.table);
 
   const int best = best_isa();
   TORCH_CHECK_VALUE(isa >= 0 && isa <= 3, "isa must be 0 (auto), 1 (portable), 2 (avx2) or 3 (avx512), got ", isa);
