@@ -48,7 +48,8 @@ from .engine import kinds as _kinds
 from .engine import traced as _traced
 from .engine.traced import door
 from .engine.plan import plan_from_bounds
-from .experts import EXPERT_PARAMS, apply_experts, expert_form, shard_axes
+from .engine.table import select
+from .experts import EXPERT_PARAMS, expert_form, shard_axes
 from .layout import Layout, make_layout
 from .routers import check_router_params
 from .routing import _trusted_routing
@@ -291,31 +292,12 @@ def _a2av(x: Tensor, comm, send: list, recv: list, parallel: ParallelSpec) -> Te
     return all_to_all_v(x, comm, send, recv)
 
 
-def _full_rows_gemm(E: int, C: int, device, precision, generator) -> GroupedGemm:
-    """The seam over received padded buffers [E, C, M] whose fill is not known here: every row."""
-    starts = torch.arange(E, device=device, dtype=torch.int64) * C
-    lay = Layout(torch.empty(0, 0, dtype=torch.int64, device=device), starts,
-                 torch.full((E,), C, dtype=torch.int64, device=device), "padded", E * C, E, C)
-    return GroupedGemm(lay, precision=precision, generator=generator)
-
-
-def _ragged_gemm(sizes: Tensor, num_rows: int, precision, generator) -> GroupedGemm:
-    starts = torch.cumsum(sizes, 0) - sizes
-    lay = Layout(torch.empty(0, 0, dtype=torch.int64, device=sizes.device), starts, sizes, "ragged", num_rows,
-                 sizes.shape[0], num_rows)
-    return GroupedGemm(lay, precision=precision, generator=generator)
-
-
-def _engine_form(experts, params, x: Tensor) -> Optional[dict]:
-    """The kind's :func:`~fmoe.experts.expert_form`, and the engine door ('rows' or 'traced') that
-    runs these experts on x, as ``kw["door"]``; None where only the staged kernel does (custom
-    experts on padded buffers; forward-mode AD, a second derivative, an activation or a recipe
-    the traced op does not take)."""
-    if experts.type == "custom":
-        return None
+def _engine_form(experts, params, x: Tensor) -> dict:
+    """The kind's :func:`~fmoe.experts.expert_form` and, as ``kw["door"]``, the engine door
+    (:func:`fmoe.engine.traced.door`) that runs these experts on x."""
     kw = expert_form(experts, params)
     d = door(kw["form"], (x, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"]), precision=experts.precision)
-    return None if d == "layout" else {**kw, "door": d}
+    return {**kw, "door": d}
 
 
 def _received_routing(x: Tensor, mask: Tensor, rows: Optional[Tensor]):
@@ -345,21 +327,28 @@ def _received_routing(x: Tensor, mask: Tensor, rows: Optional[Tensor]):
     return _trusted_routing(ids.view(1, R), slots.view(1, R), x.new_ones(1, R), counts, max(1, R), n)
 
 
-def _engine_rows(experts, kw: dict, x: Tensor, mask: Tensor, save: str, generator,
+def _engine_rows(experts, params, x: Tensor, mask: Tensor, save: str, generator,
                  rows: Optional[Tensor] = None) -> Tensor:
-    """The experts on the filled rows of a received buffer, through the engine: a rows plan in
-    eager mode, the traced op (the same plan built inside it) under torch.compile and torch.func.
+    """This rank's experts on the filled rows of a received buffer, through the engine: a rows
+    plan in eager mode, the traced op (the same plan built inside it) under torch.compile and
+    vmap / grad; where neither runs (forward-mode AD, a second derivative, an activation or a
+    recipe the op does not take) the same plan through :func:`fmoe.engine.kinds.reference`, plain
+    autograd over per-expert GEMMs. Custom experts take the padded buffer whole (Tutel's contract).
 
     Args:
-        kw: :func:`_engine_form` of this rank's experts (n of them).
+        params: this rank's expert parameters (n experts).
         x: float [n, R_e, M] (padded: R_e rows per local expert) or [R, M] with ``mask`` rows
             already sorted by local expert (see ``mask``).
         mask: uint8/bool [n, R_e] (padded) marking the rows that hold a pair; or, for a flat x,
             int64 [n] rows per local expert (ragged, every row filled).
         rows: for a flat x, int64 [R] its rows in local-expert order (default: x's own order).
     Returns:
-        [*x.shape[:-1], O]: each filled row's expert output, unweighted; empty rows 0.
+        [*x.shape[:-1], O]: each filled row's expert output, unweighted; empty rows 0 (custom
+        experts: whatever ``fn`` gives them; combine never reads them).
     """
+    if experts.type == "custom":
+        return experts.fn(params, x)
+    kw = _engine_form(experts, params, x)
     flat = x.reshape(-1, x.shape[-1])
     if kw["door"] == "traced":
         y = _traced.run(kw["form"], flat, _received_routing(flat, mask, rows), kw["w_in"], kw["w_out"],
@@ -379,8 +368,12 @@ def _engine_rows(experts, kw: dict, x: Tensor, mask: Tensor, save: str, generato
     plan = plan_from_bounds(rows, rows, bounds, flat.shape[0], needs_grad=needs_grad, dtype=flat.dtype,
                             precision=experts.precision)
     ones = flat.new_ones(plan.num_rows)                           # the gates act at the source rank's combine
-    y = _kinds.run(kw["form"], flat, ones, plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"],
-                   save=save, generator=generator)
+    if kw["door"] == "rows":
+        y = _kinds.run(kw["form"], flat, ones, plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"],
+                       save=save, generator=generator)
+    else:
+        mm = _kinds._rows_mm(select(plan, generator=generator), plan, generator)
+        y = _kinds.reference(kw["form"], flat, ones, plan, kw["w_in"], kw["b_in"], kw["w_out"], kw["b_out"], mm=mm)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -408,9 +401,8 @@ def expert_stage(experts, expert_params, x: Tensor, routing, comm, parallel: Opt
     """
     par = parallel or ParallelSpec()
     _, s = sharding(num_experts, comm.size)
-    kw = None if layout_kind != "padded" else _engine_form(experts, expert_params, x)
     if (layout_kind == "padded" and s == 1 and par.degree(s) == 1 and par.overlap_degree == 1
-            and kw is not None and kw["door"] == "rows"):
+            and experts.type != "custom" and _engine_form(experts, expert_params, x)["door"] == "rows"):
         # The engine multiplies the kept rows only; exchanged as ragged rows, no row past an
         # expert's fill crosses the wire either (the same pairs in the same order: equal outputs)
         layout_kind = "ragged"
@@ -482,51 +474,39 @@ def _expert_stage(experts, expert_params, buffers, comm, parallel, layout, E, n,
     et = experts.type
     if r == 0:
         full = _gather_all(et, expert_params, comm, E, s, output_dim)
-        kw = _engine_form(experts, full, buffers)
-        if kw is not None:
-            return _engine_rows(experts, kw, buffers, _filled(layout, C), save, generator)
-        return apply_experts(experts, full, buffers, _full_rows_gemm(E, C, buffers.device, experts.precision,
-                                                                     generator))
+        return _engine_rows(experts, full, buffers, _filled(layout, C), save, generator)
     if C % (s * d):
         raise ValueError(f"expert_parallel: capacity {C} must be divisible by s*d = {s}*{d}; route with "
                          f"alignment=capacity_alignment(E, W, parallel)")
     local = expert_params if s == 1 else _gather_group(et, expert_params, comm, s, r, output_dim)
-    kw = _engine_form(experts, local, buffers)
-    filled = None if kw is None else _filled(layout, C)
+    filled = _filled(layout, C)
     xcomm = _a2a_comm(comm, parallel.local_size)
     step = C // d
     outs = []
     for i in range(d):
         sl = slice(None) if d == 1 else slice(i * step, (i + 1) * step)
-        outs.append(_expert_chunk(experts, local, buffers[:, sl], None if kw is None else filled[:, sl], kw, xcomm,
-                                  s, r, save, generator, parallel))
+        outs.append(_expert_chunk(experts, local, buffers[:, sl], filled[:, sl], xcomm, s, r, save, generator,
+                                  parallel))
     return outs[0] if d == 1 else torch.cat(outs, dim=1)
 
 
-def _expert_chunk(experts, local, chunk: Tensor, filled: Optional[Tensor], kw: Optional[dict], comm, s: int, r: int,
-                  save: str, generator, parallel: ParallelSpec) -> Tensor:
+def _expert_chunk(experts, local, chunk: Tensor, filled: Tensor, comm, s: int, r: int, save: str, generator,
+                  parallel: ParallelSpec) -> Tensor:
     """One capacity chunk [E, c, M] -> [E, c, O] through all-to-all, experts, all-to-all.
 
-    With ``kw`` (the engine's form) the chunk's fill mask [E, c] makes the same trip as the
-    rows, and the engine multiplies only the received rows that hold pairs."""
+    The chunk's fill mask [E, c] makes the same trip as the rows, and the engine multiplies only
+    the received rows that hold pairs."""
     E, c, M = chunk.shape
     W = comm.size
     if s == 1:
         x = _a2a(chunk, comm, 1, 0, parallel)                  # [n, W*c, M]
-        if kw is not None:
-            y = _engine_rows(experts, kw, x, comm.all_to_all(filled, 1, 0), save, generator)
-        else:
-            y = apply_experts(experts, local, x, _full_rows_gemm(x.shape[0], x.shape[1], x.device,
-                                                                 experts.precision, generator))
+        y = _engine_rows(experts, local, x, comm.all_to_all(filled, 1, 0), save, generator)
         return _a2a(y, comm, 0, 1, parallel)                   # [E, c, O]
     rep = chunk.repeat(1, r, 1) if r > 1 else chunk            # [E, r*c, M]: r copies of every row
     x = _a2a(rep.reshape(W, r * c // s, M), comm, 1, 0, parallel)  # [1, W*r*c/s, M]
     # partial sums over this group's hidden slice
-    if kw is not None:
-        f = (filled.repeat(1, r) if r > 1 else filled).reshape(W, r * c // s)
-        y = _engine_rows(experts, kw, x, comm.all_to_all(f, 1, 0), save, generator)
-    else:
-        y = apply_experts(experts, local, x, _full_rows_gemm(1, x.shape[1], x.device, experts.precision, generator))
+    f = (filled.repeat(1, r) if r > 1 else filled).reshape(W, r * c // s)
+    y = _engine_rows(experts, local, x, comm.all_to_all(f, 1, 0), save, generator)
     y = _a2a(y, comm, 0, 1, parallel)                          # [W, r*c/s, O]
     return y.reshape(E, r, c, y.shape[-1]).sum(1)              # sum the r partial outputs
 
@@ -545,6 +525,8 @@ def _ragged_expert_parallel(experts, expert_params, rows: Tensor, comm, parallel
     if s != 1:
         raise ValueError(f"the ragged layout needs E >= W (whole experts per rank); E={E}, W={W}: route with "
                          "MoESpec(layout='padded') to share experts across ranks")
+    if experts.type == "custom":
+        raise ValueError("custom experts take padded buffers [E, C, M]; route them with layout='padded'")
     if d != 1:
         raise ValueError(f"the ragged layout runs with overlap_degree=1 (got {d}); overlap chunks the padded "
                          "capacity axis: use MoESpec(layout='padded') with a finite capacity_factor")
@@ -553,11 +535,7 @@ def _ragged_expert_parallel(experts, expert_params, rows: Tensor, comm, parallel
     N = int(sizes.sum())                                        # host sync: all-to-all-v needs counts
     if r == 0:                                                  # every expert on every rank, no exchange
         full = _gather_all(experts.type, expert_params, comm, E, s, 0)
-        kw = _engine_form(experts, full, rows)
-        if kw is None:
-            return apply_experts(experts, full, rows, GroupedGemm(layout, precision=experts.precision,
-                                                                  generator=generator))
-        y = _engine_rows(experts, kw, rows[:N], sizes, save, generator)
+        y = _engine_rows(experts, full, rows[:N], sizes, save, generator)
         return y if N == R else torch.cat([y, y.new_zeros(R - N, y.shape[1])])
     xcomm = _a2a_comm(comm, parallel.local_size)
     recv_matrix = comm.all_to_all(sizes, 0, 0).reshape(W, n)  # [source, local expert]
@@ -567,15 +545,7 @@ def _ragged_expert_parallel(experts, expert_params, rows: Tensor, comm, parallel
     local_id = torch.repeat_interleave(torch.arange(n, device=rows.device).repeat(W), recv_matrix.reshape(-1))
     by_expert = torch.argsort(local_id, stable=True)
     local_sizes = recv_matrix.sum(0)
-    kw = _engine_form(experts, expert_params, got)
-    if kw is not None:
-        y = _engine_rows(experts, kw, got, local_sizes, save, generator, rows=by_expert)
-    else:
-        y = apply_experts(experts, expert_params, got[by_expert],
-                          _ragged_gemm(local_sizes, got.shape[0], experts.precision, generator))
-        back = torch.empty_like(by_expert)
-        back[by_expert] = torch.arange(by_expert.numel(), device=rows.device)
-        y = y[back]
+    y = _engine_rows(experts, expert_params, got, local_sizes, save, generator, rows=by_expert)
     ret = _a2av(y, xcomm, recv, send, parallel)                # [N, O] in this rank's row order
     if N == R:
         return ret

@@ -129,3 +129,41 @@ def test_torch_func_grad_runs_the_traced_op_and_equals_one_process(comm, traced_
         mine = shard_experts(kind, summed, E, comm.rank, W)
         for k in mine:
             allclose(g[k], mine[k], f"grad experts.{k} {tag}")
+
+
+@pytest.mark.parametrize("cf", [1.25, 0.0])
+def test_forward_mode_ad_runs_the_plan_reference_and_equals_one_process(comm, cf, monkeypatch):
+    """torch.func.jvp (which the traced op does not serve): each rank's received rows through the
+    plan's per-expert reference under plain autograd; the tangent equals one process's, whose
+    experts hold the same tangent directions."""
+    W = comm.size
+    E = 2 * W
+    spec = make_spec(E, 2, cf, expert_type="swiglu")
+    full = full_params(spec)
+    x = local_batch(comm.rank)
+    gen = torch.Generator().manual_seed(21)
+    v_full = {k: torch.randn(t.shape, generator=gen, dtype=t.dtype) for k, t in full["experts"].items()}
+    local = local_params(spec, full, comm)
+    v_local = shard_experts("swiglu", v_full, E, comm.rank, W)
+
+    def dist(ex):
+        return fmoe.moe({**local, "experts": ex}, x, spec, comm=comm)[0]
+
+    ref_spec = make_spec(E, 2, cf, expert_type="swiglu")
+    from fmoe.parallel import capacity_alignment
+    import dataclasses
+    ref_spec = dataclasses.replace(ref_spec, alignment=capacity_alignment(E, W, ParallelSpec()))
+
+    def one(ex):
+        return fmoe.moe({**full, "experts": ex}, x, ref_spec)[0]
+
+    calls = []
+    real = _kinds.reference
+    monkeypatch.setattr(_kinds, "reference", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    yd, td = torch.func.jvp(dist, (local["experts"],), (v_local,))
+    assert calls, "the received rows did not run the plan's reference"
+    monkeypatch.setattr(_kinds, "reference", real)
+    yr, tr = torch.func.jvp(one, (full["experts"],), (v_full,))
+    allclose(yd, yr, f"jvp output cf={cf}")
+    allclose(td, tr, f"jvp tangent cf={cf}")
+    assert tr.abs().max() > 0
