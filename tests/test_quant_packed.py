@@ -218,3 +218,53 @@ def test_int8_activations_refuse_what_they_cannot_run():
         packed.grouped_matmul(torch.randn(2, 96), w, _offsets([1, 1]), activations="int8")
     with pytest.raises(ValueError, match="activations must be 'float' or 'int8'"):
         packed.grouped_matmul(torch.randn(2, 96), w, _offsets([1, 1]), activations="int4")
+
+
+@pytest.mark.parametrize("fmt,K", [("mxfp4", 256), ("nvfp4", 256), ("mxfp4", 96), ("mxfp8", 256), ("fp8_block", 200),
+                                   ("fp8_row", 256)])
+@pytest.mark.parametrize("dense_from", [8, 16])
+def test_register_tiles_every_row_count(fmt, K, dense_from, monkeypatch):
+    # every per-expert row count 1 .. 17 (and 0): one weight row group of 4 (1 row), pairs (up to
+    # 4 rows, or every count for FP4 on AVX-512), single rows, passes of 4 / 8 rows within slices of
+    # weight rows (9 .. 16 rows with dense_from = 16), the decode + mm path beyond; N = 71 leaves
+    # rows outside the groups at the end of each 64-row tile; K = 200 ends fp8_block in a partial block
+    isas = _isas()
+    if not isas:
+        pytest.skip(packed.status())
+    monkeypatch.setattr(packed, "DENSE_FROM", dense_from)
+    g = torch.Generator().manual_seed(7)
+    counts = list(range(1, 18)) + [0]
+    w = Q.quantize(torch.randn(len(counts), 71, K, generator=g), fmt)
+    o = _offsets(counts)
+    a = torch.randn(int(o[-1]), K, generator=g)
+    ref = packed.grouped_matmul_reference(a, w, o)
+    bound = _bound(a, w, o)
+    for isa in isas:
+        y = packed.grouped_matmul(a, w, o, isa=isa, impl="native")
+        bad = (y - ref).abs() > bound
+        assert not bad.any(), f"{fmt} K={K} isa={isa} dense_from={dense_from}: rows {bad.any(1).nonzero().flatten().tolist()}"
+
+
+def test_mxfp4_scale_bytes_0_and_255_on_every_path():
+    # E8M0 byte 0 is 2^-127 (not the bit pattern 0) and 255 is NaN: a 64-row tile holding either
+    # leaves the AVX-512 kernel's E8M0 bit path for the table; the other tiles keep it
+    isas = _isas()
+    if not isas:
+        pytest.skip(packed.status())
+    g = torch.Generator().manual_seed(8)
+    w = Q.quantize(torch.randn(2, 200, 256, generator=g), "mxfp4")
+    sc = w.scales.view(torch.uint8).clone()
+    sc[0, 5, 3] = 0        # tile 0 of expert 0: a tiny block
+    sc[1, 130, 1] = 255    # tile 2 of expert 1: a NaN block
+    w2 = Q.QuantizedTensor(w.data, sc.view(w.scales.dtype), None, "mxfp4", w.shape, w.block)
+    o = _offsets([1, 3])
+    a = torch.randn(4, 256, generator=g)
+    a[0, 96:128] *= 2.0 ** 120   # makes the 2^-127 block count
+    ref = packed.grouped_matmul_reference(a, w2, o)
+    assert torch.isnan(ref[1:, 130]).all() and ref[:, :130].isfinite().all()
+    bound = _bound(a, w2, o)
+    for isa in isas:
+        y = packed.grouped_matmul(a, w2, o, isa=isa, impl="native")
+        assert torch.equal(torch.isnan(y), torch.isnan(ref)), isa
+        fin = ~torch.isnan(ref)
+        assert not ((y - ref).abs() > bound)[fin].any(), isa

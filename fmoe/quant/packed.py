@@ -253,6 +253,10 @@ def grouped_matmul(a: Tensor, w: QuantizedTensor, offsets: Tensor, *, isa: str =
         raise ValueError(f"grouped_matmul: activations='int8' needs mxfp4/nvfp4 weights (got {w.fmt}), K % 128 == 0 "
                          f"(got K={a.shape[1]}) and the extension on an AVX-512 VNNI CPU ({status()}); use "
                          f"activations='float'")
+    if not (a.requires_grad and torch.is_grad_enabled()):
+        # nothing to differentiate: skip the autograd.Function (its bookkeeping costs a decode
+        # step more than the validation does)
+        return _run(a, w, offsets, o, isa, impl, activations)
     meta = (w.fmt, w.shape, w.block, tuple(o), isa, impl, activations)
     return _GroupedMatmul.apply(a, offsets, w.data, w.scales, w.global_scale, meta)
 
