@@ -28,6 +28,7 @@ parallelism, checkpoints and :mod:`fmoe.nn` read it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Optional
 
@@ -38,6 +39,7 @@ from torch.utils import _pytree as pytree
 
 from .ops.grouped import GroupedGemm
 from .engine import ExpertForm
+from .engine import kinds as _kinds
 
 __all__ = ["ExpertSpec", "ParamLayout", "EXPERT_PARAMS", "EXPERT_TYPES", "ffn", "gated_ffn", "swiglu",
            "gpt_oss", "apply_experts", "apply_form", "expert_form", "expert_dtype", "init_experts", "expert_matmul", "shard_axes", "swiglu_mlp",
@@ -236,9 +238,7 @@ def apply_form(form: ExpertForm, x: Tensor, w_in: tuple, w_out, b_in: Optional[T
     Returns:
         [E, C, O] or [R, O]. Rows holding no pair are not meaningful (0, or the biases' output).
     """
-    z = [expert_matmul(x, w, gemm, transposed=form.in_transposed, bias=b_in if i == 0 else None)
-         for i, w in enumerate(w_in)]
-    return expert_matmul(form.hidden(*z), w_out, gemm, transposed=form.out_transposed, bias=b_out)
+    return _kinds.project(functools.partial(expert_matmul, gemm=gemm), form, x, w_in, b_in, w_out, b_out)
 
 
 def ffn(params: dict, x: Tensor, gemm: Optional[GroupedGemm] = None, *,

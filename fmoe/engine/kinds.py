@@ -45,7 +45,7 @@ from ..ops.reference import compute_dtype
 from .plan import ExpertPlan, LayoutPlan
 from .table import Kernel, select
 
-__all__ = ["FORMS", "ORDERS", "LAYOUT_ORDERS", "SAVES", "ExpertForm", "run", "run_custom", "as_stored", "reference", "forward",
+__all__ = ["FORMS", "ORDERS", "LAYOUT_ORDERS", "SAVES", "ExpertForm", "run", "run_custom", "as_stored", "reference", "forward", "project",
            "combine_rows", "scatters_output", "packed_rows", "rows_orders"]
 
 FORMS = ("ffn", "glu", "gpt_oss")
@@ -416,10 +416,16 @@ def _staged(kern, form: ExpertForm, x: Tensor, gates: Tensor, plan: LayoutPlan, 
     buffer row (padded: Tutel's arithmetic bit for bit), combine; plain autograd through ops
     that carry torch.func and compile rules. gates: [k, T]."""
     r = _gated_routing(plan, gates)
-    buf = kern.dispatch(x, r, weighted=prescore)
-    z = [kern.mm(buf, w, transposed=form.in_transposed, bias=b_in if i == 0 else None) for i, w in enumerate(w_in)]
-    y = kern.mm(form.hidden(*z), w_out, transposed=form.out_transposed, bias=b_out)
+    y = project(kern.mm, form, kern.dispatch(x, r, weighted=prescore), w_in, b_in, w_out, b_out)
     return kern.combine(y, r, order=order, weighted=not prescore)
+
+
+def project(mm: Callable, form: ExpertForm, buf: Tensor, w_in: tuple, b_in, w_out, b_out) -> Tensor:
+    """``hidden(buf W_in + b_in) W_out + b_out`` per expert over a layout's buffer ([E, C, M] or
+    [R, M]) through ``mm(buf, w, transposed=, bias=)``: the staged kernel's expert stage, and
+    :func:`fmoe.experts.apply_form`'s."""
+    z = [mm(buf, w, transposed=form.in_transposed, bias=b_in if i == 0 else None) for i, w in enumerate(w_in)]
+    return mm(form.hidden(*z), w_out, transposed=form.out_transposed, bias=b_out)
 
 
 def _matrix_bytes(w) -> int:
