@@ -40,9 +40,9 @@ __all__ = ["AVAILABLE", "DENSE_FROM", "ISAS", "grouped_matmul", "grouped_matmul_
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
 _ISA_NAMES = {v: k for k, v in ISAS.items()}
 # Rows per expert above which a job decodes its tile to FP32 and runs at::mm instead of the
-# register kernels (which decode the weights again for every 4 rows). Chosen, not measured: two
-# passes of the register kernels still read the weights at decode speed, and at::mm wins once
-# the FLOPs per weight dominate; re-measure when the shared dev VM is quiet.
+# register tiles (which decode a group of weight rows once per pass of 4 or 8 activation rows,
+# the group staying in L1 between passes). Chosen, not measured: at::mm wins once the FLOPs per
+# weight dominate; re-measure (benchmarks/bench_packed_kernels.py --rows) when the VM is quiet.
 DENSE_FROM = 8
 
 _NAME = "fmoe_packed_gemm"

@@ -12,11 +12,13 @@
 //   fp8: data uint8 [E, N, K] (E4M3 bytes), scales either float32 [E, ceil(N/bn), ceil(K/bk)]
 //        (fp8_block, fp8_row) or uint8 E8M0 [E, N, K/32] through the table (mxfp8).
 //
-// Work split: jobs = (busy expert, tile of weight rows), at::parallel_for over jobs,
-// so the threads split the weight stream. Per job, experts with few rows (C <= dense_from)
-// decode each weight row in registers and dot it with every row of the expert (register
-// blocked, up to 4 rows per pass); experts with more rows decode the tile to float32 once
-// and multiply it with at::mm (single-threaded inside the parallel region).
+// Work split: jobs = (busy expert, tile of weight rows), taken from a shared counter by the
+// intra-op threads, so the threads split the weight stream. Per job, experts with few rows
+// (C <= dense_from) run register tiles (run_tiles): a group of 1, 2 or 4 weight rows is decoded
+// once and multiplied with up to 4 (FP4 on AVX-512) or 8 activation rows held in registers;
+// more rows go in passes over slices of weight rows that stay in L1, so every weight byte comes
+// from memory once. Experts with more rows decode the tile to float32 once and multiply it with
+// at::mm (single-threaded inside the parallel region).
 //
 // ISA: every path is compiled into this one library with per-function target attributes
 // (no -march flag); the caller picks one at run time (`isa`: 0 auto, 1 portable, 2 AVX2+FMA
@@ -27,6 +29,8 @@
 // E4M3 value); the summation order differs from dequantize-then-matmul, so results agree
 // within the forward-error bound of a K-term dot product. nvfp4's global scale multiplies
 // the finished dot product (dequantize() rounds it into every weight): one more rounding.
+// The AVX-512 tiles sum a scale block's products unscaled and multiply the block sum by the
+// scale (FP4: per lane; FP8: per block), another order of the same exact-product sum.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
