@@ -84,6 +84,29 @@ EXPERT_PARAMS: dict[str, tuple[ParamLayout, ...]] = {
 }
 
 
+def sharding(num_experts: int, world: int) -> tuple[int, int]:
+    """(n local experts, s ranks per expert) for E experts on W ranks."""
+    E, W = num_experts, world
+    if E >= W:
+        if E % W:
+            raise ValueError(f"{E} experts cannot be spread evenly over {W} ranks (need E % W == 0 or W % E == 0): "
+                             + _layout_fix(E, W))
+        return E // W, 1
+    if W % E:
+        raise ValueError(f"{E} experts cannot be shared evenly by {W} ranks (need W % E == 0): " + _layout_fix(E, W))
+    return 1, W // E
+
+
+def _layout_fix(E: int, W: int) -> str:
+    """The nearest expert counts and world sizes that do fit, for an error message."""
+    sizes = [w for w in range(1, 2 * max(W, E) + 1) if E % w == 0 or w % E == 0]
+    counts = [e for e in range(1, 2 * max(E, W) + 1) if e % W == 0 or W % e == 0]
+    near_w = sorted(sizes, key=lambda w: (abs(w - W), w))[:3]
+    near_e = sorted(counts, key=lambda e: (abs(e - E), e))[:3]
+    return (f"use MoESpec.num_experts in {sorted(near_e)} for {W} ranks, or a world size in {sorted(near_w)} "
+            f"for {E} experts")
+
+
 def shard_axes(expert_type: str) -> Optional[dict[str, ParamLayout]]:
     """name -> ParamLayout for a type whose experts can be shared by several ranks, else None."""
     table = EXPERT_PARAMS.get(expert_type)

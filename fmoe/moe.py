@@ -24,13 +24,13 @@ from .comm import resolve
 from .engine import kinds as _kinds
 from .engine import plan as _plan
 from .engine import traced as _traced
-from .experts import EXPERT_PARAMS, ExpertSpec, expert_dtype, expert_form, init_experts, shared_experts
+from .experts import EXPERT_PARAMS, ExpertSpec, expert_dtype, expert_form, init_experts, shared_experts, sharding
 from .layout import LAYOUTS, make_layout
 from .losses import gshard_loss, load_importance_loss
 from .ops.orders import COMBINES
 from .routers import GateSpec, RouterOutput, init_router
 from .routers import route as _router_route
-from .routing import Routing, _capacity_factor, capacity_for, check_finite
+from .routing import Routing, _capacity_factor, capacity_for
 
 __all__ = ["GateSpec", "MoESpec", "MoEAux", "init_params", "moe", "check_params", "route"]
 
@@ -312,7 +312,8 @@ def check_params(params, spec: MoESpec, num_local_experts: Optional[int] = None,
             its own parameters' shapes when it runs (:func:`fmoe.routers.check_router_params`);
             with expert parallelism :func:`moe` checks them before the call's first collective.
         world, rank: expert parallelism: the leaves are rank ``rank``'s part of the experts on
-            ``world`` ranks (:func:`fmoe.parallel.check_expert_layout` names the layout's fix).
+            ``world`` ranks (an expert-parallel :func:`moe` call runs
+            :func:`fmoe.parallel.check_expert_layout` first, which names the layout's fix).
     """
     need = ("gate", "experts") if gate else ("experts",)
     _expect(isinstance(params, dict) and all(k in params for k in need),
@@ -336,13 +337,7 @@ def check_params(params, spec: MoESpec, num_local_experts: Optional[int] = None,
     if es.type == "custom":
         return
     _expect(isinstance(ex, dict), lambda: f"experts must be a dict, got {type(ex).__name__}")
-    s = 1
-    if world > 1:
-        from .parallel import check_expert_layout, sharding   # names the layout's fix (counts, shards)
-        check_expert_layout(spec, ex, world, rank)
-        n, s = sharding(E, world)
-    else:
-        n = E
+    n, s = sharding(E, world) if world > 1 else (E, 1)
     n = n if num_local_experts is None else num_local_experts
     names, required = _LEAF_NAMES[es.type]
     if not names.issuperset(ex):
@@ -449,20 +444,6 @@ def _check_input(x, spec: MoESpec) -> None:
         raise ValueError(f"moe: x's last dim must be model_dim={spec.model_dim}, got shape {tuple(x.shape)}")
 
 
-def _check_finite_inputs(x: Tensor, gate_params) -> None:
-    """Expert parallelism: x and the router's parameters hold no NaN/Inf, checked before the call's
-    first collective so every rank raises (on one process the router checks its logits instead:
-    T x E values, not T x M)."""
-    why = ("the router cannot pick experts for those tokens. Find where the NaN/Inf comes from upstream, "
-           "or clean x (torch.nan_to_num) before the layer")
-    check_finite(x, "moe: x", why)
-    for path, leaf in pytree.tree_flatten_with_path(gate_params)[0]:
-        if isinstance(leaf, Tensor) and leaf.is_floating_point():
-            check_finite(leaf.reshape(-1, leaf.shape[-1]) if leaf.dim() else leaf.reshape(1, 1),
-                         f"moe: params['gate']{pytree.keystr(path)}", "the router's parameters are corrupt "
-                         "(a diverged update?): restore them from a checkpoint")
-
-
 def _check_replay(routing, num_tokens: int, spec: MoESpec, alignment: int, world: int = 1) -> None:
     """Raise ValueError unless the injected ``routing`` is one this spec could have made for
     ``num_tokens`` tokens: its T and E, its k (the gate's k clipped to E) and a capacity that drops
@@ -538,9 +519,7 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
         def local_check():
             _check_input(x, spec)
             check_params(params, spec, gate=routing is None, world=comm.size, rank=comm.rank)
-            if routing is None:
-                _check_finite_inputs(x, params["gate"])
-            else:
+            if routing is not None:
                 _check_replay(routing, x.numel() // spec.model_dim, spec,
                               _par.capacity_alignment(spec.num_experts, comm.size, parallel, spec.alignment),
                               comm.size)

@@ -49,10 +49,10 @@ from .engine import traced as _traced
 from .engine.traced import door
 from .engine.plan import plan_from_bounds
 from .engine.table import select
-from .experts import EXPERT_PARAMS, expert_form, shard_axes
+from .experts import EXPERT_PARAMS, expert_form, shard_axes, sharding
 from .layout import Layout, make_layout
 from .routers import check_router_params
-from .routing import _trusted_routing
+from .routing import _trusted_routing, check_finite
 from .ops.grouped import GroupedGemm
 
 __all__ = ["ParallelSpec", "sharding", "shard_experts", "capacity_alignment", "expert_stage", "expert_parallel",
@@ -120,29 +120,6 @@ def _parse_mode(mode) -> tuple[str, int]:
         except ValueError:
             pass
     raise ValueError(f"parallel mode must be 'data', 'model' or 'adaptive:N' with an integer N, got {mode!r}")
-
-
-def sharding(num_experts: int, world: int) -> tuple[int, int]:
-    """(n local experts, s ranks per expert) for E experts on W ranks."""
-    E, W = num_experts, world
-    if E >= W:
-        if E % W:
-            raise ValueError(f"{E} experts cannot be spread evenly over {W} ranks (need E % W == 0 or W % E == 0): "
-                             + _layout_fix(E, W))
-        return E // W, 1
-    if W % E:
-        raise ValueError(f"{E} experts cannot be shared evenly by {W} ranks (need W % E == 0): " + _layout_fix(E, W))
-    return 1, W // E
-
-
-def _layout_fix(E: int, W: int) -> str:
-    """The nearest expert counts and world sizes that do fit, for an error message."""
-    sizes = [w for w in range(1, 2 * max(W, E) + 1) if E % w == 0 or w % E == 0]
-    counts = [e for e in range(1, 2 * max(E, W) + 1) if e % W == 0 or W % e == 0]
-    near_w = sorted(sizes, key=lambda w: (abs(w - W), w))[:3]
-    near_e = sorted(counts, key=lambda e: (abs(e - E), e))[:3]
-    return (f"use MoESpec.num_experts in {sorted(near_e)} for {W} ranks, or a world size in {sorted(near_w)} "
-            f"for {E} experts")
 
 
 def capacity_alignment(num_experts: int, world: int, parallel: Optional[ParallelSpec] = None,
@@ -568,20 +545,37 @@ def _check_router(params, spec) -> None:
         raise ValueError(f"parameter pytree does not match the MoESpec: {e}") from None
 
 
+def _check_finite_inputs(x: Tensor, gate_params) -> None:
+    """Expert parallelism: x and the router's parameters hold no NaN/Inf, checked before the call's
+    first collective so every rank raises (on one process the router checks its logits instead:
+    T x E values, not T x M)."""
+    why = ("the router cannot pick experts for those tokens. Find where the NaN/Inf comes from upstream, "
+           "or clean x (torch.nan_to_num) before the layer")
+    check_finite(x, "moe: x", why)
+    for path, leaf in pytree.tree_flatten_with_path(gate_params)[0]:
+        if isinstance(leaf, Tensor) and leaf.is_floating_point():
+            check_finite(leaf.reshape(-1, leaf.shape[-1]) if leaf.dim() else leaf.reshape(1, 1),
+                         f"moe: params['gate']{pytree.keystr(path)}", "the router's parameters are corrupt "
+                         "(a diverged update?): restore them from a checkpoint")
+
+
 def check_moe_call(comm, spec, parallel: ParallelSpec, x, params, routing, local_check: Callable[[], None]) -> None:
     """The agreement step of a distributed :func:`fmoe.moe` call, run before any other collective.
 
-    Local input errors (``local_check``: :func:`fmoe.moe`'s input, finiteness, parameter
-    (:func:`fmoe.check_params`, which runs :func:`check_expert_layout`) and replay checks; then the
-    router's parameters) and cross-rank mismatches
+    Local input errors (:func:`check_expert_layout`; ``local_check``: :func:`fmoe.moe`'s input,
+    parameter (:func:`fmoe.check_params`) and replay checks; then x's and the router's parameters'
+    finiteness and shapes) and cross-rank mismatches
     both raise on every rank. The agreement record travels with the call's first collective (no
     exchange of its own) on fmoe's communicators; their ``checks="off"`` skips it.
     """
     cache_of(comm).pop(_AGREED, None)  # a token left by a call that failed before its expert stage
 
     def local():
-        local_check()   # moe's input, params (check_params: check_expert_layout first) and replay checks
+        if isinstance(params, dict) and "experts" in params:   # the layout's fix before any leaf's shape
+            check_expert_layout(spec, params["experts"], comm.size, comm.rank)
+        local_check()   # moe's input, params (check_params) and replay checks
         if routing is None:   # the router checks its parameters when it runs: here, on every rank first
+            _check_finite_inputs(x, params["gate"])
             _check_router(params, spec)
 
     if not parallel.check:
