@@ -63,3 +63,20 @@ def test_float_rows_plan_still_refuses_the_grouped_order():
     with pytest.raises(ValueError, match=r"order must be one of \('fmoe', 'eager'\) on a rows plan with float "
                                          r"weights, got 'grouped'"):
         kinds.run(kw["form"], x, rows.row_weights(r.weights), rows, kw["w_in"], kw["w_out"], order="grouped")
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_moe_with_packed_experts_in_grouped_order_equals_the_layout_plan(dt):
+    # fmoe.moe's default plan and plan='layout' on packed gpt_oss experts in the 'grouped' order (the
+    # order a patched transformers block follows by default): equal bit for bit, whichever door the
+    # default plan takes
+    import dataclasses
+    spec, experts, x, _ = _case("gpt_oss", "mxfp4", dt, 5)
+    spec = dataclasses.replace(spec, combine="grouped")
+    gate = {k: v.to(dt) for k, v in fmoe.init_params(spec, generator=torch.Generator().manual_seed(2))["gate"].items()}
+    params = {"gate": gate, "experts": experts}
+    with torch.no_grad():
+        y, aux = fmoe.moe(params, x, spec)
+        y_layout, aux_layout = fmoe.moe(params, x, dataclasses.replace(spec, plan="layout"))
+    assert torch.equal(aux.routing.expert_ids, aux_layout.routing.expert_ids)
+    assert y.dtype == dt and torch.equal(y, y_layout)
