@@ -45,9 +45,7 @@ from torch import Tensor
 from . import agreement
 from .agreement import CollectiveMismatchError, InconsistentRanksError, StepMismatchError, _h64
 
-__all__ = ["HEADER", "KINDS", "CHECKS", "CTRL", "header", "check", "check_counts", "check_mode", "covered",
-           "is_covered", "control", "control_words", "check_control", "payload_of", "reduce_rows", "fits",
-           "CollectiveMismatchError"]
+__all__ = ["CHECKS", "CollectiveMismatchError"]   # the control-record protocol is fmoe.comm's own; users meet its modes and its error
 
 MAGIC = 0x664D6F45434F4C4C  # "fMoECOLL"
 HEADER = 16

@@ -19,7 +19,7 @@ import threading
 import weakref
 from typing import Optional
 
-__all__ = ["handle_of", "lookup", "forget", "forget_all", "next_call", "calls_of", "cache_of", "mark_closed", "is_closed"]
+__all__ = ["handle_of", "forget"]   # the rest is the communicators' bookkeeping; fmoe.comm re-exports these two
 
 _lock = threading.Lock()
 _next = itertools.count(1)
