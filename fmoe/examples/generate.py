@@ -1,10 +1,11 @@
 """Whole-model generation with packed experts: ``python -m fmoe.examples.generate``.
 
-Writes a small checkpoint in a real packed layout (random weights, no download), loads it with
-transformers, patches the MoE blocks with :func:`fmoe.models.patch`, hands every patched block
-its experts PACKED as the checkpoint stores them (read by :func:`fmoe.models.load_moe_block`;
-transformers' own dequantized copy is dropped), and generates with ``model.generate``,
-streaming the tokens and printing tokens/s.
+Writes a small checkpoint in a real packed layout (random weights, no download), builds the
+transformers model, patches the MoE blocks with :func:`fmoe.models.patch`, hands every patched
+block its experts PACKED as the checkpoint stores them (read by :func:`fmoe.models.load_moe_block`;
+gpt-oss: the experts are never dequantized, the model is built with them on the meta device;
+DeepSeek: transformers loads the model and its dequantized routed experts are dropped), and
+generates with ``model.generate``, streaming the tokens and printing tokens/s.
 
     python -m fmoe.examples.generate                       # gpt-oss layout, MXFP4 experts
     python -m fmoe.examples.generate --arch deepseek_v3    # DeepSeek layout, FP8 128x128 blocks
