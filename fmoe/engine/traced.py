@@ -119,8 +119,8 @@ def _expert_rows(x: Tensor, gates: Tensor, expert_ids: Tensor, slots: Tensor, co
     y, z, _ = kinds.forward(kern, f, x, w_rows, plan, w_in, b_in, w_out, b_out, order)
     if not keep:
         return [y]
-    rows = expert_ids.numel()
-    return [y, *(torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])]) for t in z)]
+    rows = expert_ids.numel()   # dropless keeps every pair: z is already k*T rows, no copy
+    return [y, *(t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])]) for t in z)]
 
 
 @_expert_rows.register_fake
