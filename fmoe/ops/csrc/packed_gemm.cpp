@@ -80,6 +80,20 @@ inline float scale_of(const Params& p, int64_t e, int64_t n, int64_t kb) {
   return p.sf != nullptr ? p.sf[i] : p.table[p.sb[i]];
 }
 
+// The scales of one weight row: the index arithmetic (a division by bn) done once per row, not
+// per block.
+struct RowScales {
+  const uint8_t* b;
+  const float* f;
+  const float* table;
+  RowScales() = default;
+  RowScales(const Params& p, int64_t e, int64_t n)
+      : b(p.sb != nullptr ? p.sb + e * p.s_e + (n / p.bn) * p.s_r : nullptr),
+        f(p.sf != nullptr ? p.sf + e * p.s_e + (n / p.bn) * p.s_r : nullptr),
+        table(p.table) {}
+  float operator[](int64_t kb) const { return f != nullptr ? f[kb] : table[b[kb]]; }
+};
+
 inline float gscale_of(const Params& p, int64_t e) { return p.gscale != nullptr ? p.gscale[e] : 1.0f; }
 
 // ------------------------------------------------------------------ portable (and the decode-to-float tile)
@@ -254,7 +268,11 @@ template <int NR, int NT>
 FMOE_AVX2 FMOE_INLINE void fp8_tile_avx2(const Params& p, int64_t e, int64_t n, const float* x0, float* res) {
   constexpr int P = NR * NT <= 2 ? 2 : 1;
   const uint8_t* r[NR];
-  for (int i = 0; i < NR; ++i) r[i] = p.data + e * p.d_e + (n + i) * p.d_r;
+  RowScales rs[NR];
+  for (int i = 0; i < NR; ++i) {
+    r[i] = p.data + e * p.d_e + (n + i) * p.d_r;
+    rs[i] = RowScales(p, e, n + i);
+  }
   __m256 acc[NR][NT][P];
   float tail[NR][NT];
   int nan[NR];
@@ -271,7 +289,7 @@ FMOE_AVX2 FMOE_INLINE void fp8_tile_avx2(const Params& p, int64_t e, int64_t n, 
     __m256 s8[NR];
     float s[NR];
     for (int i = 0; i < NR; ++i) {
-      s[i] = scale_of(p, e, n + i, k0 / p.bk);
+      s[i] = rs[i][k0 / p.bk];
       s8[i] = _mm256_set1_ps(s[i] * 256.0f);
     }
     int64_t k = k0;
@@ -438,10 +456,16 @@ FMOE_AVX512 inline __mmask32 nan_bytes(__m256i b8) {
 // products summed unscaled in two chains, the block's scale (times 2^8) multiplies the block's
 // sum once; k beyond the last whole 32 of a block run scalar through the E4M3 table. A row
 // holding a NaN byte gives NaN, as dequantize() then matmul does.
-template <int NR, int NT>
+// PRE (short blocks, mxfp8's 32): the decoded weights are multiplied by the scale instead and
+// accumulated across blocks (a block sum per 32 weights costs more than it saves).
+template <int NR, int NT, bool PRE>
 FMOE_AVX512 FMOE_INLINE void fp8_tile_avx512(const Params& p, int64_t e, int64_t n, const float* x0, float* res) {
   const uint8_t* r[NR];
-  for (int i = 0; i < NR; ++i) r[i] = p.data + e * p.d_e + (n + i) * p.d_r;
+  RowScales rs[NR];
+  for (int i = 0; i < NR; ++i) {
+    r[i] = p.data + e * p.d_e + (n + i) * p.d_r;
+    rs[i] = RowScales(p, e, n + i);
+  }
   __m512 acc[NR][NT];
   float tail[NR][NT];
   __mmask32 nan[NR];
@@ -452,11 +476,20 @@ FMOE_AVX512 FMOE_INLINE void fp8_tile_avx512(const Params& p, int64_t e, int64_t
       tail[i][t] = 0.0f;
     }
   }
+  __m512 part[NR][NT][2];
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t) part[i][t][0] = part[i][t][1] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < p.K; k0 += p.bk) {
     const int64_t k1 = std::min(p.K, k0 + p.bk);
-    __m512 part[NR][NT][2];
-    for (int i = 0; i < NR; ++i)
-      for (int t = 0; t < NT; ++t) part[i][t][0] = part[i][t][1] = _mm512_setzero_ps();
+    float sb[NR];
+    __m512 spre[NR];
+    for (int i = 0; i < NR; ++i) sb[i] = rs[i][k0 / p.bk];
+    if constexpr (PRE) {
+      for (int i = 0; i < NR; ++i) spre[i] = _mm512_set1_ps(sb[i] * 256.0f);
+    } else {
+      for (int i = 0; i < NR; ++i)
+        for (int t = 0; t < NT; ++t) part[i][t][0] = part[i][t][1] = _mm512_setzero_ps();
+    }
     int64_t k = k0;
     for (; k + 32 <= k1; k += 32) {
       __m512 w[NR][2];
@@ -464,6 +497,10 @@ FMOE_AVX512 FMOE_INLINE void fp8_tile_avx512(const Params& p, int64_t e, int64_t
         const __m256i b8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[i] + k));
         nan[i] |= nan_bytes(b8);
         e4m3x32_avx512(b8, w[i][0], w[i][1]);
+        if constexpr (PRE) {
+          w[i][0] = _mm512_mul_ps(w[i][0], spre[i]);
+          w[i][1] = _mm512_mul_ps(w[i][1], spre[i]);
+        }
       }
       for (int t = 0; t < NT; ++t) {
         const __m512 xa = _mm512_loadu_ps(x0 + t * p.K + k), xb = _mm512_loadu_ps(x0 + t * p.K + k + 16);
@@ -474,15 +511,20 @@ FMOE_AVX512 FMOE_INLINE void fp8_tile_avx512(const Params& p, int64_t e, int64_t
       }
     }
     for (int i = 0; i < NR; ++i) {
-      const float s = scale_of(p, e, n + i, k0 / p.bk);
-      const __m512 s8 = _mm512_set1_ps(s * 256.0f);
-      for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_fmadd_ps(_mm512_add_ps(part[i][t][0], part[i][t][1]), s8, acc[i][t]);
+      const float s = sb[i];
+      if constexpr (!PRE) {
+        const __m512 s8 = _mm512_set1_ps(s * 256.0f);
+        for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_fmadd_ps(_mm512_add_ps(part[i][t][0], part[i][t][1]), s8, acc[i][t]);
+      }
       for (int64_t kk = k; kk < k1; ++kk) {
         const float wv = p.e4m3[r[i][kk]] * s;
         for (int t = 0; t < NT; ++t) tail[i][t] += wv * x0[t * p.K + kk];
       }
     }
   }
+  if constexpr (PRE)
+    for (int i = 0; i < NR; ++i)
+      for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_add_ps(part[i][t][0], part[i][t][1]);
   for (int i = 0; i < NR; ++i)
     for (int t = 0; t < NT; ++t)
       res[t * NR + i] = nan[i] ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_add_ps(acc[i][t]) + tail[i][t];
@@ -669,8 +711,11 @@ const Tiles kFp4Avx512[3] = {  // bk 16, 32, 32 with plain E8M0 scales
      {nullptr, FMOE_R(rows_avx512, fp4_tile_avx512, 4, 1, , 32, false)}},
     {4, 16, {FMOE_T4(rows_avx512, fp4_tile_avx512, 1, , 32, true)}, {FMOE_T4(rows_avx512, fp4_tile_avx512, 2, , 32, true)},
      {nullptr, FMOE_R(rows_avx512, fp4_tile_avx512, 4, 1, , 32, true)}}};
-const Tiles kFp8Avx512 = {8, 4, {FMOE_T8(rows_avx512, fp8_tile_avx512, 1)}, {FMOE_T4(rows_avx512, fp8_tile_avx512, 2)},
-                          {nullptr, FMOE_R(rows_avx512, fp8_tile_avx512, 4, 1)}};
+const Tiles kFp8Avx512[2] = {  // block sums (bk >= 64), scaled weights (shorter blocks)
+    {8, 4, {FMOE_T8(rows_avx512, fp8_tile_avx512, 1, , false)}, {FMOE_T4(rows_avx512, fp8_tile_avx512, 2, , false)},
+     {nullptr, FMOE_R(rows_avx512, fp8_tile_avx512, 4, 1, , false)}},
+    {4, 16, {FMOE_T4(rows_avx512, fp8_tile_avx512, 1, , true)}, {FMOE_T4(rows_avx512, fp8_tile_avx512, 2, , true)},
+     {nullptr, nullptr}}};
 const Tiles kFp4Avx2 = {8, 4, {FMOE_T8(rows_avx2, fp4_tile_avx2, 1)}, {FMOE_T4(rows_avx2, fp4_tile_avx2, 2)}, {nullptr, nullptr}};
 const Tiles kFp8Avx2 = {8, 4, {FMOE_T8(rows_avx2, fp8_tile_avx2, 1)}, {FMOE_T4(rows_avx2, fp8_tile_avx2, 2)}, {nullptr, nullptr}};
 #undef FMOE_R
@@ -707,7 +752,7 @@ void run_job_small(const Params& p, const Job& j, const float* xs, int isa, std:
     const bool e8 = p.bk == 32 && p.e8m0 && e8m0_plain(p.sb + j.e * p.s_e + j.n0 * p.s_r, (j.n1 - j.n0) * p.s_r);
     return run_tiles(p, j, xs, kFp4Avx512[e8 ? 2 : p.bk == 32]);
   }
-  if (isa == kAvx512) return run_tiles(p, j, xs, kFp8Avx512);
+  if (isa == kAvx512) return run_tiles(p, j, xs, kFp8Avx512[p.bk < 64]);
   run_tiles(p, j, xs, p.fp4 ? kFp4Avx2 : kFp8Avx2);
 }
 
