@@ -155,19 +155,15 @@ def _without_experts(path: str, dtype: torch.dtype):
     so neither the load's peak nor the heap it leaves behind holds one (from_pretrained's CPU path
     dequantizes MXFP4 experts to dtype first: 384 MiB at size 'small', most of which glibc keeps
     resident after they are freed)."""
-    from safetensors import safe_open
+    from fmoe.models.loader import read_tensors
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(path)
     cfg.quantization_config = None   # the experts are fmoe's; the rest is stored unquantized
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    sd = {}
-    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
-        for key in f.keys():
-            if _EXPERTS not in key:
-                t = f.get_tensor(key)
-                sd[key] = t.to(dtype) if t.is_floating_point() else t
+    sd = {k: t.to(dtype) if t.is_floating_point() else t
+          for k, t in read_tensors(path, lambda k: _EXPERTS not in k).items()}
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     if unexpected or any(_EXPERTS not in k for k in missing):
         raise ValueError(f"{path}: the checkpoint does not fit {type(model).__name__}: unexpected "
