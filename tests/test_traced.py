@@ -277,3 +277,28 @@ def test_eager_first_derivative_with_create_graph_is_the_plain_one(kind):
         xx = x.clone().requires_grad_()
         got.append(torch.autograd.grad((fmoe.moe(p, xx, spec)[0] * c).sum(), xx, create_graph=create_graph)[0])
     torch.testing.assert_close(got[1], got[0], rtol=1e-12, atol=1e-14)
+
+
+def test_jacrev_and_ensemble_gradients_through_the_op(op_calls):
+    """jacrev (vjp, then vmap over cotangents: the backward op batched alone) equals the layout
+    plan's Jacobian; vmap(grad) over an ensemble of expert weights (B*E experts in one call,
+    each element's weight gradient its own) equals the loop."""
+    spec = _spec("gpt_oss", 1.0)
+    p = _params(spec)
+    x = torch.randn(6, M, generator=torch.Generator().manual_seed(16), dtype=torch.float64)
+    f = lambda t: fmoe.moe(p, t, spec)[0]  # noqa: E731
+    jac = torch.func.jacrev(f)(x)
+    assert op_calls
+    lay = dataclasses.replace(spec, plan="layout")
+    want = torch.func.jacrev(lambda t: fmoe.moe(p, t, lay)[0])(x)
+    torch.testing.assert_close(jac, want, rtol=1e-10, atol=1e-12)
+    ensembles = [_params(spec) for _ in range(3)]
+    for i, q in enumerate(ensembles):
+        q["experts"] = {kk: v * (1 + 0.5 * i) for kk, v in q["experts"].items()}
+    stacked = {kk: torch.stack([q["experts"][kk] for q in ensembles]) for kk in ensembles[0]["experts"]}
+    loss = lambda ex: fmoe.moe({"gate": p["gate"], "experts": ex}, x, spec)[0].square().sum()  # noqa: E731
+    got = torch.func.vmap(torch.func.grad(loss))(stacked)
+    for i, q in enumerate(ensembles):
+        single = torch.func.grad(loss)(q["experts"])
+        for kk, v in single.items():
+            torch.testing.assert_close(got[kk][i], v, rtol=1e-12, atol=1e-13)

@@ -259,9 +259,16 @@ def _expert_rows_vmap(info, in_dims, x, gates, expert_ids, slots, counts, capaci
     roundings the op's combine does not reproduce here) run once per element instead."""
     args = (x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out, form, in_t, out_t, act, alpha,
             limit, order, train, keep)
-    if keep or x.dtype not in (torch.float32, torch.float64):
+    if x.dtype not in (torch.float32, torch.float64):
         return _loop(torch.ops.fmoe.expert_rows, info, in_dims, args)
     B = info.batch_size
+    if keep:   # training: one call over B*E experts, whose backward folds the same way
+        f = _Fold(B, in_dims[:10], x, gates, expert_ids, slots, counts, w_in, w_out, b_in, b_out)
+        y, *z = torch.ops.fmoe.expert_rows(f.x, f.gates, f.ids, f.slots, f.counts, capacity, f.w_in, f.w_out, f.b_in,
+                                           f.b_out, form, in_t, out_t, act, alpha, limit, order, train, keep)
+        # each element's saved rows are a slice of the folded plan's, read back only by the
+        # backward's fold (never by a per-element call)
+        return [y.view(B, -1, y.shape[-1]), *(t.view(B, -1, t.shape[-1]) for t in z)], [0] * (1 + len(z))
     dx, dg, di, ds, _, _, dwi, dwo, dbi, dbo = in_dims[:10]
     ids, sl, g = _batched(expert_ids, di, B), _batched(slots, ds, B), _batched(gates, dg, B)   # [B, k, T]
     T = ids.shape[-1]
@@ -306,8 +313,60 @@ def _expert_rows_vmap(info, in_dims, x, gates, expert_ids, slots, counts, capaci
 torch.library.register_vmap("fmoe::expert_rows", _expert_rows_vmap)
 
 
-def _expert_rows_backward_vmap(info, in_dims, *args):
-    return _loop(torch.ops.fmoe.expert_rows_backward, info, in_dims, args)
+def _expert_rows_backward_vmap(info, in_dims, gy, x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in,
+                               b_out, z, form, in_t, out_t, act, alpha, limit, order, need):
+    """The backward of a folded forward folds the same way (one call over B*E experts: each
+    element's weight gradients are its own experts'); saved rows from per-element calls (bf16,
+    or a forward outside this vmap, as jacrev's vmap over cotangents) run once per element."""
+    args = (gy, x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out, z, form, in_t, out_t, act,
+            alpha, limit, order, need)
+    dz = in_dims[11]
+    if x.dtype not in (torch.float32, torch.float64) or any(d is None for d in dz):
+        return _loop(torch.ops.fmoe.expert_rows_backward, info, in_dims, args)
+    B = info.batch_size
+    f = _Fold(B, in_dims[1:11], x, gates, expert_ids, slots, counts, w_in, w_out, b_in, b_out)
+    gy = _batched(gy, in_dims[0], B)
+    zs = [t.movedim(d, 0).reshape(-1, t.shape[-1]) for t, d in zip(z, dz)]
+    g = torch.ops.fmoe.expert_rows_backward(gy.reshape(-1, gy.shape[-1]), f.x, f.gates, f.ids, f.slots, f.counts,
+                                            capacity, f.w_in, f.w_out, f.b_in, f.b_out, zs, form, in_t, out_t, act,
+                                            alpha, limit, order, need)
+    gx, g_gates, g_bin, g_out, g_bout, *g_in = g
+    k = f.gates.shape[0]
+    out = [gx.view(B, -1, gx.shape[-1]) if need[0] else gx,
+           g_gates.view(k, B, -1) if need[1] else g_gates,
+           *(t.view(B, -1, *t.shape[1:]) if n else t for t, n in zip((g_bin, g_out, g_bout, *g_in), need[2:]))]
+    dims = [0 if need[0] else None, 1 if need[1] else None, *(0 if n else None for n in need[2:])]
+    return out, dims
+
+
+class _Fold:
+    """A vmapped call's arguments as one call over B*T tokens and B*E experts (element b's
+    token t is b*T + t, its expert e is b*E + e); unbatched tensors are expanded (copies).
+
+    Attributes: x [B*T, M], gates/ids/slots [k, B*T], counts [B*E], w_in list, w_out, b_in,
+    b_out with B*E experts."""
+
+    def __init__(self, B, dims, x, gates, expert_ids, slots, counts, w_in, w_out, b_in, b_out):
+        dx, dg, di, ds, dc, _, dwi, dwo, dbi, dbo = dims
+        ids = _batched(expert_ids, di, B)                               # [B, k, T]
+        k, T = ids.shape[1:]
+        E = _batched(w_out, dwo, B).shape[1]
+        ids = torch.where(ids >= 0, ids + E * torch.arange(B, device=ids.device).view(B, 1, 1), ids)
+
+        def kt(t, d):   # [B, k, T] -> [k, B*T]
+            return _batched(t, d, B).transpose(0, 1).reshape(k, B * T)
+
+        def ex(t, d):   # [B, E, ...] -> [B*E, ...]
+            if t is None:
+                return None
+            bt = _batched(t, d, B)
+            return bt.reshape(B * E, *bt.shape[2:])
+
+        self.x = _batched(x, dx, B).reshape(B * T, x.shape[-1])
+        self.ids, self.slots, self.gates = ids.transpose(0, 1).reshape(k, B * T), kt(slots, ds), kt(gates, dg)
+        self.counts = _batched(counts, dc, B).reshape(B * E)
+        self.w_in = [ex(w, d) for w, d in zip(w_in, dwi)]
+        self.w_out, self.b_in, self.b_out = ex(w_out, dwo), ex(b_in, dbi), ex(b_out, dbo)
 
 
 torch.library.register_vmap("fmoe::expert_rows_backward", _expert_rows_backward_vmap)
