@@ -255,8 +255,10 @@ def _expert_rows_vmap(info, in_dims, x, gates, expert_ids, slots, counts, capaci
     weights become B*T tokens and B*E experts; every (token, expert) pair kept by any element
     is multiplied once (a sweep of gate settings over the same x and weights shares the pairs
     its settings agree on), then each element sums its own pairs with its own gates, k terms in
-    ascending expert order. Saved projections (``keep``) and bf16/fp16 outputs (whose per-row
-    roundings the op's combine does not reproduce here) run once per element instead."""
+    ascending expert order. With saved projections (``keep``: a gradient will be taken) the
+    batch folds into B*E experts instead, without sharing (each element's weight gradients are
+    its own experts'), and the backward folds alike. bf16/fp16 (whose per-row roundings the
+    shared rows' combine does not reproduce) run once per element."""
     args = (x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out, form, in_t, out_t, act, alpha,
             limit, order, train, keep)
     if x.dtype not in (torch.float32, torch.float64):
