@@ -10,8 +10,9 @@ time):
 
 * ``mpi``: expert parallel over MPIComm;
 * ``gloo``: expert parallel over TorchDistComm (gloo, initialised inside this job);
-* ``staged``: ``mpi`` with the engine switched off inside this benchmark, so the received
-  buffers run the staged kernel (every padded row multiplied): the route before the engine;
+* ``func``: ``mpi`` under ``torch.func.grad``, where the received rows run the engine's traced
+  op (the route compiled and transformed calls take; the staged kernel over placeholder layouts
+  before);
 * ``local``: the one-process baseline.
 
 Rank 0 prints the medians and the ratios to ``local``; with ``--json`` it writes them too.
@@ -28,7 +29,6 @@ import time
 import torch
 
 import fmoe
-from fmoe import parallel as _par
 from fmoe.parallel import ParallelSpec, shard_experts
 from mpi_backend import MPIComm
 
@@ -40,6 +40,12 @@ KINDS = ("ffn", "gated_ffn", "swiglu", "gpt_oss")
 def _spec(kind: str, E: int, M: int, H: int, k: int, cf: float) -> fmoe.MoESpec:
     return fmoe.MoESpec(model_dim=M, num_experts=E, gate=fmoe.GateSpec(k=k, capacity_factor=cf),
                         experts=fmoe.ExpertSpec(type=kind, hidden_size=H))
+
+
+def _func_step(params, x, spec, comm, parallel):
+    def loss(p):
+        return fmoe.moe(p, x, spec, comm=comm, parallel=parallel)[0].square().mean()
+    torch.func.grad(loss)({g: {k: v for k, v in d.items() if v is not None} for g, d in params.items()})
 
 
 def _step(params, x, spec, comm=None, parallel=None):
@@ -70,7 +76,6 @@ def main(argv=None) -> dict:
     T, E, M, H, k = a.tokens, a.experts, a.model_dim, a.hidden, a.k
     x = torch.randn(T, M, generator=torch.Generator().manual_seed(1 + comm.rank))
     results = []
-    engine_form = _par._engine_form
     for kind in a.kinds.split(","):
         for cf in (float(c) for c in a.cfs.split(",")):
             spec = _spec(kind, E, M, H, k, cf)
@@ -80,16 +85,9 @@ def main(argv=None) -> dict:
             one_spec = _spec(kind, E // W, M, H, k, cf)
             one = fmoe.init_params(one_spec, generator=torch.Generator().manual_seed(0))
 
-            def staged():
-                _par._engine_form = lambda *args: None
-                try:
-                    _step(local, x, spec, comm, ParallelSpec())
-                finally:
-                    _par._engine_form = engine_form
-
             variants = {"mpi": lambda: _step(local, x, spec, comm, ParallelSpec()),
                         "gloo": lambda: _step(local, x, spec, gloo, ParallelSpec()),
-                        "staged": staged,
+                        "func": lambda: _func_step(local, x, spec, comm, ParallelSpec()),
                         "local": lambda: _step(one, x, one_spec)}
             times = {n: [] for n in variants}
             for rep in range(a.reps + 1):   # round 0 warms up
@@ -103,12 +101,12 @@ def main(argv=None) -> dict:
                         times[name].append(dt)
             med = {n: statistics.median(v) for n, v in times.items()}
             row = {"kind": kind, "cf": cf, **{f"{n}_ms": v * 1e3 for n, v in med.items()},
-                   **{f"{n}_over_local": med[n] / med["local"] for n in ("mpi", "gloo", "staged")}}
+                   **{f"{n}_over_local": med[n] / med["local"] for n in ("mpi", "gloo", "func")}}
             results.append(row)
             if comm.rank == 0:
                 print(f"{kind:9s} cf={cf:<5} local {row['local_ms']:8.1f} ms | mpi {row['mpi_ms']:8.1f} ms "
                       f"({row['mpi_over_local']:.2f}x) | gloo {row['gloo_ms']:8.1f} ms ({row['gloo_over_local']:.2f}x)"
-                      f" | staged {row['staged_ms']:8.1f} ms ({row['staged_over_local']:.2f}x)", flush=True)
+                      f" | func {row['func_ms']:8.1f} ms ({row['func_over_local']:.2f}x)", flush=True)
     out = {"ranks": W, "threads_per_rank": 1, "T_per_rank": T, "E": E, "M": M, "H": H, "k": k, "reps": a.reps,
            "load": os.getloadavg(), "rows": results}
     if comm.rank == 0 and a.json:
