@@ -15,7 +15,11 @@ beside a cold float32 GEMV of the busy experts' packed bytes; ratio = call time 
 ``fmoe_packed_gemm_old``: Python keeps one module per name) in the same run, interleaved, so before/after
 share the host's noise. Medians of ``--repeats`` samples.
 
-Run: ``python -m benchmarks.bench_packed_kernels [--repeats 15] [--formats ...] [--old OLD.so] [--no-multi]``.
+``layer`` (``--layer``): ``fmoe.moe`` decode with packed experts at 1 thread, CPU time, new vs ``--old``
+(see :func:`layer`).
+
+Run: ``python -m benchmarks.bench_packed_kernels [--repeats 15] [--formats ...] [--rows 1 4] [--old OLD.so]
+[--no-single] [--no-multi] [--layer]``.
 """
 from __future__ import annotations
 
@@ -154,6 +158,64 @@ def multi(formats, tokens, repeats: int, old=None, log=print) -> dict:
     return res
 
 
+def layer(formats, tokens, repeats: int, old=None, log=print) -> dict:
+    """``fmoe.moe`` decode with packed experts (bench_inference's layer: swiglu M=2048 I=768 E=64 k=6)
+    at 1 thread, cold weights, timed by the thread's CPU time, the new build and (``old``) the other
+    one swapped in as ``packed._EXT``, interleaved. The bound is the busy experts' stored bytes over
+    the CPU-time rate of a 1-thread read of the 512 MiB eviction buffer in the same loop: the
+    scheduler's preemptions on the shared host count in neither."""
+    import fmoe
+    from fmoe.quant import packed
+
+    from . import bench_inference as BI
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(2)
+    spec = BI._spec()
+    gate = {"wg": torch.randn(BI.E, BI.M, generator=g) * 0.02}
+    buf = torch.ones(BI.FLUSH_BYTES // 4)
+    buf.sum()
+    exts = {"new": packed._EXT}
+    if old is not None:
+        exts["old"] = old
+    res = {}
+    try:
+        for fmt in formats:
+            wts = {"gate_up_proj": BI._rand_packed(fmt, 2 * BI.I, BI.M, g), "down_proj": BI._rand_packed(fmt, BI.M, BI.I, g)}
+            params = {"gate": gate, "experts": wts}
+            for T in tokens:
+                x = torch.randn(T, BI.M, generator=g)
+                busy = torch.unique((x @ gate["wg"].T).topk(BI.K_TOP, dim=-1).indices).numel()
+                nbytes = sum(BI._nbytes(w, busy) for w in wts.values())
+                cpu = {n: [] for n in exts}
+                rates = []
+                order = list(exts)
+                with torch.no_grad():
+                    for name in order:
+                        packed._EXT = exts[name]
+                        fmoe.moe(params, x, spec)
+                    for r in range(repeats):
+                        for name in (order[::-1] if r % 2 else order):
+                            c0 = time.thread_time()
+                            buf.sum()
+                            rates.append(BI.FLUSH_BYTES / (time.thread_time() - c0) / 1e9)
+                            packed._EXT = exts[name]
+                            c0 = time.thread_time()
+                            fmoe.moe(params, x, spec)
+                            cpu[name].append(time.thread_time() - c0)
+                rate = statistics.median(rates)
+                bound = nbytes / (rate * 1e9)
+                row = {"busy": busy, "bytes": nbytes, "stream_cpu_gb_per_s": rate, "bound_ms": bound * 1e3}
+                for name in exts:
+                    t = statistics.median(cpu[name])
+                    row[name] = {"cpu_ms": t * 1e3, "vs_stream": t / bound}
+                res[f"{fmt}_T{T}"] = row
+                log(f"  {fmt:9s} T={T:2d} busy {busy:2d}: bound {bound * 1e3:6.2f} ms ({rate:.1f} GB/s) | " + "  ".join(
+                    f"{n} {row[n]['cpu_ms']:6.2f} ms = {row[n]['vs_stream']:.2f}x" for n in exts))
+    finally:
+        packed._EXT = exts["new"]
+    return res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=15)
@@ -163,6 +225,7 @@ def main(argv=None) -> int:
     p.add_argument("--old", default=None, help="path of another build of fmoe_packed_gemm to time beside this one")
     p.add_argument("--no-single", action="store_true")
     p.add_argument("--no-multi", action="store_true")
+    p.add_argument("--layer", action="store_true", help="also fmoe.moe decode at 1 thread, CPU time (see layer())")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     from fmoe.quant import packed
@@ -178,6 +241,9 @@ def main(argv=None) -> int:
     if not args.no_multi:
         print("E=64 [1536, 2048], top-6 routed rows, cold, 2 threads")
         out["multi"] = multi(args.formats, args.tokens, args.repeats, old)
+    if args.layer:
+        print("fmoe.moe decode, swiglu M=2048 I=768 E=64 k=6, cold, 1 thread, CPU time: x = time / (bytes / stream)")
+        out["layer"] = layer([f for f in args.formats if f in ("mxfp4", "nvfp4", "fp8_block")], args.tokens, args.repeats, old)
     with open("/proc/loadavg") as f:
         out["loadavg_end"] = f.read().split()[:3]
     print(f"load average at the end: {' '.join(out['loadavg_end'])}")
