@@ -590,6 +590,8 @@ FMOE_VNNI void fp4_rows2_vnni(const Params& p, const Job& j, int64_t n, int64_t 
   for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
   for (int64_t c = 0; c < nc; ++c) {
     const __m512i v0 = _mm512_loadu_si512(r0 + 64 * c), v1 = _mm512_loadu_si512(r1 + 64 * c);
+    _mm_prefetch(reinterpret_cast<const char*>(r0 + 64 * c + kPrefetchRows * p.d_r), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(r1 + 64 * c + kPrefetchRows * p.d_r), _MM_HINT_T0);
     const __m512i a_lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v0, m4));
     const __m512i a_hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4));
     const __m512i b_lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v1, m4));
