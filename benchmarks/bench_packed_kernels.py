@@ -2,7 +2,7 @@
 
 ``single``: one warm expert [N=1536, K=2048] per format (mxfp4, nvfp4, mxfp8, fp8_block, fp8_row), one
 activation row, 1 thread, every ISA path the CPU has (forced), the native call alone (no Python front;
-``front_auto``: through ``grouped_matmul``), timed by the thread's CPU time (``time.thread_time``),
+``front_auto``: through ``grouped_matmul``; ``new_int8``: FP4 with the opt-in int8 activations), timed by the thread's CPU time (``time.thread_time``),
 interleaved with ``torch.mv`` over a float32 matrix holding as many bytes as the packed expert (data +
 scales). Reports GB/s of stored bytes read and the ratio to that GEMV rate.
 
@@ -61,13 +61,13 @@ def _weights(fmt: str, experts: int, g: torch.Generator):
     return Q.QuantizedTensor(rep(w.data), rep(w.scales), rep(w.global_scale), fmt, (experts, N, K), w.block)
 
 
-def _call(ext, a, offsets, w, isa: int):
+def _call(ext, a, offsets, w, isa: int, int8: bool = False):
     from fmoe.quant import _codecs as C
     from fmoe.quant import packed
     data, scales, table, fp4, bn, bk, gs = packed._operands(w)
     out = torch.empty(a.shape[0], N)
     return lambda: ext.packed_grouped_mm(a, offsets, data, scales, table, C.E4M3_TABLE, gs, fp4, bn, bk, out, isa,
-                                         packed.DENSE_FROM, False)
+                                         packed.DENSE_FROM, int8)
 
 
 def _interleaved(steps: dict, repeats: int, inner: int, clock=time.perf_counter) -> dict:
@@ -108,6 +108,8 @@ def single(formats, repeats: int, old=None, rows=(1,), log=print) -> dict:
             if old is not None:
                 steps[f"old_{isa}"] = _call(old, a, off, w, packed.ISAS[isa])
         steps["front_auto"] = lambda: packed.grouped_matmul(a, w, off)
+        if fmt in ("mxfp4", "nvfp4") and packed.has_int8_path():   # opt-in int8 activations (VNNI)
+            steps["new_int8"] = _call(packed._EXT, a, off, w, 0, True)
         # this thread's CPU time: on the shared 2-core host a wall clock mostly times the other tenants
         t = _interleaved(steps, repeats, inner=10, clock=time.thread_time)
         gemv = wf.numel() * 4 / t["gemv"] / 1e9
