@@ -15,7 +15,7 @@ Commands:
              CPU grouped GEMM is active, and the expert engine's kernel table;
              ``--explain SHAPE`` prints which kernel each GEMM of one step of SHAPE runs
              and why (SHAPE: ``T=4096,M=512,H=1024,E=8,k=2,kind=ffn,dtype=float32,phase=train``;
-             phase train, prefill, decode, or traced: a step under a torch.func transform).
+             phase train, prefill, decode, or traced: a step on a layout plan).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ one autograd Function each over the plan, with a pure-torch reference as their o
 multiply through :func:`grouped_mm` (the table's kernels, differentiable). :mod:`.traced`
 runs the same plan and kernels inside one torch.library custom op under torch.compile, and its
 ``door()`` decides, once per call, which door a call takes. A :class:`LayoutPlan`
-(``make_plan(..., layout=)``: torch.func transforms, ``MoESpec(plan='layout')``) runs the same
+(``make_plan(..., layout=)``: forward-mode AD, ``MoESpec(plan='layout')``) runs the same
 kinds on the staged kernel, :class:`fmoe.ops.grouped.GroupedGemm` over the layout's buffers.
 """
 from .plan import ExpertPlan, LayoutPlan, make_plan

@@ -11,8 +11,8 @@ bounds, both as host ints (the kernels' loop bounds) and as an int64 ``offsets [
 tensor (their argument); ``experts [N]``, the expert of each row, is made on first use. Rows
 in a plan are exactly the rows of :func:`fmoe.make_layout` (routing, 'ragged'); tests check it.
 
-A layout plan (:class:`LayoutPlan`, ``make_plan(..., layout=)``: under torch.func transforms,
-and wherever the staged arithmetic is asked for) holds the routing and its
+A layout plan (:class:`LayoutPlan`, ``make_plan(..., layout=)``: under forward-mode AD and a
+second derivative under torch.func, and wherever the staged arithmetic is asked for) holds the routing and its
 :class:`~fmoe.Layout` instead: static buffer shapes, no host bounds, phase 'traced'.
 
 Either plan names the call's phase, dtype and precision: the key by which

@@ -1,9 +1,10 @@
 """The expert-GEMM seam of the staged pipeline: :class:`GroupedGemm` over both layouts.
 
 The staged pipeline (dispatch -> experts -> combine over a layout's buffers) is the expert
-engine's kernel for a layout plan (:mod:`fmoe.engine.table`: under torch.func transforms and
-torch.compile, custom experts on padded buffers, pre-scored gates, transformers' grouped
-order and ``plan='layout'``) and expert parallelism's expert stage. One implementation per
+engine's kernel for a layout plan (:mod:`fmoe.engine.table`: forward-mode AD, a second
+derivative or a transform inside a compiled call, custom experts on padded buffers, pre-scored
+gates, transformers' grouped order and ``plan='layout'``); expert parallelism uses its dispatch
+and combine. One implementation per
 layout, no per-call kernel predicates:
 
 * padded [E, C, K]: one ``torch.bmm`` over every row of every expert buffer (Tutel's
