@@ -62,12 +62,11 @@ from torch.utils import _pytree as pytree
 
 from . import routers as _gates
 from . import stats as _stats
-from .experts import apply_experts
 from ._io import atomic_save
 from .losses import gshard_loss, z_loss
 from .moe import MoESpec, check_params
-from .ops import combine, dispatch
-from .routing import Routing, assign_slots, capacity_for, top_k_routing
+from .moe import _experts as _moe_experts
+from .routing import Routing, _trusted_routing, assign_slots, capacity_for, top_k_routing
 
 __all__ = [
     "Point",
@@ -339,11 +338,18 @@ def _top1_fraction(top1: Tensor, E: int, dtype) -> Tensor:
 
 
 def _experts_and_combine(expert_params, tokens: Tensor, spec: MoESpec, routing: Routing) -> Tensor:
+    """The experts on the masked routing through :func:`fmoe.moe`'s own expert stage (the engine's
+    door: the kept pairs only, one folded call under vmap). A setting's capacity lives in the
+    slots (a pair past it sits past the static capacity), so the counts the plan reads are the
+    kept pairs per expert, not the routed ones."""
     dtype = next((t.dtype for t in pytree.tree_leaves(expert_params)
                   if isinstance(t, Tensor) and t.is_floating_point()), tokens.dtype)
-    buffers = dispatch(tokens.to(dtype), routing, weighted=not spec.is_postscore)
-    out = apply_experts(spec.experts, expert_params, buffers)
-    return combine(out, routing, weighted=spec.is_postscore)
+    ids, C = routing.expert_ids, routing.capacity
+    kept = ((ids >= 0) & (routing.slots < C)).to(routing.counts.dtype)
+    counts = torch.zeros_like(routing.counts).scatter_add(0, ids.clamp(min=0).reshape(-1), kept.reshape(-1))
+    r = _trusted_routing(ids, routing.slots, routing.weights, counts, C, routing.num_experts)
+    y, _ = _moe_experts(spec, expert_params, tokens.to(dtype), r, spec.layout_kind(), None)
+    return y
 
 
 # --------------------------------------------------------------------------- static forward
