@@ -435,7 +435,9 @@ def door(form: Optional[ExpertForm], tensors: tuple, *, precision=None, order: s
     Returns:
         one of :data:`DOORS`.
     """
-    if plan != "auto" or prescore or order not in kinds.ORDERS:
+    # packed weights also sum in transformers' 'grouped' order on a rows plan (kinds.rows_orders)
+    packed = any(t is not None and not isinstance(t, Tensor) for t in tensors)
+    if plan != "auto" or prescore or order not in (kinds.LAYOUT_ORDERS if packed else kinds.ORDERS):
         return "layout"
     if _eager(*(t for t in tensors if t is None or isinstance(t, Tensor))):
         return "rows"
