@@ -292,23 +292,25 @@ def _expert_rows_vmap(info, in_dims, x, gates, expert_ids, slots, counts, capaci
     ids, g, tok, kept = (t.gather(1, order_k) for t in (ids, g, tok, kept))
     keys, inv = torch.unique((ids * xs.shape[0] + tok)[kept], sorted=True, return_inverse=True)
     e_u, t_u = keys // xs.shape[0], keys % xs.shape[0]
+    U = keys.numel()
+    # one more row, token 0 at expert 0 with gate 0: its output is exactly 0, the row every
+    # dropped pair reads (no mask pass, no copy to append a zero row)
+    e_u, t_u = torch.cat([e_u.new_zeros(1), e_u]), torch.cat([t_u.new_zeros(1), t_u])
     counts_u = torch.bincount(e_u, minlength=E)
     starts = counts_u.cumsum(0) - counts_u
-    U = keys.numel()
-    slots_u = torch.arange(U, device=keys.device) - starts[e_u]
+    slots_u = torch.arange(U + 1, device=keys.device) - starts[e_u]
+    gates_u = g.new_ones(1, U + 1)
+    gates_u[0, 0] = 0
     *w_in_u, w_out_u, b_in_u, b_out_u = weights
-    y_u = torch.ops.fmoe.expert_rows(xs.index_select(0, t_u), g.new_ones(1, U), e_u.view(1, U),
-                                     slots_u.view(1, U), counts_u, max(1, U), w_in_u, w_out_u, b_in_u, b_out_u,
-                                     form, in_t, out_t, act, alpha, limit, order, train, False)[0]
-    # dropped pairs read an appended zero row: no mask pass, and no 0 * inf from a kept row
-    y_u = torch.cat([y_u, y_u.new_zeros(1, y_u.shape[1])])
-    row = torch.full_like(ids, U)
-    row[kept] = inv
-    g = g.to(y_u.dtype)
-    y = None
-    for j in range(ids.shape[1]):   # y = ((0 + w_1 y_1) + w_2 y_2) + ...: the op's sum, term by term
-        term = y_u.index_select(0, row[:, j].reshape(-1)).mul_(g[:, j].reshape(-1, 1))
-        y = term if y is None else y.add_(term)
+    y_u = torch.ops.fmoe.expert_rows(xs.index_select(0, t_u), gates_u, e_u.view(1, U + 1), slots_u.view(1, U + 1),
+                                     counts_u, U + 1, w_in_u, w_out_u, b_in_u, b_out_u, form, in_t, out_t, act,
+                                     alpha, limit, order, train, False)[0]
+    row = torch.zeros_like(ids)
+    row[kept] = inv + 1
+    # y[b, t] = sum over its k pairs, in ascending expert order, of gate * expert output: one
+    # embedding bag per token (a weighted sum of k rows of y_u, no [B*T, O] term per pair)
+    y = torch.nn.functional.embedding_bag(row.transpose(1, 2).reshape(B * T, -1), y_u, mode="sum",
+                                          per_sample_weights=g.to(y_u.dtype).transpose(1, 2).reshape(B * T, -1))
     return [y.view(B, T, -1)], [0]
 
 
