@@ -302,3 +302,33 @@ def test_jacrev_and_ensemble_gradients_through_the_op(op_calls):
         single = torch.func.grad(loss)(q["experts"])
         for kk, v in single.items():
             torch.testing.assert_close(got[kk][i], v, rtol=1e-12, atol=1e-13)
+
+
+def test_recompute_under_vmap_of_grad_and_grad_of_a_vmapped_sweep(op_calls):
+    """save='recompute' keeps no projections: vmap(grad) runs the shared-pair fold forward and the
+    B*E fold backward; grad of a vmapped sweep differentiates through the fold itself (the op's
+    own autograd and the weighted embedding bag). Both equal the loop."""
+    spec = _spec("swiglu", 1.0, save="recompute")
+    p = _params(spec)
+    xs = torch.randn(3, 16, M, generator=torch.Generator().manual_seed(17), dtype=torch.float64)
+    loss = _step(spec)
+    per = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(p, xs)
+    for i, x in enumerate(xs):
+        single = torch.func.grad(loss)(p, x)
+        for part in single:
+            for key, v in single[part].items():
+                if v is not None:
+                    torch.testing.assert_close(per[part][key][i], v, rtol=1e-12, atol=1e-13)
+    wgs = torch.randn(4, E, M, generator=torch.Generator().manual_seed(18), dtype=torch.float64)
+
+    def swept(ex):
+        f = lambda wg: fmoe.moe({"gate": {"wg": wg}, "experts": ex}, xs[0], spec)[0].square().sum()  # noqa: E731
+        return torch.func.vmap(f)(wgs).sum()
+
+    def looped(ex):
+        return sum(fmoe.moe({"gate": {"wg": wg}, "experts": ex}, xs[0], spec)[0].square().sum() for wg in wgs)
+
+    g, want = torch.func.grad(swept)(p["experts"]), torch.func.grad(looped)(p["experts"])
+    assert op_calls
+    for kk in want:
+        torch.testing.assert_close(g[kk], want[kk], rtol=1e-10, atol=1e-12)
