@@ -379,9 +379,11 @@ def expert_stage(experts, expert_params, x: Tensor, routing, comm, parallel: Opt
     par = parallel or ParallelSpec()
     _, s = sharding(num_experts, comm.size)
     if (layout_kind == "padded" and s == 1 and par.degree(s) == 1 and par.overlap_degree == 1
-            and experts.type != "custom" and _engine_form(experts, expert_params, x)["door"] == "rows"):
+            and experts.type != "custom" and _traced.data_shapes()
+            and _engine_form(experts, expert_params, x)["door"] != "layout"):
         # The engine multiplies the kept rows only; exchanged as ragged rows, no row past an
-        # expert's fill crosses the wire either (the same pairs in the same order: equal outputs)
+        # expert's fill crosses the wire either (the same pairs in the same order: equal outputs).
+        # Not where shapes must be static (compiling, vmap): padded buffers and their fill masks.
         layout_kind = "ragged"
     layout = make_layout(routing, layout_kind)
     kern = GroupedGemm(layout)

@@ -66,6 +66,15 @@ def _functorch_reaches() -> bool:
     return all(k in (TT.Vmap, TT.Grad) for k in keys) and keys.count(TT.Grad) <= 1
 
 
+def data_shapes() -> bool:
+    """Shapes may follow the data here (a host sync is allowed): not compiling, and no vmap level
+    (grad and jvp levels run eagerly)."""
+    if torch.compiler.is_compiling():
+        return False
+    TT = torch._C._functorch.TransformType
+    return all(i.key() != TT.Vmap for i in _pyfunctorch.retrieve_all_functorch_interpreters())
+
+
 def applies(form: ExpertForm, w: tuple, precision, order: str) -> bool:
     """True where the call runs the experts through the custom op: under torch.compile outside
     any torch.func transform, or in eager mode under vmap / grad levels only; float weights, no
