@@ -252,7 +252,7 @@ def _per_expert_mm(plan: ExpertPlan) -> Callable:
     return mm
 
 
-def _rows_mm(kern: Kernel, plan: ExpertPlan, generator: Optional[torch.Generator]) -> Callable:
+def _rows_mm(kern: Optional[Kernel], plan: ExpertPlan, generator: Optional[torch.Generator]) -> Callable:
     """:func:`reference`'s ``mm`` for weights the autograd Function does not take: packed
     (:class:`fmoe.quant.QuantizedTensor`, out x in) weights, on the CPU one native call for all busy
     experts (:func:`fmoe.quant.packed.grouped_matmul`), elsewhere one fused low-precision call
@@ -476,7 +476,9 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Union[ExpertPlan, Lay
     _check(x, w_rows, plan, w_in, w_out, order)
     if save not in SAVES:
         raise ValueError(f"save must be one of {SAVES}, got {save!r}")
-    kern = select(plan, _matrix_bytes(w_out), generator=generator) if kernel is None else kernel
+    # packed weights without a recipe multiply through fmoe.quant.packed, no table entry
+    float_gemms = isinstance(plan, LayoutPlan) or plan.precision is not None or not packed_rows(plan, w_in, w_out)
+    kern = kernel if kernel is not None or not float_gemms else select(plan, _matrix_bytes(w_out), generator=generator)
     if isinstance(plan, LayoutPlan):
         return _staged(kern, form, x, w_rows, plan, w_in, b_in, w_out, b_out, order, prescore)
     if prescore:

@@ -24,6 +24,7 @@ kernel choice, they pick a speed, never a result beyond the stated rounding.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -45,6 +46,12 @@ _REGIME_FIELDS = ("below_rows", "below_rows_big", "small_matrix_bytes")
 
 
 def path() -> str:
+    return _path_under(os.environ.get("HOME"))
+
+
+@functools.lru_cache(maxsize=4)
+def _path_under(home: Optional[str]) -> str:
+    # keyed by $HOME: expanduser on every call cost a decode step ~20 us
     return os.path.join(os.path.expanduser("~"), ".cache", "fmoe", "wisdom.json")
 
 
