@@ -1,0 +1,179 @@
+"""The peer for packed-expert decode on a CPU: llama.cpp's expert path, measured on this host.
+
+    python -m benchmarks.bench_llamacpp [--layers 4] [--hidden 2048] [--experts 64] [--k 6] [--ffn 768]
+
+Needs ``llama-cpp-python`` (``pip install llama-cpp-python`` builds llama.cpp from source) and
+``gguf`` (writes the model); neither is an fmoe dependency, and without them this prints why and
+exits 1.
+
+Two synthetic gpt-oss-layout GGUF models are written (random MXFP4 expert bytes, F32 everything
+else, a 257-token byte vocabulary): one with the expert FFN width ``--ffn``, one with width 32 and
+otherwise the same. Each decodes ``--tokens`` tokens one at a time (``Llama.eval`` on one token id,
+``--threads`` threads) after a short prompt; the difference of their per-token times is the time
+of the wider experts' extra reads, and those bytes over that time are llama.cpp's expert read
+rate. The machine's memory-stream rate (``bench_inference``'s eviction read) is measured in the
+same run, so the rate is also given as a fraction of it; beside it, in the same run, fmoe's
+``bench_inference`` layer at T = 1 (MXFP4, the same expert shapes): the fraction of the stream rate
+at which the whole layer, and its two packed expert GEMMs alone, read the busy experts' bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+VOCAB = 257   # the 256 bytes and one merge ("a b" -> "ab"): llama.cpp needs a merge list
+MXFP4_BLOCK, MXFP4_BYTES = 32, 17   # 32 values: one E8M0 scale byte + 16 bytes of nibbles
+
+
+def _mxfp4(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    """Random MXFP4 blocks for a ggml tensor whose numpy shape is ``shape`` (last dim the row):
+    uint8 [..., row / 32 * 17], every scale byte 2^-6 (values within +-6/64)."""
+    *lead, row = shape
+    blocks = rng.integers(0, 256, size=(*lead, row // MXFP4_BLOCK, MXFP4_BYTES), dtype=np.uint8)
+    blocks[..., 0] = 127 - 6
+    return blocks.reshape(*lead, row // MXFP4_BLOCK * MXFP4_BYTES)
+
+
+def write_model(path: str, *, layers: int, hidden: int, experts: int, k: int, ffn: int, heads: int = 16,
+                kv_heads: int = 4, seed: int = 0) -> int:
+    """Write a gpt-oss-layout GGUF at ``path``; returns the bytes of the experts one token reads
+    per layer (k experts' gate, up and down MXFP4 blocks)."""
+    import gguf
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    head_dim = hidden // heads
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_expert_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(150000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(k)
+    w.add_sliding_window(128)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([bytes([i]).decode("latin-1") for i in range(256)] + ["ab"])
+    w.add_token_types([1] * VOCAB)
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def f32(*shape, scale=0.02):
+        return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", f32(VOCAB, hidden))
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    w.add_tensor("output.weight", f32(VOCAB, hidden))
+    mx = gguf.GGMLQuantizationType.MXFP4
+    for i in range(layers):
+        b = f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        w.add_tensor(b + "post_attention_norm.weight", np.ones(hidden, dtype=np.float32))
+        for name, rows in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim), ("attn_v", kv_heads * head_dim)):
+            w.add_tensor(b + name + ".weight", f32(rows, hidden))
+            w.add_tensor(b + name + ".bias", f32(rows))
+        w.add_tensor(b + "attn_output.weight", f32(hidden, heads * head_dim))
+        w.add_tensor(b + "attn_output.bias", f32(hidden))
+        w.add_tensor(b + "attn_sinks.weight", f32(heads))
+        w.add_tensor(b + "ffn_gate_inp.weight", f32(experts, hidden))
+        w.add_tensor(b + "ffn_gate_inp.bias", f32(experts))
+        for name, (rows, cols) in (("ffn_gate_exps", (ffn, hidden)), ("ffn_up_exps", (ffn, hidden)),
+                                   ("ffn_down_exps", (hidden, ffn))):
+            w.add_tensor(b + name + ".weight", _mxfp4(rng, experts, rows, cols), raw_dtype=mx)
+            w.add_tensor(b + name + ".bias", f32(experts, rows))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return k * 3 * hidden * ffn // MXFP4_BLOCK * MXFP4_BYTES
+
+
+def decode_seconds(path: str, *, tokens: int, threads: int, repeats: int) -> float:
+    """Median seconds per decoded token (one ``eval`` of one token id after a 16-token prompt)."""
+    from llama_cpp import Llama
+    llm = Llama(model_path=path, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    prompt = list(range(3, 19))
+    times = []
+    for _ in range(repeats):
+        llm.reset()
+        llm.eval(prompt)
+        t0 = time.perf_counter()
+        for i in range(tokens):
+            llm.eval([20 + i % 200])
+        times.append((time.perf_counter() - t0) / tokens)
+    del llm
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--k", type=int, default=6)
+    ap.add_argument("--ffn", type=int, default=768)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp  # noqa: F401
+    except ImportError as e:
+        print(f"bench_llamacpp: {e.name} is not installed (pip install llama-cpp-python gguf); nothing measured")
+        return 1
+    from .bench_inference import _stream_rate
+    shape = dict(layers=a.layers, hidden=a.hidden, experts=a.experts, k=a.k)
+    with tempfile.TemporaryDirectory() as d:
+        wide, narrow = os.path.join(d, "wide.gguf"), os.path.join(d, "narrow.gguf")
+        wide_bytes = write_model(wide, ffn=a.ffn, **shape)
+        narrow_bytes = write_model(narrow, ffn=32, **shape)
+        runs = {"wide": [], "narrow": []}
+        for _ in range(2):   # interleaved: the machine's drift hits both alike
+            runs["wide"].append(decode_seconds(wide, tokens=a.tokens, threads=a.threads, repeats=a.repeats))
+            runs["narrow"].append(decode_seconds(narrow, tokens=a.tokens, threads=a.threads, repeats=a.repeats))
+    stream = _stream_rate() * 1e9   # bytes/s
+    # fmoe beside it, same run: the bench_inference layer (swiglu M=2048, I=768, E=64, k=6, MXFP4) at T=1
+    from .bench_inference import layer_decode
+    ours = layer_decode(formats=("mxfp4",), tokens=(1,), repeats=a.repeats * 3, float_bound=False,
+                        log=lambda *_: None)["tokens"]["1"]["formats"]["mxfp4"]
+    t_wide, t_narrow = min(runs["wide"]), min(runs["narrow"])
+    extra = (wide_bytes - narrow_bytes) * a.layers
+    rate = extra / max(t_wide - t_narrow, 1e-9)
+    out = {"shape": {**shape, "ffn": a.ffn}, "threads": a.threads, "tok_per_s": 1 / t_wide,
+           "tok_per_s_narrow": 1 / t_narrow, "expert_bytes_per_token": wide_bytes * a.layers,
+           "expert_read_GBps": rate / 1e9, "stream_GBps": stream / 1e9, "expert_read_over_stream": rate / stream,
+           "fmoe_layer_read_over_stream": 1 / ours["layer_vs_stream"],
+           "fmoe_gemms_read_over_stream": 1 / ours["gemms_vs_stream"],
+           "load": os.getloadavg(), "llama_cpp": llama_cpp.__version__}
+    print(f"llama.cpp {llama_cpp.__version__}, {a.threads} threads, gpt-oss layout {a.layers} layers hidden {a.hidden}, "
+          f"{a.experts} experts top-{a.k}, expert FFN {a.ffn} MXFP4: {1 / t_wide:.1f} tok/s "
+          f"({1 / t_narrow:.1f} with FFN 32); expert reads {rate / 1e9:.1f} GB/s = {rate / stream:.2f} of the "
+          f"stream rate ({stream / 1e9:.1f} GB/s)")
+    print(f"fmoe, same run (bench_inference's layer at T=1, MXFP4, M=2048 I=768 E=64 k=6): the layer reads its busy "
+          f"experts at {out['fmoe_layer_read_over_stream']:.2f} of the stream rate, its two packed expert GEMMs alone "
+          f"at {out['fmoe_gemms_read_over_stream']:.2f}")
+    if a.json:
+        tmp = a.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f, indent=1)
+        os.replace(tmp, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
