@@ -66,8 +66,9 @@ def _call(ext, a, offsets, w, isa: int, int8: bool = False):
     from fmoe.quant import packed
     data, scales, table, fp4, bn, bk, gs = packed._operands(w)
     out = torch.empty(a.shape[0], N)
+    extra = (None,) if ext is packed._EXT else ()   # this build takes bf16 rows too; an --old one may not
     return lambda: ext.packed_grouped_mm(a, offsets, data, scales, table, C.E4M3_TABLE, gs, fp4, bn, bk, out, isa,
-                                         packed.DENSE_FROM, int8)
+                                         packed.DENSE_FROM, int8, *extra)
 
 
 def _interleaved(steps: dict, repeats: int, inner: int, clock=time.perf_counter) -> dict:

@@ -268,3 +268,27 @@ def test_mxfp4_scale_bytes_0_and_255_on_every_path():
         assert torch.equal(torch.isnan(y), torch.isnan(ref)), isa
         fin = ~torch.isnan(ref)
         assert not ((y - ref).abs() > bound)[fin].any(), isa
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_block"])
+def test_bfloat16_rows_round_once(fmt):
+    """bf16 rows (FP4 experts past DENSE_FROM rows take a bf16 GEMM over their exactly decoded
+    weights): each output is the reference's fp32 sum within the K-term bound, rounded to bf16
+    once, on every ISA path and on both sides of DENSE_FROM."""
+    isas = _isas()
+    if not isas:
+        pytest.skip(packed.status())
+    g = torch.Generator().manual_seed(4)
+    counts = [3, 0, packed.DENSE_FROM + 1, 40]
+    w = Q.quantize(torch.randn(len(counts), 96, 256, generator=g), fmt)
+    o = _offsets(counts)
+    a = torch.randn(int(o[-1]), 256, generator=g).bfloat16()
+    ref = packed.grouped_matmul_reference(a.float(), w, o)          # exact bf16 inputs, fp32 sums
+    slack = _bound(a, w, o) + ref.abs() * 2.0 ** -8                  # + one bf16 rounding
+    for isa in isas:
+        y = packed.grouped_matmul(a, w, o, isa=isa, impl="native")
+        assert y.dtype == torch.bfloat16
+        bad = (y.float() - ref).abs() > slack
+        assert not bad.any(), f"{fmt} isa={isa}: {int(bad.sum())} entries outside one bf16 rounding"
+    wrong = packed.grouped_matmul(a, Q.quantize(torch.randn(len(counts), 96, 256, generator=g), fmt), o)
+    assert ((wrong.float() - ref).abs() > slack).any()   # the bound catches other weights

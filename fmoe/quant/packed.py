@@ -181,8 +181,10 @@ def _operands(w: QuantizedTensor):
 def _native(a: Tensor, w: QuantizedTensor, offsets: Tensor, isa: str, act_int8: bool = False) -> Tensor:
     data, scales, table, fp4, bn, bk, gs = _operands(w)
     out = torch.empty(a.shape[0], w.logical_shape[1], dtype=torch.float32)
+    # bf16 rows: the decode + at::mm path of FP4 weights multiplies them as bf16 (exact weights)
+    a_bf16 = a.detach().contiguous() if a.dtype == torch.bfloat16 and fp4 else None
     _EXT.packed_grouped_mm(a.detach().float().contiguous(), offsets.contiguous(), data, scales, table, C.E4M3_TABLE, gs,
-                           fp4, bn, bk, out, ISAS[isa], DENSE_FROM, act_int8)
+                           fp4, bn, bk, out, ISAS[isa], DENSE_FROM, act_int8, a_bf16)
     return out.to(a.dtype)
 
 

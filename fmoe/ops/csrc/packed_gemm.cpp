@@ -769,7 +769,8 @@ void run_job_small(const Params& p, const Job& j, const float* xs, int isa, std:
 }
 
 // Many rows: decode the tile once to float32, then one single-threaded at::mm.
-void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const at::Tensor& out, int isa) {
+void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const c10::optional<at::Tensor>& a_bf16,
+                   const at::Tensor& out, int isa) {
   const int64_t tn = j.n1 - j.n0;
   at::Tensor w = at::empty({tn, p.K}, at::kFloat);
   float* wp = w.data_ptr<float>();
@@ -779,8 +780,15 @@ void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const at:
     else decode_row_avx2(p, j.e, n, dst);
   }
   const float g = gscale_of(p, j.e);
-  if (g != 1.0f) w.mul_(g);  // nvfp4: dequantize()'s (value * s) * g, rounded once per weight
   at::Tensor o = out.narrow(0, j.lo, j.c).narrow(1, j.n0, tn);
+  if (a_bf16.has_value() && p.fp4 && g == 1.0f) {
+    // bf16 activations and FP4 weights: every decoded weight (an E2M1 value times an E8M0 or
+    // E4M3 scale, at most 6 significant bits) is exact in bf16, so a bf16 GEMM (fp32
+    // accumulation) multiplies the same products; the caller rounds the output to bf16 once
+    o.copy_(at::mm(a_bf16->narrow(0, j.lo, j.c), w.to(at::kBFloat16).t()));
+    return;
+  }
+  if (g != 1.0f) w.mul_(g);  // nvfp4: dequantize()'s (value * s) * g, rounded once per weight
   at::mm_out(o, a.narrow(0, j.lo, j.c), w.t());
 }
 
@@ -788,7 +796,8 @@ void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const at:
 int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const at::Tensor& data,
                           const at::Tensor& scales, const at::Tensor& table, const at::Tensor& e4m3,
                           const c10::optional<at::Tensor>& gscale, bool fp4, int64_t bn, int64_t bk,
-                          at::Tensor& out, int64_t isa, int64_t dense_from, bool act_int8) {
+                          at::Tensor& out, int64_t isa, int64_t dense_from, bool act_int8,
+                          const c10::optional<at::Tensor>& a_bf16) {
   TORCH_CHECK_VALUE(a.scalar_type() == at::kFloat && a.dim() == 2 && a.is_contiguous(), "a must be contiguous float32 [R, K]");
   TORCH_CHECK_VALUE(data.scalar_type() == at::kByte && data.dim() == 3 && data.is_contiguous(),
                     "data must be contiguous uint8 [E, N, K']");
@@ -810,6 +819,9 @@ int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const 
                         out.is_contiguous(), "out must be contiguous float32 [R, N]");
   TORCH_CHECK_VALUE(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.size(0) == E + 1 &&
                         offsets.is_contiguous(), "offsets must be contiguous int64 [E + 1]");
+  if (a_bf16.has_value())
+    TORCH_CHECK_VALUE(a_bf16->scalar_type() == at::kBFloat16 && a_bf16->dim() == 2 && a_bf16->size(0) == R &&
+                          a_bf16->size(1) == K && a_bf16->is_contiguous(), "a_bf16 must be contiguous bfloat16 [R, K]");
   const int64_t* o = offsets.const_data_ptr<int64_t>();
   TORCH_CHECK_VALUE(o[0] == 0 && o[E] == R, "offsets must start at 0 and end at R = ", R);
   for (int64_t e = 0; e < E; ++e) TORCH_CHECK_VALUE(o[e] <= o[e + 1], "offsets must be non-decreasing");
@@ -874,7 +886,7 @@ int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const 
     std::vector<float> w;
     for (int64_t i = next.fetch_add(1); i < njobs; i = next.fetch_add(1)) {
       const Job& j = jobs[i];
-      if (j.c > dense_from) run_job_dense(p, j, a, out, run);
+      if (j.c > dense_from) run_job_dense(p, j, a, a_bf16, out, run);
       else if (act_int8) run_job_vnni(p, j, xq.const_data_ptr<uint8_t>(), xd.const_data_ptr<float>());
       else run_job_small(p, j, xsp, run, w);
     }
