@@ -165,6 +165,17 @@ def test_the_door_is_decided_in_one_place():
 
 # --------------------------------------------------------------------------- torch.func on the op
 
+def _per_example_grads_equal_the_loop(loss, p, xs):
+    """vmap(grad) over xs (parameters shared) equals one torch.func.grad per example."""
+    per = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(p, xs)
+    for i, x in enumerate(xs):
+        single = torch.func.grad(loss)(p, x)
+        for part in single:
+            for key, v in single[part].items():
+                if v is not None:
+                    torch.testing.assert_close(per[part][key][i], v, rtol=1e-12, atol=1e-13)
+
+
 SWEEPS = [("ffn", 1.25, {"has_fc1_bias": True, "has_fc2_bias": True}), ("swiglu", 0.0, {}), ("gpt_oss", -1.0, {}),
           ("gated_ffn", 0.5, {"combine": "eager"})]
 
@@ -226,13 +237,7 @@ def test_grad_and_per_example_grads_run_the_op(kind, op_calls):
     got = [g[1], *(v for d in g[0].values() for v in d.values() if v is not None)]
     for a, b in zip(got, want[1:]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
-    per = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(p, xs)
-    for i, x in enumerate(xs):
-        single = torch.func.grad(loss)(p, x)
-        for part in single:
-            for key, v in single[part].items():
-                if v is not None:
-                    torch.testing.assert_close(per[part][key][i], v, rtol=1e-12, atol=1e-13)
+    _per_example_grads_equal_the_loop(loss, p, xs)
 
 
 def test_second_derivatives_and_bf16_under_vmap(op_calls):
@@ -312,13 +317,7 @@ def test_recompute_under_vmap_of_grad_and_grad_of_a_vmapped_sweep(op_calls):
     p = _params(spec)
     xs = torch.randn(3, 16, M, generator=torch.Generator().manual_seed(17), dtype=torch.float64)
     loss = _step(spec)
-    per = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(p, xs)
-    for i, x in enumerate(xs):
-        single = torch.func.grad(loss)(p, x)
-        for part in single:
-            for key, v in single[part].items():
-                if v is not None:
-                    torch.testing.assert_close(per[part][key][i], v, rtol=1e-12, atol=1e-13)
+    _per_example_grads_equal_the_loop(loss, p, xs)
     wgs = torch.randn(4, E, M, generator=torch.Generator().manual_seed(18), dtype=torch.float64)
 
     def swept(ex):
