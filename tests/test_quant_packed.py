@@ -50,6 +50,18 @@ def _bound(a, w, o):
     return (a.shape[1] + 2) * torch.finfo(torch.float32).eps * b
 
 
+def _within_the_bound_on_every_isa(w, o, K, g, isas, tag):
+    """float32 rows [R, K] through every forced ISA path: within _bound of the reference."""
+    a = torch.randn(int(o[-1]), K, generator=g)
+    ref = packed.grouped_matmul_reference(a, w, o)
+    bound = _bound(a, w, o)
+    for isa in isas:
+        y = packed.grouped_matmul(a, w, o, isa=isa, impl="native")
+        assert y.dtype == torch.float32 and y.shape == ref.shape
+        bad = (y - ref).abs() > bound
+        assert not bad.any(), f"{tag} isa={isa}: rows {bad.any(1).nonzero().flatten().tolist()} outside the bound"
+
+
 def test_active_when_a_compiler_is_present():
     if HAS_COMPILER:
         assert packed.AVAILABLE, packed.status()
@@ -68,15 +80,7 @@ def test_every_isa_path_matches_the_reference(fmt, K):
     # rows per expert: register kernels (1, 3, 4, 5, 8), an empty expert, the decode + mm path (12)
     counts = [1, 0, 3, 12, 4, 5, 8]
     w = Q.quantize(torch.randn(len(counts), 70, K, generator=g), fmt)
-    o = _offsets(counts)
-    a = torch.randn(int(o[-1]), K, generator=g)
-    ref = packed.grouped_matmul_reference(a, w, o)
-    bound = _bound(a, w, o)
-    for isa in isas:
-        y = packed.grouped_matmul(a, w, o, isa=isa, impl="native")
-        assert y.dtype == torch.float32 and y.shape == ref.shape
-        bad = (y - ref).abs() > bound
-        assert not bad.any(), f"{fmt} K={K} isa={isa}: {int(bad.sum())} entries outside the bound"
+    _within_the_bound_on_every_isa(w, _offsets(counts), K, g, isas, f"{fmt} K={K}")
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8_block"])
@@ -235,14 +239,7 @@ def test_register_tiles_every_row_count(fmt, K, dense_from, monkeypatch):
     g = torch.Generator().manual_seed(7)
     counts = list(range(1, 18)) + [0]
     w = Q.quantize(torch.randn(len(counts), 71, K, generator=g), fmt)
-    o = _offsets(counts)
-    a = torch.randn(int(o[-1]), K, generator=g)
-    ref = packed.grouped_matmul_reference(a, w, o)
-    bound = _bound(a, w, o)
-    for isa in isas:
-        y = packed.grouped_matmul(a, w, o, isa=isa, impl="native")
-        bad = (y - ref).abs() > bound
-        assert not bad.any(), f"{fmt} K={K} isa={isa} dense_from={dense_from}: rows {bad.any(1).nonzero().flatten().tolist()}"
+    _within_the_bound_on_every_isa(w, _offsets(counts), K, g, isas, f"{fmt} K={K} dense_from={dense_from}")
 
 
 def test_mxfp4_scale_bytes_0_and_255_on_every_path():

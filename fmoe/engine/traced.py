@@ -258,6 +258,15 @@ def _batched(t: Tensor, d: Optional[int], B: int) -> Tensor:
     return t.movedim(d, 0) if d is not None else t.unsqueeze(0).expand(B, *t.shape)
 
 
+def _fold_experts(t: Optional[Tensor], d: Optional[int], B: int) -> Optional[Tensor]:
+    """An expert weight or bias [E, ...] (batched at d, or shared) as B*E experts [B*E, ...]:
+    element b's expert e is b*E + e (a shared one is copied B times)."""
+    if t is None:
+        return None
+    bt = _batched(t, d, B)
+    return bt.reshape(bt.shape[0] * bt.shape[1], *bt.shape[2:])
+
+
 def _expert_rows_vmap(info, in_dims, x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out, form,
                       in_t, out_t, act, alpha, limit, order, train, keep):
     """vmap's rule: the batch folded into one call. Tokens of a batched x and experts of batched
@@ -289,8 +298,7 @@ def _expert_rows_vmap(info, in_dims, x, gates, expert_ids, slots, counts, capaci
     E = _batched(w_out, dwo, B).shape[1]
     kept = (sl < capacity) & (ids >= 0)   # negative ids: masked pairs
     if any(d is not None for t, d in zip(weights, w_dims) if t is not None):   # per-element experts: B*E of them
-        weights = tuple(None if t is None else _batched(t, d, B).reshape(B * E, *_batched(t, d, B).shape[2:])
-                        for t, d in zip(weights, w_dims))
+        weights = tuple(_fold_experts(t, d, B) for t, d in zip(weights, w_dims))
         ids = ids + E * torch.arange(B, device=ids.device).view(B, 1, 1)
         E = B * E
     tok = torch.arange(T, device=ids.device).expand_as(ids)
@@ -369,17 +377,11 @@ class _Fold:
         def kt(t, d):   # [B, k, T] -> [k, B*T]
             return _batched(t, d, B).transpose(0, 1).reshape(k, B * T)
 
-        def ex(t, d):   # [B, E, ...] -> [B*E, ...]
-            if t is None:
-                return None
-            bt = _batched(t, d, B)
-            return bt.reshape(B * E, *bt.shape[2:])
-
         self.x = _batched(x, dx, B).reshape(B * T, x.shape[-1])
         self.ids, self.slots, self.gates = ids.transpose(0, 1).reshape(k, B * T), kt(slots, ds), kt(gates, dg)
         self.counts = _batched(counts, dc, B).reshape(B * E)
-        self.w_in = [ex(w, d) for w, d in zip(w_in, dwi)]
-        self.w_out, self.b_in, self.b_out = ex(w_out, dwo), ex(b_in, dbi), ex(b_out, dbo)
+        self.w_in = [_fold_experts(w, d, B) for w, d in zip(w_in, dwi)]
+        self.w_out, self.b_in, self.b_out = (_fold_experts(t, d, B) for t, d in ((w_out, dwo), (b_in, dbi), (b_out, dbo)))
 
 
 torch.library.register_vmap("fmoe::expert_rows_backward", _expert_rows_backward_vmap)
