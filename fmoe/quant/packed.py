@@ -13,7 +13,8 @@ the float grouped GEMM, built by ``python -m fmoe build``) decodes the weights i
 (expert, 64-row tile) jobs over the intra-op threads, and picks its vector path at run time
 (``isa``: "auto" the widest the CPU has, or "portable" / "avx2" / "avx512" forced; forcing one the
 CPU lacks is a ValueError). Experts with more than :data:`DENSE_FROM` rows decode one tile at a
-time to FP32 and multiply with ``at::mm``. ``impl``: "auto" runs the extension when it is built
+time to FP32 and multiply with ``at::mm`` (bf16 rows of FP4 weights: the tile as bf16, which holds
+every decoded FP4 weight exactly, and a bf16 ``at::mm`` accumulating in fp32). ``impl``: "auto" runs the extension when it is built
 and otherwise the numba kernels of :func:`fmoe.quant.expert_matmul`, one call per busy expert;
 "native" insists (RuntimeError naming the build command); "reference" runs
 :func:`grouped_matmul_reference`.
@@ -39,7 +40,7 @@ __all__ = ["AVAILABLE", "DENSE_FROM", "ISAS", "grouped_matmul", "grouped_matmul_
 
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
 _ISA_NAMES = {v: k for k, v in ISAS.items()}
-# Rows per expert above which a job decodes its tile to FP32 and runs at::mm instead of the
+# Rows per expert above which a job decodes its tile and runs at::mm instead of the
 # register tiles (which decode a group of weight rows once per pass of 4 or 8 activation rows,
 # the group staying in L1 between passes). Chosen, not measured: at::mm wins once the FLOPs per
 # weight dominate; re-measure (benchmarks/bench_packed_kernels.py --rows) when the VM is quiet.

@@ -768,7 +768,7 @@ void run_job_small(const Params& p, const Job& j, const float* xs, int isa, std:
   run_tiles(p, j, xs, p.fp4 ? kFp4Avx2 : kFp8Avx2);
 }
 
-// Many rows: decode the tile once to float32, then one single-threaded at::mm.
+// Many rows: decode the tile once to float32, then one single-threaded at::mm (bf16 for bf16 rows of FP4).
 void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const c10::optional<at::Tensor>& a_bf16,
                    const at::Tensor& out, int isa) {
   const int64_t tn = j.n1 - j.n0;
