@@ -53,7 +53,8 @@ from .experts import EXPERT_PARAMS, expert_form, shard_axes, sharding
 from .layout import Layout, make_layout
 from .routers import check_router_params
 from .routing import _trusted_routing, check_finite
-from .ops.grouped import GroupedGemm
+from .ops import dispatch
+from .ops.orders import combine_in_order
 
 __all__ = ["ParallelSpec", "sharding", "shard_experts", "capacity_alignment", "expert_stage", "expert_parallel",
            "check_expert_layout", "agree_across_ranks", "InconsistentRanksError"]
@@ -386,11 +387,10 @@ def expert_stage(experts, expert_params, x: Tensor, routing, comm, parallel: Opt
         # Not where shapes must be static (compiling, vmap): padded buffers and their fill masks.
         layout_kind = "ragged"
     layout = make_layout(routing, layout_kind)
-    kern = GroupedGemm(layout)
-    buffers = kern.dispatch(x, routing, weighted=prescore)
+    buffers = dispatch(x, routing, weighted=prescore, layout=layout)
     out = expert_parallel(experts, expert_params, buffers, comm, parallel, layout=layout, num_experts=num_experts,
                           output_dim=output_dim, save=save, generator=generator)
-    return kern.combine(out, routing, order=order, weighted=not prescore)
+    return combine_in_order(out, routing, layout, order, weighted=not prescore)
 
 
 def expert_parallel(experts, expert_params, buffers: Tensor, comm, parallel: Optional[ParallelSpec] = None,

@@ -26,10 +26,9 @@ from torch import Tensor
 
 from ..layout import Layout
 from ..routing import Routing
-from . import combine as _combine
 from . import dispatch as _dispatch
 from . import ragged as _ragged
-from .orders import eager_combine, grouped_combine
+from .orders import combine_in_order
 from .memory_order import grad_in_storage_order, weight_grad
 
 __all__ = ["GroupedGemm"]
@@ -100,14 +99,9 @@ class GroupedGemm:
         return _dispatch(x, routing, weighted=weighted, layout=self.layout)
 
     def combine(self, y: Tensor, routing: Routing, *, order: str = "fmoe", weighted: bool = True) -> Tensor:
-        """The buffer y back to tokens [T, O] in y's dtype, in ``order``: 'fmoe' (:func:`fmoe.combine`,
-        gate-weighted unless ``weighted=False``), 'eager' or 'grouped' (transformers' orders,
-        :mod:`fmoe.ops.orders`)."""
-        if order == "eager":
-            return eager_combine(y, routing, self.layout, y.dtype)
-        if order == "grouped":
-            return grouped_combine(y, routing, self.layout, y.dtype)
-        return _combine(y, routing, weighted=weighted, layout=self.layout)
+        """The buffer y back to tokens [T, O] in y's dtype, summed in ``order``
+        (:func:`fmoe.ops.orders.combine_in_order`)."""
+        return combine_in_order(y, routing, self.layout, order, weighted=weighted)
 
     # ---- float kernels over the layout
     def _float_mm(self, x: Tensor, w: Tensor, transposed: bool) -> Tensor:

@@ -22,7 +22,7 @@ from ..routing import Routing
 from . import combine as _combine
 from .reference import compute_dtype as _compute_dtype
 
-__all__ = ["COMBINES", "eager_combine", "grouped_combine"]
+__all__ = ["COMBINES", "eager_combine", "grouped_combine", "combine_in_order"]
 
 COMBINES = ("fmoe", "eager", "grouped")
 
@@ -86,3 +86,16 @@ def grouped_combine(y: Tensor, routing: Routing, layout: Layout, out_dtype: torc
         0, torch.where(pos >= 0, pos, torch.full_like(pos, R)), w)[:R]
     weighted = _rows(y, layout) * w_rows.unsqueeze(1)
     return _combine(weighted.reshape(y.shape), routing, weighted=False, layout=layout).to(out_dtype)
+
+
+def combine_in_order(y: Tensor, routing: Routing, layout: Layout, order: str = "fmoe", *, weighted: bool = True) -> Tensor:
+    """The layout's buffer y back to tokens [T, O] in y's dtype, summed in ``order``: 'fmoe'
+    (:func:`fmoe.combine`, gate-weighted unless ``weighted=False``), 'eager' or 'grouped'
+    (transformers' orders above, always gate-weighted)."""
+    if order == "eager":
+        return eager_combine(y, routing, layout, y.dtype)
+    if order == "grouped":
+        return grouped_combine(y, routing, layout, y.dtype)
+    if order != "fmoe":
+        raise ValueError(f"order must be one of {COMBINES}, got {order!r}")
+    return _combine(y, routing, weighted=weighted, layout=layout)
