@@ -129,6 +129,8 @@ def test_numba_fallback_matches_the_reference(monkeypatch):
     assert not ((y - ref).abs() > _bound(a, w, o)).any()
     with pytest.raises(RuntimeError, match="not built: run `python -m fmoe build`"):
         packed.grouped_matmul(a, w, o, impl="native")
+    with pytest.raises(ValueError, match="offsets must start at 0, never decrease and end at R = 5"):
+        packed.grouped_matmul(a, w, torch.tensor([0, 3, 2, 5]))   # the numba path checks the values it reads
 
 
 def test_bad_arguments_name_themselves():
@@ -136,6 +138,14 @@ def test_bad_arguments_name_themselves():
     a = torch.randn(3, 32)
     with pytest.raises(ValueError, match="offsets must start at 0, never decrease and end at R = 3"):
         packed.grouped_matmul(a, w, _offsets([1, 1]))
+    # the values are checked where they are read (the extension's own check, the numba path's, the
+    # reference's): a decreasing offset between a right first and last one, on every path
+    for impl in ("auto", "reference") + (("native",) if packed.AVAILABLE else ()):
+        with pytest.raises(ValueError, match="offsets must start at 0, never decrease and end at R = 3"):
+            packed.grouped_matmul(a, w, torch.tensor([0, 4, 3]), impl=impl)
+    with pytest.raises(ValueError, match="offsets must start at 0, never decrease and end at R = 3"):
+        packed.grouped_matmul(a.requires_grad_(), w, torch.tensor([0, 4, 3]))
+    a = a.detach()
     with pytest.raises(ValueError, match=r"offsets must be a CPU int64 \[E \+ 1\] = \[3\]"):
         packed.grouped_matmul(a, w, torch.tensor([0, 3]))
     with pytest.raises(ValueError, match=r"expected a \[R, K\] and w \[E, N, K\]"):

@@ -120,7 +120,8 @@ def best_isa() -> str:
 
 # --------------------------------------------------------------------------- validation
 
-def _check(a, w, offsets) -> list:
+def _check_args(a, w, offsets) -> None:
+    """Types, shapes and devices of grouped_matmul's operands (no read of the offsets' values)."""
     fn = "grouped_matmul"
     if not isinstance(w, QuantizedTensor):
         raise TypeError(f"{fn}: w must be a QuantizedTensor, got {type(w).__name__}")
@@ -137,11 +138,21 @@ def _check(a, w, offsets) -> list:
             or offsets.device.type != "cpu" or offsets.shape[0] != ws[0] + 1:
         raise ValueError(f"{fn}: offsets must be a CPU int64 [E + 1] = [{ws[0] + 1}] tensor, got "
                          f"{getattr(offsets, 'dtype', type(offsets).__name__)} {tuple(getattr(offsets, 'shape', ()))}")
+
+
+def _bounds(offsets: Tensor, rows: int) -> list:
+    """The offsets as host ints, checked: 0 first, never decreasing, R last."""
     o = offsets.tolist()
-    if o[0] != 0 or o[-1] != a.shape[0] or any(o1 < o0 for o0, o1 in zip(o, o[1:])):
-        raise ValueError(f"{fn}: offsets must start at 0, never decrease and end at R = {a.shape[0]} "
+    if o[0] != 0 or o[-1] != rows or any(o1 < o0 for o0, o1 in zip(o, o[1:])):
+        raise ValueError(f"grouped_matmul: offsets must start at 0, never decrease and end at R = {rows} "
                          f"(the rows of a), got {o[:4]}...{o[-2:]}")
     return o
+
+
+def _check(a, w, offsets) -> list:
+    """Every check of grouped_matmul's operands; returns the offsets as host ints."""
+    _check_args(a, w, offsets)
+    return _bounds(offsets, a.shape[0])
 
 
 # --------------------------------------------------------------------------- the three implementations
@@ -171,7 +182,8 @@ def _operands(w: QuantizedTensor):
     if fmt in FP4_FORMATS:
         table = C.E8M0_TABLE if fmt == "mxfp4" else C.E4M3_TABLE
         gs = None if w.global_scale is None else w.global_scale.float().reshape(-1).contiguous()
-        return w.data.contiguous(), w.scales.contiguous().view(torch.uint8), table, True, 1, w.block[1], gs
+        sc = w.scales.contiguous()
+        return w.data.contiguous(), sc if sc.dtype == torch.uint8 else sc.view(torch.uint8), table, True, 1, w.block[1], gs
     data = w.data.contiguous().view(torch.uint8)
     if fmt == "mxfp8":
         return data, w.scales.contiguous(), C.E8M0_TABLE, False, 1, 32, None
@@ -182,11 +194,19 @@ def _operands(w: QuantizedTensor):
 def _native(a: Tensor, w: QuantizedTensor, offsets: Tensor, isa: str, act_int8: bool = False) -> Tensor:
     data, scales, table, fp4, bn, bk, gs = _operands(w)
     out = torch.empty(a.shape[0], w.logical_shape[1], dtype=torch.float32)
+    if a.requires_grad:
+        a = a.detach()
     # bf16 rows: the decode + at::mm path of FP4 weights multiplies them as bf16 (exact weights)
-    a_bf16 = a.detach().contiguous() if a.dtype == torch.bfloat16 and fp4 else None
-    _EXT.packed_grouped_mm(a.detach().float().contiguous(), offsets.contiguous(), data, scales, table, C.E4M3_TABLE, gs,
-                           fp4, bn, bk, out, ISAS[isa], DENSE_FROM, act_int8, a_bf16)
-    return out.to(a.dtype)
+    a_bf16 = a.contiguous() if a.dtype == torch.bfloat16 and fp4 else None
+    a32 = a if a.dtype == torch.float32 and a.is_contiguous() else a.float().contiguous()
+    try:
+        # the kernel checks the offsets' values (0 first, never decreasing, R last) before it reads them
+        _EXT.packed_grouped_mm(a32, offsets.contiguous(), data, scales, table, C.E4M3_TABLE, gs, fp4, bn, bk, out,
+                               ISAS[isa], DENSE_FROM, act_int8, a_bf16)
+    except ValueError:
+        _bounds(offsets, a.shape[0])   # bad offsets: raise the message that names them and R
+        raise
+    return out if a.dtype == torch.float32 else out.to(a.dtype)
 
 
 def has_int8_path() -> bool:
@@ -194,7 +214,8 @@ def has_int8_path() -> bool:
     return AVAILABLE and bool(_EXT.has_vnni())
 
 
-def _run(a: Tensor, w: QuantizedTensor, offsets: Tensor, o: list, isa: str, impl: str, act: str = "float") -> Tensor:
+def _run(a: Tensor, w: QuantizedTensor, offsets: Tensor, isa: str, impl: str, act: str = "float") -> Tensor:
+    # the offsets' values are checked by whichever path reads them (the extension checks its own)
     if act == "int8":
         return _native(a, w, offsets, isa, True)
     if impl == "reference":
@@ -203,7 +224,7 @@ def _run(a: Tensor, w: QuantizedTensor, offsets: Tensor, o: list, isa: str, impl
         if not AVAILABLE:
             raise RuntimeError(f"grouped_matmul(impl='native'): {status()}")
         return _native(a, w, offsets, isa)
-    return _numba(a, w, o)
+    return _numba(a, w, _bounds(offsets, a.shape[0]))
 
 
 class _GroupedMatmul(torch.autograd.Function):
@@ -215,7 +236,7 @@ class _GroupedMatmul(torch.autograd.Function):
         w = QuantizedTensor(data, scales, gscale, fmt, shape, block)
         ctx.save_for_backward(data, scales, gscale)
         ctx.meta = meta
-        return _run(a, w, offsets, list(o), isa, impl, act)
+        return _run(a, w, offsets, isa, impl, act)
 
     @staticmethod
     def backward(ctx, dy):
@@ -242,7 +263,7 @@ def grouped_matmul(a: Tensor, w: QuantizedTensor, offsets: Tensor, *, isa: str =
     blocks' scales d, beside the float rounding. Experts with more than DENSE_FROM rows still
     take the float path.
     """
-    o = _check(a, w, offsets)
+    _check_args(a, w, offsets)
     if isa not in ISAS:
         raise ValueError(f"grouped_matmul: isa must be one of {tuple(ISAS)}, got {isa!r}")
     if impl not in ("auto", "native", "reference"):
@@ -259,8 +280,8 @@ def grouped_matmul(a: Tensor, w: QuantizedTensor, offsets: Tensor, *, isa: str =
     if not (a.requires_grad and torch.is_grad_enabled()):
         # nothing to differentiate: skip the autograd.Function (its bookkeeping costs a decode
         # step more than the validation does)
-        return _run(a, w, offsets, o, isa, impl, activations)
-    meta = (w.fmt, w.shape, w.block, tuple(o), isa, impl, activations)
+        return _run(a, w, offsets, isa, impl, activations)
+    meta = (w.fmt, w.shape, w.block, tuple(_bounds(offsets, a.shape[0])), isa, impl, activations)
     return _GroupedMatmul.apply(a, offsets, w.data, w.scales, w.global_scale, meta)
 
 

@@ -1,0 +1,229 @@
+"""Host overhead of one decode call through ``fmoe.moe``, by section, warm and cold (issue 35).
+
+The layer of ``benchmarks.bench_inference`` (swiglu experts M=2048, I=768, E=64, k=6, dropless
+top-k router; packed MXFP4 and float32 experts), T = 1 and 4 tokens, under no_grad. Sections,
+each timed as its own call on the routing / plan / rows the layer makes:
+
+* ``layer``: the whole ``fmoe.moe`` call;
+* ``layer_host`` (packed formats): the same call with the packed extension's kernel replaced by a
+  no-op, so everything but the C++ GEMM (Python, small torch ops, allocations, the kernel's own
+  argument checks excluded) is timed in place;
+* ``checks``: ``moe._check_input`` + ``moe.check_params``;
+* ``route``: ``moe._route`` (router GEMM, scores, top-k, finiteness check, slots, capacity, the
+  Routing and the GShard loss);
+* ``plan``: ``engine.make_plan`` + ``plan.row_weights``;
+* ``experts``: ``moe._experts`` (door, expert form, plan, ``kinds.run``: both GEMMs included);
+* ``gemms`` (packed): the layer's two ``fmoe.quant.packed.grouped_matmul`` calls on rows of the
+  plan's shape; ``gemms_check``: their argument validation alone (``packed._check``, where the
+  tree has it).
+
+``warm``: the sections called round robin, back to back. ``cold``: each call after an untimed read
+of 512 MiB (bench_inference's eviction), as bench_inference times the layer. Medians and 20th
+percentiles (the host is shared; the low percentile is the less disturbed figure).
+
+``--compare DIR`` times another checkout (e.g. ``git archive <commit> | tar -x -C DIR``) against
+this one: the two run in alternating child processes (A B A B ...), each for ``--rounds`` rounds,
+and the table gives both and their ratio. The children import fmoe from their own tree.
+
+Run: ``python -m benchmarks.bench_decode_overhead [--repeats 200] [--cold-repeats 25] [--tokens 1 4]
+[--formats mxfp4 float32] [--compare DIR --rounds 3] [--json PATH]``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+FLUSH_BYTES = 512 << 20
+
+
+class _NoKernel:
+    """The packed extension with its GEMM a no-op (``layer_host``): every other attribute is the real one."""
+
+    def __init__(self, ext):
+        self._ext = ext
+
+    def __getattr__(self, name):
+        return getattr(self._ext, name)
+
+    @staticmethod
+    def packed_grouped_mm(*args):
+        return 0
+
+
+def _quantiles(v: list) -> dict:
+    s = sorted(v)
+    return {"median": statistics.median(s), "p20": s[len(s) // 5]}
+
+
+def _time(steps: dict, repeats: int, cold: bool) -> dict:
+    buf = torch.ones(FLUSH_BYTES // 4) if cold else None
+    times = {n: [] for n in steps}
+    order = list(steps)
+    for fn in steps.values():
+        for _ in range(3):
+            fn()   # warm-up (numba, allocator)
+    for r in range(repeats):
+        for name in (order[::-1] if r % 2 else order):
+            if cold:
+                buf.sum()
+            t0 = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {n: _quantiles(v) for n, v in times.items()}
+
+
+def sections(fmt: str, T: int):
+    """{name: zero-argument callable} for one format and token count (imports fmoe from sys.path)."""
+    from benchmarks.bench_inference import E, I, M, _rand_packed, _spec
+    import fmoe  # noqa: F401
+    moe = importlib.import_module("fmoe.moe")
+    from fmoe.engine import plan as _plan
+    from fmoe.quant import packed
+    spec = _spec()
+    g = torch.Generator().manual_seed(0)
+    gate = {"wg": torch.randn(E, M, generator=g) * 0.02}
+    w = {"gate_up_proj": _rand_packed(fmt, 2 * I, M, g), "down_proj": _rand_packed(fmt, M, I, g)}
+    params = {"gate": gate, "experts": w}
+    x = torch.randn(T, M, generator=g)
+    kind = spec.layout_kind(1)
+
+    def route():
+        return moe._route(params, x, spec, kind, comm=None, generator=None, noise=None, training=False, alignment=1)
+
+    routing = route()[0]
+
+    def plan():
+        p = _plan.make_plan(routing, needs_grad=False, dtype=torch.float32)
+        return p.row_weights(routing.weights)
+
+    def checks():
+        moe._check_input(x, spec)
+        moe.check_params(params, spec)
+
+    steps = {"layer": lambda: fmoe.moe(params, x, spec), "checks": checks, "route": route, "plan": plan,
+             "experts": lambda: moe._experts(spec, w, x, routing, kind, None)}
+    if fmt != "float32":
+        pl = _plan.make_plan(routing, needs_grad=False, dtype=torch.float32)
+        a, h = torch.randn(pl.num_rows, M, generator=g), torch.randn(pl.num_rows, I, generator=g)
+        steps["gemms"] = lambda: (packed.grouped_matmul(a, w["gate_up_proj"], pl.offsets),
+                                  packed.grouped_matmul(h, w["down_proj"], pl.offsets))
+        check = getattr(packed, "_check_args", None) or getattr(packed, "_check", None)
+        if check is not None:
+            steps["gemms_check"] = lambda: (check(a, w["gate_up_proj"], pl.offsets), check(h, w["down_proj"], pl.offsets))
+        if packed.AVAILABLE:
+            def host():
+                ext = packed._EXT
+                packed._EXT = _NoKernel(ext)
+                try:
+                    return fmoe.moe(params, x, spec)
+                finally:
+                    packed._EXT = ext
+            steps["layer_host"] = host
+    return steps
+
+
+def measure(formats, tokens, repeats: int, cold_repeats: int) -> dict:
+    out = {"threads": torch.get_num_threads(), "loadavg_start": os.getloadavg()[0], "runs": {}}
+    with torch.no_grad():
+        for fmt in formats:
+            for T in tokens:
+                steps = sections(fmt, T)
+                out["runs"][f"{fmt} T={T}"] = {"warm": _time(steps, repeats, False),
+                                                "cold": _time(steps, cold_repeats, True)}
+    out["loadavg_end"] = os.getloadavg()[0]
+    return out
+
+
+def _child(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = measure(args.formats, args.tokens, args.repeats, args.cold_repeats)
+    with open(args.child, "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+def _merge(runs: list) -> dict:
+    """Median over child runs of each section's median and p20."""
+    out = {}
+    for key in runs[0]["runs"]:
+        out[key] = {}
+        for mode in ("warm", "cold"):
+            out[key][mode] = {n: {q: statistics.median(r["runs"][key][mode][n][q] for r in runs)
+                                  for q in ("median", "p20")}
+                              for n in runs[0]["runs"][key][mode] if all(n in r["runs"][key][mode] for r in runs)}
+    return out
+
+
+def _spawn(tree: str, args, path: str) -> dict:
+    here = os.path.abspath(__file__)
+    cmd = [sys.executable, here, "--child", path, "--repeats", str(args.repeats), "--cold-repeats",
+           str(args.cold_repeats), "--formats", *args.formats, "--tokens", *map(str, args.tokens)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    env = dict(os.environ, PYTHONPATH=tree)
+    subprocess.run(cmd, cwd=tree, env=env, check=True)
+    with open(path) as f:
+        return json.load(f)
+
+
+def table(res: dict, base: dict = None) -> list:
+    lines = []
+    for key, modes in res.items():
+        for mode, secs in modes.items():
+            lines += ["", f"{key}, {mode} (us: median / p20" + (", this tree vs --compare" if base else "") + ")", "",
+                      "| section | " + ("this tree | compare | ratio (p20) |" if base else "median | p20 |"),
+                      "|---|---|---|" + ("---|" if base else "")]
+            for n, q in secs.items():
+                if base:
+                    b = base[key][mode].get(n)
+                    other = f"{b['median'] * 1e6:.0f} / {b['p20'] * 1e6:.0f}" if b else "-"
+                    ratio = f"{q['p20'] / b['p20']:.2f}" if b else "-"
+                    lines.append(f"| {n} | {q['median'] * 1e6:.0f} / {q['p20'] * 1e6:.0f} | {other} | {ratio} |")
+                else:
+                    lines.append(f"| {n} | {q['median'] * 1e6:.0f} | {q['p20'] * 1e6:.0f} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=200, help="warm calls per section")
+    p.add_argument("--cold-repeats", type=int, default=25, help="cold calls per section")
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 4])
+    p.add_argument("--formats", nargs="+", default=["mxfp4", "float32"])
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--compare", default=None, help="another checkout to time against this one")
+    p.add_argument("--rounds", type=int, default=3, help="child runs per tree with --compare")
+    p.add_argument("--json", default=None)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return _child(args)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as d:
+        mine, other = [], []
+        for r in range(args.rounds if args.compare else 1):
+            mine.append(_spawn(here, args, os.path.join(d, f"a{r}.json")))
+            if args.compare:
+                other.append(_spawn(os.path.abspath(args.compare), args, os.path.join(d, f"b{r}.json")))
+    res = {"this": _merge(mine), "compare": _merge(other) if other else None,
+           "threads": mine[0]["threads"], "loadavg": [r["loadavg_start"] for r in mine + other]}
+    print(f"{res['threads']} torch threads; load average at each child's start {res['loadavg']}")
+    print("\n".join(table(res["this"], res["compare"])))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
