@@ -35,7 +35,7 @@ import torch
 import fmoe
 from fmoe import experts as fx
 from fmoe.ops import numba_cpu
-from fmoe.ops.grouped import GroupedGemm
+from fmoe.engine import GroupedGemm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +145,7 @@ def _moe_staged(params, x, spec):
     routing, l_aux = fmoe.route(params, x, spec)
     layout = fmoe.make_layout(routing, "padded")
     buf = fmoe.dispatch(x, routing, weighted=not spec.is_postscore, layout=layout)
-    out = fx.apply_experts(spec.experts, params["experts"], buf, GroupedGemm(layout))
+    out = fx.apply_experts(spec.experts, params["experts"], buf, GroupedGemm.over(layout))
     return fmoe.combine(out, routing, weighted=spec.is_postscore, layout=layout), l_aux
 
 

@@ -1,9 +1,9 @@
 """Expert functions over the one grouped-GEMM seam, and the table of their parameter layouts.
 
 Every built-in expert function has the signature ``fn(params, x, gemm) -> y`` where ``gemm``
-is a :class:`fmoe.ops.grouped.GroupedGemm` bound to the dispatch layout and x is that
-layout's buffer: padded [E, C, M] or ragged [R, M]; y has the same leading shape and O
-features. ``gemm=None`` means plain per-expert matmuls over padded buffers [E, C, M] (every
+is a :class:`fmoe.engine.GroupedGemm` (the kernel table's entry bound to the call's plan) and
+x is the plan's rows: a layout's buffer, padded [E, C, M] or ragged [R, M]; y has the same
+leading shape and O features. ``gemm=None`` means plain per-expert matmuls over padded buffers [E, C, M] (every
 row multiplied), which is what a hand-written call on ``fmoe.dispatch`` output wants.
 
 Expert types (``ExpertSpec.type``) and their parameter pytrees (float layouts; a weight may
@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from .ops.grouped import GroupedGemm
-from .engine import ExpertForm
+from .ops.grouped import padded_mm
+from .engine import ExpertForm, GroupedGemm
 from .engine import kinds as _kinds
 
 __all__ = ["ExpertSpec", "ParamLayout", "EXPERT_PARAMS", "EXPERT_TYPES", "ffn", "gated_ffn", "swiglu",
@@ -201,12 +201,7 @@ def expert_matmul(x: Tensor, w, gemm: Optional[GroupedGemm] = None, *, transpose
     """
     if gemm is not None:
         return gemm.mm(x, w, transposed=transposed, bias=bias)
-    if _is_quantized(w):
-        from . import quant  # local: the quantized path is optional
-        y = quant.expert_matmul(x, w).to(x.dtype)
-    else:
-        w = w.to(x.dtype)
-        y = torch.bmm(x, w.transpose(1, 2) if transposed else w)
+    y = padded_mm(x, w, transposed=transposed)
     return y if bias is None else y + bias.to(y.dtype).unsqueeze(1)
 
 
@@ -226,7 +221,7 @@ def expert_form(spec: "ExpertSpec", params) -> dict:
     """Every built-in kind as one description: ``{"form": ExpertForm, "w_in": tuple, "w_out",
     "b_in", "b_out"}`` over the weights as given (float, or quantized: always out x in).
 
-    The staged pipeline (:func:`apply_experts`) and the engine (:func:`fmoe.engine.run`) both
+    The expert functions (:func:`apply_experts`) and the engine (:func:`fmoe.engine.run`) both
     take it, so a kind is defined once."""
     b_in = b_out = None
     if spec.type == "ffn":   # fc1 out x in; float fc2 keeps Tutel's hidden x out, quantized fc2 is out x in
@@ -250,7 +245,7 @@ def expert_form(spec: "ExpertSpec", params) -> dict:
 
 def apply_form(form: ExpertForm, x: Tensor, w_in: tuple, w_out, b_in: Optional[Tensor] = None,
                b_out: Optional[Tensor] = None, gemm: Optional[GroupedGemm] = None) -> Tensor:
-    """``y = hidden(x W_in + b_in) W_out + b_out`` per expert over the seam (the staged pipeline's
+    """``y = hidden(x W_in + b_in) W_out + b_out`` per expert over the seam (a layout plan's
     expert stage for every built-in kind).
 
     Args:

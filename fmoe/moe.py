@@ -71,11 +71,13 @@ class MoESpec:
             multiplied (either layout). Every built-in kind with float weights, quantized-training
             recipes (quantize blocks per expert) or packed weights. Equal to the layout plan
             within float rounding (the k terms of a token are summed in expert order);
-            combine='eager' stays transformers' order. Under torch.func / torch.compile, with
-            custom experts on padded buffers, pre-scored gates or combine='grouped', a layout plan
-            runs instead. 'layout': always the layout plan, the engine's staged kernel (dispatch
-            -> one op per projection over the layout's buffers -> combine; with the padded layout
-            Tutel's arithmetic bit for bit, every capacity row multiplied).
+            combine='eager' stays transformers' order. Under torch.compile and torch.func's vmap
+            and grad the same plan runs inside one custom op (:mod:`fmoe.engine.traced`). Under
+            forward-mode AD or a second derivative, with custom experts on padded buffers,
+            pre-scored gates or combine='grouped' (float weights), a layout plan runs instead.
+            'layout': always the layout plan, the engine's layout kernel (dispatch -> one op per
+            projection over the layout's buffers -> combine; with the padded layout Tutel's
+            arithmetic bit for bit, every capacity row multiplied).
         save: on a rows plan, what backward keeps: 'projections' (the in-projection outputs,
             [N, H] or [N, 2H] for N kept pairs) or 'recompute' (nothing beyond the inputs: one
             more in-projection GEMM in backward).
@@ -562,7 +564,7 @@ def _experts(spec: MoESpec, experts, compute: Tensor, routing: Routing, kind: st
              generator: Optional[torch.Generator]) -> tuple[Tensor, Tensor]:
     """(y [T, O], pairs dropped int64 []) on one process: the expert engine over a rows plan
     where it applies (``MoESpec.plan`` 'auto'; custom experts with ``takes_plan`` always), else
-    over a layout plan (the staged kernel)."""
+    over a layout plan (dispatch, the layout kernel, combine)."""
     es = spec.experts
     kw = None if es.type == "custom" else expert_form(es, experts)
     ts = (compute, routing.weights) if kw is None else (

@@ -271,7 +271,7 @@ class MoELayer(nn.Module):
             as in :class:`fmoe.MoESpec`.
         dtype: parameter dtype of the experts (gates stay float32 with fp32_gate).
         pad_samples: accepted for Tutel scripts and ignored (deprecated in Tutel; fmoe never pads).
-        plan, save: as in :class:`fmoe.MoESpec` (``plan='layout'``: the staged kernel on
+        plan, save: as in :class:`fmoe.MoESpec` (``plan='layout'``: the layout kernel on
             the layout's buffers, Tutel's arithmetic bit for bit; ``save``: what the expert
             engine keeps for backward, 'projections' | 'recompute').
     """

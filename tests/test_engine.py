@@ -455,11 +455,10 @@ def test_plan_rows_equal_the_ragged_layouts_rows_and_print():
     assert torch.equal(plan.row_weights(r.weights), r.weights.reshape(-1)[plan.pairs])
 
 
-def test_a_layout_plan_runs_the_staged_kernel_and_equals_the_rows_plan():
-    # a layout plan holds the routing and its layout (static shapes, no host rows) and runs the
-    # staged kernel through the same run(); either layout equals the rows plan's result
+def test_a_layout_plan_runs_the_layout_kernel_and_equals_the_rows_plan():
+    # a layout plan holds the routing and its layout (static shapes, no host rows) and runs its
+    # layout's kernel through the same run(); either layout equals the rows plan's result
     from fmoe.layout import make_layout
-    from fmoe.ops.grouped import GroupedGemm
     spec = _spec("ffn", 1.0, k=2, act="gelu")
     p = _params(spec)
     x = torch.randn(30, 12, generator=_gen(4), dtype=DT)
@@ -474,7 +473,7 @@ def test_a_layout_plan_runs_the_staged_kernel_and_equals_the_rows_plan():
         assert plan.phase == "traced" and plan.num_rows == plan.layout.num_rows and plan.num_tokens == 30
         assert repr(plan).startswith(f"LayoutPlan(T=30, E=6, layout={kind}, rows={plan.layout.num_rows}, phase=traced")
         assert plan.row_weights(r.weights) is r.weights
-        assert isinstance(engine.select(plan), GroupedGemm)
+        assert engine.select(plan).name == f"layout-{kind}"
         with pytest.raises(ValueError, match="no host row counts"):
             plan.sizes
         y = engine.run(kw["form"], x, r.weights, plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"])
@@ -549,8 +548,9 @@ def test_table_has_one_kernel_per_key_and_explains_a_step():
     assert "[8192 x 512] @ [512 x 2048]" in text
     text = table.explain("T=16,M=512,H=1024,E=64")
     assert "phase: decode" in text and text.count("->") == 2
-    text = table.explain("T=64,M=32,H=16,E=4,phase=traced")   # under torch.func / compile: the staged kernel
-    assert "phase: traced" in text and text.count("-> staged") == 6 and "kernel: staged: the layout's buffers" in text
+    text = table.explain("T=64,M=32,H=16,E=4,phase=traced")   # a layout plan: the padded layout's kernel
+    assert "phase: traced" in text and text.count("-> layout-padded") == 6
+    assert "kernel: layout-padded: one torch.bmm over every row of every expert buffer" in text
     for bad, msg in [("T=1,M=2", "needs H, E"), ("T=x,M=1,H=1,E=1", "T must be int"),
                      ("T=1,M=1,H=1,E=1,kind=moe", "kind must be"), ("T=1,M=1,H=1,E=1,dtype=int8", "dtype must be"),
                      ("T=1,M=1,H=1,E=1,phase=warm", "phase must be"), ("Q=1", "bad field")]:

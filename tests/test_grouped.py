@@ -1,10 +1,10 @@
-"""The staged pipeline's expert-GEMM seam (fmoe.ops.grouped.GroupedGemm) over both layouts."""
+"""The expert-GEMM seam (fmoe.engine.GroupedGemm) over both layouts: the layout kernels."""
 import pytest
 import torch
 
 from fmoe.experts import ExpertSpec, ffn, gated_ffn, init_experts
 from fmoe.layout import Layout
-from fmoe.ops.grouped import GroupedGemm
+from fmoe.engine import GroupedGemm
 from fmoe.ops.ragged import ragged_mm_reference, ragged_wgrad_reference
 
 ROWS = [64, 10, 0, 33, 1, 5, 12, 4]  # full, small, empty
@@ -14,14 +14,14 @@ SPARSE = [0, 10, 0, 0, 1, 0, 0, 64]  # few busy experts
 def _padded(rows, C):
     E = len(rows)
     sizes = torch.tensor(rows)
-    return GroupedGemm(Layout(torch.empty(0, 0, dtype=torch.int64), torch.arange(E) * C, sizes, "padded", E * C, E, C))
+    return GroupedGemm.over(Layout(torch.empty(0, 0, dtype=torch.int64), torch.arange(E) * C, sizes, "padded", E * C, E, C))
 
 
 def _ragged(rows, pad=3):
     sizes = torch.tensor(rows)
     starts = torch.cumsum(sizes, 0) - sizes
     R = int(sizes.sum()) + pad
-    return GroupedGemm(Layout(torch.empty(0, 0, dtype=torch.int64), starts, sizes, "ragged", R, len(rows), max(rows)))
+    return GroupedGemm.over(Layout(torch.empty(0, 0, dtype=torch.int64), starts, sizes, "ragged", R, len(rows), max(rows)))
 
 
 def _buffers(E=8, C=64, M=48, seed=0, rows=ROWS):
@@ -90,15 +90,18 @@ def test_padded_seam_under_vmap():
 
 def test_ragged_bias_rows_and_membership():
     # Ragged rows get their expert's bias; rows past the last group get 0.
+    from fmoe.ops.grouped import layout_bias
     seam = _ragged([2, 0, 3], pad=2)
     b = torch.arange(3 * 4, dtype=torch.float32).reshape(3, 4)
-    got = seam.bias(b, torch.empty(seam.layout.num_rows, 4))
     want = torch.cat([b[0].expand(2, 4), b[2].expand(3, 4), torch.zeros(2, 4)])
-    assert torch.equal(got, want)
+    assert torch.equal(layout_bias(b, torch.empty(seam.layout.num_rows, 4), seam.layout), want)
+    # through the seam: zero rows times any weight, plus the bias
+    x = torch.zeros(seam.layout.num_rows, 5)
+    assert torch.equal(seam.mm(x, torch.randn(3, 4, 5), transposed=True, bias=b), want)
 
 
 def test_storage_order_bmm_is_bmm_with_the_weight_gradient_in_the_storages_order():
-    # GroupedGemm's full-buffer bmm for x @ W weights that are transposed views of contiguous
+    # The padded layout kernel's full-buffer bmm for x @ W weights that are transposed views of contiguous
     # storage (fmoe.nn.MoELayer's): bmm's forward and data gradient, the weight gradient in the
     # storage's strides (what AccumulateGrad keeps without a copy), differentiable twice.
     from fmoe.ops.grouped import _StorageOrderBmm

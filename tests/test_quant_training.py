@@ -1,7 +1,6 @@
 """Quantized expert training (fmoe.quant.training): quantizers, dgrad/wgrad, SR, Hadamard, torch.func."""
 from __future__ import annotations
 
-import dataclasses
 
 import sys
 
@@ -9,7 +8,7 @@ import pytest
 import torch
 
 from fmoe.layout import Layout
-from fmoe.ops.grouped import GroupedGemm
+from fmoe.engine import GroupedGemm
 from fmoe.quant import _codecs as C
 from fmoe.quant import formats as F
 from fmoe.quant import training as QT
@@ -409,7 +408,7 @@ def _seg_data(transposed, seed=20):
 
 def _run_gemm(gemm, x, w, gy, transposed, seed=5):
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    gemm = dataclasses.replace(gemm, generator=torch.Generator().manual_seed(seed))
+    gemm = GroupedGemm.over(gemm.layout, precision=gemm.plan.precision, generator=torch.Generator().manual_seed(seed))
     y = gemm.mm(xr, wr, transposed=transposed)
     dx, dw = torch.autograd.grad(y, (xr, wr), gy)
     return y, dx, dw
@@ -425,7 +424,7 @@ def test_ragged_blocks_never_span_two_experts(recipe, transposed):
     """quantized_mm on ragged rows == the same recipe run expert by expert on its rows alone
     (forward, dgrad and wgrad; bit for bit: the same decoded operands, the same GEMM calls)."""
     x, w, gy = _seg_data(transposed)
-    y, dx, dw = _run_gemm(GroupedGemm(_ragged(SIZES, R_ROWS), precision=recipe), x, w, gy, transposed)
+    y, dx, dw = _run_gemm(GroupedGemm.over(_ragged(SIZES, R_ROWS), precision=recipe), x, w, gy, transposed)
     assert dw.shape == w.shape
     s = 0
     for e, n in enumerate(SIZES):
@@ -434,7 +433,7 @@ def test_ragged_blocks_never_span_two_experts(recipe, transposed):
         if n == 0:
             assert torch.equal(dw[e], torch.zeros_like(dw[e]))  # an empty expert: no gradient
             continue
-        one = GroupedGemm(_ragged((n,), n), precision=recipe)
+        one = GroupedGemm.over(_ragged((n,), n), precision=recipe)
         y_e, dx_e, dw_e = _run_gemm(one, x[sl], w[e:e + 1], gy[sl], transposed)
         assert torch.equal(y[sl], y_e), (e, "y")
         assert torch.equal(dx[sl], dx_e), (e, "dx")
@@ -459,16 +458,16 @@ def test_padded_blocks_are_per_expert(recipe):
     for e, n in enumerate(SIZES):
         x[e, :n], gy[e, :n] = x_r[s:s + n], gy_r[s:s + n]
         s += n
-    y, dx, dw = _run_gemm(GroupedGemm(_padded(SIZES, cap), precision=recipe), x, w, gy, transposed)
+    y, dx, dw = _run_gemm(GroupedGemm.over(_padded(SIZES, cap), precision=recipe), x, w, gy, transposed)
     for e, n in enumerate(SIZES):
         if n == 0:
             assert torch.equal(dw[e], torch.zeros_like(dw[e]))
             continue
-        alone = GroupedGemm(_padded((n,), cap), precision=recipe)
+        alone = GroupedGemm.over(_padded((n,), cap), precision=recipe)
         y_a, dx_a, dw_a = _run_gemm(alone, x[e:e + 1], w[e:e + 1], gy[e:e + 1], transposed)
         for got, alone_e in ((y[e], y_a[0]), (dx[e], dx_a[0]), (dw[e], dw_a[0])):
             torch.testing.assert_close(got, alone_e, rtol=1e-5, atol=1e-5, msg=str(e))
-        rows = GroupedGemm(_padded((n,), n), precision=recipe)
+        rows = GroupedGemm.over(_padded((n,), n), precision=recipe)
         y_e, dx_e, dw_e = _run_gemm(rows, x[e:e + 1, :n], w[e:e + 1], gy[e:e + 1, :n], transposed)
         torch.testing.assert_close(y[e, :n], y_e[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dx[e, :n], dx_e[0], rtol=1e-5, atol=1e-5)
@@ -486,7 +485,7 @@ def test_ragged_stochastic_rounding_and_hadamard_go_expert_by_expert(name):
     own, the draws taken expert by expert (written here from the public quantizers)."""
     r = recipe_from_name(name)
     x, w, gy = _seg_data(True, seed=21)
-    _, _, dw = _run_gemm(GroupedGemm(_ragged(SIZES, R_ROWS), precision=r), x, w, gy, True, seed=9)
+    _, _, dw = _run_gemm(GroupedGemm.over(_ragged(SIZES, R_ROWS), precision=r), x, w, gy, True, seed=9)
     g = torch.Generator().manual_seed(9)
     # backward draws: dgrad's gradient quantization first (NVFP4: one global scale per expert)
     n_rows, s = sum(SIZES), 0
@@ -521,7 +520,7 @@ def test_ragged_stochastic_rounding_and_hadamard_go_expert_by_expert(name):
 
 def test_ragged_offsets_with_plain_callables():
     """offsets= gives plain mm / wgrad callables the same per-expert blocks as a GroupedGemm
-    (which hands over its layout's offsets itself); without offsets [R, K] rows are one group."""
+    (over a ragged layout, which passes its offsets itself); without offsets [R, K] rows are one group."""
     r = TrainPrecision(weights="fp8_block", activations=True, grads=True)
     x, w, gy = _seg_data(True)
     lay = _ragged(SIZES, R_ROWS)
@@ -534,7 +533,7 @@ def test_ragged_offsets_with_plain_callables():
     def wgrad(a, b):
         return torch.stack([a[offs[e]:offs[e + 1]].T @ b[offs[e]:offs[e + 1]] for e in range(len(SIZES))])
 
-    _, _, dw_gemm = _run_gemm(GroupedGemm(lay, precision=r), x, w, gy, True)
+    _, _, dw_gemm = _run_gemm(GroupedGemm.over(lay, precision=r), x, w, gy, True)
     for offsets, same, path in ((lay.offsets, True, "auto"), (lay.offsets, True, "reference"),
                                 (None, False, "auto")):
         wr = w.clone().requires_grad_()

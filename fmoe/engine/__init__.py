@@ -13,12 +13,14 @@ multiply through :func:`grouped_mm` (the table's kernels, differentiable). :mod:
 runs the same plan and kernels inside one torch.library custom op under torch.compile, and its
 ``door()`` decides, once per call, which door a call takes. A :class:`LayoutPlan`
 (``make_plan(..., layout=)``: forward-mode AD, ``MoESpec(plan='layout')``) runs the same
-kinds on the staged kernel, :class:`fmoe.ops.grouped.GroupedGemm` over the layout's buffers.
+kinds over the layout's buffers: dispatch, the table's layout kernel (its ``mm`` one op per
+projection over every buffer row), combine. :class:`GroupedGemm` binds a kernel to a plan: the
+seam the built-in expert functions of :mod:`fmoe.experts` multiply through.
 """
 from .plan import ExpertPlan, LayoutPlan, make_plan
 from .table import Kernel, explain, select
 from .kinds import ExpertForm, combine_rows, reference, run, run_custom
-from .grouped import grouped_mm
+from .grouped import GroupedGemm, grouped_mm
 
-__all__ = ["ExpertPlan", "LayoutPlan", "make_plan", "Kernel", "select", "explain", "ExpertForm", "run", "run_custom", "reference", "grouped_mm",
+__all__ = ["ExpertPlan", "LayoutPlan", "make_plan", "Kernel", "select", "explain", "ExpertForm", "run", "run_custom", "reference", "GroupedGemm", "grouped_mm",
            "combine_rows"]

@@ -28,7 +28,7 @@ rounds once (:func:`fmoe.combine`'s arithmetic, k terms in expert order); 'eager
 transformers' eager loop bit for bit (``(y_e * w).to(dt)`` added in dt, one expert at a time);
 'grouped' (transformers' grouped_mm order: each row times its gate with torch promotion, the k
 slots of a token summed in fp32 in slot order, one cast) on a layout plan and on a rows plan
-with packed weights (:func:`packed_rows`), as the staged kernel sums it.
+with packed weights (:func:`packed_rows`), as the layout plan's combine sums it.
 """
 from __future__ import annotations
 
@@ -39,9 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..ops import dispatch
 from ..ops.memory_order import stored_transposed
-from ..ops.orders import COMBINES
+from ..ops.orders import COMBINES, combine_in_order
 from ..ops.reference import compute_dtype
+from .grouped import GroupedGemm
 from .plan import ExpertPlan, LayoutPlan
 from .table import Kernel, select
 
@@ -122,7 +124,7 @@ def _check(x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out: Tens
                          + f", got {order!r}")
     if x.dim() != 2 or x.shape[0] != plan.num_tokens:
         raise ValueError(f"x must be [T, M] with T={plan.num_tokens} (the plan's tokens), got {tuple(x.shape)}")
-    if layout:   # the staged kernel casts weights to x's dtype (gates: _gated_routing)
+    if layout:   # the layout kernel casts weights to x's dtype (gates: _gated_routing)
         return
     if w_rows.shape != (plan.num_rows,):
         raise ValueError(f"the gate weights must be [N] = [{plan.num_rows}] (one per plan row), got "
@@ -254,23 +256,14 @@ def _per_expert_mm(plan: ExpertPlan) -> Callable:
 
 def _rows_mm(kern: Optional[Kernel], plan: ExpertPlan, generator: Optional[torch.Generator]) -> Callable:
     """:func:`reference`'s ``mm`` for weights the autograd Function does not take: packed
-    (:class:`fmoe.quant.QuantizedTensor`, out x in) weights, on the CPU one native call for all busy
-    experts (:func:`fmoe.quant.packed.grouped_matmul`), elsewhere one fused low-precision call
-    (:func:`fmoe.quant.expert_matmul`) per busy expert on its rows; float weights under the
+    (:class:`fmoe.quant.QuantizedTensor`, out x in) weights, the table's packed kernel
+    (``select(plan, packed=True)``); float weights under the
     plan's quantized-training recipe, :func:`fmoe.quant.training.quantized_mm` over the plan's
     rows (quantize blocks per expert) around the kernel's float GEMMs; other float weights
     (beside packed ones), one ``torch.mm`` per busy expert."""
-    b = plan.bounds
-
     def mm(a_rows: Tensor, w, transposed: bool) -> Tensor:
         if not isinstance(w, Tensor):
-            if a_rows.device.type == "cpu":   # one native call for all busy experts (numba per expert unbuilt)
-                from ..quant import packed   # optional: low-precision weights
-                return packed.grouped_matmul(a_rows, w, plan.offsets)
-            from .. import quant
-            parts = [quant.expert_matmul(a_rows[b[e]:b[e + 1]].unsqueeze(0), w[e:e + 1])[0].to(a_rows.dtype)
-                     for e in range(plan.num_experts) if b[e + 1] > b[e]]
-            return torch.cat(parts) if parts else a_rows.new_zeros((0, w.logical_shape[1]))
+            return select(plan, packed=True).mm(a_rows, w, plan, transposed=transposed)
         if plan.precision is None:
             return _per_expert_mm(plan)(a_rows, w.to(a_rows.dtype), transposed)
         from ..quant import training as _qt   # optional: quantized training recipes
@@ -403,27 +396,28 @@ def as_stored(form: ExpertForm, w_in: tuple, w_out) -> tuple:
 
 def _gated_routing(plan: LayoutPlan, gates: Tensor):
     """A layout plan's routing carrying ``gates`` [k, T] (the caller's, which may differ from the
-    routing's own), for the staged kernel's dispatch and combine."""
+    routing's own), for the layout plan's dispatch and combine."""
     if tuple(gates.shape) != tuple(plan.routing.weights.shape):
         raise ValueError(f"a layout plan's gate weights are the routing's [k, T] = "
                          f"{list(plan.routing.weights.shape)}, got {tuple(gates.shape)}")
     return plan.routing if gates is plan.routing.weights else dataclasses.replace(plan.routing, weights=gates)
 
 
-def _staged(kern, form: ExpertForm, x: Tensor, gates: Tensor, plan: LayoutPlan, w_in: tuple, b_in, w_out, b_out,
+def _layout_stage(kern, form: ExpertForm, x: Tensor, gates: Tensor, plan: LayoutPlan, w_in: tuple, b_in, w_out, b_out,
             order: str, prescore: bool) -> Tensor:
     """A layout plan's experts: dispatch into its buffers, each projection one op over every
     buffer row (padded: Tutel's arithmetic bit for bit), combine; plain autograd through ops
     that carry torch.func and compile rules. gates: [k, T]."""
     r = _gated_routing(plan, gates)
-    y = project(kern.mm, form, kern.dispatch(x, r, weighted=prescore), w_in, b_in, w_out, b_out)
-    return kern.combine(y, r, order=order, weighted=not prescore)
+    buf = dispatch(x, r, weighted=prescore, layout=plan.layout)
+    y = project(GroupedGemm(plan, kern).mm, form, buf, w_in, b_in, w_out, b_out)
+    return combine_in_order(y, r, plan.layout, order, weighted=not prescore)
 
 
 def project(mm: Callable, form: ExpertForm, buf: Tensor, w_in: tuple, b_in, w_out, b_out) -> Tensor:
     """``hidden(buf W_in + b_in) W_out + b_out`` per expert over a layout's buffer ([E, C, M] or
-    [R, M]) through ``mm(buf, w, transposed=, bias=)``: the staged kernel's expert stage, and
-    :func:`fmoe.experts.apply_form`'s."""
+    [R, M]) through ``mm(buf, w, transposed=, bias=)`` (a :class:`~fmoe.engine.GroupedGemm`'s):
+    a layout plan's expert stage, and :func:`fmoe.experts.apply_form`'s."""
     z = [mm(buf, w, transposed=form.in_transposed, bias=b_in if i == 0 else None) for i, w in enumerate(w_in)]
     return mm(form.hidden(*z), w_out, transposed=form.out_transposed, bias=b_out)
 
@@ -470,7 +464,8 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Union[ExpertPlan, Lay
     every float projection is :func:`fmoe.quant.training.quantized_mm` over the plan's rows
     (quantize blocks per expert, ``offsets=plan.offsets``) around the kernel's float GEMMs,
     composed like :func:`reference` under autograd (``save`` does not apply: each quantized GEMM
-    keeps what its recipe saves). A layout plan runs the staged kernel (:func:`fmoe.engine.select`).
+    keeps what its recipe saves). A layout plan dispatches, runs its layout's kernel
+    (:func:`fmoe.engine.select`) on the buffers and combines.
     """
     w_in = tuple(w_in)
     _check(x, w_rows, plan, w_in, w_out, order)
@@ -480,7 +475,7 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Union[ExpertPlan, Lay
     float_gemms = isinstance(plan, LayoutPlan) or plan.precision is not None or not packed_rows(plan, w_in, w_out)
     kern = kernel if kernel is not None or not float_gemms else select(plan, _matrix_bytes(w_out), generator=generator)
     if isinstance(plan, LayoutPlan):
-        return _staged(kern, form, x, w_rows, plan, w_in, b_in, w_out, b_out, order, prescore)
+        return _layout_stage(kern, form, x, w_rows, plan, w_in, b_in, w_out, b_out, order, prescore)
     if prescore:
         raise ValueError("pre-scored gates (prescore=True) run on a layout plan (make_plan(..., layout=))")
     form, w_in, w_out = as_stored(form, w_in, w_out)
@@ -499,14 +494,13 @@ def run_custom(fn: Callable, params, x: Tensor, w_rows: Tensor, plan: Union[Expe
     On a rows plan ``fn(params, x [T, M], plan) -> [N, O]`` (one row per plan row; it may
     multiply through :func:`fmoe.engine.grouped_mm`), gate-weighted and summed here in ``order``.
     On a layout plan ``fn(params, buffers) -> buffers`` over the layout's padded [E, C, M]
-    buffers (Tutel's custom-expert contract), dispatched and combined by the staged kernel."""
+    buffers (Tutel's custom-expert contract), dispatched and combined in ``order``."""
     if isinstance(plan, LayoutPlan):
         if plan.layout.kind != "padded":
             raise ValueError("custom experts take padded buffers [E, C, M]; route them with layout='padded'")
-        kern = select(plan)
         r = _gated_routing(plan, w_rows)
-        y = fn(params, kern.dispatch(x, r, weighted=prescore))
-        return kern.combine(y, r, order=order, weighted=not prescore)
+        y = fn(params, dispatch(x, r, weighted=prescore, layout=plan.layout))
+        return combine_in_order(y, r, plan.layout, order, weighted=not prescore)
     if prescore:
         raise ValueError("pre-scored gates (prescore=True) run on a layout plan (make_plan(..., layout=))")
     y_rows = fn(params, x, plan)

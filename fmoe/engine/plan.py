@@ -12,7 +12,7 @@ tensor (their argument); ``experts [N]``, the expert of each row, is made on fir
 in a plan are exactly the rows of :func:`fmoe.make_layout` (routing, 'ragged'); tests check it.
 
 A layout plan (:class:`LayoutPlan`, ``make_plan(..., layout=)``: under forward-mode AD and a
-second derivative under torch.func, and wherever the staged arithmetic is asked for) holds the routing and its
+second derivative under torch.func, and wherever Tutel's buffer arithmetic is asked for) holds the routing and its
 :class:`~fmoe.Layout` instead: static buffer shapes, no host bounds, phase 'traced'.
 
 Either plan names the call's phase, dtype and precision: the key by which
@@ -124,15 +124,16 @@ class ExpertPlan:
 @dataclasses.dataclass(frozen=True, eq=False)
 class LayoutPlan:
     """A layout plan: one routing and its :class:`~fmoe.Layout` (static buffer shapes, no host
-    row counts), the staged kernel's plan; its phase is :data:`TRACED`.
+    row counts), whose GEMMs run over the layout's whole buffers; its phase is :data:`TRACED`.
 
     Attributes:
-        routing: the :class:`~fmoe.Routing`.
+        routing: the :class:`~fmoe.Routing`; None for a bare layout's GEMMs
+            (:meth:`fmoe.engine.GroupedGemm.over`: no dispatch, combine or token count).
         layout: :func:`fmoe.make_layout` of it, padded or ragged.
         dtype, precision: as :class:`ExpertPlan`'s.
     """
 
-    routing: Routing
+    routing: Optional[Routing]
     layout: Layout
     dtype: torch.dtype = torch.float32
     precision: Any = None
@@ -239,7 +240,7 @@ def plan_from_bounds(tokens: Tensor, pairs: Tensor, bounds, num_tokens: int, *, 
 def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precision=None,
               layout: Optional[Layout] = None) -> Union[ExpertPlan, LayoutPlan]:
     """The plan of ``routing``: its kept pairs sorted by expert (one host sync), or with
-    ``layout`` a layout plan (no host sync: the staged kernels over the layout's buffers).
+    ``layout`` a layout plan (no host sync: the layout kernels over the layout's buffers).
 
     Args:
         routing: any :class:`~fmoe.Routing` (capacity honoured: pairs past it are dropped).

@@ -1,6 +1,6 @@
 """The kernel table: one implementation per (device, phase, dtype, precision), chosen once per call.
 
-Every expert GEMM of the engine is one of two grouped forms over a plan's rows:
+Every expert GEMM of the engine, on either plan, is one of three grouped forms (:class:`Kernel`):
 
 * ``mm(a, w, plan, rows=, transposed=, bias=)`` -> [N, n]: row r of expert e is ``a[rows[r]] @
   op(w[e]) (+ bias[e])`` (``rows=None``: a is already [N, k] in plan order). op(w) is w [E, k, n]
@@ -12,10 +12,17 @@ Every expert GEMM of the engine is one of two grouped forms over a plan's rows:
   projection straight into y, the data gradient straight into dx: no [N, n] buffer).
 
 :func:`select` is the one place that picks a kernel; :func:`explain` prints what each GEMM of
-a step would run and why (``python -m fmoe info --explain SHAPE``). A layout plan (phase
-'traced') gets the staged kernel instead, :class:`fmoe.ops.grouped.GroupedGemm` over the plan's
-layout: dispatch into the buffers, one op per projection over every buffer row, combine; its
-ops carry vmap, jvp and compile rules and its autograd is plain.
+a step would run and why (``python -m fmoe info --explain SHAPE``). The implementations:
+
+* rows plans: the native C++ grouped GEMM ('cpu-native'), its per-expert ``torch.mm`` twin
+  ('cpu-torch', also the reference), ``torch._grouped_mm`` ('cuda-grouped-mm'), the numba few-row
+  kernel ('cpu-numba-rows', where measured faster), and for packed weights (precision 'packed')
+  the native packed kernel ('cpu-packed') or fused low-precision calls ('cuda-packed');
+* layout plans (phase 'traced'): ``mm`` and ``wgrad`` over the layout's whole buffers
+  ('layout-padded': one ``torch.bmm``, Tutel's arithmetic; 'layout-ragged': the ragged op), the
+  ops of :mod:`fmoe.ops.grouped`, which carry vmap, jvp and compile rules and differentiate by
+  plain autograd. Their products return to tokens through the layout's combine, so they have
+  no ``scatter``.
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ import torch
 from torch import Tensor
 
 from ..ops import native, numba_cpu
-from ..ops.grouped import GroupedGemm
+from ..ops.grouped import layout_bias, layout_mm, layout_wgrad
 from . import wisdom
 from .plan import PHASES, TRACED, ExpertPlan, LayoutPlan, phase_of, plan_from_bounds
 
@@ -46,15 +53,17 @@ class Kernel:
         name: what runs ('cpu-native', 'cpu-torch', 'cuda-grouped-mm', 'cuda-torch').
         why: one line: why this entry has this kernel.
         mm: ``mm(a, w, plan, *, rows, transposed, bias) -> [N, n]`` in a's dtype.
-        wgrad: ``wgrad(a, b, plan, *, rows, rows_b) -> [E, P, Q]`` in a's dtype.
-        scatter: ``scatter(a, w, plan, *, index, out, scale, transposed, bias) -> out``.
+        wgrad: ``wgrad(a, b, plan, *, rows, rows_b) -> [E, P, Q]`` in a's dtype; None for packed
+            weights (they take no gradient).
+        scatter: ``scatter(a, w, plan, *, index, out, scale, transposed, bias) -> out``; None for
+            layout plans (their products return through the layout's combine) and packed weights.
     """
 
     name: str
     why: str
     mm: Callable = dataclasses.field(repr=False)
-    wgrad: Callable = dataclasses.field(repr=False)
-    scatter: Callable = dataclasses.field(repr=False)
+    wgrad: Optional[Callable] = dataclasses.field(repr=False)
+    scatter: Optional[Callable] = dataclasses.field(repr=False)
 
 
 def _native_kernel(impl: str, regime: str = "auto") -> tuple:
@@ -158,6 +167,65 @@ def _entry(device: str, phase: str, dtype: torch.dtype) -> Kernel:
                   *_native_kernel("reference"))
 
 
+def _packed_mm(a: Tensor, w, plan: ExpertPlan, *, rows: Optional[Tensor] = None, transposed: bool = True,
+               bias: Optional[Tensor] = None) -> Tensor:
+    """Packed weights (:class:`fmoe.quant.QuantizedTensor` [E, N, K], always out x in, so
+    ``transposed`` does not apply) over a rows plan: on the CPU one native call for all busy
+    experts (:func:`fmoe.quant.packed.grouped_matmul`), elsewhere one fused low-precision call
+    (:func:`fmoe.quant.expert_matmul`) per busy expert. Differentiable in a."""
+    if rows is not None:
+        a = a.index_select(0, rows)
+    if a.device.type == "cpu":
+        from ..quant import packed   # optional: low-precision weights
+        y = packed.grouped_matmul(a, w, plan.offsets)
+    else:
+        from .. import quant
+        b = plan.bounds
+        parts = [quant.expert_matmul(a[b[e]:b[e + 1]].unsqueeze(0), w[e:e + 1])[0].to(a.dtype)
+                 for e in range(plan.num_experts) if b[e + 1] > b[e]]
+        y = torch.cat(parts) if parts else a.new_zeros((0, w.logical_shape[1]))
+    return y if bias is None else y + bias.to(y.dtype).index_select(0, plan.experts)
+
+
+_PACKED = {"cpu": Kernel("cpu-packed", "packed weights: one native call decodes and multiplies every busy expert "
+                         "(fmoe.quant.packed)", _packed_mm, None, None),
+           "cuda": Kernel("cuda-packed", "packed weights: one fused low-precision call per busy expert "
+                          "(fmoe.quant.expert_matmul: W4A16 / FP8-block kernels by its 'auto' path)", _packed_mm,
+                          None, None)}
+
+
+def _layout_kernel(kind: str, generator: Optional[torch.Generator] = None) -> Kernel:
+    """The layout plan's GEMMs over its whole buffers (``rows`` must be None: the buffer is the
+    rows), with the plan's quantized-training recipe around them (``generator`` feeds its
+    stochastic rounding)."""
+    def no_rows(*rows) -> None:
+        if any(r is not None for r in rows):
+            raise ValueError("a layout plan's GEMMs multiply its buffers as they are: rows must be None")
+
+    def mm(a: Tensor, w, plan: LayoutPlan, *, rows: Optional[Tensor] = None, transposed: bool,
+           bias: Optional[Tensor] = None) -> Tensor:
+        no_rows(rows)
+        lay = plan.layout
+        if plan.precision is not None and isinstance(w, Tensor):
+            from ..quant import training as _qt   # optional: quantized training recipes
+            y = _qt.quantized_mm(a, w.to(a.dtype), plan.precision, transposed=transposed, generator=generator,
+                                 mm=lambda x, w_, t: layout_mm(x, w_, lay, transposed=t),
+                                 wgrad=lambda p, q: layout_wgrad(p, q, lay),
+                                 offsets=lay.offsets if lay.kind == "ragged" else None)
+        else:
+            y = layout_mm(a, w, lay, transposed=transposed)
+        return y if bias is None else y + layout_bias(bias, y, lay)
+
+    def wgrad(a: Tensor, b: Tensor, plan: LayoutPlan, *, rows: Optional[Tensor] = None,
+              rows_b: Optional[Tensor] = None) -> Tensor:
+        no_rows(rows, rows_b)
+        return layout_wgrad(a, b, plan.layout)
+
+    why = ("one torch.bmm over every row of every expert buffer (Tutel's arithmetic)" if kind == "padded" else
+           "the ragged grouped-GEMM op over the kept rows (one native call; vmap, jvp and compile rules)")
+    return Kernel(f"layout-{kind}", why + "; dispatch before, the layout's combine after", mm, wgrad, None)
+
+
 TABLE: dict = {(dev, phase, dt, None): _entry(dev, phase, dt)
                for dev, phase, dt in itertools.product(("cpu", "cuda"), PHASES, DTYPES)}
 
@@ -186,17 +254,20 @@ def kernel_by_name(key: tuple, name: str) -> Kernel:
 
 
 def select(plan: Union[ExpertPlan, LayoutPlan], matrix_bytes: int = 0, *, choice: Optional[str] = None,
-           generator: Optional[torch.Generator] = None):
+           generator: Optional[torch.Generator] = None, packed: bool = False) -> Kernel:
     """The kernel for every GEMM of the call ``plan`` describes.
 
-    A layout plan gets the staged kernel (:class:`~fmoe.ops.grouped.GroupedGemm` over its layout,
-    with the plan's recipe and ``generator`` for its stochastic rounding). Where several kernels
+    A layout plan gets its layout's kernel (the plan's recipe around it, ``generator`` for its
+    stochastic rounding); ``packed`` (a :class:`fmoe.quant.QuantizedTensor` weight) the device's
+    packed kernel. Where several kernels
     compete for the plan's key (:data:`fmoe.engine.wisdom.CANDIDATES`),
     ``choice`` forces one by name; else the winner recorded for the call's shape class
     (``matrix_bytes``: one expert weight matrix) is taken if this machine has measured it, and
     the table's own entry otherwise."""
     if isinstance(plan, LayoutPlan):
-        return GroupedGemm(plan.layout, precision=plan.precision, generator=generator)
+        return _layout_kernel(plan.layout.kind, generator)
+    if packed:
+        return _PACKED["cpu" if plan.device.type == "cpu" else "cuda"]
     # a quantized-training recipe quantizes the operands around the float entry's GEMMs
     # (fmoe.quant.training.quantized_mm, composed by fmoe.engine.kinds.run)
     kern = kernel_for(plan.device.type, plan.phase, plan.dtype)
@@ -251,7 +322,7 @@ def explain(text: str) -> str:
     """Which kernel each GEMM of one step of SHAPE runs, and why (one line each)."""
     s = parse_shape(text)
     traced = s["phase"] == TRACED
-    kern = GroupedGemm if traced else kernel_for(s["device"], s["phase"], s["dtype"])
+    kern = _layout_kernel("padded") if traced else kernel_for(s["device"], s["phase"], s["dtype"])
     N, M, H, O, E = s["T"] * s["k"], s["M"], s["H"], s["O"], s["E"]
     width = 2 * H if s["kind"] != "ffn" else H
     gemms = [("forward in-projection", f"[{N} x {M}] @ [{M} x {width}] (rows gathered from x)"),

@@ -1,11 +1,10 @@
-"""The expert-GEMM seam of the staged pipeline: :class:`GroupedGemm` over both layouts.
+"""The expert GEMMs over a layout's buffers: the engine's kernels for a layout plan.
 
-The staged pipeline (dispatch -> experts -> combine over a layout's buffers) is the expert
-engine's kernel for a layout plan (:mod:`fmoe.engine.table`: forward-mode AD, a second
-derivative or a transform inside a compiled call, custom experts on padded buffers, pre-scored
-gates, transformers' grouped order and ``plan='layout'``); expert parallelism uses its dispatch
-and combine. One implementation per
-layout, no per-call kernel predicates:
+A layout plan (:class:`fmoe.engine.LayoutPlan`: forward-mode AD, a second derivative or a
+transform inside a compiled call, custom experts on padded buffers, pre-scored gates,
+transformers' grouped order and ``plan='layout'``) multiplies whole buffers. These are its
+GEMMs, one implementation per layout, wrapped by :mod:`fmoe.engine.table` into the same
+``Kernel`` interface every other GEMM of the engine has:
 
 * padded [E, C, K]: one ``torch.bmm`` over every row of every expert buffer (Tutel's
   computation, bit for bit). Rows dispatch leaves empty are zero and combine sends them zero
@@ -13,25 +12,20 @@ layout, no per-call kernel predicates:
 * ragged [R, K]: :func:`fmoe.ops.ragged.ragged_mm`, a custom op with vmap, jvp and compile
   rules whose kernel is one call into the native grouped GEMM (:mod:`fmoe.ops.native`).
 
-Sparse eager calls (decode, few busy experts) belong to the engine (:mod:`fmoe.engine`), which
-multiplies only the kept pairs.
+Each differentiates by plain autograd (the ops carry their own torch.func and compile rules).
+Sparse eager calls (decode, few busy experts) take a rows plan instead, which multiplies only
+the kept pairs.
 """
 from __future__ import annotations
-
-import dataclasses
-from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from ..layout import Layout
-from ..routing import Routing
-from . import dispatch as _dispatch
 from . import ragged as _ragged
-from .orders import combine_in_order
 from .memory_order import grad_in_storage_order, weight_grad
 
-__all__ = ["GroupedGemm"]
+__all__ = ["padded_mm", "layout_mm", "layout_wgrad", "layout_bias", "packed_layout_mm", "row_membership"]
 
 
 class _StorageOrderBmm(torch.autograd.Function):
@@ -58,125 +52,85 @@ class _StorageOrderBmm(torch.autograd.Function):
         return gx, gw
 
 
-# --------------------------------------------------------------------------- the seam
+# --------------------------------------------------------------------------- the layout GEMMs
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class GroupedGemm:
-    """The staged pipeline's expert-GEMM seam: per-expert matmuls over a :class:`~fmoe.Layout`'s buffer.
-
-    Every built-in expert function multiplies through this object (:func:`fmoe.experts.apply_form`),
-    so a quantized recipe or another layout is added here once for every router and architecture.
-    Override it by subclassing and passing the instance to the expert function.
-
-    Layouts:
-        padded: x [E, C, K]; every row multiplied (one ``torch.bmm``, Tutel's arithmetic).
-        ragged: x [R, K]; expert e multiplies rows ``offsets[e]:offsets[e+1]``
-            (:func:`fmoe.ops.ragged.ragged_mm`, a custom op closed under differentiation).
-
-    Weights: float [E, K, N], or [E, N, K] with ``transposed=True`` (nn.Linear's out x in);
-    or a :class:`fmoe.quant.QuantizedTensor` of logical shape [E, N, K] (always out x in).
-    ``precision`` (a :class:`fmoe.quant.training.TrainPrecision`) runs float master weights
-    through the quantized-training recipe (forward and backward GEMMs on quantized operands,
-    gradients on the master weights); ``generator`` feeds its stochastic rounding.
-
-    Attributes:
-        layout: the dispatch layout.
-        precision: None (compute in x's dtype) or a quantized-training recipe.
-        generator: RNG for the recipe's stochastic rounding / random Hadamard signs.
-    """
-
-    layout: Layout
-    precision: Any = None
-    generator: Optional[torch.Generator] = None
-
-    name = "staged"
-    why = "the layout's buffers: dispatch -> one op per projection over every buffer row -> combine (torch.func / compile rules)"
-
-    # ---- tokens in and out of the layout's buffers
-    def dispatch(self, x: Tensor, routing: Routing, *, weighted: bool = False) -> Tensor:
-        """Tokens x [T, M] into the layout's buffer ([E, C, M] or [R, M]); ``weighted``: each
-        copy times its gate (pre-scored gates)."""
-        return _dispatch(x, routing, weighted=weighted, layout=self.layout)
-
-    def combine(self, y: Tensor, routing: Routing, *, order: str = "fmoe", weighted: bool = True) -> Tensor:
-        """The buffer y back to tokens [T, O] in y's dtype, summed in ``order``
-        (:func:`fmoe.ops.orders.combine_in_order`)."""
-        return combine_in_order(y, routing, self.layout, order, weighted=weighted)
-
-    # ---- float kernels over the layout
-    def _float_mm(self, x: Tensor, w: Tensor, transposed: bool) -> Tensor:
-        if self.layout.kind == "ragged":
-            return _ragged.ragged_mm(x, w, self.layout.offsets, transposed=transposed)
-        if not transposed and torch.is_grad_enabled() and w.requires_grad and grad_in_storage_order(w):
-            return _StorageOrderBmm.apply(x, w)
-        return torch.bmm(x, w.transpose(1, 2) if transposed else w)
-
-    def wgrad(self, a: Tensor, b: Tensor) -> Tensor:
-        """Per-expert ``a_e^T b_e`` over the layout's rows: [E, P, Q] from a [.., P], b [.., Q].
-
-        Padded buffers: rows past an expert's filled rows must be zero in a or b (they are in
-        the pipeline: dispatch leaves them zero and combine sends them zero gradient)."""
-        if self.layout.kind == "ragged":
-            return _ragged.ragged_wgrad(a, b, self.layout.offsets)
-        return torch.bmm(a.transpose(1, 2), b)
-
-    def mm(self, x: Tensor, w, *, transposed: bool = False, bias: Optional[Tensor] = None) -> Tensor:
-        """``x_e @ op(w[e]) (+ bias[e])`` for every expert e over the layout's rows; in x's dtype.
-
-        Args:
-            x: [E, C, K] (padded) or [R, K] (ragged).
-            w: float [E, K, N] (``transposed=False``) or [E, N, K] (``transposed=True``),
-                or a QuantizedTensor [E, N, K] (``transposed`` is then ignored).
-            bias: [E, N] or None (:meth:`bias`).
-        Returns:
-            [E, C, N] or [R, N]; rows that hold no pair are 0 (or, with a bias, padded rows
-            their expert's bias and ragged padding rows 0).
-        """
-        if not isinstance(w, Tensor):
-            y = self._quantized_mm(x, w)
-        elif self.precision is not None:
-            from ..quant import training as _qt  # optional: quantized training recipes
-            y = _qt.quantized_mm(x, w.to(x.dtype), self.precision, transposed=transposed, mm=self._float_mm,
-                                 wgrad=self.wgrad, generator=self.generator)
-        else:
-            y = self._float_mm(x, w.to(x.dtype), transposed)
-        return y if bias is None else y + self.bias(bias, y)
-
-    def _quantized_mm(self, x: Tensor, w) -> Tensor:
+def padded_mm(x: Tensor, w, *, transposed: bool) -> Tensor:
+    """``x[e] @ op(w[e])`` over every row of padded buffers x [E, C, K] (Tutel's one ``torch.bmm``),
+    in x's dtype. w: float [E, K, N] ([E, N, K] with ``transposed``), cast to x's dtype; or a packed
+    :class:`fmoe.quant.QuantizedTensor` [E, N, K] (one fused low-precision call; ``transposed``
+    does not apply). Returns [E, C, N]."""
+    if not isinstance(w, Tensor):
         from .. import quant  # optional: low-precision weights
-        lay = self.layout
-        if lay.kind == "padded":
-            return quant.expert_matmul(x, w).to(x.dtype)
-        # Ragged rows: one fused low-precision call per busy expert on its row slice; on the CPU,
-        # where the groups tile rows 0..end (the ragged layout's own starts), one native call for all.
-        out = x.new_zeros(x.shape[0], w.logical_shape[1])
-        starts, sizes = lay.starts.tolist(), lay.sizes.tolist()
-        bounds = [0]
-        for n in sizes:
-            bounds.append(bounds[-1] + n)
-        if x.device.type == "cpu" and starts == bounds[:-1]:
-            from ..quant import packed
-            out[:bounds[-1]] = packed.grouped_matmul(x[:bounds[-1]], w, torch.tensor(bounds, dtype=torch.int64))
-            return out
-        for e, (s, n) in enumerate(zip(starts, sizes)):
-            if n:
-                out[s:s + n] = quant.expert_matmul(x[s:s + n].unsqueeze(0), w[e:e + 1])[0].to(x.dtype)
+        return quant.expert_matmul(x, w).to(x.dtype)
+    w = w.to(x.dtype)
+    if not transposed and torch.is_grad_enabled() and w.requires_grad and grad_in_storage_order(w):
+        return _StorageOrderBmm.apply(x, w)
+    return torch.bmm(x, w.transpose(1, 2) if transposed else w)
+
+
+def layout_mm(x: Tensor, w, layout: Layout, *, transposed: bool) -> Tensor:
+    """``x_e @ op(w[e])`` for every expert e over the layout's rows, in x's dtype.
+
+    Args:
+        x: [E, C, K] (padded) or [R, K] (ragged).
+        w: float [E, K, N], or [E, N, K] with ``transposed`` (nn.Linear's out x in), cast to x's
+            dtype; or a packed weight [E, N, K] (:func:`packed_layout_mm`).
+    Returns:
+        [E, C, N] or [R, N]; rows that hold no pair are 0.
+    """
+    if layout.kind == "padded":
+        return padded_mm(x, w, transposed=transposed)
+    if not isinstance(w, Tensor):
+        return packed_layout_mm(x, w, layout)
+    return _ragged.ragged_mm(x, w.to(x.dtype), layout.offsets, transposed=transposed)
+
+
+def layout_wgrad(a: Tensor, b: Tensor, layout: Layout) -> Tensor:
+    """Per-expert ``a_e^T b_e`` over the layout's rows: [E, P, Q] from a [.., P], b [.., Q].
+
+    Padded buffers: rows past an expert's filled rows must be zero in a or b (they are in
+    the pipeline: dispatch leaves them zero and combine sends them zero gradient)."""
+    if layout.kind == "ragged":
+        return _ragged.ragged_wgrad(a, b, layout.offsets)
+    return torch.bmm(a.transpose(1, 2), b)
+
+
+def packed_layout_mm(x: Tensor, w, layout: Layout) -> Tensor:
+    """``x_e @ dequant(w[e])^T`` for a packed weight (:class:`fmoe.quant.QuantizedTensor` [E, N, K])
+    over a ragged layout's rows [R, K], in x's dtype (differentiable in x): on the CPU, where the
+    groups tile rows 0..end (the ragged layout's own starts), one native call for all experts
+    (:func:`fmoe.quant.packed.grouped_matmul`); otherwise one fused low-precision call
+    (:func:`fmoe.quant.expert_matmul`) per busy expert on its row slice."""
+    from .. import quant  # optional: low-precision weights
+    out = x.new_zeros(x.shape[0], w.logical_shape[1])
+    starts, sizes = layout.starts.tolist(), layout.sizes.tolist()
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    if x.device.type == "cpu" and starts == bounds[:-1]:
+        from ..quant import packed
+        out[:bounds[-1]] = packed.grouped_matmul(x[:bounds[-1]], w, torch.tensor(bounds, dtype=torch.int64))
         return out
+    for e, (s, n) in enumerate(zip(starts, sizes)):
+        if n:
+            out[s:s + n] = quant.expert_matmul(x[s:s + n].unsqueeze(0), w[e:e + 1])[0].to(x.dtype)
+    return out
 
-    def bias(self, b: Tensor, like: Tensor) -> Tensor:
-        """Per-expert bias b [E, N] shaped to add to a ``mm`` output ``like`` (in its dtype).
 
-        Ragged rows get theirs as ``membership [R, E] @ b``: a K = E GEMM forward and backward
-        (a gather + scatter-add of [R, N] was ~10x slower on CPU); rows past the last group get 0.
-        """
-        b = b.to(like.dtype)
-        if self.layout.kind == "padded":
-            return b.unsqueeze(1)
-        return self.row_membership(like.dtype) @ b
+def layout_bias(b: Tensor, like: Tensor, layout: Layout) -> Tensor:
+    """Per-expert bias b [E, N] shaped to add to a :func:`layout_mm` output ``like`` (in its dtype).
 
-    def row_membership(self, dtype: torch.dtype) -> Tensor:
-        """[R, E] in ``dtype``: 1 where ragged row r belongs to expert e (pure torch, vmap-safe)."""
-        lay = self.layout
-        rows = torch.arange(lay.num_rows, device=lay.starts.device).unsqueeze(1)
-        inside = (rows >= lay.starts) & (rows < lay.starts + lay.sizes)
-        return inside.to(dtype)
+    Ragged rows get theirs as ``membership [R, E] @ b``: a K = E GEMM forward and backward
+    (a gather + scatter-add of [R, N] was ~10x slower on CPU); rows past the last group get 0.
+    """
+    b = b.to(like.dtype)
+    if layout.kind == "padded":
+        return b.unsqueeze(1)
+    return row_membership(layout, like.dtype) @ b
+
+
+def row_membership(layout: Layout, dtype: torch.dtype) -> Tensor:
+    """[R, E] in ``dtype``: 1 where ragged row r belongs to expert e (pure torch, vmap-safe)."""
+    rows = torch.arange(layout.num_rows, device=layout.starts.device).unsqueeze(1)
+    inside = (rows >= layout.starts) & (rows < layout.starts + layout.sizes)
+    return inside.to(dtype)

@@ -9,7 +9,7 @@ two callables it is given:
     wgrad(a, b)           -> per-expert a^T b, shape [E, P, Q]            (float)
 
 and, for ragged rows, in ``offsets`` [E + 1] (the quantizers' blocks follow the experts; a
-:class:`fmoe.ops.grouped.GroupedGemm` hands its layout's offsets over through its ``wgrad``).
+:class:`fmoe.engine.GroupedGemm` over a ragged layout passes its offsets).
 
 Forward, dgrad and wgrad (the three GEMMs of a linear layer) each quantize their operands
 along that GEMM's reduction axis, as a low-precision tensor core needs them:
@@ -653,9 +653,9 @@ def _groups(offsets: Optional[Tensor], x: Tensor):
     return list(zip(o[:-1], o[1:]))
 
 
-def _layout_offsets(x: Tensor, wgrad: Callable, offsets: Optional[Tensor]) -> Optional[Tensor]:
-    """The ragged group boundaries: ``offsets`` if given, else those of the layout a bound
-    :class:`fmoe.ops.grouped.GroupedGemm` ``wgrad`` belongs to; None for padded buffers."""
+def _layout_offsets(x: Tensor, offsets: Optional[Tensor]) -> Optional[Tensor]:
+    """The ragged group boundaries, checked: ``offsets`` (None: padded buffers, or ragged rows
+    that are one group)."""
     if x.dim() != 2:
         if offsets is not None:
             raise ValueError(f"quantized_mm: offsets are for ragged rows [R, K]; padded buffers "
@@ -664,11 +664,7 @@ def _layout_offsets(x: Tensor, wgrad: Callable, offsets: Optional[Tensor]) -> Op
     if offsets is not None:
         if not isinstance(offsets, Tensor) or offsets.dim() != 1 or torch.is_floating_point(offsets):
             raise TypeError(f"quantized_mm: offsets must be an int tensor [E + 1], got {offsets!r}")
-        return offsets
-    lay = getattr(getattr(wgrad, "__self__", None), "layout", None)
-    if lay is not None and getattr(lay, "kind", None) == "ragged":
-        return lay.offsets
-    return None
+    return offsets
 
 
 def _check_call(x, w, recipe, transposed, generator, path, offsets=None):
@@ -726,15 +722,15 @@ def quantized_mm(x: Tensor, w: Tensor, recipe: Optional[TrainPrecision], *, tran
         offsets: ragged rows only, int64 [E + 1] (expert e owns rows offsets[e]:offsets[e+1]):
             every token-axis block, FP8 row scale and NVFP4 global scale is then per expert
             (no block spans two experts; each expert is quantized as its rows alone would
-            be). Taken from the layout when ``wgrad`` is a GroupedGemm's bound method; [R, K]
-            rows without offsets are one group (one expert's rows).
+            be); the layout plan's kernel passes its ragged layout's. [R, K] rows without
+            offsets are one group (one expert's rows).
     Returns:
         y in x's dtype ([E, C, N] or [R, N]). Backward: dx in x's dtype, dw on w (its dtype).
     Composes with torch.func.grad / vjp and (per batch element) vmap.
     """
     if recipe is None:
         return mm(x, w, transposed)
-    offsets = _layout_offsets(x, wgrad, offsets)
+    offsets = _layout_offsets(x, offsets)
     _check_call(x, w, recipe, transposed, generator, path, offsets)
     return _QuantizedMM.apply(x, w, recipe, bool(transposed), mm, wgrad, generator, path, offsets)
 
