@@ -1,4 +1,6 @@
 """The expert-GEMM seam (fmoe.engine.GroupedGemm) over both layouts: the layout kernels."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -125,3 +127,66 @@ def test_storage_order_bmm_is_bmm_with_the_weight_gradient_in_the_storages_order
     f = lambda a, s: _StorageOrderBmm.apply(a, s.transpose(1, 2))  # noqa: E731
     assert torch.autograd.gradcheck(f, (x, storage))
     assert torch.autograd.gradgradcheck(f, (x, storage))
+
+
+def _rows_plan(row_counts, T=20, seed=3):
+    # a rows plan whose rows gather tokens at random (sorted by expert, as make_plan sorts them)
+    from fmoe.engine.plan import plan_from_bounds
+    g = torch.Generator().manual_seed(seed)
+    bounds = [0]
+    for n in row_counts:
+        bounds.append(bounds[-1] + n)
+    tokens = torch.randint(0, T, (bounds[-1],), generator=g)
+    return plan_from_bounds(tokens, torch.arange(bounds[-1]), bounds, T, needs_grad=True, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_rows_plan_seam_is_the_per_expert_product_with_its_gradients(transposed):
+    # The same seam on a rows plan: x's rows gathered through `rows`, the bias per row's expert,
+    # differentiable in x, w and the bias; fp64 products within rounding of torch.mm's
+    from fmoe.engine import GroupedGemm, select
+    plan = _rows_plan([5, 0, 3, 9, 1])
+    seam = GroupedGemm(plan, select(plan))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(plan.num_tokens, 12, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn((5, 7, 12) if transposed else (5, 12, 7), dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(5, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    y = seam.mm(x, w, transposed=transposed, bias=b, rows=plan.tokens)
+    bnd = plan.bounds
+    want = torch.cat([x[plan.tokens[bnd[e]:bnd[e + 1]]] @ (w[e].T if transposed else w[e]) + b[e]
+                      for e in range(5)])
+    torch.testing.assert_close(y, want, rtol=1e-13, atol=1e-13)
+    gy = torch.randn_like(y)
+    got, ref = torch.autograd.grad(y, (x, w, b), gy), torch.autograd.grad(want, (x, w, b), gy)
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="a rows plan has no layout"):
+        seam.layout
+
+
+def test_packed_weights_take_the_tables_packed_kernel():
+    # Packed weights are a table entry too: on a rows plan the seam hands them to it, and it
+    # equals the dequantize-and-multiply reference within the FP32 reorder of the K-term sums
+    from fmoe.engine import GroupedGemm, select
+    from fmoe.quant import dequantize, quantize
+    from fmoe.quant.packed import grouped_matmul_reference
+    plan = _rows_plan([2, 0, 4, 1], T=6)
+    plan = dataclasses.replace(plan, dtype=torch.float32)
+    kern = select(plan, packed=True)
+    assert kern.name == "cpu-packed" and kern.wgrad is None and kern.scatter is None
+    g = torch.Generator().manual_seed(6)
+    w = quantize(torch.randn(4, 16, 64, generator=g), "mxfp4")
+    x = torch.randn(plan.num_tokens, 64, generator=g)
+    seam = GroupedGemm(plan, select(plan))
+    y = seam.mm(x, w, rows=plan.tokens)
+    want = grouped_matmul_reference(x[plan.tokens], w, plan.offsets)
+    bound = 64 * torch.finfo(torch.float32).eps * (x.abs()[plan.tokens] @ dequantize(w).abs().amax(0).T)
+    assert bool(((y - want).abs() <= bound).all())
+    with pytest.raises(TypeError, match="takes no weight gradient"):
+        GroupedGemm(plan, kern).wgrad(x, x)
+
+
+def test_a_layout_seam_refuses_gathered_rows():
+    seam = _ragged([2, 3])
+    with pytest.raises(ValueError, match="multiplies its buffer as it is"):
+        seam.mm(torch.zeros(seam.layout.num_rows, 4), torch.zeros(2, 4, 4), rows=torch.zeros(5, dtype=torch.int64))
