@@ -25,7 +25,7 @@ from ..layout import Layout
 from . import ragged as _ragged
 from .memory_order import grad_in_storage_order, weight_grad
 
-__all__ = ["padded_mm", "layout_mm", "layout_wgrad", "layout_bias", "packed_layout_mm", "row_membership"]
+__all__ = ["padded_mm", "layout_mm", "layout_wgrad", "layout_bias"]
 
 
 class _StorageOrderBmm(torch.autograd.Function):
@@ -74,14 +74,14 @@ def layout_mm(x: Tensor, w, layout: Layout, *, transposed: bool) -> Tensor:
     Args:
         x: [E, C, K] (padded) or [R, K] (ragged).
         w: float [E, K, N], or [E, N, K] with ``transposed`` (nn.Linear's out x in), cast to x's
-            dtype; or a packed weight [E, N, K] (:func:`packed_layout_mm`).
+            dtype; or a packed weight [E, N, K] (:func:`_packed_layout_mm`).
     Returns:
         [E, C, N] or [R, N]; rows that hold no pair are 0.
     """
     if layout.kind == "padded":
         return padded_mm(x, w, transposed=transposed)
     if not isinstance(w, Tensor):
-        return packed_layout_mm(x, w, layout)
+        return _packed_layout_mm(x, w, layout)
     return _ragged.ragged_mm(x, w.to(x.dtype), layout.offsets, transposed=transposed)
 
 
@@ -95,7 +95,7 @@ def layout_wgrad(a: Tensor, b: Tensor, layout: Layout) -> Tensor:
     return torch.bmm(a.transpose(1, 2), b)
 
 
-def packed_layout_mm(x: Tensor, w, layout: Layout) -> Tensor:
+def _packed_layout_mm(x: Tensor, w, layout: Layout) -> Tensor:
     """``x_e @ dequant(w[e])^T`` for a packed weight (:class:`fmoe.quant.QuantizedTensor` [E, N, K])
     over a ragged layout's rows [R, K], in x's dtype (differentiable in x): on the CPU, where the
     groups tile rows 0..end (the ragged layout's own starts), one native call for all experts
@@ -126,10 +126,10 @@ def layout_bias(b: Tensor, like: Tensor, layout: Layout) -> Tensor:
     b = b.to(like.dtype)
     if layout.kind == "padded":
         return b.unsqueeze(1)
-    return row_membership(layout, like.dtype) @ b
+    return _row_membership(layout, like.dtype) @ b
 
 
-def row_membership(layout: Layout, dtype: torch.dtype) -> Tensor:
+def _row_membership(layout: Layout, dtype: torch.dtype) -> Tensor:
     """[R, E] in ``dtype``: 1 where ragged row r belongs to expert e (pure torch, vmap-safe)."""
     rows = torch.arange(layout.num_rows, device=layout.starts.device).unsqueeze(1)
     inside = (rows >= layout.starts) & (rows < layout.starts + layout.sizes)
