@@ -403,14 +403,13 @@ def _gated_routing(plan: LayoutPlan, gates: Tensor):
     return plan.routing if gates is plan.routing.weights else dataclasses.replace(plan.routing, weights=gates)
 
 
-def _layout_stage(kern, form: ExpertForm, x: Tensor, gates: Tensor, plan: LayoutPlan, w_in: tuple, b_in, w_out, b_out,
-            order: str, prescore: bool) -> Tensor:
-    """A layout plan's experts: dispatch into its buffers, each projection one op over every
-    buffer row (padded: Tutel's arithmetic bit for bit), combine; plain autograd through ops
-    that carry torch.func and compile rules. gates: [k, T]."""
+def _through_layout(stage: Callable[[Tensor], Tensor], x: Tensor, gates: Tensor, plan: LayoutPlan, order: str,
+                    prescore: bool) -> Tensor:
+    """A layout plan's experts: dispatch x [T, M] into the layout's buffers, ``stage(buffers)``,
+    combine in ``order``; plain autograd through ops that carry torch.func and compile rules.
+    gates: [k, T]."""
     r = _gated_routing(plan, gates)
-    buf = dispatch(x, r, weighted=prescore, layout=plan.layout)
-    y = project(GroupedGemm(plan, kern).mm, form, buf, w_in, b_in, w_out, b_out)
+    y = stage(dispatch(x, r, weighted=prescore, layout=plan.layout))
     return combine_in_order(y, r, plan.layout, order, weighted=not prescore)
 
 
@@ -475,7 +474,10 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Union[ExpertPlan, Lay
     float_gemms = isinstance(plan, LayoutPlan) or plan.precision is not None or not packed_rows(plan, w_in, w_out)
     kern = kernel if kernel is not None or not float_gemms else select(plan, _matrix_bytes(w_out), generator=generator)
     if isinstance(plan, LayoutPlan):
-        return _layout_stage(kern, form, x, w_rows, plan, w_in, b_in, w_out, b_out, order, prescore)
+        # each projection one op over every buffer row (padded: Tutel's arithmetic bit for bit)
+        mm = GroupedGemm(plan, kern).mm
+        return _through_layout(lambda buf: project(mm, form, buf, w_in, b_in, w_out, b_out), x, w_rows, plan, order,
+                               prescore)
     if prescore:
         raise ValueError("pre-scored gates (prescore=True) run on a layout plan (make_plan(..., layout=))")
     form, w_in, w_out = as_stored(form, w_in, w_out)
@@ -498,9 +500,7 @@ def run_custom(fn: Callable, params, x: Tensor, w_rows: Tensor, plan: Union[Expe
     if isinstance(plan, LayoutPlan):
         if plan.layout.kind != "padded":
             raise ValueError("custom experts take padded buffers [E, C, M]; route them with layout='padded'")
-        r = _gated_routing(plan, w_rows)
-        y = fn(params, dispatch(x, r, weighted=prescore, layout=plan.layout))
-        return combine_in_order(y, r, plan.layout, order, weighted=not prescore)
+        return _through_layout(lambda buf: fn(params, buf), x, w_rows, plan, order, prescore)
     if prescore:
         raise ValueError("pre-scored gates (prescore=True) run on a layout plan (make_plan(..., layout=))")
     y_rows = fn(params, x, plan)
