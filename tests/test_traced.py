@@ -223,6 +223,28 @@ def test_vmap_over_tokens_and_over_expert_weights_equals_the_loop(op_calls):
     assert len(op_calls) >= 2
 
 
+def test_vmap_over_tokens_and_expert_weights_at_once_and_all_pairs_dropped():
+    """x and the expert weights batched together (each element's pairs its own: no key of one
+    element is another's), and a sweep in which no element keeps any pair (every token 0)."""
+    spec = _spec("gated_ffn", 1.0, has_fc1_bias=True, has_fc2_bias=True)
+    ensembles = [_params(spec) for _ in range(3)]
+    for i, q in enumerate(ensembles):
+        q["experts"] = {kk: v * (1 + 0.25 * i) for kk, v in q["experts"].items()}
+    stacked = {kk: torch.stack([q["experts"][kk] for q in ensembles]) for kk in ensembles[0]["experts"]}
+    xs = torch.randn(3, 20, M, generator=torch.Generator().manual_seed(19), dtype=torch.float64)
+    g = lambda ex, x: fmoe.moe({"gate": ensembles[0]["gate"], "experts": ex}, x, spec)[0]  # noqa: E731
+    got = torch.func.vmap(g)(stacked, xs)
+    for i, q in enumerate(ensembles):
+        torch.testing.assert_close(got[i], g(q["experts"], xs[i]), rtol=0, atol=1e-14)
+    w = expert_form(spec.experts, ensembles[0]["experts"])
+    r = fmoe.moe(ensembles[0], xs[0], spec)[1].routing
+    masked = lambda gates: traced.run(w["form"], xs[0], fmoe.Routing(  # noqa: E731
+        torch.full_like(r.expert_ids, -1), r.slots, gates, torch.zeros_like(r.counts), r.capacity, r.num_experts),
+        w["w_in"], w["w_out"], b_in=w["b_in"], b_out=w["b_out"])
+    y = torch.func.vmap(masked)(torch.stack([r.weights, 2 * r.weights]))
+    assert y.shape == (2, 20, M) and not y.any()
+
+
 @pytest.mark.parametrize("kind", ["ffn", "gpt_oss"])
 def test_grad_and_per_example_grads_run_the_op(kind, op_calls):
     """torch.func.grad through the op's Function front equals plain autograd in eager mode; vmap

@@ -273,10 +273,10 @@ def _expert_rows_vmap(info, in_dims, x, gates, expert_ids, slots, counts, capaci
     weights become B*T tokens and B*E experts; every (token, expert) pair kept by any element
     is multiplied once (a sweep of gate settings over the same x and weights shares the pairs
     its settings agree on), then each element sums its own pairs with its own gates, k terms in
-    ascending expert order. With saved projections (``keep``: a gradient will be taken) the
-    batch folds into B*E experts instead, without sharing (each element's weight gradients are
-    its own experts'), and the backward folds alike. bf16/fp16 (whose per-row roundings the
-    shared rows' combine does not reproduce) run once per element."""
+    ascending expert order (:func:`_shared_pairs`). With saved projections (``keep``: a gradient
+    will be taken) the batch folds into B*E experts instead, without sharing (each element's
+    weight gradients are its own experts'), and the backward folds alike. bf16/fp16 (whose
+    per-row roundings the shared rows' combine does not reproduce) run once per element."""
     args = (x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out, form, in_t, out_t, act, alpha,
             limit, order, train, keep)
     if x.dtype not in (torch.float32, torch.float64):
@@ -289,46 +289,80 @@ def _expert_rows_vmap(info, in_dims, x, gates, expert_ids, slots, counts, capaci
         # each element's saved rows are a slice of the folded plan's, read back only by the
         # backward's fold (never by a per-element call)
         return [y.view(B, -1, y.shape[-1]), *(t.view(B, -1, t.shape[-1]) for t in z)], [0] * (1 + len(z))
-    dx, dg, di, ds, _, _, dwi, dwo, dbi, dbo = in_dims[:10]
-    ids, sl, g = _batched(expert_ids, di, B), _batched(slots, ds, B), _batched(gates, dg, B)   # [B, k, T]
-    T = ids.shape[-1]
+    return [_shared_pairs(B, in_dims[:10], x, gates, expert_ids, slots, capacity, w_in, w_out, b_in, b_out,
+                          (form, in_t, out_t, act, alpha, limit, order))], [0]
+
+
+def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: int, w_in, w_out, b_in, b_out,
+                  statics: tuple) -> Tensor:
+    """y [B, T, O]: the vmapped forward over the pairs any element keeps, each multiplied once.
+
+    Each kept pair of element b is the key (expert e', token t') of the folded call (e' = b*E + e
+    where the weights are batched, t' = b*T + t where x is); one bool mask over the keys marks
+    those any element keeps, and its set positions, in order, are the rows sorted by expert then
+    token (no sort). The experts run once over these rows into y_u [U, O] (no gate: each row is
+    its own token's), and each element's token sums its kept rows of y_u with its gates, in
+    ascending expert order, in one embedding bag. Where an enclosing grad level differentiates
+    the call (grad of a vmapped sweep), the rows run through the op, whose autograd that level
+    records; otherwise straight through the kernel table (the rows gathered by the kernel, no
+    [U, M] copy, no zeroed [U, O] buffer to scatter into)."""
+    dx, dg, di, ds, _, _, dwi, dwo, dbi, dbo = dims
+    form, in_t, out_t, act, alpha, limit, order = statics
+    # [B, T, k]: a token's pairs side by side, in the order the embedding bag reads them
+    ids, sl, g = (_batched(t, d, B).transpose(1, 2) for t, d in ((expert_ids, di), (slots, ds), (gates, dg)))
+    T = ids.shape[1]
     xs = x.movedim(dx, 0).reshape(B * T, x.shape[-1]) if dx is not None else x
-    weights = (*w_in, w_out, b_in, b_out)
-    w_dims = (*dwi, dwo, dbi, dbo)
-    E = _batched(w_out, dwo, B).shape[1]
-    kept = (sl < capacity) & (ids >= 0)   # negative ids: masked pairs
-    if any(d is not None for t, d in zip(weights, w_dims) if t is not None):   # per-element experts: B*E of them
+    weights, w_dims = (*w_in, w_out, b_in, b_out), (*dwi, dwo, dbi, dbo)
+    E = w_out.shape[1 if dwo == 0 else 0]   # w_out [E, ., .], its batch dim at dwo
+    per_weights = any(d is not None for t, d in zip(weights, w_dims) if t is not None)
+    if per_weights:   # per-element experts: B*E of them
         weights = tuple(_fold_experts(t, d, B) for t, d in zip(weights, w_dims))
-        ids = ids + E * torch.arange(B, device=ids.device).view(B, 1, 1)
-        E = B * E
-    tok = torch.arange(T, device=ids.device).expand_as(ids)
-    if dx is not None:
-        tok = tok + T * torch.arange(B, device=ids.device).view(B, 1, 1)
-    # each token's k terms in ascending expert order, as the op adds them
-    order_k = ids.argsort(dim=1)
-    ids, g, tok, kept = (t.gather(1, order_k) for t in (ids, g, tok, kept))
-    keys, inv = torch.unique((ids * xs.shape[0] + tok)[kept], sorted=True, return_inverse=True)
-    e_u, t_u = keys // xs.shape[0], keys % xs.shape[0]
-    U = keys.numel()
-    # one more row, token 0 at expert 0 with gate 0: its output is exactly 0, the row every
-    # dropped pair reads (no mask pass, no copy to append a zero row)
-    e_u, t_u = torch.cat([e_u.new_zeros(1), e_u]), torch.cat([t_u.new_zeros(1), t_u])
-    counts_u = torch.bincount(e_u, minlength=E)
-    starts = counts_u.cumsum(0) - counts_u
-    slots_u = torch.arange(U + 1, device=keys.device) - starts[e_u]
-    gates_u = g.new_ones(1, U + 1)
-    gates_u[0, 0] = 0
-    *w_in_u, w_out_u, b_in_u, b_out_u = weights
-    y_u = torch.ops.fmoe.expert_rows(xs.index_select(0, t_u), gates_u, e_u.view(1, U + 1), slots_u.view(1, U + 1),
-                                     counts_u, U + 1, w_in_u, w_out_u, b_in_u, b_out_u, form, in_t, out_t, act,
-                                     alpha, limit, order, train, False)[0]
-    row = torch.zeros_like(ids)
-    row[kept] = inv + 1
-    # y[b, t] = sum over its k pairs, in ascending expert order, of gate * expert output: one
-    # embedding bag per token (a weighted sum of k rows of y_u, no [B*T, O] term per pair)
-    y = torch.nn.functional.embedding_bag(row.transpose(1, 2).reshape(B * T, -1), y_u, mode="sum",
-                                          per_sample_weights=g.to(y_u.dtype).transpose(1, 2).reshape(B * T, -1))
-    return [y.view(B, T, -1)], [0]
+    *w_in, w_out, b_in, b_out = weights
+    E_all = B * E if per_weights else E
+    # each token's k pairs in ascending expert order, as the op adds them (masked ids, -1, first)
+    ids, by_expert = ids.sort(dim=2)
+    g = g.gather(2, by_expert)
+    kept = (sl.gather(2, by_expert) < capacity) & (ids >= 0)
+    elem = torch.arange(B, device=ids.device).view(B, 1, 1)
+    tok = torch.arange(T, device=ids.device).view(1, T, 1)
+    # keys e' * T_key + t: with batched weights, t is the token within its element (e' names the
+    # element), so the mask is [B*E, T] rather than [B*E, B*T]
+    T_key = B * T if (dx is not None and not per_weights) else T
+    key = (ids + E * elem if per_weights else ids) * T_key + (tok + T * elem if T_key != T else tok)
+    n_keys = E_all * T_key
+    key = torch.where(kept, key, n_keys)   # dropped and masked pairs: one spare key past the end
+    mask = torch.zeros(n_keys + 1, dtype=torch.bool, device=ids.device)
+    mask[key.reshape(-1)] = True
+    rows_key = mask[:n_keys].nonzero().squeeze(1)   # [U] sorted: by expert, then token
+    U = rows_key.numel()
+    row_of = torch.empty(n_keys + 1, dtype=torch.int64, device=ids.device)
+    row_of[rows_key] = torch.arange(U, device=ids.device)
+    expert_u = rows_key // T_key
+    tokens = rows_key % T_key
+    if dx is not None and per_weights:   # the element's own tokens
+        tokens = tokens + (expert_u // E) * T
+    bounds = [0, *torch.bincount(expert_u, minlength=E_all).cumsum(0).tolist()]
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (xs, g, *weights)):
+        # the op's own autograd, one token per row: its output rows are the rows' outputs
+        y_u = torch.ops.fmoe.expert_rows(xs.index_select(0, tokens), g.new_ones(1, U), expert_u.view(1, U),
+                                         (torch.arange(U, device=ids.device) - expert_u.new_tensor(bounds[:-1])
+                                          [expert_u]).view(1, U),
+                                         torch.tensor(bounds, device=ids.device).diff(), U, w_in, w_out, b_in, b_out,
+                                         form, in_t, out_t, act, alpha, limit, order, False, False)[0]
+    else:
+        plan = plan_from_bounds(tokens, rows_key, bounds, xs.shape[0], needs_grad=False, dtype=xs.dtype)
+        fs, w_in_s, w_out_s = kinds.as_stored(_form(form, in_t, out_t, act, alpha, limit), tuple(w_in), w_out)
+        kern = select(plan, kinds._matrix_bytes(w_out_s))
+        z = kinds._projections(kern, fs, xs, plan, w_in_s, b_in)
+        y_u = kern.mm(fs.hidden(*z), w_out_s, plan, transposed=fs.out_transposed, bias=b_out)
+    # y[b, t] = the sum over its kept pairs, in ascending expert order, of gate * row output: one
+    # embedding bag per (element, token), its kept rows only (no [B*T, O] term per pair)
+    sel = kept.reshape(-1).nonzero().squeeze(1)
+    per_token = kept.sum(-1).reshape(-1)
+    y = F.embedding_bag(row_of.index_select(0, key.reshape(-1).index_select(0, sel)), y_u,
+                        per_token.cumsum(0) - per_token, mode="sum",
+                        per_sample_weights=g.reshape(-1).index_select(0, sel).to(y_u.dtype))
+    return y.view(B, T, -1)
 
 
 torch.library.register_vmap("fmoe::expert_rows", _expert_rows_vmap)
