@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from .routing import Routing, _group_max, check_finite, make_routing, top_k
+from .routing import Routing, _group_max, _top_k, check_finite, make_routing
 
 __all__ = [
     "ROUTER_TYPES", "GATE_TYPES", "SCORE_FNS", "GateSpec", "RouterOutput",
@@ -666,7 +666,8 @@ def router_forward(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int,
     k = spec.k
     if t in ("top", "cosine_top"):
         logits, noisy, scores = _tutel_logits(spec, params, x, training, generator, noise)
-        ids, w = top_k(scores, k, normalize=normalize)
+        # without noise the scores are a softmax / sigmoid of logits check_finite passed: in [0, 1]
+        ids, w = _top_k(scores, k, normalize, checked=noisy is logits)
         return RouterOutput(ids, w, logits, scores, noisy, scores.amax(dim=1), type=t)
     if t == "sinkhorn":
         logits, noisy, scores = _tutel_logits(spec, params, x, training, generator, noise)

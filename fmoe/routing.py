@@ -193,8 +193,9 @@ def check_finite(t: Tensor, name: str, why: str) -> None:
         return
     with torch.no_grad():
         # A NaN/Inf makes the sum non-finite; one read of t, no [T, N] mask (2-3x cheaper than
-        # isfinite().all()). A sum that overflowed on finite values is told apart below.
-        if bool(torch.isfinite(t.sum())):
+        # isfinite().all()), and the test runs on the host's copy of the sum (one op, not two). A
+        # sum that overflowed on finite values is told apart below.
+        if math.isfinite(t.sum().item()):
             return
         bad = ~torch.isfinite(t.reshape(-1, t.shape[-1])).all(dim=1)
         if not bool(bad.any()):
@@ -212,11 +213,16 @@ def _trusted_routing(expert_ids, slots, weights, counts, capacity: int, num_expe
     """A Routing built by :func:`make_routing`, whose values are right by construction: only the cheap
     shape/dtype checks run (the value-range pass costs ~0.1-0.3 ms at T=4096 and is for routings made
     by hand, replaced or loaded)."""
-    r = object.__new__(Routing)
-    for name, v in zip(("expert_ids", "slots", "weights", "counts", "capacity", "num_experts"),
-                       (expert_ids, slots, weights, counts, capacity, num_experts)):
-        object.__setattr__(r, name, v)
+    r = _new_routing(expert_ids, slots, weights, counts, capacity, num_experts)
     validate_routing(r, values=False)
+    return r
+
+
+def _new_routing(expert_ids, slots, weights, counts, capacity, num_experts) -> "Routing":
+    """A Routing with these fields and no check at all."""
+    r = object.__new__(Routing)
+    r.__dict__.update(expert_ids=expert_ids, slots=slots, weights=weights, counts=counts, capacity=capacity,
+                      num_experts=num_experts)
     return r
 
 
@@ -334,10 +340,17 @@ def top_k(scores: Tensor, k: int, *, normalize: bool = True) -> tuple[Tensor, Te
     Returns:
         expert_ids int64 [k, T] (slot 0 best) and gates [k, T] in scores' dtype.
     """
+    return _top_k(scores, k, normalize, checked=False)
+
+
+def _top_k(scores: Tensor, k: int, normalize: bool, checked: bool) -> tuple[Tensor, Tensor]:
+    """:func:`top_k`; ``checked``: the scores are known finite and >= 0 (a router's softmax or
+    sigmoid of logits that passed :func:`check_finite`), so normalising skips the host read that
+    refuses negative or NaN gates."""
     _check_scores(scores)
     k = _check_k(k, scores.shape[1])
     vals, ids = torch.topk(scores, k, dim=1, sorted=True)
-    if normalize and k > 1 and vals.numel() and _plain_tensor(vals):
+    if normalize and k > 1 and not checked and vals.numel() and _plain_tensor(vals):
         low = vals.min().item()
         if not low >= 0:  # also NaN
             raise ValueError(
@@ -537,7 +550,13 @@ def make_routing(expert_ids: Tensor, weights: Tensor, num_experts: int, capacity
                                 max_load=max_load, alignment=alignment)
     elif capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
-    return _trusted_routing(expert_ids, slots, weights, counts, int(capacity), int(num_experts))
+    capacity, num_experts = int(capacity), int(num_experts)
+    # ids and weights were checked above and slots and counts built from the ids: of validate_routing's
+    # shape and dtype checks only these are left (any failure: the full check names it)
+    if (isinstance(weights, Tensor) and weights.dtype.is_floating_point and num_experts >= 1
+            and capacity <= MAX_CAPACITY_PER_PAIR * max(k * T, 1) + _RAGGED_SLACK):
+        return _new_routing(expert_ids, slots, weights, counts, capacity, num_experts)
+    return _trusted_routing(expert_ids, slots, weights, counts, capacity, num_experts)
 
 
 def top_k_routing(scores: Tensor, k: int, capacity_factor: float = 1.0, *, normalize: bool = True,

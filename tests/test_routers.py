@@ -908,3 +908,20 @@ def test_global_aux_and_capacities_agree_over_two_ranks(tmp_path):
         assert got[rank]["cap"] == max(int(parts[0][0].counts.max()), int(parts[1][0].counts.max()))
     # Expert choice: C from each rank's own T (ceil(12/4) = 3, ceil(8/4) = 2); buffers agree on the max.
     assert (got[0]["ec_C"], got[1]["ec_C"]) == (3, 2) and got[0]["ec_cap"] == got[1]["ec_cap"] == 3
+
+
+def test_noisy_scores_keep_the_top_k_gate_check():
+    # without noise the router's scores are a softmax of logits check_finite passed, and top-k skips
+    # its non-negativity read; an explicit noise tensor holding NaN still gets a clear error
+    from fmoe.routers import GateSpec, init_router, router_forward
+    spec = GateSpec(type="top", k=2, gate_noise=1.0)
+    g = torch.Generator().manual_seed(0)
+    params = init_router(spec, 4, 8, generator=g)
+    x = torch.randn(3, 8, generator=g)
+    out = router_forward(params, x, spec, num_experts=4)   # eval: no noise
+    vals, ids = torch.topk(out.scores, 2, dim=1)
+    assert torch.equal(out.expert_ids, ids.t()) and torch.equal(out.weights, (vals / vals.sum(1, keepdim=True)).t())
+    noise = torch.zeros(3, 4)
+    noise[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="top_k: normalize=True divides the k gates by their sum"):
+        router_forward(params, x, spec, num_experts=4, training=True, noise=noise)

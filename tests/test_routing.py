@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fmoe
-from fmoe.routing import assign_slots, capacity_for, make_routing, top_k_routing
+from fmoe.routing import assign_slots, capacity_for, make_routing, top_k_routing, validate_routing
 
 S = torch.tensor([
     [0.5, 0.25, 0.125, 0.125],
@@ -169,3 +169,58 @@ def test_numba_slot_walk_equals_torch_reference():
         a_slots, a_counts = assign_slots(ids, 7, order=o)
         b_slots, b_counts = assign_slots_torch(ids, 7, order=o)
         assert torch.equal(a_slots, b_slots) and torch.equal(a_counts, b_counts)
+
+
+def test_make_routing_refuses_what_validate_routing_refuses():
+    # make_routing builds its Routing without re-checking what it built (slots, counts), but the
+    # caller's weights and a caller's capacity still get validate_routing's errors
+    ids = torch.tensor([[0, 1, 2, 0, 1]])
+    with pytest.raises(TypeError, match="Routing.weights must be floating point, got torch.int64"):
+        make_routing(ids, torch.ones(1, 5, dtype=torch.int64), 3)
+    with pytest.raises(ValueError, match=r"Routing.capacity=10000000 exceeds the bound 64\*max\(k\*T, 1\) \+ 65536"):
+        make_routing(ids, torch.ones(1, 5), 3, capacity=10 ** 7)
+    r = make_routing(ids, torch.ones(1, 5), 3, capacity=4)
+    validate_routing(r)   # and what it builds passes the full check, values included
+    assert r.capacity == 4 and r.num_experts == 3 and r.counts.tolist() == [2, 2, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_gshard_fraction_equals_the_one_hot_reference(dtype):
+    # the host bincount of eager CPU ids gives the one-hot column sums' values bit for bit (ids
+    # < 0 and >= E count nowhere), and the loss is the same bits as the reference formula
+    from fmoe import losses
+    g = torch.Generator().manual_seed(0)
+    for T, E in ((1, 64), (4, 64), (0, 8), (300, 8)):
+        ids = torch.randint(-1, E + 2, (T,), generator=g)
+        scores = torch.rand(T, E, generator=g).softmax(1).to(dtype)
+        ref = (ids.reshape(-1, 1) == torch.arange(E)).to(dtype).sum(0) / max(T, 0)
+        frac = losses._fraction_routed(ids, E, dtype)
+        assert frac.dtype == dtype and torch.equal(frac.isnan(), ref.isnan())
+        assert torch.equal(frac.nan_to_num(), ref.nan_to_num())
+        if T:
+            assert torch.equal(losses.gshard_loss(scores, ids), E * (scores.mean(0) * ref).sum())
+    # under a transform (no host values) the one-hot path runs: the same loss, and its gradient
+    scores = torch.rand(4, 8, generator=g).softmax(1)
+    ids = torch.randint(0, 8, (4,), generator=g)
+    grad = torch.func.grad(lambda s: losses.gshard_loss(s, ids))(scores)
+    frac = (ids.reshape(-1, 1) == torch.arange(8)).float().sum(0) / 4
+    assert torch.allclose(grad, (8 * frac / 4).expand(4, 8))
+
+
+def test_make_plan_sets_every_plan_field():
+    # make_plan fills the ExpertPlan without the dataclass __init__: every field is there and
+    # equal to the checked constructor's (plan_from_bounds)
+    import dataclasses
+
+    from fmoe.engine import plan as P
+    g = torch.Generator().manual_seed(1)
+    r = top_k_routing(torch.rand(7, 5, generator=g).softmax(1), 2, 1.0)
+    for needs_grad in (False, True):
+        fast = P.make_plan(r, needs_grad=needs_grad, dtype=torch.float32)
+        tokens, pairs, bounds, dropped = P.rows_reference(r)
+        ref = P.plan_from_bounds(tokens, pairs, bounds, r.num_tokens, needs_grad=needs_grad, dtype=torch.float32,
+                                 dropped=dropped)
+        for f in dataclasses.fields(P.ExpertPlan):
+            a, b = getattr(fast, f.name), getattr(ref, f.name)
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f.name
+        assert fast.busy == ref.busy and torch.equal(fast.experts, ref.experts)

@@ -182,11 +182,13 @@ def _walk_cpu(ids: Tensor, slots: Tensor, counts: Tensor, C: int) -> tuple[Tenso
     k, T = ids.shape
     E = counts.shape[0]
     out, pairs = torch.empty(E + 2 + k * T, dtype=torch.int64), torch.empty(k * T, dtype=torch.int64)
-    a = _slots.int64_array
-    N = _slots.kept_rows_walk(a(ids), a(slots), a(counts), C, out.numpy(), pairs.numpy())
+    a, host = _slots.int64_array, out.numpy()
+    N = _slots.kept_rows_walk(a(ids), a(slots), a(counts), C, host, pairs.numpy())
     if N < 0:
         raise ValueError(f"make_plan: the routing's counts disagree with its slots: {_slots.KEPT_ROWS_ERRORS[N]}")
-    return out[E + 2:E + 2 + N], pairs[:N], tuple(out[:E + 1].tolist()), out[E + 1], out[:E + 1]
+    # (numpy reads the bounds; a torch slice costs a microsecond each)
+    return (out[E + 2:E + 2 + N], pairs if N == k * T else pairs[:N], tuple(host[:E + 1].tolist()), out[E + 1],
+            out[:E + 1])
 
 
 def _rows_cpu(ids: Tensor, slots: Tensor, counts: Tensor, C: int) -> tuple[Tensor, Tensor, tuple, Tensor]:
@@ -260,9 +262,12 @@ def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precisi
         # without plan_from_bounds' checks and copy (a tenth of a small decode call's host time)
         tokens, pairs, bounds, dropped, offsets = _walk_cpu(routing.expert_ids, routing.slots, routing.counts,
                                                             routing.capacity)
-        busy = sum(1 for b0, b1 in zip(bounds, bounds[1:]) if b1 > b0)
-        return ExpertPlan(tokens, pairs, offsets, bounds, routing.num_tokens, dropped,
-                          phase_of(needs_grad, bounds[-1], busy), dtype, precision)
+        busy = len(set(bounds)) - 1   # the bounds start at 0 and never decrease: one new value per busy expert
+        plan = object.__new__(ExpertPlan)   # the dataclass's frozen __init__ costs a few us more
+        plan.__dict__.update(tokens=tokens, pairs=pairs, offsets=offsets, bounds=bounds,
+                             num_tokens=routing.num_tokens, dropped=dropped,
+                             phase=phase_of(needs_grad, bounds[-1], busy), dtype=dtype, precision=precision)
+        return plan
     tokens, pairs, bounds, dropped = kept_rows(routing.expert_ids, routing.slots, routing.counts, routing.capacity)
     return plan_from_bounds(tokens, pairs, bounds, routing.num_tokens, needs_grad=needs_grad, dtype=dtype,
                             precision=precision, dropped=dropped)
