@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from fmoe.comm import matching
+from fmoe.comm.buffers import recv_buffer
 from fmoe.comm.agreement import end_of_job_check
 from fmoe.comm.layout import (a2a_front, a2av_counts, front_to_concat, gathered_to_axis, norm_axis,
                               raw_collective)
@@ -195,7 +196,7 @@ class MPIComm(matching.ControlExchange):
         call, _ = self._begin("all_to_all", front, error=err)
         front = front.contiguous()
         if out is None:
-            out = torch.empty_like(front)
+            out = recv_buffer(self, front.shape, front.dtype)   # reused: no fresh pages to fault
         if front.numel():
             s, r = _bytes(front), _bytes(out)
             self._run(f"all_to_all #{call}", lambda: self.mpi_comm.Alltoall(s, r),
@@ -230,7 +231,7 @@ class MPIComm(matching.ControlExchange):
                           lambda: self.mpi_comm.Iallgather(sb, rb))
             matching.check_counts(table, call)
         x = x.contiguous()
-        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        out = recv_buffer(self, (sum(recv),) + tuple(x.shape[1:]), x.dtype)   # reused: no fresh pages to fault
         row_bytes = x[0:1].numel() * x.element_size() if x.dim() > 1 else x.element_size()
         if row_bytes == 0:
             return out

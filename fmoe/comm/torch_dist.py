@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import matching
+from .buffers import recv_buffer
 from .agreement import end_of_job_check
 from .layout import a2a_front, a2av_counts, front_to_concat, gathered_to_axis, norm_axis, raw_collective
 from .registry import forget_all, mark_closed
@@ -124,7 +125,7 @@ class TorchDistComm(matching.ControlExchange):
             err = ValueError(f"exchange: leading dim must be {self.size}, got {tuple(front.shape)}")
         call, _ = self._begin("all_to_all", front, error=err)
         front = front.contiguous()
-        out = torch.empty_like(front)
+        out = recv_buffer(self, front.shape, front.dtype, front.device)   # CPU: reused, no fresh pages to fault
         if front.numel():
             self._do(f"all_to_all #{call}", lambda: dist.all_to_all_single(out, front, group=self.group))
         return out
@@ -153,7 +154,7 @@ class TorchDistComm(matching.ControlExchange):
                          lambda: _all_gather_tensor(table, mine, group=self.group))
             matching.check_counts(table.reshape(self.size, 2 * self.size), call)
         x = x.contiguous()
-        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        out = recv_buffer(self, (sum(recv),) + tuple(x.shape[1:]), x.dtype, x.device)   # CPU: reused
         self._do(f"all_to_all_v #{call}", lambda: dist.all_to_all_single(
             out, x, output_split_sizes=recv, input_split_sizes=send, group=self.group))
         return out

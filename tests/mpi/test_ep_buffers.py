@@ -1,0 +1,87 @@
+"""The exchanges' receive buffers are reused across calls (fmoe.comm.buffers), never while a tensor
+still uses them: a held result keeps its values through later exchanges, on MPIComm and on gloo,
+and expert-parallel training steps on reused buffers equal the same steps on fresh ones bit for bit."""
+from __future__ import annotations
+
+import socket
+
+import torch
+
+import fmoe
+from fmoe.comm import buffers
+from fmoe.comm.registry import cache_of
+from fmoe.parallel import ParallelSpec
+from _helpers import full_params, local_batch, local_params, make_spec
+
+MB = 1 << 20
+
+
+def _gloo(comm):
+    import torch.distributed as dist
+    from fmoe.comm import TorchDistComm
+    port = torch.tensor([0])
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port[0] = s.getsockname()[1]
+    port = int(comm.all_reduce(port, "max").item())
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
+    return TorchDistComm()
+
+
+def _ptr(t):
+    return t.untyped_storage().data_ptr()
+
+
+def _check_held_results_survive(c, W, rank):
+    rows = MB // (4 * 64) + 7                      # > 1 MB received: pooled
+    send = [rows] * W
+    base = torch.arange(W * rows * 64, dtype=torch.float32).reshape(W * rows, 64)
+    x = base + 1e6 * rank                               # rows [w*rows, (w+1)*rows) go to rank w
+    want = torch.cat([base[rank * rows:(rank + 1) * rows] + 1e6 * u for u in range(W)])
+    a = c.all_to_all_v(x, send, send)
+    assert torch.equal(a, want)
+    b = c.all_to_all_v(x + 1, send, send)              # a is held: b lands elsewhere
+    assert _ptr(b) != _ptr(a) and torch.equal(a, want) and torch.equal(b, want + 1)
+    front = x.reshape(W, rows, 64)
+    e = c.all_to_all(front, 0, 0)                     # the equal-split exchange takes the pool too
+    assert torch.equal(a, want) and torch.equal(e.reshape(-1, 64), want)
+    p = _ptr(a)
+    del a
+    again = c.all_to_all_v(x, send, send)              # a's buffer is free again: reused, right values
+    assert _ptr(again) == p and torch.equal(again, want)
+
+
+def test_held_exchange_results_are_never_overwritten(comm):
+    _check_held_results_survive(comm, comm.size, comm.rank)
+    _check_held_results_survive(_gloo(comm), comm.size, comm.rank)
+
+
+def test_ep_training_steps_on_reused_buffers_equal_fresh_buffers(comm):
+    # rows large enough for the pool: about T * k = 4096 rows of 256 floats (4 MB) per exchange
+    spec = fmoe.MoESpec(model_dim=256, num_experts=2 * comm.size, gate=fmoe.GateSpec(k=2, capacity_factor=0.0),
+                        experts=fmoe.ExpertSpec(type="ffn", hidden_size=64))
+    full = fmoe.init_params(spec, generator=torch.Generator().manual_seed(3))
+    p = {"gate": full["gate"], "experts": local_params(spec, full, comm)["experts"]}
+    x = torch.randn(2048, 256, generator=torch.Generator().manual_seed(10 + comm.rank))
+
+    def step():
+        q = {g: {k: v.detach().requires_grad_(True) for k, v in d.items() if v is not None} for g, d in p.items()}
+        xs = x.clone().requires_grad_(True)
+        y, _ = fmoe.moe(q, xs, spec, comm=comm, parallel=ParallelSpec())
+        y.square().sum().backward()
+        return [y.detach(), xs.grad] + [v.grad for d in q.values() for v in d.values()]
+
+    cache = cache_of(comm)
+    pooled = cache.pop(buffers._KEY, None)
+    cache[buffers._KEY] = buffers.BufferPool(max_buffers=0)     # every receive buffer fresh
+    try:
+        fresh = step()
+    finally:
+        cache.pop(buffers._KEY)
+        if pooled is not None:
+            cache[buffers._KEY] = pooled
+    for _ in range(3):   # the first step fills the pool, the later ones reuse it
+        got = step()
+        assert len(got) == len(fresh) and all(torch.equal(a, b) for a, b in zip(got, fresh))
