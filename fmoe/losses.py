@@ -31,9 +31,14 @@ def _fraction_routed(top1_ids: Tensor, num_experts: int, dtype: torch.dtype) -> 
     if dtype in (torch.float32, torch.float64) and top1_ids.numel() < 1 << 24 and _host_ints(top1_ids):
         # The same counts as the one-hot's column sums (integers below 2^24, exact in either dtype) from one
         # bincount on the host, and the same division: a decode call's loss in 5 torch ops, not 10.
-        # Ids < 0 land in bin 0 and ids >= E in bin E + 1, both cut off.
         ids = top1_ids.numpy().reshape(-1)
-        hits = np.bincount(ids.clip(-1, num_experts) + 1, minlength=num_experts + 2)[1:num_experts + 1]
+        try:
+            hits = np.bincount(ids, minlength=num_experts)
+        except ValueError:   # a masked id (< 0)
+            hits = None
+        if hits is None or hits.shape[0] != num_experts:   # ids < 0 to bin 0, ids >= E to bin E + 1, both cut off
+            hits = np.bincount(np.minimum(np.maximum(ids, -1), num_experts) + 1, minlength=num_experts + 2)
+            hits = hits[1:num_experts + 1]
         return torch.from_numpy(hits.astype(np.float32 if dtype == torch.float32 else np.float64)) / top1_ids.numel()
     experts = torch.arange(num_experts, device=top1_ids.device)
     hits = (top1_ids.reshape(-1, 1) == experts).to(dtype)
