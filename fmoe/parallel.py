@@ -360,6 +360,13 @@ def _filled(layout: Layout, C: int) -> Tensor:
     return (torch.arange(C, device=layout.sizes.device) < layout.sizes.unsqueeze(1)).to(torch.uint8)
 
 
+def _kept_rows(layout: Layout) -> Layout:
+    """A ragged layout cut to its kept rows (R = N, a host sync the exchange's counts make anyway):
+    the dispatch writes, and the exchanges and the combine carry, no zero rows past them."""
+    N = int(layout.sizes.sum())
+    return layout if N in (0, layout.num_rows) else dataclasses.replace(layout, num_rows=N)
+
+
 def expert_stage(experts, expert_params, x: Tensor, routing, comm, parallel: Optional[ParallelSpec] = None, *,
                  layout_kind: str, num_experts: int, output_dim: int, prescore: bool = False, order: str = "fmoe",
                  save: str = "projections", generator=None) -> Tensor:
@@ -387,6 +394,8 @@ def expert_stage(experts, expert_params, x: Tensor, routing, comm, parallel: Opt
         # Not where shapes must be static (compiling, vmap): padded buffers and their fill masks.
         layout_kind = "ragged"
     layout = make_layout(routing, layout_kind)
+    if layout_kind == "ragged" and _traced.data_shapes():
+        layout = _kept_rows(layout)
     buffers = dispatch(x, routing, weighted=prescore, layout=layout)
     out = expert_parallel(experts, expert_params, buffers, comm, parallel, layout=layout, num_experts=num_experts,
                           output_dim=output_dim, save=save, generator=generator)

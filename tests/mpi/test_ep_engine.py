@@ -167,3 +167,46 @@ def test_forward_mode_ad_runs_the_plan_reference_and_equals_one_process(comm, cf
     allclose(yd, yr, f"jvp output cf={cf}")
     allclose(td, tr, f"jvp tangent cf={cf}")
     assert tr.abs().max() > 0
+
+
+@pytest.mark.parametrize("cf", [1.0, 0.5])
+def test_eager_exchange_carries_only_the_kept_rows(comm, monkeypatch, cf):
+    """Eager expert parallel at a capacity that drops pairs routes ragged rows cut to the kept pairs:
+    the dispatch buffer, and so both exchanges, hold exactly this rank's kept pairs (no zero rows up
+    to k*T); the output and the gradients of x, the gate and the experts equal one process."""
+    import fmoe.parallel as par_mod
+    W = comm.size
+    E = 2 * W
+    spec = make_spec(E, 2, cf)
+    full = full_params(spec)
+    x = local_batch(comm.rank, T=32)
+    cot = torch.randn(x.shape[0], spec.output_dim, generator=torch.Generator().manual_seed(5 + comm.rank),
+                      dtype=torch.float64)
+    sent = []
+    real = par_mod.dispatch
+    monkeypatch.setattr(par_mod, "dispatch", lambda *a, **kw: (lambda b: sent.append(b.shape[0]) or b)(real(*a, **kw)))
+
+    def run(params, xs, s, **kw):
+        p = {g: {k: v.detach().clone().requires_grad_(True) for k, v in d.items()} for g, d in params.items()}
+        xs = xs.clone().requires_grad_(True)
+        y, aux = fmoe.moe(p, xs, s, **kw)
+        (y * cot).sum().backward()
+        return y.detach(), xs.grad, p, aux
+
+    yd, gxd, pd, aux = run(local_params(spec, full, comm), x, spec, comm=comm, parallel=ParallelSpec())
+    kept = _kept(aux.routing)
+    assert sent == [kept], f"cf={cf}: dispatched {sent} rows for {kept} kept pairs"
+    dropped = comm.all_reduce(torch.tensor([x.shape[0] * 2 - kept]), "sum").item()
+    assert dropped > 0, f"cf={cf}: no pair dropped on any rank, the cut is not exercised"
+    from fmoe.parallel import capacity_alignment
+    import dataclasses
+    ref_spec = dataclasses.replace(spec, alignment=capacity_alignment(E, W, ParallelSpec()))
+    yr, gxr, pr, _ = run(full, x, ref_spec)
+    allclose(yd, yr, f"output cf={cf}")
+    allclose(gxd, gxr, f"grad x cf={cf}")
+    for k, v in pr["gate"].items():
+        allclose(pd["gate"][k].grad, v.grad, f"grad gate.{k} cf={cf}")
+    summed = {k: comm.all_reduce(v.grad, "sum") for k, v in pr["experts"].items()}
+    mine = shard_experts("ffn", summed, E, comm.rank, W)
+    for k in mine:
+        allclose(pd["experts"][k].grad, mine[k], f"grad experts.{k} cf={cf}")
