@@ -23,6 +23,7 @@ own count of its collectives. ``checks=`` chooses what is checked (``"full"``,
 from __future__ import annotations
 
 import array
+import math
 import sys
 import time
 from typing import Optional, Sequence
@@ -232,13 +233,21 @@ class MPIComm(matching.ControlExchange):
             matching.check_counts(table, call)
         x = x.contiguous()
         out = recv_buffer(self, (sum(recv),) + tuple(x.shape[1:]), x.dtype)   # reused: no fresh pages to fault
-        row_bytes = x[0:1].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+        # (from the shape, not a row: a rank that sends no rows still joins the exchange)
+        row_bytes = math.prod(x.shape[1:]) * x.element_size()
         if row_bytes == 0:
             return out
+        sdis = np.concatenate([[0], np.cumsum(send)[:-1]]).tolist()
+        rdis = np.concatenate([[0], np.cumsum(recv)[:-1]]).tolist()
+        me = self.rank
+        if send[me] and send[me] == recv[me]:
+            # this rank's own rows: one plain copy (MPI's self-copy of a large block took about as
+            # long as the transfer to a peer: 25 MB on 2 ranks, 17 ms -> 9 ms with this)
+            out[rdis[me]:rdis[me] + recv[me]].copy_(x[sdis[me]:sdis[me] + send[me]])
+            send, recv = list(send), list(recv)
+            send[me] = recv[me] = 0
         row = MPI.BYTE.Create_contiguous(row_bytes).Commit()
         try:
-            sdis = np.concatenate([[0], np.cumsum(send)[:-1]]).tolist()
-            rdis = np.concatenate([[0], np.cumsum(recv)[:-1]]).tolist()
             s = [_bytes(x) if x.numel() else np.empty(0, np.uint8), (send, sdis), row]
             r = [_bytes(out) if out.numel() else np.empty(0, np.uint8), (recv, rdis), row]
             self._run(f"all_to_all_v #{call}", lambda: self.mpi_comm.Alltoallv(s, r),

@@ -85,3 +85,17 @@ def test_ep_training_steps_on_reused_buffers_equal_fresh_buffers(comm):
     for _ in range(3):   # the first step fills the pool, the later ones reuse it
         got = step()
         assert len(got) == len(fresh) and all(torch.equal(a, b) for a, b in zip(got, fresh))
+
+
+def test_own_rows_and_empty_senders(comm):
+    """all_to_all_v copies a rank's own rows outside MPI; a rank that sends no rows at all (x [0, M])
+    still receives its peers' rows; counts that differ per pair land at the right offsets."""
+    W, r = comm.size, comm.rank
+    for c in (comm, _gloo(comm)):
+        send = [0 if r == 0 else (r + u) % 3 + 1 for u in range(W)]   # rank 0 sends nothing
+        recv = [0 if u == 0 else (u + r) % 3 + 1 for u in range(W)]
+        x = torch.cat([torch.full((n, 5), 100.0 * r + u) for u, n in enumerate(send)]) if sum(send) else \
+            torch.empty(0, 5)
+        got = c.all_to_all_v(x, send, recv)
+        want = torch.cat([torch.full((n, 5), 100.0 * u + r) for u, n in enumerate(recv)])
+        assert torch.equal(got, want), f"rank {r}: {got[:, 0].tolist()} != {want[:, 0].tolist()}"
