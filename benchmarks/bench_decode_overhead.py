@@ -131,12 +131,14 @@ def sections(fmt: str, T: int):
     return steps
 
 
-def measure(formats, tokens, repeats: int, cold_repeats: int) -> dict:
+def measure(formats, tokens, repeats: int, cold_repeats: int, only=None) -> dict:
     out = {"threads": torch.get_num_threads(), "loadavg_start": os.getloadavg()[0], "runs": {}}
     with torch.no_grad():
         for fmt in formats:
             for T in tokens:
                 steps = sections(fmt, T)
+                if only:
+                    steps = {n: f for n, f in steps.items() if n in only}
                 out["runs"][f"{fmt} T={T}"] = {"warm": _time(steps, repeats, False),
                                                 "cold": _time(steps, cold_repeats, True)}
     out["loadavg_end"] = os.getloadavg()[0]
@@ -146,7 +148,7 @@ def measure(formats, tokens, repeats: int, cold_repeats: int) -> dict:
 def _child(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    res = measure(args.formats, args.tokens, args.repeats, args.cold_repeats)
+    res = measure(args.formats, args.tokens, args.repeats, args.cold_repeats, args.sections)
     with open(args.child, "w") as f:
         json.dump(res, f)
     return 0
@@ -170,6 +172,8 @@ def _spawn(tree: str, args, path: str) -> dict:
            str(args.cold_repeats), "--formats", *args.formats, "--tokens", *map(str, args.tokens)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.sections:
+        cmd += ["--sections", *args.sections]
     env = dict(os.environ, PYTHONPATH=tree)
     subprocess.run(cmd, cwd=tree, env=env, check=True)
     with open(path) as f:
@@ -201,6 +205,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 4])
     p.add_argument("--formats", nargs="+", default=["mxfp4", "float32"])
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--sections", nargs="+", default=None, help="time only these sections (e.g. the host-only ones: "
+                   "layer_host route plan checks gemms_check; without the GEMM sections warm calls stay warm)")
     p.add_argument("--compare", default=None, help="another checkout to time against this one")
     p.add_argument("--rounds", type=int, default=3, help="child runs per tree with --compare")
     p.add_argument("--json", default=None)
