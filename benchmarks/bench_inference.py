@@ -148,6 +148,44 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
     return res
 
 
+def layer_prefill(formats=("mxfp4", "nvfp4", "fp8_block"), tokens: int = 512, repeats: int = 7,
+                  log: Callable[[str], None] = print) -> dict:
+    """Prefill of the same layer: ``fmoe.moe`` on ``tokens`` tokens (no grad) with packed experts,
+    against float32 and bfloat16 experts of the same shapes, each with float32 and bfloat16 rows
+    where it runs both (bf16 experts: bf16 rows only). Interleaved rounds, medians (warm weights:
+    at T = 512 every expert is busy and the GEMMs, not the weight stream, bound the call)."""
+    import fmoe
+    spec = _spec()
+    g = torch.Generator().manual_seed(1)
+    gate = {"wg": torch.randn(E, M, generator=g) * 0.02}
+    x = torch.randn(tokens, M, generator=g)
+    steps = {}
+    for f in list(formats) + ["float32", "bfloat16"]:
+        w = {"gate_up_proj": _rand_packed("float32" if f == "bfloat16" else f, 2 * I, M, g),
+             "down_proj": _rand_packed("float32" if f == "bfloat16" else f, M, I, g)}
+        if f == "bfloat16":
+            w = {k: v.bfloat16() for k, v in w.items()}
+        for dt in ((torch.bfloat16,) if f == "bfloat16" else (torch.float32, torch.bfloat16)):
+            xs = x.to(dt)
+            p = {"gate": {"wg": gate["wg"].to(dt)}, "experts": w}
+            steps[f"{f}|{str(dt).replace('torch.', '')}"] = (lambda p=p, xs=xs: fmoe.moe(p, xs, spec))
+    times = {n: [] for n in steps}
+    with torch.no_grad():
+        for fn in steps.values():
+            fn()
+        order = list(steps)
+        for r in range(repeats):
+            for n in (order[::-1] if r % 2 else order):
+                t0 = time.perf_counter()
+                steps[n]()
+                times[n].append(time.perf_counter() - t0)
+    res = {"tokens": tokens, "seconds": {n: statistics.median(v) for n, v in times.items()}}
+    base = res["seconds"]["float32|float32"]
+    for n, t in res["seconds"].items():
+        log(f"  prefill T={tokens} {n:20s} {t * 1e3:8.1f} ms = {t / base:.2f}x float32 experts (float32 rows)")
+    return res
+
+
 # --------------------------------------------------------------------------- whole model
 
 def _vmrss() -> int:
@@ -273,6 +311,7 @@ def model_suite(arch: str = "gpt_oss", size: str = "small", repeats: int = 3, lo
 def run(quick: bool, only: Optional[str] = None, log: Callable[[str], None] = print) -> dict:
     out = {"loadavg_start": os.getloadavg()}
     out["layer"] = layer_decode(repeats=7 if quick else 15, log=log)
+    out["prefill"] = layer_prefill(repeats=3 if quick else 7, log=log)
     out["model"] = model_suite(repeats=2 if quick else 3, log=log)
     out["loadavg_end"] = os.getloadavg()
     return out
@@ -292,6 +331,14 @@ def tables(res: dict) -> list[str]:
                   else " | ")
             lines.append(f"| {T} | {row['busy_experts']} | {f} | {r['layer_seconds'] * 1e3:.2f} | "
                          f"{r['layer_vs_stream']:.2f} | {g} | {g8} | {row['stream_gb_per_s']:.1f} |")
+    pre = res.get("prefill")
+    if pre:
+        base = pre["seconds"]["float32|float32"]
+        lines += ["", f"Prefill, T = {pre['tokens']} (the same layer, warm): experts | rows dtype | ms | x float32 "
+                  "experts (float32 rows)", "", "| experts | rows | ms | x fp32 experts |", "|---|---|---|---|"]
+        for n, t in pre["seconds"].items():
+            f, dt = n.split("|")
+            lines.append(f"| {f} | {dt} | {t * 1e3:.1f} | {t / base:.2f} |")
     mod = res.get("model")
     if mod:
         lines += ["", f"Whole model ({mod['arch']}, {mod['size']}: {mod['config']}), bf16 activations, "
@@ -320,6 +367,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--formats", nargs="+", default=["mxfp4", "nvfp4", "fp8_block"])
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16])
+    p.add_argument("--prefill", type=int, default=512, help="prefill tokens (0: skip the prefill table)")
     p.add_argument("--no-float", action="store_true", help="skip the float32 experts")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -339,6 +387,8 @@ def main(argv=None) -> int:
     res = {"loadavg_start": os.getloadavg(), "threads": torch.get_num_threads()}
     if not args.model_only:
         res["layer"] = layer_decode(args.formats, args.tokens, args.repeats, not args.no_float)
+        if args.prefill:
+            res["prefill"] = layer_prefill(args.formats, args.prefill, max(3, args.repeats // 2))
     if args.model or args.model_only:
         res["model"] = model_suite(args.arch, args.size, min(args.repeats, 3))
     res["loadavg_end"] = os.getloadavg()

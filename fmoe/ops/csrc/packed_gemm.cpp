@@ -768,26 +768,73 @@ void run_job_small(const Params& p, const Job& j, const float* xs, int isa, std:
   run_tiles(p, j, xs, p.fp4 ? kFp4Avx2 : kFp8Avx2);
 }
 
-// Many rows: decode the tile once to float32, then one single-threaded at::mm (bf16 for bf16 rows of FP4).
+// FP32 values exact in bf16 (the low 16 bits zero) -> their bf16 bits: the top half of each
+// word, no rounding to do. (packus reads the shifted words as int32 in [0, 65535]: no saturation.)
+FMOE_AVX2 void bf16_of_exact_avx2(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i a = _mm256_srli_epi32(_mm256_castps_si256(_mm256_loadu_ps(src + i)), 16);
+    const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(_mm256_loadu_ps(src + i + 8)), 16);
+    // packus interleaves per 128-bit lane (a0-3 b0-3 | a4-7 b4-7); the permute restores k order
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8));
+  }
+  for (; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, src + i, 4);
+    dst[i] = static_cast<uint16_t>(u >> 16);
+  }
+}
+
+// The calling thread's buffer of at least n elements of dtype, reused from call to call. An
+// ATen allocation (64-byte aligned, like a fresh tensor's): the GEMM library picks its kernel
+// by the operands' alignment, and a std::vector's would change the results' rounding with the
+// address.
+at::Tensor thread_buffer(int64_t n, at::ScalarType dtype) {
+  thread_local at::Tensor f32, b16;
+  at::Tensor& t = dtype == at::kFloat ? f32 : b16;
+  if (!t.defined() || t.numel() < n) t = at::empty({n}, dtype);
+  return t;
+}
+
+// Many rows: decode the tile once, then one single-threaded at::mm. The tile buffers are the
+// thread's own and reused from job to job (a fresh 2 MiB tile per job was a fresh mapping and
+// its page faults). bf16 rows of FP4 weights: each row decoded to float32 in L1 and stored as
+// bf16 (exact: an E2M1 value times an E8M0 or E4M3 scale has at most 6 significant bits), so
+// the bf16 GEMM (fp32 accumulation) multiplies the same products; the caller rounds the output
+// to bf16 once. Otherwise float32 weights and rows.
 void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const c10::optional<at::Tensor>& a_bf16,
                    const at::Tensor& out, int isa) {
   const int64_t tn = j.n1 - j.n0;
-  at::Tensor w = at::empty({tn, p.K}, at::kFloat);
-  float* wp = w.data_ptr<float>();
-  for (int64_t n = j.n0; n < j.n1; ++n) {
-    float* dst = wp + (n - j.n0) * p.K;
-    if (isa == kPortable) decode_row_portable(p, j.e, n, dst);
-    else decode_row_avx2(p, j.e, n, dst);
-  }
   const float g = gscale_of(p, j.e);
   at::Tensor o = out.narrow(0, j.lo, j.c).narrow(1, j.n0, tn);
-  if (a_bf16.has_value() && p.fp4 && g == 1.0f) {
-    // bf16 activations and FP4 weights: every decoded weight (an E2M1 value times an E8M0 or
-    // E4M3 scale, at most 6 significant bits) is exact in bf16, so a bf16 GEMM (fp32
-    // accumulation) multiplies the same products; the caller rounds the output to bf16 once
-    o.copy_(at::mm(a_bf16->narrow(0, j.lo, j.c), w.to(at::kBFloat16).t()));
+  const bool bf16 = a_bf16.has_value() && p.fp4 && g == 1.0f;
+  const at::Tensor w32 = thread_buffer(bf16 ? p.K : tn * p.K, at::kFloat);
+  const at::Tensor b16 = bf16 ? thread_buffer(tn * p.K, at::kBFloat16) : at::Tensor();
+  float* wp = w32.data_ptr<float>();
+  uint16_t* w16 = bf16 ? reinterpret_cast<uint16_t*>(b16.data_ptr()) : nullptr;
+  for (int64_t n = j.n0; n < j.n1; ++n) {
+    float* dst = bf16 ? wp : wp + (n - j.n0) * p.K;
+    if (isa == kPortable) decode_row_portable(p, j.e, n, dst);
+    else decode_row_avx2(p, j.e, n, dst);
+    if (!bf16) continue;
+    uint16_t* row16 = w16 + (n - j.n0) * p.K;
+    if (isa != kPortable) {
+      bf16_of_exact_avx2(dst, row16, p.K);
+      continue;
+    }
+    for (int64_t k = 0; k < p.K; ++k) {
+      uint32_t u;
+      std::memcpy(&u, dst + k, 4);
+      row16[k] = static_cast<uint16_t>(u >> 16);
+    }
+  }
+  if (bf16) {
+    const at::Tensor w = b16.narrow(0, 0, tn * p.K).view({tn, p.K});
+    o.copy_(at::mm(a_bf16->narrow(0, j.lo, j.c), w.t()));
     return;
   }
+  const at::Tensor w = w32.narrow(0, 0, tn * p.K).view({tn, p.K});
   if (g != 1.0f) w.mul_(g);  // nvfp4: dequantize()'s (value * s) * g, rounded once per weight
   at::mm_out(o, a.narrow(0, j.lo, j.c), w.t());
 }
