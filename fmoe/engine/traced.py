@@ -289,13 +289,15 @@ def _expert_rows_vmap(info, in_dims, x, gates, expert_ids, slots, counts, capaci
         # each element's saved rows are a slice of the folded plan's, read back only by the
         # backward's fold (never by a per-element call)
         return [y.view(B, -1, y.shape[-1]), *(t.view(B, -1, t.shape[-1]) for t in z)], [0] * (1 + len(z))
-    return [_shared_pairs(B, in_dims[:10], x, gates, expert_ids, slots, capacity, w_in, w_out, b_in, b_out,
-                          (form, in_t, out_t, act, alpha, limit, order))], [0]
+    y, dim = _shared_pairs(B, in_dims[:10], x, gates, expert_ids, slots, capacity, w_in, w_out, b_in, b_out,
+                           (form, in_t, out_t, act, alpha, limit, order))
+    return [y], [dim]
 
 
 def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: int, w_in, w_out, b_in, b_out,
-                  statics: tuple) -> Tensor:
-    """y [B, T, O]: the vmapped forward over the pairs any element keeps, each multiplied once.
+                  statics: tuple) -> tuple[Tensor, int]:
+    """(y, its batch dim): the vmapped forward over the pairs any element keeps, each multiplied
+    once; y [T, B, O] where x is shared, else [B, T, O].
 
     Each kept pair of element b is the key (expert e', token t') of the folded call (e' = b*E + e
     where the weights are batched, t' = b*T + t where x is); one bool mask over the keys marks
@@ -357,12 +359,18 @@ def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: in
         y_u = kern.mm(fs.hidden(*z), w_out_s, plan, transposed=fs.out_transposed, bias=b_out)
     # y[b, t] = the sum over its kept pairs, in ascending expert order, of gate * row output: one
     # embedding bag per (element, token), its kept rows only (no [B*T, O] term per pair)
+    # bags in (token, element) order where the elements share x: a token's bags read the same
+    # rows of y_u one after another (a third less time than element by element, which streams
+    # all of y_u once per element); y is then [T, B, O], its batch dim 1
+    shared_x = dx is None
+    if shared_x:
+        kept, key, g = (t.transpose(0, 1) for t in (kept, key, g))
     sel = kept.reshape(-1).nonzero().squeeze(1)
-    per_token = kept.sum(-1).reshape(-1)
+    per_bag = kept.sum(-1).reshape(-1)
     y = F.embedding_bag(row_of.index_select(0, key.reshape(-1).index_select(0, sel)), y_u,
-                        per_token.cumsum(0) - per_token, mode="sum",
+                        per_bag.cumsum(0) - per_bag, mode="sum",
                         per_sample_weights=g.reshape(-1).index_select(0, sel).to(y_u.dtype))
-    return y.view(B, T, -1)
+    return (y.view(T, B, -1), 1) if shared_x else (y.view(B, T, -1), 0)
 
 
 torch.library.register_vmap("fmoe::expert_rows", _expert_rows_vmap)
