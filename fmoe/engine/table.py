@@ -16,8 +16,9 @@ a step would run and why (``python -m fmoe info --explain SHAPE``). The implemen
 
 * rows plans: the native C++ grouped GEMM ('cpu-native'), its per-expert ``torch.mm`` twin
   ('cpu-torch', also the reference), ``torch._grouped_mm`` ('cuda-grouped-mm'), the numba few-row
-  kernel ('cpu-numba-rows', where measured faster), and for packed weights (precision 'packed')
-  the native packed kernel ('cpu-packed') or fused low-precision calls ('cuda-packed');
+  kernel ('cpu-numba-rows', where measured faster), and for packed weights
+  (``select(plan, packed=True)``) the native packed kernel ('cpu-packed') or fused low-precision
+  calls ('cuda-packed');
 * layout plans (phase 'traced'): ``mm`` and ``wgrad`` over the layout's whole buffers
   ('layout-padded': one ``torch.bmm``, Tutel's arithmetic; 'layout-ragged': the ragged op), the
   ops of :mod:`fmoe.ops.grouped`, which carry vmap, jvp and compile rules and differentiate by
@@ -50,7 +51,8 @@ class Kernel:
     """One table entry.
 
     Attributes:
-        name: what runs ('cpu-native', 'cpu-torch', 'cuda-grouped-mm', 'cuda-torch').
+        name: what runs ('cpu-native', 'cpu-torch', 'cpu-numba-rows', 'cuda-grouped-mm', 'cuda-torch',
+            'cpu-packed', 'cuda-packed', 'layout-padded', 'layout-ragged').
         why: one line: why this entry has this kernel.
         mm: ``mm(a, w, plan, *, rows, transposed, bias) -> [N, n]`` in a's dtype.
         wgrad: ``wgrad(a, b, plan, *, rows, rows_b) -> [E, P, Q]`` in a's dtype; None for packed
@@ -259,9 +261,8 @@ def select(plan: Union[ExpertPlan, LayoutPlan], matrix_bytes: int = 0, *, choice
 
     A layout plan gets its layout's kernel (the plan's recipe around it, ``generator`` for its
     stochastic rounding); ``packed`` (a :class:`fmoe.quant.QuantizedTensor` weight) the device's
-    packed kernel. Where several kernels
-    compete for the plan's key (:data:`fmoe.engine.wisdom.CANDIDATES`),
-    ``choice`` forces one by name; else the winner recorded for the call's shape class
+    packed kernel. Where several kernels compete for the plan's key
+    (:data:`fmoe.engine.wisdom.CANDIDATES`), ``choice`` forces one by name; else the winner recorded for the call's shape class
     (``matrix_bytes``: one expert weight matrix) is taken if this machine has measured it, and
     the table's own entry otherwise."""
     if isinstance(plan, LayoutPlan):
