@@ -1,6 +1,7 @@
 """torch.compile and torch.func against eager mode, one process, interleaved.
 
-    python -m benchmarks.bench_compile [--reps 7] [--kinds ffn,swiglu] [--cfs 1.25,0] [--json out.json]
+    python -m benchmarks.bench_compile [--reps 7] [--kinds ffn,swiglu] [--cfs 1.25,0] [--sweep 8] [--per_example 4]
+        [--json out.json]
 
 Per (kind, capacity factor), a training step (forward + backward of ``fmoe.moe``):
 
@@ -13,6 +14,9 @@ Per (kind, capacity factor), a training step (forward + backward of ``fmoe.moe``
 And a sweep of N gate matrices: one ``vmap`` over them (forward: the custom op's vmap rule, one
 folded call that multiplies each kept (token, expert) pair once) against N eager calls, and the
 same vmap with ``MoESpec(plan='layout')`` (the staged kernel, the route vmapped calls took before).
+And with ``--per_example B``, per-example gradients of a training loss over B token batches:
+``vmap(grad)`` (the op's training fold: shared weights stay E experts, the weight gradients
+per (expert, element)) against B eager gradient calls, and the same vmap on the layout plan.
 Medians of ``--reps`` rounds, each round running every variant once.
 """
 from __future__ import annotations
@@ -63,7 +67,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--hidden", type=int, default=384)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--sweep", type=int, default=8, help="gate settings in the vmapped sweep")
+    ap.add_argument("--sweep", type=int, default=8, help="gate settings in the vmapped sweep (0: none)")
+    ap.add_argument("--per_example", type=int, default=0, help="B: per-example gradients over B batches (0: none)")
+    ap.add_argument("--per_example_kind", default="swiglu")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     T, M, H, E, k = a.tokens, a.model_dim, a.hidden, a.experts, a.k
@@ -95,7 +101,56 @@ def main(argv=None) -> dict:
             print(f"{kind:9s} cf={cf:<5} eager {row['eager_ms']:8.1f} ms | compiled {row['compiled_ms']:8.1f} ms "
                   f"({row['compiled_over_eager']:.2f}x) | compiled, layout plan {row['compiled_layout_ms']:8.1f} ms "
                   f"({row['compiled_layout_over_eager']:.2f}x)", flush=True)
-    # the vmapped sweep: N gate matrices in one call against N eager calls (forward)
+    per_example = _per_example(a, x) if a.per_example else None
+    sweep = _sweep(a, x) if a.sweep else None
+    out = {"T": T, "M": M, "H": H, "E": E, "k": k, "threads": torch.get_num_threads(), "reps": a.reps,
+           "load": os.getloadavg(), "steps": rows, "sweep": sweep, "per_example": per_example}
+    if a.json:
+        tmp = a.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f, indent=1)
+        os.replace(tmp, a.json)
+    return out
+
+
+def _interleaved(fns: dict, reps: int) -> dict:
+    """Median seconds of each function, every round running each once (after one warm-up each)."""
+    for f in fns.values():
+        f()
+    ts = {n: [] for n in fns}
+    for _ in range(reps):
+        for n, f in fns.items():
+            ts[n].append(_timed(f))
+    return {n: statistics.median(v) for n, v in ts.items()}
+
+
+def _per_example(a, x) -> dict:
+    """vmap(grad) of a training loss over B token batches against B eager gradient calls."""
+    T, M, H, E, k, B = a.tokens, a.model_dim, a.hidden, a.experts, a.k, a.per_example
+    xs = torch.randn(B, T, M, generator=torch.Generator().manual_seed(3))
+    specs = {"vmap": _spec(a.per_example_kind, 1.25, M, H, E, k),
+             "vmap_layout": _spec(a.per_example_kind, 1.25, M, H, E, k, plan="layout")}
+    p = fmoe.init_params(specs["vmap"], generator=torch.Generator().manual_seed(0))
+    loss = {n: _train_step(s) for n, s in specs.items()}
+    fns = {n: (lambda f=f: torch.func.vmap(torch.func.grad(f), in_dims=(None, 0))(p, xs)) for n, f in loss.items()}
+
+    def loop():
+        q = {g: {kk: (v.detach().requires_grad_() if v is not None else None) for kk, v in d.items()}
+             for g, d in p.items()}
+        return [torch.autograd.grad(loss["vmap"](q, xx), _leaves(q)) for xx in xs]
+    fns["loop"] = loop
+    med = _interleaved(fns, a.reps)
+    row = {"B": B, "kind": a.per_example_kind, **{f"{n}_ms": v * 1e3 for n, v in med.items()},
+           "vmap_over_loop": med["vmap"] / med["loop"], "vmap_layout_over_loop": med["vmap_layout"] / med["loop"]}
+    print(f"per-example gradients over {B} batches ({a.per_example_kind} cf=1.25, T={T}): vmap(grad) "
+          f"{row['vmap_ms']:.1f} ms ({row['vmap_over_loop']:.2f}x), on the layout plan {row['vmap_layout_ms']:.1f} ms "
+          f"({row['vmap_layout_over_loop']:.2f}x), {B} eager gradient calls {row['loop_ms']:.1f} ms", flush=True)
+    return row
+
+
+def _sweep(a, x) -> dict:
+    """The vmapped sweep: N gate matrices in one call against N eager calls (forward)."""
+    T, M, H, E, k = a.tokens, a.model_dim, a.hidden, a.experts, a.k
     spec = _spec("ffn", 1.25, M, H, E, k)
     p = fmoe.init_params(spec, generator=torch.Generator().manual_seed(0))
     wgs = torch.randn(a.sweep, *p["gate"]["wg"].shape, generator=torch.Generator().manual_seed(2)) * 0.02
@@ -105,26 +160,14 @@ def main(argv=None) -> dict:
     fns = {"vmap": lambda: vmap(one)(wgs), "vmap_layout": lambda: vmap(one_layout)(wgs),
            "loop": lambda: [one(wg) for wg in wgs]}
     with torch.no_grad():
-        for f in fns.values():
-            f()
-        ts = {n: [] for n in fns}
-        for _ in range(a.reps):
-            for n, f in fns.items():
-                ts[n].append(_timed(f))
-    sweep = {"N": a.sweep, **{f"{n}_ms": statistics.median(v) * 1e3 for n, v in ts.items()}}
+        med = _interleaved(fns, a.reps)
+    sweep = {"N": a.sweep, **{f"{n}_ms": v * 1e3 for n, v in med.items()}}
     sweep["vmap_over_loop"] = sweep["vmap_ms"] / sweep["loop_ms"]
     sweep["vmap_layout_over_loop"] = sweep["vmap_layout_ms"] / sweep["loop_ms"]
     print(f"sweep of {a.sweep} gate settings (ffn cf=1.25, forward): vmap {sweep['vmap_ms']:.1f} ms "
           f"({sweep['vmap_over_loop']:.2f}x), vmap on the layout plan {sweep['vmap_layout_ms']:.1f} ms "
-          f"({sweep['vmap_layout_over_loop']:.2f}x), {a.sweep} eager calls {sweep['loop_ms']:.1f} ms")
-    out = {"T": T, "M": M, "H": H, "E": E, "k": k, "threads": torch.get_num_threads(), "reps": a.reps,
-           "load": os.getloadavg(), "steps": rows, "sweep": sweep}
-    if a.json:
-        tmp = a.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(out, f, indent=1)
-        os.replace(tmp, a.json)
-    return out
+          f"({sweep['vmap_layout_over_loop']:.2f}x), {a.sweep} eager calls {sweep['loop_ms']:.1f} ms", flush=True)
+    return sweep
 
 
 if __name__ == "__main__":

@@ -262,6 +262,32 @@ def test_grad_and_per_example_grads_run_the_op(kind, op_calls):
     _per_example_grads_equal_the_loop(loss, p, xs)
 
 
+def test_per_example_grads_with_dropped_pairs_keep_the_weights_shared(op_calls, monkeypatch):
+    """vmap(grad) with shared expert weights folds the batch into more tokens over the same E
+    experts (no weight copied): each element's kept pairs renumbered after the earlier elements'
+    within an expert, its dropped pairs masked; each element's weight and bias gradients are its
+    own (expert, element) group's. A capacity that drops pairs, biases, equal to the loop."""
+    spec = _spec("ffn", 0.5, has_fc1_bias=True, has_fc2_bias=True)
+    p = _params(spec)
+    xs = torch.randn(3, 16, M, generator=torch.Generator().manual_seed(20), dtype=torch.float64)
+    assert all(int(fmoe.moe(p, x, spec)[1].dropped) > 0 for x in xs)
+    groups = []
+    real = traced._per_element
+    monkeypatch.setattr(traced, "_per_element", lambda *a: groups.append(a[2]) or real(*a))
+    _per_example_grads_equal_the_loop(_step(spec), p, xs)
+    assert op_calls and groups == [3]
+    w = expert_form(spec.experts, p["experts"])
+    f = w["form"]
+    # expert 0's slot 0 is token 8 (element 1), its slot 1 token 0 (element 0): element 1 first
+    ids, slots = torch.full((1, 16), -1), torch.zeros(1, 16, dtype=torch.int64)
+    ids[0, [0, 8]], slots[0, 0] = 0, 1
+    with pytest.raises(ValueError, match="element by element within each expert"):
+        torch.ops.fmoe.expert_rows_backward(
+            torch.ones(16, M, dtype=torch.float64), xs[0], torch.ones(1, 16, dtype=torch.float64), ids, slots,
+            torch.tensor([2, 0, 0, 0]), 2, list(w["w_in"]), w["w_out"], w["b_in"], w["b_out"], [], f.form,
+            f.in_transposed, f.out_transposed, "relu", f.alpha, f.limit, "fmoe", [False] * 3 + [True, False, True], 2)
+
+
 def test_second_derivatives_and_bf16_under_vmap(op_calls):
     """A second grad level takes the layout plan (the op's backward is first order) and stays
     correct; bf16 under vmap runs the op once per element, bit for bit each element's call."""

@@ -14,7 +14,9 @@ over the same kernels (:func:`fmoe.engine.kinds` ``_backward``), registered with
 :func:`torch.library.register_autograd`. Under ``vmap`` the batch folds into one call
 (:func:`torch.library.register_vmap`): batched tokens and batched experts become more tokens and
 more experts, and each (token, expert) pair that any batch element keeps is multiplied once, so
-a sweep of gate settings over one x shares the pairs its settings agree on.
+a sweep of gate settings over one x shares the pairs its settings agree on. A training call under
+vmap (per-example gradients) folds into more tokens over the same shared experts, no weight
+copied, and its backward takes each element's weight gradients over its own rows of each expert.
 
 What it takes: built-in kinds with float weights whose activation is a known pure function
 (:data:`ACTIVATIONS`, or GPT-OSS), no quantized-training recipe, combine 'fmoe' or 'eager', gates
@@ -39,7 +41,7 @@ from ..routing import Routing
 from . import kinds
 from .kinds import ExpertForm
 from .plan import kept_rows, plan_from_bounds
-from .table import select
+from .table import Kernel, select
 
 __all__ = ["ACTIVATIONS", "DOORS", "door", "applies", "run"]
 
@@ -145,15 +147,19 @@ def _(x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out, f
 def _expert_rows_backward(gy: Tensor, x: Tensor, gates: Tensor, expert_ids: Tensor, slots: Tensor, counts: Tensor,
                           capacity: int, w_in: list[Tensor], w_out: Tensor, b_in: Optional[Tensor],
                           b_out: Optional[Tensor], z: list[Tensor], form: str, in_t: bool, out_t: bool, act: str,
-                          alpha: float, limit: float, order: str, need: list[bool]) -> list[Tensor]:
+                          alpha: float, limit: float, order: str, need: list[bool], groups: int = 1) -> list[Tensor]:
     """[gx, g_gates, g_bin, g_out, g_bout, *g_in]; an input whose gradient is not needed gets an
-    empty tensor."""
+    empty tensor. ``groups`` > 1: x's tokens are that many elements' (T / groups each) whose rows
+    come element by element within each expert (:class:`_Merge`), and the weight and bias
+    gradients are per (expert, element): [E * groups, ...], expert-major."""
     f, w_in, w_out, flip_in, flip_out = _stored(_form(form, in_t, out_t, act, alpha, limit), w_in, w_out)
     plan = _plan(expert_ids, slots, counts, capacity, x.shape[0], True, x.dtype)
     kern = select(plan, kinds._matrix_bytes(w_out))
     w_rows = gates.reshape(-1).index_select(0, plan.pairs)
     N = plan.num_rows
     zz = tuple(t[:N] for t in z) if z else kinds._projections(kern, f, x, plan, w_in, b_in)
+    if groups > 1:
+        kern, plan, b_in, b_out = _per_element(kern, plan, groups, b_in, b_out)
     with _local_autograd():   # the activation's derivative: a local graph over z's rows
         gx, g_rows, g_bin, g_out, g_bout, *g_in = kinds._backward(kern, f, plan, gy, tuple(need), x, w_rows, b_in,
                                                                  w_out, b_out, w_in, zz)
@@ -168,9 +174,35 @@ def _expert_rows_backward(gy: Tensor, x: Tensor, gates: Tensor, expert_ids: Tens
 
 @_expert_rows_backward.register_fake
 def _(gy, x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out, z, form, in_t, out_t, act, alpha,
-      limit, order, need):
+      limit, order, need, groups=1):
     like = (x, gates, b_in, w_out, b_out, *w_in)
-    return [torch.empty_like(t) if n and t is not None else x.new_empty(0) for t, n in zip(like, need)]
+    return [x.new_empty(0) if not n or t is None else
+            torch.empty_like(t) if i < 2 else t.new_empty((t.shape[0] * groups, *t.shape[1:]))
+            for i, (t, n) in enumerate(zip(like, need))]
+
+
+def _per_element(kern: Kernel, plan, groups: int, b_in: Optional[Tensor], b_out: Optional[Tensor]) -> tuple:
+    """(kernel, plan, b_in, b_out) for a backward whose weight gradients are per (expert,
+    element): the plan's rows split at element bounds within each expert (group e * groups + b;
+    rows already come element by element there), a kernel whose GEMMs and scatters run over the
+    experts' rows (shared weights, read once) and whose wgrads run over the groups, and the
+    biases repeated per group (their gradients are the groups'; the gate gradient reads row r's
+    own expert's bias through its group)."""
+    T_elem = plan.num_tokens // groups
+    group = plan.experts * groups + torch.div(plan.tokens, T_elem, rounding_mode="floor")
+    if group.numel() > 1 and bool((group[1:] < group[:-1]).any()):
+        raise ValueError("expert_rows_backward with groups > 1 takes rows that come element by element within "
+                         "each expert (traced._Merge's routing)")
+    counts = torch.bincount(group, minlength=plan.num_experts * groups)
+    fine = plan_from_bounds(plan.tokens, plan.pairs, [0, *counts.cumsum(0).tolist()], plan.num_tokens,
+                            needs_grad=True, dtype=plan.dtype)
+    base = kern
+    kern = Kernel(base.name, base.why,
+                  lambda a, w, _, **kw: base.mm(a, w, plan, **kw),
+                  lambda a, b, _, **kw: base.wgrad(a, b, fine, **kw),
+                  lambda a, w, _, **kw: base.scatter(a, w, plan, **kw))
+    rep = [None if b is None else b.repeat_interleave(groups, dim=0) for b in (b_in, b_out)]
+    return kern, fine, *rep
 
 
 def _save(ctx, need: list, x, gates, ids, slots, counts, capacity, w_in, w_out, b_in, b_out, statics, z) -> None:
@@ -274,18 +306,19 @@ def _expert_rows_vmap(info, in_dims, x, gates, expert_ids, slots, counts, capaci
     is multiplied once (a sweep of gate settings over the same x and weights shares the pairs
     its settings agree on), then each element sums its own pairs with its own gates, k terms in
     ascending expert order (:func:`_shared_pairs`). With saved projections (``keep``: a gradient
-    will be taken) the batch folds into B*E experts instead, without sharing (each element's
-    weight gradients are its own experts'), and the backward folds alike. bf16/fp16 (whose
+    will be taken) the batch folds into B*T tokens without sharing pairs (:func:`_fold`: shared
+    weights stay E experts whose rows come element by element, batched ones become B*E
+    experts), and the backward folds alike. bf16/fp16 (whose
     per-row roundings the shared rows' combine does not reproduce) run once per element."""
     args = (x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out, form, in_t, out_t, act, alpha,
             limit, order, train, keep)
     if x.dtype not in (torch.float32, torch.float64):
         return _loop(torch.ops.fmoe.expert_rows, info, in_dims, args)
     B = info.batch_size
-    if keep:   # training: one call over B*E experts, whose backward folds the same way
-        f = _Fold(B, in_dims[:10], x, gates, expert_ids, slots, counts, w_in, w_out, b_in, b_out)
-        y, *z = torch.ops.fmoe.expert_rows(f.x, f.gates, f.ids, f.slots, f.counts, capacity, f.w_in, f.w_out, f.b_in,
-                                           f.b_out, form, in_t, out_t, act, alpha, limit, order, train, keep)
+    if keep:   # training: one call over B*T tokens, whose backward folds the same way
+        f = _fold(B, in_dims[:10], x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out)
+        y, *z = torch.ops.fmoe.expert_rows(f.x, f.gates, f.ids, f.slots, f.counts, f.capacity, f.w_in, f.w_out,
+                                           f.b_in, f.b_out, form, in_t, out_t, act, alpha, limit, order, train, keep)
         # each element's saved rows are a slice of the folded plan's, read back only by the
         # backward's fold (never by a per-element call)
         return [y.view(B, -1, y.shape[-1]), *(t.view(B, -1, t.shape[-1]) for t in z)], [0] * (1 + len(z))
@@ -378,8 +411,8 @@ torch.library.register_vmap("fmoe::expert_rows", _expert_rows_vmap)
 
 def _expert_rows_backward_vmap(info, in_dims, gy, x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in,
                                b_out, z, form, in_t, out_t, act, alpha, limit, order, need):
-    """The backward of a folded forward folds the same way (one call over B*E experts: each
-    element's weight gradients are its own experts'); saved rows from per-element calls (bf16,
+    """The backward of a folded forward folds the same way (:func:`_fold`: each element's weight
+    gradients are its own, per (expert, element) group of shared weights or per expert of B*E); saved rows from per-element calls (bf16,
     or a forward outside this vmap, as jacrev's vmap over cotangents) run once per element."""
     args = (gy, x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out, z, form, in_t, out_t, act,
             alpha, limit, order, need)
@@ -387,29 +420,70 @@ def _expert_rows_backward_vmap(info, in_dims, gy, x, gates, expert_ids, slots, c
     if x.dtype not in (torch.float32, torch.float64) or any(d is None for d in dz):
         return _loop(torch.ops.fmoe.expert_rows_backward, info, in_dims, args)
     B = info.batch_size
-    f = _Fold(B, in_dims[1:11], x, gates, expert_ids, slots, counts, w_in, w_out, b_in, b_out)
+    f = _fold(B, in_dims[1:11], x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out)
     gy = _batched(gy, in_dims[0], B)
     zs = [t.movedim(d, 0).reshape(-1, t.shape[-1]) for t, d in zip(z, dz)]
     g = torch.ops.fmoe.expert_rows_backward(gy.reshape(-1, gy.shape[-1]), f.x, f.gates, f.ids, f.slots, f.counts,
-                                            capacity, f.w_in, f.w_out, f.b_in, f.b_out, zs, form, in_t, out_t, act,
-                                            alpha, limit, order, need)
+                                            f.capacity, f.w_in, f.w_out, f.b_in, f.b_out, zs, form, in_t, out_t, act,
+                                            alpha, limit, order, need, f.groups)
     gx, g_gates, g_bin, g_out, g_bout, *g_in = g
     k = f.gates.shape[0]
+    # weight gradients: [E*B, ...] expert-major from shared weights' groups, [B*E, ...] from B*E experts
+    wd = 1 if f.groups > 1 else 0
     out = [gx.view(B, -1, gx.shape[-1]) if need[0] else gx,
            g_gates.view(k, B, -1) if need[1] else g_gates,
-           *(t.view(B, -1, *t.shape[1:]) if n else t for t, n in zip((g_bin, g_out, g_bout, *g_in), need[2:]))]
-    dims = [0 if need[0] else None, 1 if need[1] else None, *(0 if n else None for n in need[2:])]
+           *((t.view(-1, B, *t.shape[1:]) if wd else t.view(B, -1, *t.shape[1:])) if n else t
+             for t, n in zip((g_bin, g_out, g_bout, *g_in), need[2:]))]
+    dims = [0 if need[0] else None, 1 if need[1] else None, *(wd if n else None for n in need[2:])]
     return out, dims
+
+
+def _fold(B, dims, x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out):
+    """A vmapped training call as one call over B*T tokens: :class:`_Merge` where every expert
+    weight and bias is shared (no weight copied), else :class:`_Fold` (B*E experts)."""
+    if all(d is None for d in (*dims[6], *dims[7:10])):
+        return _Merge(B, dims, x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out)
+    return _Fold(B, dims, x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out)
+
+
+class _Merge:
+    """A vmapped call's arguments, its expert weights shared, as one call over B*T tokens and
+    the same E experts (element b's token t is b*T + t). Within an expert the rows come element by
+    element: element b's kept slot s of expert e becomes slot (e's kept rows in elements before b)
+    + s, its dropped pairs are masked (-1) and the capacity lies past every row, so the call keeps
+    exactly the elements' kept pairs. The backward (``groups`` = B) takes the weight gradients
+    per (expert, element) group of rows: [E*B, ...], expert-major.
+
+    Attributes: x [B*T, M], gates/ids/slots [k, B*T], counts [E], capacity, groups = B, and the
+    weights as given."""
+
+    def __init__(self, B, dims, x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out):
+        dx, dg, di, ds, dc = dims[:5]
+        ids, sl = _batched(expert_ids, di, B), _batched(slots, ds, B)   # [B, k, T]
+        k, T = ids.shape[1:]
+        kept = (ids >= 0) & (sl < capacity)
+        n = _batched(counts, dc, B).clamp(max=max(capacity, 0))         # [B, E] kept rows
+        before = n.cumsum(0) - n
+        e = ids.clamp(min=0).reshape(B, -1)
+        sl = torch.where(kept, before.gather(1, e).view_as(ids) + sl, 0)
+
+        def kt(t):   # [B, k, T] -> [k, B*T]
+            return t.transpose(0, 1).reshape(k, B * T)
+
+        self.x = _batched(x, dx, B).reshape(B * T, x.shape[-1])
+        self.ids, self.slots, self.gates = kt(torch.where(kept, ids, -1)), kt(sl), kt(_batched(gates, dg, B))
+        self.counts, self.capacity, self.groups = n.sum(0), max(1, k * B * T), B
+        self.w_in, self.w_out, self.b_in, self.b_out = list(w_in), w_out, b_in, b_out
 
 
 class _Fold:
     """A vmapped call's arguments as one call over B*T tokens and B*E experts (element b's
     token t is b*T + t, its expert e is b*E + e); unbatched tensors are expanded (copies).
 
-    Attributes: x [B*T, M], gates/ids/slots [k, B*T], counts [B*E], w_in list, w_out, b_in,
-    b_out with B*E experts."""
+    Attributes: x [B*T, M], gates/ids/slots [k, B*T], counts [B*E], capacity, groups = 1,
+    w_in list, w_out, b_in, b_out with B*E experts."""
 
-    def __init__(self, B, dims, x, gates, expert_ids, slots, counts, w_in, w_out, b_in, b_out):
+    def __init__(self, B, dims, x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out):
         dx, dg, di, ds, dc, _, dwi, dwo, dbi, dbo = dims
         ids = _batched(expert_ids, di, B)                               # [B, k, T]
         k, T = ids.shape[1:]
@@ -421,7 +495,7 @@ class _Fold:
 
         self.x = _batched(x, dx, B).reshape(B * T, x.shape[-1])
         self.ids, self.slots, self.gates = ids.transpose(0, 1).reshape(k, B * T), kt(slots, ds), kt(gates, dg)
-        self.counts = _batched(counts, dc, B).reshape(B * E)
+        self.counts, self.capacity, self.groups = _batched(counts, dc, B).reshape(B * E), capacity, 1
         self.w_in = [_fold_experts(w, d, B) for w, d in zip(w_in, dwi)]
         self.w_out, self.b_in, self.b_out = (_fold_experts(t, d, B) for t, d in ((w_out, dwo), (b_in, dbi), (b_out, dbo)))
 
