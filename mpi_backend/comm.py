@@ -292,7 +292,7 @@ class MPIComm(matching.ControlExchange):
         if ctrl is not None and inline:  # the data came with the control records
             out = matching.payload_of(ctrl, x)
         else:
-            out = x.new_empty((self.size,) + tuple(x.shape))
+            out = recv_buffer(self, (self.size,) + tuple(x.shape), x.dtype)   # reused: no fresh pages to fault
         if x.numel() and not (ctrl is not None and inline):
             s, r = _bytes(x), _bytes(out)
             self._run(f"all_gather #{call}", lambda: self.mpi_comm.Allgather(s, r),

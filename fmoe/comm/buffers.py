@@ -12,7 +12,9 @@ which is what a step leaves behind when it ends.
 
 The returned tensor is not a view (``_base`` is None); it owns its storage together with the
 pool, so its storage may be larger than ``out.nbytes``. Small buffers (< :data:`MIN_BYTES`) and
-non-CPU devices are allocated plainly (the CUDA caching allocator already reuses memory).
+non-CPU devices are allocated plainly (the CUDA caching allocator already reuses memory). A pool
+keeps at most :data:`MAX_BUFFERS` buffers (the largest exchanges it has seen, like a caching
+allocator); :func:`fmoe.comm.forget` drops a communicator's pool with the rest of its bookkeeping.
 """
 from __future__ import annotations
 

@@ -47,6 +47,10 @@ def _check_held_results_survive(c, W, rank):
     front = x.reshape(W, rows, 64)
     e = c.all_to_all(front, 0, 0)                     # the equal-split exchange takes the pool too
     assert torch.equal(a, want) and torch.equal(e.reshape(-1, 64), want)
+    g = c.all_gather(x, 0)                              # so does the all-gather
+    g2 = c.all_gather(x + 2, 0)
+    assert torch.equal(g, torch.cat([base + 1e6 * u for u in range(W)])) and torch.equal(g2, g + 2)
+    assert torch.equal(a, want) and torch.equal(b, want + 1)
     p = _ptr(a)
     del a
     again = c.all_to_all_v(x, send, send)              # a's buffer is free again: reused, right values
