@@ -682,3 +682,30 @@ def engine_and_staged(monkeypatch, spec, params, x, hook: str, *, expert_grads: 
     staged = run(dataclasses.replace(spec, plan="layout"))
     assert not calls, f"kinds.{hook} ran with plan='layout'"
     return on_engine, staged
+
+
+@pytest.mark.parametrize("known_k", [True, False])
+def test_bf16_eager_sum_is_transformers_expert_by_expert_loop(known_k):
+    # combine_rows' 'eager' order in bf16 (no Python per expert) equals transformers' loop: one
+    # bf16 index_add_ per expert in ascending id, bit for bit; at a capacity that drops pairs (tokens
+    # with fewer than k rows) and with k read from the plan's pairs where the plan does not know it
+    g = _gen(11)
+    E, T, O = 7, 40, 24
+    ids, w = fmoe.top_k(torch.rand(T, E, generator=g, dtype=DT), 3)
+    r = fmoe.make_routing(ids, w, E, 1.0)
+    plan = make_plan(r, needs_grad=False, dtype=torch.bfloat16)
+    assert plan.num_slots == 3 and int(r.num_dropped()) > 0
+    if not known_k:
+        plan = dataclasses.replace(plan, num_slots=0)
+    y_r = (torch.randn(plan.num_rows, O, generator=g) * 3).bfloat16()
+    w_rows = plan.row_weights(r.weights).bfloat16()
+    want = torch.zeros(T, O, dtype=torch.bfloat16)
+    b = plan.bounds
+    for e in range(E):
+        s = slice(b[e], b[e + 1])
+        want.index_add_(0, plan.tokens[s], (y_r[s] * w_rows[s].unsqueeze(1)).bfloat16())
+    got = K.combine_rows(y_r, w_rows, plan, "eager")
+    assert torch.equal(got, want)
+    # the order matters: the same terms summed all at once in fp32 round differently somewhere
+    once = torch.zeros(T, O).index_add_(0, plan.tokens, (y_r * w_rows.unsqueeze(1)).bfloat16().float()).bfloat16()
+    assert not torch.equal(once, want)

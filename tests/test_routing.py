@@ -208,8 +208,8 @@ def test_gshard_fraction_equals_the_one_hot_reference(dtype):
 
 
 def test_make_plan_sets_every_plan_field():
-    # make_plan fills the ExpertPlan without the dataclass __init__: every field is there and
-    # equal to the checked constructor's (plan_from_bounds)
+    # make_plan's CPU walk builds the ExpertPlan without plan_from_bounds' checks: every field
+    # equals the checked constructor's over the reference rows
     import dataclasses
 
     from fmoe.engine import plan as P
@@ -219,7 +219,7 @@ def test_make_plan_sets_every_plan_field():
         fast = P.make_plan(r, needs_grad=needs_grad, dtype=torch.float32)
         tokens, pairs, bounds, dropped = P.rows_reference(r)
         ref = P.plan_from_bounds(tokens, pairs, bounds, r.num_tokens, needs_grad=needs_grad, dtype=torch.float32,
-                                 dropped=dropped)
+                                 dropped=dropped, num_slots=r.k)
         for f in dataclasses.fields(P.ExpertPlan):
             a, b = getattr(fast, f.name), getattr(ref, f.name)
             assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f.name

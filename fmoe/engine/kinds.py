@@ -158,16 +158,24 @@ def _accumulate(y_r: Tensor, w_rows: Tensor, plan: ExpertPlan, order: str, dt: t
         # rows are sorted by expert, and an fp32/fp64 index_add_ adds duplicates in index order
         y.index_add_(0, tokens, y_r.to(acc) * w_rows.to(acc).unsqueeze(1))
         return y.to(dt)
-    y = y_r.new_zeros((T, O))
     contrib = (y_r * w_rows.unsqueeze(1)).to(dt)
     if dt in (torch.float32, torch.float64):
-        y.index_add_(0, tokens, contrib)
-        return y
-    # a bf16/fp16 index_add_ sums one call's duplicates in fp32: transformers adds expert by expert
-    b = plan.bounds
-    for e in range(plan.num_experts):
-        if b[e + 1] > b[e]:
-            y.index_add_(0, tokens[b[e]:b[e + 1]], contrib[b[e]:b[e + 1]])
+        return y_r.new_zeros((T, O)).index_add_(0, tokens, contrib)
+    # transformers adds expert by expert in dt (a bf16/fp16 index_add_ would sum one call's
+    # duplicates in fp32). A token meets each expert once, so its output is the dt running sum of
+    # its terms in ascending expert order: each row goes to its rank among its token's rows (the
+    # rows are sorted by expert) in a [k, T, O] buffer, and the k slices are added in order. No
+    # Python per expert, no host sync where the plan knows k.
+    N = tokens.shape[0]
+    k = plan.num_slots or (int(plan.pairs.max()) // T + 1 if N else 1)
+    by_token = torch.argsort(tokens, stable=True)
+    run = tokens.index_select(0, by_token)
+    rank = torch.empty_like(tokens).index_copy_(
+        0, by_token, torch.arange(N, device=tokens.device) - torch.searchsorted(run, run))
+    buf = y_r.new_zeros((k, T, O), dtype=dt).index_put_((rank, tokens), contrib)
+    y = buf[0]
+    for j in range(1, k):
+        y = y + buf[j]
     return y
 
 

@@ -66,6 +66,7 @@ class ExpertPlan:
         phase: one of :data:`PHASES`.
         dtype: the compute dtype of the expert GEMMs.
         precision: None (float GEMMs) or a quantized-training recipe.
+        num_slots: k, the routing's pairs per token (the bound on a token's rows); 0 where unknown.
     """
 
     tokens: Tensor
@@ -77,6 +78,7 @@ class ExpertPlan:
     phase: str = "train"
     dtype: torch.dtype = torch.float32
     precision: Any = None
+    num_slots: int = 0
 
     @property
     def num_experts(self) -> int:
@@ -225,8 +227,10 @@ def kept_rows(expert_ids: Tensor, slots: Tensor, counts: Tensor, capacity: int) 
 
 
 def plan_from_bounds(tokens: Tensor, pairs: Tensor, bounds, num_tokens: int, *, needs_grad: bool,
-                     dtype: torch.dtype, precision=None, dropped: Optional[Tensor] = None) -> ExpertPlan:
-    """An :class:`ExpertPlan` from rows already sorted by expert (bounds: E + 1 host ints)."""
+                     dtype: torch.dtype, precision=None, dropped: Optional[Tensor] = None,
+                     num_slots: int = 0) -> ExpertPlan:
+    """An :class:`ExpertPlan` from rows already sorted by expert (bounds: E + 1 host ints;
+    ``num_slots``: the routing's k where known)."""
     bounds = tuple(int(b) for b in bounds)
     if len(bounds) < 2 or bounds[0] != 0 or any(b1 < b0 for b0, b1 in zip(bounds, bounds[1:])):
         raise ValueError(f"plan bounds must start at 0 and never decrease, got {bounds[:8]}...")
@@ -236,7 +240,7 @@ def plan_from_bounds(tokens: Tensor, pairs: Tensor, bounds, num_tokens: int, *, 
     busy = sum(1 for b0, b1 in zip(bounds, bounds[1:]) if b1 > b0)
     offsets = torch.tensor(bounds, dtype=torch.int64, device=tokens.device)
     return ExpertPlan(tokens, pairs, offsets, bounds, num_tokens, dropped, phase_of(needs_grad, bounds[-1], busy),
-                      dtype, precision)
+                      dtype, precision, num_slots)
 
 
 def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precision=None,
@@ -263,11 +267,8 @@ def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precisi
         tokens, pairs, bounds, dropped, offsets = _walk_cpu(routing.expert_ids, routing.slots, routing.counts,
                                                             routing.capacity)
         busy = len(set(bounds)) - 1   # the bounds start at 0 and never decrease: one new value per busy expert
-        plan = object.__new__(ExpertPlan)   # the dataclass's frozen __init__ costs a few us more
-        plan.__dict__.update(tokens=tokens, pairs=pairs, offsets=offsets, bounds=bounds,
-                             num_tokens=routing.num_tokens, dropped=dropped,
-                             phase=phase_of(needs_grad, bounds[-1], busy), dtype=dtype, precision=precision)
-        return plan
+        return ExpertPlan(tokens, pairs, offsets, bounds, routing.num_tokens, dropped,
+                          phase_of(needs_grad, bounds[-1], busy), dtype, precision, routing.k)
     tokens, pairs, bounds, dropped = kept_rows(routing.expert_ids, routing.slots, routing.counts, routing.capacity)
     return plan_from_bounds(tokens, pairs, bounds, routing.num_tokens, needs_grad=needs_grad, dtype=dtype,
-                            precision=precision, dropped=dropped)
+                            precision=precision, dropped=dropped, num_slots=routing.k)
