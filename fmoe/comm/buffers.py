@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .registry import cache_of
 
-__all__ = ["BufferPool", "recv_buffer"]
+__all__ = []   # the communicators' own bookkeeping (MPIComm, TorchDistComm): nothing here for users
 
 MIN_BYTES = 1 << 20        # below this the C library's free lists serve allocations without page faults
 MAX_BUFFERS = 8            # per communicator: a few MoE layers' exchanges in flight between forward and backward
