@@ -249,9 +249,11 @@ def linear_gate(params: dict, x: Tensor, *, fp32: bool = False) -> Tensor:
         [T, E] logits.
     """
     wg = params["wg"]
-    if fp32:
-        return x.float() @ wg.float().t()
-    return x @ wg.to(x.dtype).t()
+    dt = torch.float32 if fp32 else x.dtype
+    # a cast to the dtype a tensor has returns it, but is still a dispatched op: only cast what differs
+    if x.dtype != dt:
+        x = x.to(dt)
+    return x @ (wg if wg.dtype == dt else wg.to(dt)).t()
 
 
 def cosine_gate(params: dict, x: Tensor, *, fp32: bool = False) -> Tensor:

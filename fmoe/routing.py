@@ -527,7 +527,8 @@ def make_routing(expert_ids: Tensor, weights: Tensor, num_experts: int, capacity
             f"{tuple(weights.shape)}")
     if expert_ids.dtype.is_floating_point or expert_ids.dtype == torch.bool:
         raise TypeError(f"expert_ids must be an integer tensor, got {expert_ids.dtype}")
-    expert_ids = expert_ids.to(torch.int64)
+    if expert_ids.dtype != torch.int64:
+        expert_ids = expert_ids.to(torch.int64)
     k, T = expert_ids.shape
     order = None
     if importance is not None:
