@@ -343,7 +343,7 @@ def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: in
     [U, M] copy, no zeroed [U, O] buffer to scatter into)."""
     dx, dg, di, ds, _, _, dwi, dwo, dbi, dbo = dims
     form, in_t, out_t, act, alpha, limit, order = statics
-    # [B, T, k]: a token's pairs side by side, in the order the embedding bag reads them
+    # [B, T, k]: a token's pairs side by side
     ids, sl, g = (_batched(t, d, B).transpose(1, 2) for t, d in ((expert_ids, di), (slots, ds), (gates, dg)))
     T = ids.shape[1]
     xs = x.movedim(dx, 0).reshape(B * T, x.shape[-1]) if dx is not None else x
@@ -391,10 +391,10 @@ def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: in
         z = kinds._projections(kern, fs, xs, plan, w_in_s, b_in)
         y_u = kern.mm(fs.hidden(*z), w_out_s, plan, transposed=fs.out_transposed, bias=b_out)
     # y[b, t] = the sum over its kept pairs, in ascending expert order, of gate * row output: one
-    # embedding bag per (element, token), its kept rows only (no [B*T, O] term per pair)
-    # bags in (token, element) order where the elements share x: a token's bags read the same
-    # rows of y_u one after another (a third less time than element by element, which streams
-    # all of y_u once per element); y is then [T, B, O], its batch dim 1
+    # embedding bag per (element, token), its kept rows only (no [B*T, O] term per pair). Where
+    # the elements share x the bags run token by token: a token's bags read the same rows of y_u
+    # one after another (a third less time than element by element, which streams all of y_u
+    # once per element); y is then [T, B, O], its batch dim 1
     shared_x = dx is None
     if shared_x:
         kept, key, g = (t.transpose(0, 1) for t in (kept, key, g))
