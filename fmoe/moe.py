@@ -539,7 +539,8 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     seen = tokens if out is None or out.tokens is None else out.tokens  # Mixtral jitter: experts see it too
     shared = None if spec.shared is None else shared_experts(spec.shared, params, seen.to(x.dtype),
                                                              activation=spec.experts.act())
-    compute = seen.to(expert_dtype(params["experts"], x.dtype))
+    dt = expert_dtype(params["experts"], x.dtype)
+    compute = seen if seen.dtype == dt else seen.to(dt)   # a self-cast is still a dispatched op
     if comm.size == 1:
         y, dropped = _experts(spec, params["experts"], compute, routing, kind, generator)
     elif spec.experts.takes_plan:
@@ -552,7 +553,8 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
                               prescore=not spec.is_postscore, order=spec.combine, save=spec.save,
                               generator=generator)
         dropped = routing.num_dropped()
-    y = y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    y = y if y.dtype == x.dtype else y.to(x.dtype)
     if shared is not None:
         y = y + shared[0].reshape(y.shape)
     aux = MoEAux(l_aux, routing.counts, dropped, routing, routing.capacity, None if out is None else out.scores,

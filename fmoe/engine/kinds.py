@@ -137,6 +137,12 @@ def _check(x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out: Tens
             raise TypeError(f"expert weights must be in x's dtype {x.dtype}, got {w.dtype}")
 
 
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    # t itself where it has the dtype: a cast to its own dtype returns it but is still a
+    # dispatched op (tens of microseconds each on a cold decode call)
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _accumulate(y_r: Tensor, w_rows: Tensor, plan: ExpertPlan, order: str, dt: torch.dtype) -> Tensor:
     """y [T, O] in dt: ``y[t] += w_r * y_r`` over the rows in plan (ascending expert) order."""
     T, O = plan.num_tokens, y_r.shape[1]
@@ -156,8 +162,8 @@ def _accumulate(y_r: Tensor, w_rows: Tensor, plan: ExpertPlan, order: str, dt: t
         acc = compute_dtype(dt)
         y = y_r.new_zeros((T, O), dtype=acc)
         # rows are sorted by expert, and an fp32/fp64 index_add_ adds duplicates in index order
-        y.index_add_(0, tokens, y_r.to(acc) * w_rows.to(acc).unsqueeze(1))
-        return y.to(dt)
+        y.index_add_(0, tokens, _cast(y_r, acc) * _cast(w_rows, acc).unsqueeze(1))
+        return _cast(y, dt)
     contrib = (y_r * w_rows.unsqueeze(1)).to(dt)
     if dt in (torch.float32, torch.float64):
         return y_r.new_zeros((T, O)).index_add_(0, tokens, contrib)
@@ -399,7 +405,9 @@ def as_stored(form: ExpertForm, w_in: tuple, w_out) -> tuple:
         w_in, in_t = tuple(w.transpose(1, 2) for w in w_in), not in_t
     if view(w_out):
         w_out, out_t = w_out.transpose(1, 2), not out_t
-    return dataclasses.replace(form, in_transposed=in_t, out_transposed=out_t), w_in, w_out
+    if (in_t, out_t) != (form.in_transposed, form.out_transposed):
+        form = dataclasses.replace(form, in_transposed=in_t, out_transposed=out_t)
+    return form, w_in, w_out
 
 
 def _gated_routing(plan: LayoutPlan, gates: Tensor):
@@ -478,8 +486,9 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Union[ExpertPlan, Lay
     _check(x, w_rows, plan, w_in, w_out, order)
     if save not in SAVES:
         raise ValueError(f"save must be one of {SAVES}, got {save!r}")
-    # packed weights without a recipe multiply through fmoe.quant.packed, no table entry
-    float_gemms = isinstance(plan, LayoutPlan) or plan.precision is not None or not packed_rows(plan, w_in, w_out)
+    packed = packed_rows(plan, w_in, w_out)
+    # packed weights without a recipe take the table's packed kernel per projection (_rows_mm)
+    float_gemms = isinstance(plan, LayoutPlan) or plan.precision is not None or not packed
     kern = kernel if kernel is not None or not float_gemms else select(plan, _matrix_bytes(w_out), generator=generator)
     if isinstance(plan, LayoutPlan):
         # each projection one op over every buffer row (padded: Tutel's arithmetic bit for bit)
@@ -490,7 +499,7 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Union[ExpertPlan, Lay
         raise ValueError("pre-scored gates (prescore=True) run on a layout plan (make_plan(..., layout=))")
     form, w_in, w_out = as_stored(form, w_in, w_out)
     ts = (x, w_rows, b_in, w_out, b_out, *w_in)
-    if plan.precision is None and all(isinstance(w, Tensor) for w in (*w_in, w_out)):
+    if plan.precision is None and not packed:
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts):
             return _ExpertOp.apply(kern, form, plan, order, save, *ts)
         return forward(kern, form, x, w_rows, plan, w_in, b_in, w_out, b_out, order)[0]
