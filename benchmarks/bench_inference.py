@@ -270,41 +270,50 @@ def model_child(variant: str, path: str, arch: str, k: int, repeats: int) -> dic
     return out
 
 
-def model_suite(arch: str = "gpt_oss", size: str = "small", repeats: int = 3, log: Callable[[str], None] = print) -> dict:
-    """fmoe-patched (packed experts) vs transformers on the same checkpoint, each in its own process."""
+def model_suite(arch: str = "gpt_oss", size: str = "small", repeats: int = 3, rounds: int = 3,
+                log: Callable[[str], None] = print) -> dict:
+    """fmoe-patched (packed experts) vs transformers on the same checkpoint, each in its own process;
+    ``rounds`` rounds with the two processes alternating (the first variant swaps each round), each
+    figure the median over the rounds (the host drifts by tens of percent between processes)."""
     import subprocess
     import sys
     import tempfile
     from fmoe.examples import generate as G
-    res = {"arch": arch, "size": size, "config": G.SIZES[size], "threads": torch.get_num_threads(), "variants": {}}
+    res = {"arch": arch, "size": size, "config": G.SIZES[size], "threads": torch.get_num_threads(), "rounds": rounds,
+           "variants": {}}
+    runs = {"fmoe": [], "transformers": []}
     with tempfile.TemporaryDirectory(prefix="fmoe-bench-inference-") as path:
         G.write_checkpoint(path, arch, size)
         res["checkpoint_bytes"] = os.path.getsize(os.path.join(path, "model.safetensors"))
-        for variant in ("fmoe", "transformers"):
-            cmd = [sys.executable, "-m", "benchmarks.bench_inference", "--model-child", variant, "--checkpoint", path,
-                   "--arch", arch, "--k", str(G.SIZES[size]["k"]), "--repeats", str(repeats),
-                   "--threads", str(torch.get_num_threads())]
-            p = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
-                os.path.abspath(__file__))), timeout=1800)
-            if p.returncode:
-                res["variants"][variant] = {"error": p.stderr[-2000:]}
-                log(f"  {variant}: failed\n{p.stderr[-2000:]}")
-                continue
-            r = json.loads(p.stdout.strip().splitlines()[-1])
-            r["loadavg_after"] = os.getloadavg()[0]
-            res["variants"][variant] = r
-            log(f"  {arch}/{size} {variant}: decode b1 {r['decode_b1_tok_per_s']:.1f} tok/s (bound "
-                f"{r['decode_b1_bound_tok_per_s']:.0f}; {r['decode_b1_cpu_ms_per_step']:.1f} CPU ms/token), b8 "
-                f"{r['decode_b8_tok_per_s']:.1f} tok/s, prefill 512 "
-                f"{r['prefill_512_tok_per_s']:.0f} tok/s, RSS {r['rss_after_load_bytes'] / 2**20:.0f} MiB")
+        for rnd in range(rounds):
+            for variant in (("fmoe", "transformers") if rnd % 2 == 0 else ("transformers", "fmoe")):
+                cmd = [sys.executable, "-m", "benchmarks.bench_inference", "--model-child", variant, "--checkpoint",
+                       path, "--arch", arch, "--k", str(G.SIZES[size]["k"]), "--repeats", str(repeats),
+                       "--threads", str(torch.get_num_threads())]
+                p = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
+                    os.path.abspath(__file__))), timeout=1800)
+                if p.returncode:
+                    res["variants"][variant] = {"error": p.stderr[-2000:]}
+                    log(f"  {variant}: failed\n{p.stderr[-2000:]}")
+                    return res
+                r = json.loads(p.stdout.strip().splitlines()[-1])
+                r["loadavg_after"] = os.getloadavg()[0]
+                runs[variant].append(r)
+                log(f"  round {rnd} {arch}/{size} {variant}: decode b1 {r['decode_b1_tok_per_s']:.1f} tok/s (bound "
+                    f"{r['decode_b1_bound_tok_per_s']:.0f}; {r['decode_b1_cpu_ms_per_step']:.1f} CPU ms/token), b8 "
+                    f"{r['decode_b8_tok_per_s']:.1f} tok/s, prefill 512 "
+                    f"{r['prefill_512_tok_per_s']:.0f} tok/s, RSS {r['rss_after_load_bytes'] / 2**20:.0f} MiB")
+    for variant, rs in runs.items():
+        res["variants"][variant] = {key: statistics.median(r[key] for r in rs) for key in rs[0]
+                                    if isinstance(rs[0][key], (int, float))}
+        res["variants"][variant]["rounds"] = rs
     v = res["variants"]
-    if all("error" not in v.get(n, {"error": 1}) for n in ("fmoe", "transformers")):
-        res["decode_b1_speedup"] = v["fmoe"]["decode_b1_tok_per_s"] / v["transformers"]["decode_b1_tok_per_s"]
-        res["rss_ratio"] = v["fmoe"]["rss_after_load_bytes"] / v["transformers"]["rss_after_load_bytes"]
-        res["decode_b1_cpu_speedup"] = (v["transformers"]["decode_b1_cpu_ms_per_step"]
-                                        / v["fmoe"]["decode_b1_cpu_ms_per_step"])
-        res["decode_b8_speedup"] = v["fmoe"]["decode_b8_tok_per_s"] / v["transformers"]["decode_b8_tok_per_s"]
-        res["prefill_speedup"] = v["fmoe"]["prefill_512_tok_per_s"] / v["transformers"]["prefill_512_tok_per_s"]
+    res["decode_b1_speedup"] = v["fmoe"]["decode_b1_tok_per_s"] / v["transformers"]["decode_b1_tok_per_s"]
+    res["rss_ratio"] = v["fmoe"]["rss_after_load_bytes"] / v["transformers"]["rss_after_load_bytes"]
+    res["decode_b1_cpu_speedup"] = (v["transformers"]["decode_b1_cpu_ms_per_step"]
+                                    / v["fmoe"]["decode_b1_cpu_ms_per_step"])
+    res["decode_b8_speedup"] = v["fmoe"]["decode_b8_tok_per_s"] / v["transformers"]["decode_b8_tok_per_s"]
+    res["prefill_speedup"] = v["fmoe"]["prefill_512_tok_per_s"] / v["transformers"]["prefill_512_tok_per_s"]
     return res
 
 
@@ -374,6 +383,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", action="store_true", help="also the whole-model comparison")
     p.add_argument("--model-only", action="store_true", help="only the whole-model comparison")
     p.add_argument("--size", default="small", help="whole-model size (fmoe.examples.generate.SIZES)")
+    p.add_argument("--rounds", type=int, default=3, help="whole model: alternating rounds of the two processes")
     p.add_argument("--arch", default="gpt_oss")
     p.add_argument("--model-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
@@ -390,7 +400,7 @@ def main(argv=None) -> int:
         if args.prefill:
             res["prefill"] = layer_prefill(args.formats, args.prefill, max(3, args.repeats // 2))
     if args.model or args.model_only:
-        res["model"] = model_suite(args.arch, args.size, min(args.repeats, 3))
+        res["model"] = model_suite(args.arch, args.size, min(args.repeats, 3), args.rounds)
     res["loadavg_end"] = os.getloadavg()
     print("\n".join(tables(res)))
     if args.json:
