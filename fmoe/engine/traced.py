@@ -412,8 +412,9 @@ torch.library.register_vmap("fmoe::expert_rows", _expert_rows_vmap)
 def _expert_rows_backward_vmap(info, in_dims, gy, x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in,
                                b_out, z, form, in_t, out_t, act, alpha, limit, order, need):
     """The backward of a folded forward folds the same way (:func:`_fold`: each element's weight
-    gradients are its own, per (expert, element) group of shared weights or per expert of B*E); saved rows from per-element calls (bf16,
-    or a forward outside this vmap, as jacrev's vmap over cotangents) run once per element."""
+    gradients are its own, per (expert, element) group of shared weights or per expert of B*E);
+    saved rows from per-element calls (bf16, or a forward outside this vmap, as jacrev's vmap over
+    cotangents) run once per element."""
     args = (gy, x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out, z, form, in_t, out_t, act,
             alpha, limit, order, need)
     dz = in_dims[11]
