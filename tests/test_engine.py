@@ -551,6 +551,12 @@ def test_table_has_one_kernel_per_key_and_explains_a_step():
     text = table.explain("T=64,M=32,H=16,E=4,phase=traced")   # a layout plan: the padded layout's kernel
     assert "phase: traced" in text and text.count("-> layout-padded") == 6
     assert "kernel: layout-padded: one torch.bmm over every row of every expert buffer" in text
+    text = table.explain("T=1,M=64,H=32,E=8,k=2,kind=swiglu,weights=mxfp4")   # packed: the packed kernel
+    assert "weights=mxfp4" in text and "phase: decode" in text and text.count("-> cpu-packed") == 2
+    with pytest.raises(ValueError, match="weights must be 'float' or one of"):
+        table.explain("T=1,M=64,H=32,E=8,weights=int4")
+    with pytest.raises(ValueError, match="packed weights \\(nvfp4\\) run inference only"):
+        table.explain("T=1,M=64,H=32,E=8,weights=nvfp4,phase=train")
     for bad, msg in [("T=1,M=2", "needs H, E"), ("T=x,M=1,H=1,E=1", "T must be int"),
                      ("T=1,M=1,H=1,E=1,kind=moe", "kind must be"), ("T=1,M=1,H=1,E=1,dtype=int8", "dtype must be"),
                      ("T=1,M=1,H=1,E=1,phase=warm", "phase must be"), ("Q=1", "bad field")]:

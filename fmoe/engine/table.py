@@ -283,15 +283,17 @@ def select(plan: Union[ExpertPlan, LayoutPlan], matrix_bytes: int = 0, *, choice
 # --------------------------------------------------------------------------- explain
 
 _SHAPE_KEYS = {"T": int, "M": int, "H": int, "E": int, "k": int, "O": int, "kind": str, "dtype": str,
-               "device": str, "phase": str}
+               "device": str, "phase": str, "weights": str}
 
 
 def parse_shape(text: str) -> dict:
     """'T=4096,M=512,H=1024,E=8,k=2,kind=ffn,dtype=float32,phase=train' -> dict (defaults:
-    k 2, O = M, kind ffn, dtype float32, device cpu, phase from T*k/E as :func:`phase_of` with
-    needs_grad for 'train'; 'traced': a step on a layout plan (forward-mode AD, plan='layout');
-    torch.compile and vmap/grad run the rows plan's kernels, :mod:`fmoe.engine.traced`)."""
-    out = {"k": 2, "kind": "ffn", "dtype": "float32", "device": "cpu"}
+    k 2, O = M, kind ffn, dtype float32, device cpu, weights float, phase from T*k/E as
+    :func:`phase_of` with needs_grad for 'train'; 'traced': a step on a layout plan (forward-mode
+    AD, plan='layout'); torch.compile and vmap/grad run the rows plan's kernels,
+    :mod:`fmoe.engine.traced`). ``weights``: 'float' or a packed format of :mod:`fmoe.quant`
+    (mxfp4, nvfp4, mxfp8, fp8_block, fp8_row: inference only)."""
+    out = {"k": 2, "kind": "ffn", "dtype": "float32", "device": "cpu", "weights": "float"}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, val = part.partition("=")
         if not sep or key not in _SHAPE_KEYS:
@@ -316,6 +318,13 @@ def parse_shape(text: str) -> dict:
         out["phase"] = phase_of(False, rows, busy)
     elif out["phase"] not in PHASES + (TRACED,):
         raise ValueError(f"explain: phase must be one of {PHASES + (TRACED,)}, got {out['phase']!r}")
+    if out["weights"] != "float":
+        from ..quant.tensor import FORMATS   # optional: low-precision weights
+        if out["weights"] not in FORMATS:
+            raise ValueError(f"explain: weights must be 'float' or one of {FORMATS}, got {out['weights']!r}")
+        if out["phase"] not in ("prefill", "decode"):
+            raise ValueError(f"explain: packed weights ({out['weights']}) run inference only (they take no "
+                             f"gradient); phase must be prefill or decode, got {out['phase']!r}")
     return out
 
 
@@ -323,7 +332,10 @@ def explain(text: str) -> str:
     """Which kernel each GEMM of one step of SHAPE runs, and why (one line each)."""
     s = parse_shape(text)
     traced = s["phase"] == TRACED
-    kern = _layout_kernel("padded") if traced else kernel_for(s["device"], s["phase"], s["dtype"])
+    if s["weights"] != "float":
+        kern = _PACKED["cpu" if s["device"] == "cpu" else "cuda"]
+    else:
+        kern = _layout_kernel("padded") if traced else kernel_for(s["device"], s["phase"], s["dtype"])
     N, M, H, O, E = s["T"] * s["k"], s["M"], s["H"], s["O"], s["E"]
     width = 2 * H if s["kind"] != "ffn" else H
     gemms = [("forward in-projection", f"[{N} x {M}] @ [{M} x {width}] (rows gathered from x)"),
@@ -335,8 +347,11 @@ def explain(text: str) -> str:
                   ("backward in-projection wgrad", f"[{M} x {N}] @ [{N} x {width}] per expert (rows gathered)")]
     if traced:   # dispatch and combine move the rows; each GEMM runs on whole buffers
         gemms = [(name, shape.split(" (")[0]) for name, shape in gemms]
+    elif s["weights"] != "float":   # the packed kernels read rows in plan order
+        gemms = [(name, shape.replace("(rows gathered from x)", "(rows gathered before the call)"))
+                 for name, shape in gemms]
     lines = [f"shape: T={s['T']} M={M} H={H} O={O} E={E} k={s['k']} kind={s['kind']} "
-             f"dtype={str(s['dtype']).replace('torch.', '')} device={s['device']}",
+             f"dtype={str(s['dtype']).replace('torch.', '')} device={s['device']} weights={s['weights']}",
              f"phase: {s['phase']} ({N} rows over at most {min(E, N)} experts, ~{N / max(1, min(E, N)):.1f} per expert)"
              + (", on the layout's buffers: padded [E, C, M] (every row multiplied) or ragged [k*T, M]" if traced else ""),
              f"kernel: {kern.name}: {kern.why}"]
