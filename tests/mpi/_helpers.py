@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 
 import torch
 from torch.utils import _pytree as pytree
@@ -60,3 +61,18 @@ def allclose(a, b, what, atol=1e-10):
     assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
     err = (a - b).abs().max().item() if a.numel() else 0.0
     assert err <= atol, f"{what}: max abs diff {err}"
+
+
+def init_gloo(comm) -> None:
+    """torch.distributed's default group over gloo on this MPI world, once per process (every rank
+    calls it: rank 0 picks a free port and the ranks agree on it through ``comm``)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    port = torch.tensor([0])
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port[0] = s.getsockname()[1]
+    port = int(comm.all_reduce(port, "max").item())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)

@@ -2,8 +2,6 @@
 in exchanges, and that the fused control exchange returns the same data. Runs under mpiexec -n 2 and -n 4."""
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
@@ -12,7 +10,7 @@ from fmoe.comm import matching
 from fmoe.comm.agreement import CollectiveMismatchError, InconsistentRanksError, StepMismatchError, end_of_job_check
 from mpi_backend import MPIComm
 
-from _helpers import full_params, local_batch, local_params, make_spec
+from _helpers import full_params, init_gloo, local_batch, local_params, make_spec
 
 _COLLECTIVES = {"Allgather", "Iallgather", "Alltoall", "Ialltoall", "Allreduce", "Iallreduce", "Alltoallv",
                 "Ialltoallv", "Barrier", "Ibarrier", "Split"}
@@ -199,16 +197,8 @@ def test_inline_collectives_return_what_the_plain_ones_do(comm, dtype):
 
 def test_gloo_checks(comm):
     """TorchDistComm takes the same setting: 'step' and 'full' forwards equal 'off'; 'full' matches collectives."""
-    import torch.distributed as dist
     from fmoe.comm import TorchDistComm
-    port = torch.tensor([0])
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port[0] = s.getsockname()[1]
-    port = int(comm.all_reduce(port, "max").item())
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
+    init_gloo(comm)
     with pytest.raises(ValueError, match="checks must be one of"):
         TorchDistComm(checks="partial")
     spec, params, x = _setup(comm)

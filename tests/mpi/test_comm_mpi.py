@@ -1,14 +1,12 @@
 """MPIComm and TorchDistComm collectives, and the differentiable all-to-all under torch.func / compile."""
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
 import fmoe
 from fmoe.comm import Hierarchical2DComm, all_gather, all_to_all, all_to_all_v, reduce_scatter
-from _helpers import allclose, full_params, local_batch, local_params, make_spec
+from _helpers import allclose, full_params, init_gloo, local_batch, local_params, make_spec
 
 
 def _expected_a2a(make, W, rank, concat, split):
@@ -113,17 +111,8 @@ def test_all_to_all_inside_torch_compile(comm):
 
 
 def test_torch_dist_gloo_matches_mpi(comm):
-    import torch.distributed as dist
     from fmoe.comm import TorchDistComm
-    port = torch.tensor([0])
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port[0] = s.getsockname()[1]
-    port = int(comm.all_reduce(port, "max").item())
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
-                                world_size=comm.size)
+    init_gloo(comm)
     tdc = TorchDistComm()
     x = torch.randn(comm.size * 2, 3, generator=torch.Generator().manual_seed(comm.rank))
     assert torch.equal(tdc.all_to_all(x, 1, 0), comm.all_to_all(x, 1, 0))

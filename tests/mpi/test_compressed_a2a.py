@@ -2,8 +2,6 @@
 all-to-all -> decode done by hand, forward and backward, over MPIComm, 2DH and gloo."""
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
@@ -70,17 +68,9 @@ def test_compressed_a2a_over_2dh_equals_flat(comm):
 
 
 def test_compressed_a2a_over_gloo_equals_mpi(comm):
-    import torch.distributed as dist
     from fmoe.comm import TorchDistComm
-    if not dist.is_initialized():
-        port = torch.tensor([0])
-        if comm.rank == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port[0] = s.getsockname()[1]
-        port = int(comm.all_reduce(port, "max").item())
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
-                                world_size=comm.size)
+    from _helpers import init_gloo
+    init_gloo(comm)
     tdc = TorchDistComm()
     x = _x(comm, seed=7)
     for wire in WIRES:

@@ -3,30 +3,20 @@ still uses them: a held result keeps its values through later exchanges, on MPIC
 and expert-parallel training steps on reused buffers equal the same steps on fresh ones bit for bit."""
 from __future__ import annotations
 
-import socket
-
 import torch
 
 import fmoe
 from fmoe.comm import buffers
 from fmoe.comm.registry import cache_of
 from fmoe.parallel import ParallelSpec
-from _helpers import full_params, local_batch, local_params, make_spec
+from _helpers import init_gloo, local_params
 
 MB = 1 << 20
 
 
 def _gloo(comm):
-    import torch.distributed as dist
     from fmoe.comm import TorchDistComm
-    port = torch.tensor([0])
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port[0] = s.getsockname()[1]
-    port = int(comm.all_reduce(port, "max").item())
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
+    init_gloo(comm)
     return TorchDistComm()
 
 

@@ -2,8 +2,6 @@
 and the communicator keeps working afterwards. Runs under mpiexec -n 2 and -n 4."""
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
@@ -116,17 +114,9 @@ def test_agreement_meeting_another_collective_is_reported(comm):
 
 
 def test_gloo_mismatch_raises_on_every_rank(comm):
-    import torch.distributed as dist
     from fmoe.comm import TorchDistComm
-    port = torch.tensor([0])
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port[0] = s.getsockname()[1]
-    port = int(comm.all_reduce(port, "max").item())
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
-                                world_size=comm.size)
+    from _helpers import init_gloo
+    init_gloo(comm)
     tdc = TorchDistComm()
     x = torch.ones(3)
     with pytest.raises(CollectiveMismatchError, match="ranks entered different collectives"):
