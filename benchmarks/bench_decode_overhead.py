@@ -149,8 +149,8 @@ def _child(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     res = measure(args.formats, args.tokens, args.repeats, args.cold_repeats, args.sections)
-    with open(args.child, "w") as f:
-        json.dump(res, f)
+    from fmoe._io import atomic_write_text
+    atomic_write_text(args.child, json.dumps(res))
     return 0
 
 
@@ -226,8 +226,8 @@ def main(argv=None) -> int:
     print(f"{res['threads']} torch threads; load average at each child's start {res['loadavg']}")
     print("\n".join(table(res["this"], res["compare"])))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        from fmoe._io import atomic_write_text
+        atomic_write_text(args.json, json.dumps(res, indent=1))
     return 0
 
 

@@ -404,8 +404,8 @@ def main(argv=None) -> int:
     res["loadavg_end"] = os.getloadavg()
     print("\n".join(tables(res)))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        from fmoe._io import atomic_write_text
+        atomic_write_text(args.json, json.dumps(res, indent=1))
     return 0
 
 

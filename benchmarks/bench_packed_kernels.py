@@ -251,8 +251,8 @@ def main(argv=None) -> int:
         out["loadavg_end"] = f.read().split()[:3]
     print(f"load average at the end: {' '.join(out['loadavg_end'])}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        from fmoe._io import atomic_write_text
+        atomic_write_text(args.json, json.dumps(out, indent=1))
     return 0
 
 
