@@ -16,7 +16,7 @@ import dataclasses
 import math
 import numbers
 import os
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -213,16 +213,10 @@ def _trusted_routing(expert_ids, slots, weights, counts, capacity: int, num_expe
     """A Routing built by :func:`make_routing`, whose values are right by construction: only the cheap
     shape/dtype checks run (the value-range pass costs ~0.1-0.3 ms at T=4096 and is for routings made
     by hand, replaced or loaded)."""
-    r = _new_routing(expert_ids, slots, weights, counts, capacity, num_experts)
-    validate_routing(r, values=False)
-    return r
-
-
-def _new_routing(expert_ids, slots, weights, counts, capacity, num_experts) -> "Routing":
-    """A Routing with these fields and no check at all."""
     r = object.__new__(Routing)
     r.__dict__.update(expert_ids=expert_ids, slots=slots, weights=weights, counts=counts, capacity=capacity,
                       num_experts=num_experts)
+    validate_routing(r, values=False)
     return r
 
 
@@ -551,13 +545,7 @@ def make_routing(expert_ids: Tensor, weights: Tensor, num_experts: int, capacity
                                 max_load=max_load, alignment=alignment)
     elif capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
-    capacity, num_experts = int(capacity), int(num_experts)
-    # ids and weights were checked above and slots and counts built from the ids: of validate_routing's
-    # shape and dtype checks only these are left (any failure: the full check names it)
-    if (isinstance(weights, Tensor) and weights.dtype.is_floating_point and num_experts >= 1
-            and capacity <= MAX_CAPACITY_PER_PAIR * max(k * T, 1) + _RAGGED_SLACK):
-        return _new_routing(expert_ids, slots, weights, counts, capacity, num_experts)
-    return _trusted_routing(expert_ids, slots, weights, counts, capacity, num_experts)
+    return _trusted_routing(expert_ids, slots, weights, counts, int(capacity), int(num_experts))
 
 
 def top_k_routing(scores: Tensor, k: int, capacity_factor: float = 1.0, *, normalize: bool = True,
