@@ -261,14 +261,15 @@ def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precisi
         raise TypeError(f"make_plan: routing must be a fmoe.Routing, got {type(routing).__name__}")
     if layout is not None:
         return LayoutPlan(routing, layout, dtype, precision)
-    if routing.expert_ids.device.type == "cpu":
-        # the walk's bounds are valid by construction and it wrote the offsets tensor: the plan
-        # without plan_from_bounds' checks and copy (a tenth of a small decode call's host time)
-        tokens, pairs, bounds, dropped, offsets = _walk_cpu(routing.expert_ids, routing.slots, routing.counts,
-                                                            routing.capacity)
-        busy = len(set(bounds)) - 1   # the bounds start at 0 and never decrease: one new value per busy expert
-        return ExpertPlan(tokens, pairs, offsets, bounds, routing.num_tokens, dropped,
-                          phase_of(needs_grad, bounds[-1], busy), dtype, precision, routing.k)
-    tokens, pairs, bounds, dropped = kept_rows(routing.expert_ids, routing.slots, routing.counts, routing.capacity)
-    return plan_from_bounds(tokens, pairs, bounds, routing.num_tokens, needs_grad=needs_grad, dtype=dtype,
-                            precision=precision, dropped=dropped, num_slots=routing.k)
+    if routing.expert_ids.device.type != "cpu":
+        tokens, pairs, bounds, dropped = _rows_torch(routing.expert_ids, routing.slots, routing.counts,
+                                                     routing.capacity)
+        return plan_from_bounds(tokens, pairs, bounds, routing.num_tokens, needs_grad=needs_grad, dtype=dtype,
+                                precision=precision, dropped=dropped, num_slots=routing.k)
+    # the walk's bounds are valid by construction and it wrote the offsets tensor: the plan
+    # without plan_from_bounds' checks and copy (a tenth of a small decode call's host time)
+    tokens, pairs, bounds, dropped, offsets = _walk_cpu(routing.expert_ids, routing.slots, routing.counts,
+                                                        routing.capacity)
+    busy = len(set(bounds)) - 1   # the bounds start at 0 and never decrease: one new value per busy expert
+    return ExpertPlan(tokens, pairs, offsets, bounds, routing.num_tokens, dropped,
+                      phase_of(needs_grad, bounds[-1], busy), dtype, precision, routing.k)
