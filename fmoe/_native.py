@@ -24,8 +24,8 @@ from torch import Tensor
 _LIB = None
 _DTYPE = {torch.float32: 0, torch.bfloat16: 1}
 # The C ABI this module calls (fmoe_native_version()'s prefix): a library built from older
-# sources takes other arguments, so it is refused rather than called.
-ABI = "fmoe_native 0.2."
+# sources takes other arguments or lacks an entry point, so it is refused rather than called.
+ABI = "fmoe_native 0.3."
 # Return codes of the C functions besides cudaError_t values (native/fmoe_native.h).
 ERR_BAD_SHAPE, ERR_BAD_DTYPE, ERR_BAD_FORMAT, ERR_BAD_ARGUMENT, ERR_MISALIGNED = -1, -2, -3, -4, -5
 INT32_MAX = 2 ** 31 - 1
@@ -55,11 +55,12 @@ def lib() -> ctypes.CDLL:
         L.fmoe_native_error_string.restype = ctypes.c_char_p
         L.fmoe_native_error_string.argtypes = [i32]
         L.fmoe_w4a16_grouped_matmul.argtypes = [vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, vp]
+        L.fmoe_w4a16_rows_matmul.argtypes = [vp, vp, vp, vp, vp, vp, i32, i32, i32, i32, i32, vp]
         L.fmoe_fp8_block_grouped_gemm.argtypes = [vp, vp, vp, vp, vp, i32, i32, i32, i32, vp]
         L.fmoe_dispatch.argtypes = [vp, vp, vp, vp, i32, i32, i32, i32, i64, vp, vp]
         L.fmoe_combine.argtypes = [vp, vp, vp, vp, i32, i32, i32, i32, i64, vp, vp]
-        for f in ("fmoe_w4a16_grouped_matmul", "fmoe_fp8_block_grouped_gemm", "fmoe_dispatch",
-                  "fmoe_combine"):
+        for f in ("fmoe_w4a16_grouped_matmul", "fmoe_w4a16_rows_matmul", "fmoe_fp8_block_grouped_gemm",
+                  "fmoe_dispatch", "fmoe_combine"):
             getattr(L, f).restype = i32
         _LIB = L
     return _LIB

@@ -32,7 +32,7 @@ extern "C" {
 #define FMOE_FMT_MXFP4 0 /* E2M1, 32-element blocks, E8M0 scale bytes */
 #define FMOE_FMT_NVFP4 1 /* E2M1, 16-element blocks, UE4M3 scale bytes, fp32 scale per expert */
 
-/* Version string of the library, e.g. "fmoe_native 0.1.0 (sm_80 sm_90 sm_100)". */
+/* Version string of the library, e.g. "fmoe_native 0.3.0 (sm_80 sm_90 sm_100)". */
 FMOE_API const char *fmoe_native_version(void);
 FMOE_API const char *fmoe_native_error_string(int code);
 
@@ -48,6 +48,21 @@ FMOE_API const char *fmoe_native_error_string(int code);
 FMOE_API int fmoe_w4a16_grouped_matmul(const void *x, const uint8_t *w, const uint8_t *scales,
                               const float *gscale, void *y, int fmt, int E, int C, int N, int K,
                               void *stream);
+
+/* The same W4A16 matmul over rows sorted by expert (a rows plan, no padding):
+ *   y[r] = x[r] @ dequant(w[e])^T for offsets[e] <= r < offsets[e + 1]
+ *   x       bf16 [R, K]          rows of expert 0, then expert 1, ...
+ *   offsets int64 [E + 1]        device memory, read by the kernel (the host never reads them)
+ *   w, scales, gscale            as fmoe_w4a16_grouped_matmul
+ *   y       bf16 [R, N]          rows outside every expert's range are left untouched (pass a zeroed y)
+ * Grid (N tiles, E): a block whose expert has no rows returns before reading a weight byte. Each
+ * range is clamped to [0, R], so bad offsets never move an access outside x and y. Same per-row
+ * code as the padded entry: an expert's rows give the same bits as its C rows there. Checks and
+ * codes as fmoe_w4a16_grouped_matmul (E, R or N == 0: nothing to do; offsets NULL:
+ * FMOE_ERR_BAD_ARGUMENT). */
+FMOE_API int fmoe_w4a16_rows_matmul(const void *x, const int64_t *offsets, const uint8_t *w,
+                                    const uint8_t *scales, const float *gscale, void *y, int fmt, int E,
+                                    int R, int N, int K, void *stream);
 
 /* Grouped FP8 block-scaled GEMM (DeepSeek convention): for each expert e,
  *   y[e, m, n] = sum_kb a_s[e, m, kb] * b_s[e, n/128, kb] * sum_{k in kb} a[e,m,k] * b[e,n,k]

@@ -3,7 +3,7 @@
 
 #include "fmoe_native.h"
 
-extern "C" const char *fmoe_native_version(void) { return "fmoe_native 0.2.0"; }
+extern "C" const char *fmoe_native_version(void) { return "fmoe_native 0.3.0"; }
 
 extern "C" const char *fmoe_native_error_string(int code) {
   switch (code) {
