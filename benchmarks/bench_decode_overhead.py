@@ -12,7 +12,7 @@ each timed as its own call on the routing / plan / rows the layer makes:
 * ``route``: ``moe._route`` (router GEMM, scores, top-k, finiteness check, slots, capacity, the
   Routing and the GShard loss);
 * ``plan``: ``engine.make_plan`` + ``plan.row_weights``;
-* ``experts``: ``moe._experts`` (door, expert form, plan, ``kinds.run``: both GEMMs included);
+* ``experts``: ``fmoe.experts.routed_experts`` (door, expert form, plan, ``kinds.run``: both GEMMs included);
 * ``gemms`` (packed): the layer's two ``fmoe.quant.packed.grouped_matmul`` calls on rows of the
   plan's shape; ``gemms_check``: their argument validation alone (``packed._check``, where the
   tree has it).
@@ -110,7 +110,7 @@ def sections(fmt: str, T: int):
         moe.check_params(params, spec)
 
     steps = {"layer": lambda: fmoe.moe(params, x, spec), "checks": checks, "route": route, "plan": plan,
-             "experts": lambda: moe._experts(spec, w, x, routing, kind, None)}
+             "experts": lambda: fmoe.experts.routed_experts(spec.experts, w, x, routing, layout_kind=kind)}
     if fmt != "float32":
         pl = _plan.make_plan(routing, needs_grad=False, dtype=torch.float32)
         a, h = torch.randn(pl.num_rows, M, generator=g), torch.randn(pl.num_rows, I, generator=g)

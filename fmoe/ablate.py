@@ -64,8 +64,8 @@ from . import routers as _gates
 from . import stats as _stats
 from ._io import atomic_save
 from .losses import gshard_loss, z_loss
+from .experts import routed_experts
 from .moe import MoESpec, check_params
-from .moe import _experts as _moe_experts
 from .routing import Routing, _trusted_routing, assign_slots, capacity_for, top_k_routing
 
 __all__ = [
@@ -338,7 +338,7 @@ def _top1_fraction(top1: Tensor, E: int, dtype) -> Tensor:
 
 
 def _experts_and_combine(expert_params, tokens: Tensor, spec: MoESpec, routing: Routing) -> Tensor:
-    """The experts on the masked routing through :func:`fmoe.moe`'s own expert stage (the engine's
+    """The experts on the masked routing through :func:`fmoe.moe`'s own expert stage (:func:`fmoe.experts.routed_experts`) (the engine's
     door: the kept pairs only, one folded call under vmap). A setting's capacity lives in the
     slots (a pair past it sits past the static capacity), so the counts the plan reads are the
     kept pairs per expert, not the routed ones."""
@@ -348,7 +348,8 @@ def _experts_and_combine(expert_params, tokens: Tensor, spec: MoESpec, routing: 
     kept = ((ids >= 0) & (routing.slots < C)).to(routing.counts.dtype)
     counts = torch.zeros_like(routing.counts).scatter_add(0, ids.clamp(min=0).reshape(-1), kept.reshape(-1))
     r = _trusted_routing(ids, routing.slots, routing.weights, counts, C, routing.num_experts)
-    y, _ = _moe_experts(spec, expert_params, tokens.to(dtype), r, spec.layout_kind(), None)
+    y, _ = routed_experts(spec.experts, expert_params, tokens.to(dtype), r, layout_kind=spec.layout_kind(),
+                          order=spec.combine, prescore=not spec.is_postscore, plan=spec.plan, save=spec.save)
     return y
 
 

@@ -40,9 +40,12 @@ from torch.utils import _pytree as pytree
 from .ops.grouped import padded_mm
 from .engine import ExpertForm, GroupedGemm
 from .engine import kinds as _kinds
+from .engine import plan as _plan
+from .engine import traced as _traced
+from .layout import make_layout
 
 __all__ = ["ExpertSpec", "ParamLayout", "EXPERT_PARAMS", "EXPERT_TYPES", "ffn", "gated_ffn", "swiglu",
-           "gpt_oss", "apply_experts", "apply_form", "expert_form", "expert_dtype", "init_experts", "expert_matmul", "shard_axes", "swiglu_mlp",
+           "gpt_oss", "apply_experts", "routed_experts", "apply_form", "expert_form", "expert_dtype", "init_experts", "expert_matmul", "shard_axes", "swiglu_mlp",
            "shared_experts"]
 
 EXPERT_TYPES = ("ffn", "gated_ffn", "swiglu", "gpt_oss", "custom")
@@ -329,6 +332,53 @@ def apply_experts(spec: ExpertSpec, params, x: Tensor, gemm: Optional[GroupedGem
     if gemm is not None and gemm.layout.kind != "padded":
         raise ValueError("custom experts take padded buffers [E, C, M]; route them with layout='padded'")
     return spec.fn(params, x)
+
+
+def routed_experts(spec: ExpertSpec, params, x: Tensor, routing, *, layout_kind: str = "padded",
+                   order: str = "fmoe", prescore: bool = False, plan: str = "auto", save: str = "projections",
+                   generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+    """The routed experts of one process on tokens x [T, M]: the engine over a rows plan where
+    it applies (``plan`` 'auto'; custom experts with ``takes_plan`` always), else over a layout
+    plan of ``layout_kind`` (dispatch, the layout kernel, combine).
+
+    Args:
+        spec: the experts. params: their pytree ([E, ...] leaves, float or packed weights).
+        x: [T, M] in the experts' compute dtype. routing: a :class:`fmoe.Routing` over the T tokens.
+        order: the combine order (:data:`fmoe.ops.orders.COMBINES`). prescore: gates scale the
+            experts' inputs. plan: :attr:`fmoe.MoESpec.plan`. save: :attr:`fmoe.MoESpec.save`.
+        generator: the quantized-training recipe's stochastic rounding.
+    Returns:
+        (y [T, O] in x's dtype, pairs dropped int64 []).
+    """
+    kw = None if spec.type == "custom" else expert_form(spec, params)
+    ts = (x, routing.weights) if kw is None else (
+        x, routing.weights, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"])
+    how = dict(order=order, prescore=prescore)
+    # custom experts take padded buffers (a layout plan) unless written for the plan's rows
+    door = "layout" if kw is None else _traced.door(kw["form"], ts, precision=spec.precision, plan=plan, **how)
+    if spec.takes_plan:   # custom experts written for the plan: its rows or nothing
+        if _traced.door(None, ts, **how) != "rows":
+            raise ValueError("custom experts with takes_plan=True run on one process in eager mode (no torch.func "
+                             "transform, no torch.compile) with is_postscore=True and combine 'fmoe' or 'eager'; "
+                             "use takes_plan=False (padded [E, C, M] buffers) there")
+        door = "rows"
+    if door == "traced":
+        y = _traced.run(kw["form"], x, routing, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"],
+                        order=order, save=save)
+        return y, routing.num_dropped()
+    ts = tuple(t for t in ts if t is None or isinstance(t, Tensor))   # packed weights: their own type
+    # a custom expert's parameters are not in ts: any call with grad on may be a training call
+    needs_grad = torch.is_grad_enabled() and (kw is None or any(t is not None and t.requires_grad for t in ts))
+    rows_plan = _plan.make_plan(routing, needs_grad=needs_grad, dtype=x.dtype,
+                                precision=None if kw is None else spec.precision,
+                                layout=None if door == "rows" else make_layout(routing, layout_kind))
+    w_rows = rows_plan.row_weights(routing.weights)
+    if kw is None:
+        y = _kinds.run_custom(spec.fn, params, x, w_rows, rows_plan, order=order, prescore=prescore)
+    else:
+        y = _kinds.run(kw["form"], x, w_rows, rows_plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"],
+                       b_out=kw["b_out"], order=order, save=save, prescore=prescore, generator=generator)
+    return y, rows_plan.dropped
 
 
 def _uniform(shape, bound: float, generator) -> Tensor:

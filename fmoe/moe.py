@@ -22,10 +22,8 @@ from torch.utils import _pytree as pytree
 
 from .comm import resolve
 from .engine import kinds as _kinds
-from .engine import plan as _plan
-from .engine import traced as _traced
-from .experts import EXPERT_PARAMS, ExpertSpec, expert_dtype, expert_form, init_experts, shared_experts, sharding
-from .layout import LAYOUTS, make_layout
+from .experts import EXPERT_PARAMS, ExpertSpec, expert_dtype, init_experts, routed_experts, shared_experts, sharding
+from .layout import LAYOUTS
 from .losses import gshard_loss, load_importance_loss
 from .ops.orders import COMBINES
 from .routers import GateSpec, RouterOutput, init_router
@@ -542,7 +540,9 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     dt = expert_dtype(params["experts"], x.dtype)
     compute = seen if seen.dtype == dt else seen.to(dt)   # a self-cast is still a dispatched op
     if comm.size == 1:
-        y, dropped = _experts(spec, params["experts"], compute, routing, kind, generator)
+        y, dropped = routed_experts(spec.experts, params["experts"], compute, routing, layout_kind=kind,
+                                    order=spec.combine, prescore=not spec.is_postscore, plan=spec.plan,
+                                    save=spec.save, generator=generator)
     elif spec.experts.takes_plan:
         raise ValueError("custom experts with takes_plan=True run on one process; use takes_plan=False (padded "
                          "[E, C, M] buffers) with expert parallelism")
@@ -560,43 +560,3 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     aux = MoEAux(l_aux, routing.counts, dropped, routing, routing.capacity, None if out is None else out.scores,
                  None if out is None else out.logits, None if shared is None else shared[1])
     return y, aux
-
-
-def _experts(spec: MoESpec, experts, compute: Tensor, routing: Routing, kind: str,
-             generator: Optional[torch.Generator]) -> tuple[Tensor, Tensor]:
-    """(y [T, O], pairs dropped int64 []) on one process: the expert engine over a rows plan
-    where it applies (``MoESpec.plan`` 'auto'; custom experts with ``takes_plan`` always), else
-    over a layout plan (dispatch, the layout kernel, combine)."""
-    es = spec.experts
-    kw = None if es.type == "custom" else expert_form(es, experts)
-    ts = (compute, routing.weights) if kw is None else (
-        compute, routing.weights, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"])
-    form = None if kw is None else kw["form"]
-    how = dict(order=spec.combine, prescore=not spec.is_postscore)
-    # custom experts take padded buffers (a layout plan) unless written for the plan's rows
-    d = "layout" if kw is None else _traced.door(form, ts, precision=es.precision, plan=spec.plan, **how)
-    if es.takes_plan:   # custom experts written for the plan: its rows or nothing
-        if _traced.door(None, ts, **how) != "rows":
-            raise ValueError("custom experts with takes_plan=True run on one process in eager mode (no torch.func "
-                             "transform, no torch.compile) with is_postscore=True and combine 'fmoe' or 'eager'; "
-                             "use takes_plan=False (padded [E, C, M] buffers) there")
-        d = "rows"
-    if d == "traced":
-        y = _traced.run(form, compute, routing, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"],
-                        order=spec.combine, save=spec.save)
-        return y, routing.num_dropped()
-    ts = tuple(t for t in ts if t is None or isinstance(t, Tensor))   # packed weights: their own type
-    # a custom expert's parameters are not in ts: any call with grad on may be a training call
-    needs_grad = torch.is_grad_enabled() and (es.type == "custom" or any(t is not None and t.requires_grad for t in ts))
-    layout = None if d == "rows" else make_layout(routing, kind)
-    plan = _plan.make_plan(routing, needs_grad=needs_grad, dtype=compute.dtype,
-                           precision=None if kw is None else es.precision, layout=layout)
-    w_rows = plan.row_weights(routing.weights)
-    if kw is None:
-        y = _kinds.run_custom(es.fn, experts, compute, w_rows, plan, order=spec.combine,
-                              prescore=not spec.is_postscore)
-    else:
-        y = _kinds.run(kw["form"], compute, w_rows, plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"],
-                       b_out=kw["b_out"], order=spec.combine, save=spec.save, prescore=not spec.is_postscore,
-                       generator=generator)
-    return y, plan.dropped

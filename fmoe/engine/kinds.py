@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..ops import dispatch
 from ..ops.memory_order import stored_transposed
 from ..ops.orders import COMBINES, combine_in_order
+from ..ops.primitives import dispatch_raw
 from ..ops.reference import compute_dtype
 from .grouped import GroupedGemm
 from .plan import ExpertPlan, LayoutPlan
@@ -424,9 +424,11 @@ def _through_layout(stage: Callable[[Tensor], Tensor], x: Tensor, gates: Tensor,
     """A layout plan's experts: dispatch x [T, M] into the layout's buffers, ``stage(buffers)``,
     combine in ``order``; plain autograd through ops that carry torch.func and compile rules.
     gates: [k, T]."""
-    r = _gated_routing(plan, gates)
-    y = stage(dispatch(x, r, weighted=prescore, layout=plan.layout))
-    return combine_in_order(y, r, plan.layout, order, weighted=not prescore)
+    r, lay = _gated_routing(plan, gates), plan.layout
+    # the plan's layout was made from this routing (make_plan): fmoe.dispatch's checks hold already
+    buf = dispatch_raw(x, lay.positions, gates if prescore else None, lay.num_rows)
+    y = stage(buf.reshape(lay.buffer_shape(x.shape[1])))
+    return combine_in_order(y, r, lay, order, weighted=not prescore)
 
 
 def project(mm: Callable, form: ExpertForm, buf: Tensor, w_in: tuple, b_in, w_out, b_out) -> Tensor:
@@ -514,14 +516,14 @@ def run_custom(fn: Callable, params, x: Tensor, w_rows: Tensor, plan: Union[Expe
     multiply through :func:`fmoe.engine.grouped_mm`), gate-weighted and summed here in ``order``.
     On a layout plan ``fn(params, buffers) -> buffers`` over the layout's padded [E, C, M]
     buffers (Tutel's custom-expert contract), dispatched and combined in ``order``."""
-    if isinstance(plan, LayoutPlan):
-        if plan.layout.kind != "padded":
-            raise ValueError("custom experts take padded buffers [E, C, M]; route them with layout='padded'")
-        return _through_layout(lambda buf: fn(params, buf), x, w_rows, plan, order, prescore)
-    if prescore:
-        raise ValueError("pre-scored gates (prescore=True) run on a layout plan (make_plan(..., layout=))")
-    y_rows = fn(params, x, plan)
-    if not isinstance(y_rows, Tensor) or y_rows.dim() != 2 or y_rows.shape[0] != plan.num_rows:
-        raise ValueError(f"a custom expert with takes_plan=True must return [N, O] with N={plan.num_rows} (one row "
-                         f"per plan row), got {getattr(y_rows, 'shape', type(y_rows).__name__)}")
-    return combine_rows(y_rows, w_rows, plan, order).to(x.dtype)
+    if isinstance(plan, ExpertPlan):
+        if prescore:
+            raise ValueError("pre-scored gates (prescore=True) run on a layout plan (make_plan(..., layout=))")
+        y_rows = fn(params, x, plan)
+        if not isinstance(y_rows, Tensor) or y_rows.dim() != 2 or y_rows.shape[0] != plan.num_rows:
+            raise ValueError(f"a custom expert with takes_plan=True must return [N, O] with N={plan.num_rows} (one "
+                             f"row per plan row), got {getattr(y_rows, 'shape', type(y_rows).__name__)}")
+        return combine_rows(y_rows, w_rows, plan, order).to(x.dtype)
+    if plan.layout.kind != "padded":
+        raise ValueError("custom experts take padded buffers [E, C, M]; route them with layout='padded'")
+    return _through_layout(lambda buf: fn(params, buf), x, w_rows, plan, order, prescore)
