@@ -32,8 +32,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["CANDIDATES", "REGIME_KEY", "path", "shape_class", "lookup", "record", "load", "forget",
-           "regime", "record_regime"]
+__all__ = ["CANDIDATES", "path", "lookup", "record", "load", "forget"]
 
 # table key (device, phase, dtype) -> the kernels that compete for it, the default first
 CANDIDATES = {("cpu", "decode", torch.float32): ("cpu-native", "cpu-numba-rows"),

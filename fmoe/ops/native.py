@@ -75,8 +75,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["AVAILABLE", "PARALLEL_BELOW_ROWS", "PARALLEL_BELOW_ROWS_BIG", "PARALLEL_SMALL_MATRIX_BYTES",
-           "status", "build", "library_path", "regime_for", "thresholds", "calibrate",
+__all__ = ["AVAILABLE", "status", "build", "library_path", "calibrate",
            "gather_mm", "mm_scatter", "gather_wgrad",
            "gather_mm_reference", "mm_scatter_reference", "gather_wgrad_reference"]
 
