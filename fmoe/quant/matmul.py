@@ -13,6 +13,10 @@ On CUDA tensors "auto" takes the native kernels where one fits and native/build.
 (:func:`_cuda_choice`): W4A16 for FP4 weights at decode (bf16 x, C <= 16), the FP8 block GEMM for
 fp8_block 128x128 weights (bf16 x, quantized to 1x128 FP8 tiles first: DeepSeek-V3's inference
 recipe, so y carries that rounding, relative 2^-4 per activation at most); "reference" otherwise.
+
+Rows sorted by expert (a rows plan: a [R, K] with offsets [E + 1] on the device) take
+:func:`rows_matmul`: the native ragged W4A16 kernel at decode, else all experts dequantized once
+and one torch._grouped_mm; no Python per expert and no host sync on CUDA.
 """
 from __future__ import annotations
 
@@ -167,6 +171,102 @@ def _cuda_auto(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
     if choice == "w4a16":
         return native.w4a16_matmul(x, w)
     return native.fp8_block_matmul(quantize_fp8_act_tiles(x, 128), w)
+
+
+# --- rows sorted by expert (a rows plan), no host sync: the kernel table's packed CUDA entry ---
+
+ROWS_PATHS = ("auto", "w4a16", "grouped")
+
+
+def _rows_check(a, w: QuantizedTensor, offsets) -> None:
+    """rows_matmul's operands by their metadata only (the offsets' values are never read)."""
+    what = "rows_matmul"
+    if not isinstance(w, QuantizedTensor):
+        raise TypeError(f"{what}: w must be a QuantizedTensor, got {type(w).__name__}")
+    if not isinstance(a, torch.Tensor) or a.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"{what}: a must be a float32 or bfloat16 tensor, got {getattr(a, 'dtype', type(a).__name__)}")
+    ws = w.logical_shape
+    if a.dim() != 2 or len(ws) != 3 or a.shape[1] != ws[2]:
+        raise ValueError(f"{what}: expected a [R, K] and w [E, N, K], got a {tuple(a.shape)} and w {ws}")
+    from .native import _offsets
+    _offsets(what, offsets, ws[0])
+    if offsets.device != a.device:
+        raise RuntimeError(f"{what}: offsets is on {offsets.device} but a is on {a.device}; pass the offsets on "
+                           f"a's device (a plan keeps them there)")
+
+
+def _rows_choice(a: torch.Tensor, w: QuantizedTensor) -> str:
+    """What rows_matmul's "auto" runs for CUDA rows a [R, K], from shapes and dtypes only:
+    "w4a16" for mxfp4/nvfp4 weights, bf16 rows, K % 32 == 0, at most _W4A16_MAX_TOKENS rows per
+    expert on average (R <= 16 E: decode; the kernel re-reads the weights every 8 rows) and no
+    gradient wanted (the kernel has no backward), with the library built; else "grouped"."""
+    from .. import _native
+
+    E, _, K = w.logical_shape
+    if (a.is_cuda and w.fmt in FP4_FORMATS and a.dtype == torch.bfloat16 and K % 32 == 0
+            and a.shape[0] <= _W4A16_MAX_TOKENS * E and not (a.requires_grad and torch.is_grad_enabled())
+            and _native.built()):
+        return "w4a16"
+    return "grouped"
+
+
+def _rows_grouped(a: torch.Tensor, w: QuantizedTensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Every expert of w dequantized once to a's dtype, then ONE ``torch._grouped_mm`` over the rows.
+
+    Memory: the dequantized weights stay alive for the call, E*N*K elements of a's dtype (bf16: 2
+    bytes per weight, ~3.8x an mxfp4 tensor; fp32: 4 bytes), and :func:`dequantize` forms its
+    products in FP32 first, so the transient peak is about 3 FP32 copies of all E experts (12
+    bytes per weight) besides. Fine at decode-sized layers; for large E*N*K that is the cost
+    the W4A16 kernel avoids. Rows and weights are zero-padded to torch._grouped_mm's 16-byte
+    layout rule where K or N is not a multiple of 16 bytes. Offsets are clamped to [0, R] and
+    made non-decreasing on the device (never read on the host), so no access leaves a; rows
+    past offsets[-1] are zero. Differentiable in a (torch._grouped_mm's backward)."""
+    R, K = a.shape
+    E, Nn, _ = w.logical_shape
+    if R == 0 or E == 0 or Nn == 0:
+        return a.new_zeros(R, Nn)
+    align = 16 // a.element_size()
+    Kp, Np = -(-K // align) * align, -(-Nn // align) * align
+    wd = dequantize(w, a.dtype)
+    if (Kp, Np) != (K, Nn):
+        wd = torch.nn.functional.pad(wd, (0, Kp - K, 0, Np - Nn))
+        a = torch.nn.functional.pad(a, (0, Kp - K))
+    # narrow/select, not Python indexing: the latter needs a CUDA device guard, which FakeTensorMode
+    # CUDA tensors of a CPU-only torch (the tests' way to run this without a GPU) cannot take
+    ends = offsets.narrow(0, 1, E).clamp(0, R).cummax(0).values
+    y = torch._grouped_mm(a.contiguous(), wd.transpose(1, 2), offs=ends.to(torch.int32))
+    y = y.masked_fill((torch.arange(R, device=a.device) >= ends.select(0, E - 1)).unsqueeze(1), 0)
+    return y.narrow(1, 0, Nn) if Np != Nn else y
+
+
+def rows_matmul(a: torch.Tensor, w: QuantizedTensor, offsets: torch.Tensor, *, path: str = "auto") -> torch.Tensor:
+    """y[r] = a[r] @ dequant(w[e]).T for expert e's rows offsets[e]:offsets[e + 1].
+
+    a: float32 or bfloat16 [R, K], rows sorted by expert (a rows plan's rows); w: QuantizedTensor
+    [E, N, K] of any fmoe format; offsets: int64 (or int32) [E + 1] on a's device, from 0, never
+    decreasing, ending at R. Returns [R, N] in a's dtype. No Python per expert and no host sync.
+    path: "auto" (CUDA: :func:`_rows_choice`; elsewhere "grouped". On the CPU the fast kernel is
+    :func:`fmoe.quant.packed.grouped_matmul`, which the kernel table calls there), "w4a16" (the
+    native ragged W4A16 kernel,
+    :func:`fmoe.quant.native.w4a16_rows_matmul`: bf16 rows of mxfp4/nvfp4 weights, not
+    differentiable) or "grouped" (:func:`_rows_grouped`: dequantize all experts once, one
+    torch._grouped_mm; any format, any device where torch._grouped_mm runs, differentiable in a).
+    Numerics: "w4a16" accumulates the exact decoded weights in FP32 and rounds once to bf16;
+    "grouped" first rounds the decoded weights to a's dtype (exact for mxfp4 in bf16; relative
+    2^-9 per weight for nvfp4 and the FP8 formats) and accumulates as torch._grouped_mm does.
+    """
+    _rows_check(a, w, offsets)
+    if path not in ROWS_PATHS:
+        raise ValueError(f"rows_matmul: path must be one of {ROWS_PATHS}, got {path!r}")
+    if path == "auto":
+        path = _rows_choice(a, w)
+    if path == "w4a16":
+        if a.requires_grad and torch.is_grad_enabled():
+            raise ValueError("rows_matmul: path='w4a16' has no backward; pass a.detach() or run under "
+                             "torch.no_grad(), or take path='grouped' (differentiable in a)")
+        from .native import w4a16_rows_matmul
+        return w4a16_rows_matmul(a, w, offsets)
+    return _rows_grouped(a, w, offsets)
 
 
 def _run(x, w: QuantizedTensor, path: str) -> torch.Tensor:

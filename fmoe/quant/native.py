@@ -1,4 +1,5 @@
-"""Quantized CUDA GEMMs of the native library (W4A16 MXFP4/NVFP4, FP8 block) via :mod:`fmoe._native`.
+"""Quantized CUDA GEMMs of the native library (W4A16 MXFP4/NVFP4 over padded experts or over rows
+sorted by expert, FP8 block) via :mod:`fmoe._native`.
 
 Nothing here touches CUDA or the library at import time; every check below runs on the
 tensors' metadata before anything is launched: the reference's (:func:`fmoe.quant.matmul.
@@ -86,6 +87,70 @@ def w4a16_matmul(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
     s = N.stream(what, dev)
     rc = N.lib().fmoe_w4a16_grouped_matmul(N.ptr(xc), N.ptr(w.data), N.ptr(scales), N.ptr(gs), N.ptr(y),
                                            _FMT[w.fmt], E, C, Nn, K, s)
+    N.check_rc(rc, what)
+    return y
+
+
+def _offsets(what: str, offsets, E: int) -> None:
+    """offsets as the rows kernels take them: an int64 (or int32) tensor [E + 1]; their values are
+    not read here (that would be a host sync per call)."""
+    if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int64, torch.int32) \
+            or offsets.dim() != 1 or offsets.shape[0] != E + 1:
+        got = (f"{offsets.dtype} {tuple(offsets.shape)}" if isinstance(offsets, torch.Tensor)
+               else type(offsets).__name__)
+        raise ValueError(f"{what}: offsets must be an int64 (or int32) tensor [E + 1] = [{E + 1}] (expert e owns "
+                         f"rows offsets[e]:offsets[e + 1]), got {got}")
+
+
+def w4a16_rows_matmul(x: torch.Tensor, w: QuantizedTensor, offsets: torch.Tensor) -> torch.Tensor:
+    """y[r] = x[r] @ dequant(w[e]).T for the rows offsets[e] <= r < offsets[e + 1], on CUDA.
+
+    x: bf16 [R, K], rows sorted by expert (a rows plan's rows); w: mxfp4/nvfp4 [E, N, K] with K a
+    multiple of 32; offsets: int64 or int32 [E + 1] on x's device, from 0, never decreasing, ending
+    at R. Returns bf16 [R, N]. One launch (``fmoe_w4a16_rows_matmul``) over (N tiles, experts):
+    each block reads its expert's range from offsets on the device, so nothing waits for the GPU
+    and Python does nothing per expert; an expert with no rows never reads its weights. The
+    values of offsets are not checked (that would be a host sync): the kernel clamps every range
+    to [0, R], so bad offsets give wrong rows but no access outside x and y; rows outside every
+    range are zero. Per row the same arithmetic as :func:`w4a16_matmul`.
+
+    x is copied where it is not contiguous or not 16-byte aligned; w.data must be both (ValueError).
+    """
+    what = "w4a16_rows_matmul"
+    E, Nn, K = _quantized(what, "w", w)
+    if w.fmt not in _FMT:
+        raise ValueError(f"{what}: needs mxfp4 or nvfp4 weights, got {w.fmt}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: x must be a tensor, got {type(x).__name__}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"{what}: x must be bfloat16 (the kernel's A16 operand), got {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"{what}: expected x [R, K] and w [E, N, K], got x {tuple(x.shape)} and w {(E, Nn, K)}")
+    _offsets(what, offsets, E)
+    if K % 32:
+        raise ValueError(f"{what}: K = {K} must be a multiple of 32 (one 16-byte load covers 32 weights); "
+                         f"fmoe.quant.matmul.rows_matmul(path='grouped') takes any K")
+    R = x.shape[0]
+    _grid(what, E, R=R, N=Nn, K=K)
+    dev = N.same_cuda_device(what, ("x", x), ("offsets", offsets), ("w.data", w.data), ("w.scales", w.scales),
+                             ("w.global_scale", w.global_scale))
+    _weight_leaves(what, "w", w)
+    if not N.aligned16(w.data):
+        raise ValueError(f"{what}: w.data starts at byte {N.address(w.data) % 16} of a 16-byte line; the "
+                         f"kernel's 16-byte loads need it aligned: pass a QuantizedTensor whose data is a "
+                         f"fresh tensor (data.clone())")
+    y = torch.zeros(R, Nn, dtype=torch.bfloat16, device=dev)   # rows outside every range stay zero
+    if y.numel() == 0 or E == 0 or K == 0:
+        return y
+    xc = x.contiguous()
+    if not N.aligned16(xc):
+        xc = xc.clone()   # a fresh allocation starts on a 16-byte boundary
+    offs = offsets.to(torch.int64).contiguous()   # widened on the device: no host read
+    scales = w.scales.view(torch.uint8)
+    gs = None if w.global_scale is None else w.global_scale.float().reshape(E).contiguous()
+    s = N.stream(what, dev)
+    rc = N.lib().fmoe_w4a16_rows_matmul(N.ptr(xc), N.ptr(offs), N.ptr(w.data), N.ptr(scales), N.ptr(gs), N.ptr(y),
+                                        _FMT[w.fmt], E, R, Nn, K, s)
     N.check_rc(rc, what)
     return y
 
