@@ -210,3 +210,32 @@ def test_eager_exchange_carries_only_the_kept_rows(comm, monkeypatch, cf):
     mine = shard_experts("ffn", summed, E, comm.rank, W)
     for k in mine:
         allclose(pd["experts"][k].grad, mine[k], f"grad experts.{k} cf={cf}")
+
+
+def test_compiled_training_step_runs_the_traced_op_and_equals_one_process(comm, traced_calls):
+    """A training step under torch.compile (AOT autograd, graph breaks at the exchanges, whose
+    row counts are data): each rank's received rows run the traced op; the output and the expert
+    gradients equal one process."""
+    W = comm.size
+    E = 2 * W
+    spec = make_spec(E, 2, 1.25, expert_type="swiglu")
+    full = full_params(spec)
+    x = local_batch(comm.rank)
+    cot = torch.randn(x.shape[0], spec.output_dim, generator=torch.Generator().manual_seed(11 + comm.rank),
+                      dtype=torch.float64)
+    local = local_params(spec, full, comm)
+
+    def step(experts):
+        experts = {k: v.detach().requires_grad_() for k, v in experts.items()}
+        y, _ = fmoe.moe({**local, "experts": experts}, x, spec, comm=comm)
+        return dict(zip(experts, torch.autograd.grad((y * cot).sum(), list(experts.values())))), y
+
+    torch._dynamo.reset()
+    g, yd = torch.compile(step, backend="aot_eager")(local["experts"])
+    assert traced_calls, "the traced op did not run under torch.compile"
+    yr, gr = reference(spec, full, x, W, None, cot)
+    allclose(yd, yr, "compiled output")
+    summed = {k: comm.all_reduce(v, "sum") for k, v in gr["experts"].items() if v is not None}
+    mine = shard_experts("swiglu", summed, E, comm.rank, W)
+    for k in mine:
+        allclose(g[k], mine[k], f"compiled grad experts.{k}")
