@@ -17,13 +17,15 @@ failed item with its message, so one failure never hides the rest):
   and whether they synchronised the host (``torch.cuda.set_sync_debug_mode``);
 * quant_auto: ``expert_matmul(path="auto")`` on CUDA picks the native kernels (W4A16 at decode,
   FP8 block) and equals them; the quantized-training GEMMs (``check_training``);
+* rows: packed weights over rows sorted by expert (``rows_matmul``): the ragged W4A16 kernel and
+  the dequantize + torch._grouped_mm route against the reference, with no host sync;
 * charlm: one training step of :class:`fmoe.examples.charlm.CharLM` per precision on the GPU;
 * throughput with CUDA events next to torch's dense bf16 path.
 
 Budget: under 8 minutes on one H100 or H200 (``--quick``: a smaller throughput sweep). Exits
 with a clear message when CUDA is unavailable; it never prints numbers it did not measure.
-``--dry-run`` runs the sections that have a CPU path (table entries and the grouped ragged
-path on CPU tensors, one tiny char-LM step per precision) so the script is checked without a GPU.
+``--dry-run`` runs the sections that have a CPU path (table entries, the grouped ragged
+path and the packed rows' grouped route on CPU tensors, one tiny char-LM step per precision) so the script is checked without a GPU.
 """
 from __future__ import annotations
 
@@ -338,6 +340,56 @@ def check_ragged(dev):
     return out
 
 
+def check_rows(dev):
+    """``fmoe.quant.matmul.rows_matmul`` over rows sorted by expert (the kernel table's packed CUDA
+    entry) against the per-expert dequantize reference: the ragged W4A16 kernel (mxfp4, nvfp4; its
+    rows must equal the padded kernel's bit for bit, the same device code) and the dequantize + one
+    torch._grouped_mm route (every format), each with whether it synchronised the host and what
+    "auto" picks. On the CPU (--dry-run) the grouped route in fp32 only."""
+    from fmoe.quant import matmul as QM
+
+    out = {}
+    g = torch.Generator().manual_seed(7)
+    E, Nn, K = 5, 200, 512
+    offsets = torch.tensor([0, 3, 3, 12, 13, 16])   # an empty expert; ~3 rows per expert (decode)
+    o = offsets.tolist()
+    cuda = torch.device(dev).type == "cuda"
+    for fmt in ("mxfp4", "nvfp4", "mxfp8", "fp8_block", "fp8_row"):
+        wf = torch.randn(E, Nn, K, generator=g) * 0.05
+        w = Q.quantize_fp8_block(wf) if fmt == "fp8_block" else Q.quantize(wf, fmt)
+        a = torch.randn(o[-1], K, generator=g).to(torch.bfloat16 if cuda else torch.float32)
+        ref = torch.zeros(o[-1], Nn)
+        for e in range(E):
+            if o[e + 1] > o[e]:
+                ref[o[e]:o[e + 1]] = Q.expert_matmul_reference(a[o[e]:o[e + 1]].float().unsqueeze(0), w[e:e + 1])[0]
+        for path in (("w4a16", "grouped") if cuda and fmt in ("mxfp4", "nvfp4") else ("grouped",)):
+            def one(fmt=fmt, w=w, a=a, ref=ref, path=path):
+                wd, ad, od = w.to(dev), a.to(dev), offsets.to(dev)
+                res = {"auto_choice": QM._rows_choice(ad, wd) if cuda else "grouped"}
+                y = QM.rows_matmul(ad, wd, od, path=path)   # warm (and the CPU run)
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        y = QM.rows_matmul(ad, wd, od, path=path)
+                        res["host_sync"] = False
+                    except RuntimeError:
+                        res["host_sync"] = True
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+                    torch.cuda.synchronize()
+                res["rel_err"] = _rel_err(y, ref)
+                ok = res["rel_err"] < 1e-2 and not res.get("host_sync", False)
+                if path == "w4a16":
+                    res["equals_padded_kernel"] = all(
+                        torch.equal(y[o[e]:o[e + 1]], native.w4a16_matmul(ad[o[e]:o[e + 1]].unsqueeze(0), wd[e:e + 1])[0])
+                        for e in range(E) if o[e + 1] > o[e])
+                    ok = ok and res["equals_padded_kernel"] and res["auto_choice"] == "w4a16"
+                return {**res, "ok": ok}
+            out[f"rows_{path}_{fmt}"] = _item(one)
+    return out
+
+
 def check_quant_auto(dev):
     """expert_matmul(path="auto") on CUDA: the native kernel is chosen and its result returned."""
     from fmoe.quant import matmul as QM
@@ -549,8 +601,9 @@ def dry_run() -> int:
         report["ragged"] = _section(check_ragged, "cpu")
     finally:
         RG._takes_grouped_mm = saved
+    report["rows"] = _section(check_rows, "cpu")
     report["charlm"] = _section(check_charlm, "cpu", tiny=True)
-    report["all_correct"] = _all_ok(report["table"], report["ragged"], report["charlm"])
+    report["all_correct"] = _all_ok(report["table"], report["ragged"], report["rows"], report["charlm"])
     report["wall_s"] = time.time() - t0
     print(json.dumps(report, indent=1))
     return 0 if report["all_correct"] else 1
@@ -580,7 +633,7 @@ def main(argv=None):
               "host": platform.node()}
     sections = {}
     for name, fn in (("native", check_native), ("ops", check_ops), ("table", check_table),
-                     ("ragged", check_ragged), ("quant_auto", check_quant_auto)):
+                     ("ragged", check_ragged), ("quant_auto", check_quant_auto), ("rows", check_rows)):
         ts = time.time()
         sections[name] = _section(fn, dev)
         report[f"{name}_s"] = time.time() - ts

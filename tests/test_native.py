@@ -13,7 +13,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NATIVE = os.path.join(ROOT, "native")
 SYMBOLS = ["fmoe_native_version", "fmoe_native_error_string", "fmoe_w4a16_grouped_matmul",
-           "fmoe_fp8_block_grouped_gemm", "fmoe_dispatch", "fmoe_combine"]
+           "fmoe_w4a16_rows_matmul", "fmoe_fp8_block_grouped_gemm", "fmoe_dispatch", "fmoe_combine"]
 
 
 def test_loader_is_lazy_and_cpu_tensors_are_rejected():
@@ -92,5 +92,5 @@ def test_gpu_check_dry_run_passes_on_cpu(capsys):
     report = json.loads(capsys.readouterr().out)
     cuda_keys = [k for k in TABLE if k[0] == "cuda"]
     assert len(report["table"]) == len(cuda_keys) > 0
-    assert all(v["ok"] for sec in ("table", "ragged", "charlm") for v in report[sec].values())
+    assert all(v["ok"] for sec in ("table", "ragged", "rows", "charlm") for v in report[sec].values())
     assert set(report["charlm"]) == {f"charlm_{p}" for p in PRECISIONS}
