@@ -220,7 +220,12 @@ def _rows_grouped(a: torch.Tensor, w: QuantizedTensor, offsets: torch.Tensor) ->
     the W4A16 kernel avoids. Rows and weights are zero-padded to torch._grouped_mm's 16-byte
     layout rule where K or N is not a multiple of 16 bytes. Offsets are clamped to [0, R] and
     made non-decreasing on the device (never read on the host), so no access leaves a; rows
-    past offsets[-1] are zero. Differentiable in a (torch._grouped_mm's backward)."""
+    past offsets[-1] are zero. Differentiable in a (torch._grouped_mm's backward).
+
+    torch's own limits (2.13): on CUDA its sync-free grouped kernel takes bf16 operands on sm90 /
+    sm100; fp32 rows, or other GPUs, run torch's fallback, which copies the offsets to the host
+    (one sync inside torch) and loops over the groups in C++; and its fake/meta kernel (what
+    torch.compile traces) accepts bf16 only, so fp32 rows on CUDA do not trace."""
     R, K = a.shape
     E, Nn, _ = w.logical_shape
     if R == 0 or E == 0 or Nn == 0:
@@ -244,7 +249,8 @@ def rows_matmul(a: torch.Tensor, w: QuantizedTensor, offsets: torch.Tensor, *, p
 
     a: float32 or bfloat16 [R, K], rows sorted by expert (a rows plan's rows); w: QuantizedTensor
     [E, N, K] of any fmoe format; offsets: int64 (or int32) [E + 1] on a's device, from 0, never
-    decreasing, ending at R. Returns [R, N] in a's dtype. No Python per expert and no host sync.
+    decreasing, ending at R. Returns [R, N] in a's dtype. No Python per expert, and no host sync
+    (for fp32 rows on CUDA torch._grouped_mm syncs inside torch: :func:`_rows_grouped`).
     path: "auto" (CUDA: :func:`_rows_choice`; elsewhere "grouped". On the CPU the fast kernel is
     :func:`fmoe.quant.packed.grouped_matmul`, which the kernel table calls there), "w4a16" (the
     native ragged W4A16 kernel,
