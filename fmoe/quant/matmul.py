@@ -213,11 +213,12 @@ def _rows_choice(a: torch.Tensor, w: QuantizedTensor) -> str:
 def _rows_grouped(a: torch.Tensor, w: QuantizedTensor, offsets: torch.Tensor) -> torch.Tensor:
     """Every expert of w dequantized once to a's dtype, then ONE ``torch._grouped_mm`` over the rows.
 
-    Memory: the dequantized weights stay alive for the call, E*N*K elements of a's dtype (bf16: 2
-    bytes per weight, ~3.8x an mxfp4 tensor; fp32: 4 bytes), and :func:`dequantize` forms its
-    products in FP32 first, so the transient peak is about 3 FP32 copies of all E experts (12
-    bytes per weight) besides. Fine at decode-sized layers; for large E*N*K that is the cost
-    the W4A16 kernel avoids. Rows and weights are zero-padded to torch._grouped_mm's 16-byte
+    Memory (every call, all E experts, busy or not): the dequantized weights live through the
+    call, E*N*K elements of a's dtype (bf16: 2 bytes per weight, ~3.8x an mxfp4 tensor; fp32: 4),
+    and :func:`dequantize`'s intermediates peak before that at roughly 12-13 bytes per weight
+    (int64 decode indices or expanded block scales beside the FP32 products; read off its code,
+    not measured). Time likewise scales with E, not with the busy experts. That is the cost the
+    W4A16 kernel avoids at decode; for FP8 weights a ragged W8A16 kernel would. Rows and weights are zero-padded to torch._grouped_mm's 16-byte
     layout rule where K or N is not a multiple of 16 bytes. Offsets are clamped to [0, R] and
     made non-decreasing on the device (never read on the host), so no access leaves a; rows
     past offsets[-1] are zero. Differentiable in a (torch._grouped_mm's backward).
@@ -253,10 +254,10 @@ def rows_matmul(a: torch.Tensor, w: QuantizedTensor, offsets: torch.Tensor, *, p
     (for fp32 rows on CUDA torch._grouped_mm syncs inside torch: :func:`_rows_grouped`).
     path: "auto" (CUDA: :func:`_rows_choice`; elsewhere "grouped". On the CPU the fast kernel is
     :func:`fmoe.quant.packed.grouped_matmul`, which the kernel table calls there), "w4a16" (the
-    native ragged W4A16 kernel,
-    :func:`fmoe.quant.native.w4a16_rows_matmul`: bf16 rows of mxfp4/nvfp4 weights, not
-    differentiable) or "grouped" (:func:`_rows_grouped`: dequantize all experts once, one
-    torch._grouped_mm; any format, any device where torch._grouped_mm runs, differentiable in a).
+    native ragged W4A16 kernel, :func:`fmoe.quant.native.w4a16_rows_matmul`: bf16 rows of
+    mxfp4/nvfp4 weights, not differentiable) or "grouped" (:func:`_rows_grouped`: dequantize all
+    experts once, one torch._grouped_mm; any format, wherever torch._grouped_mm runs,
+    differentiable in a).
     Numerics: "w4a16" accumulates the exact decoded weights in FP32 and rounds once to bf16;
     "grouped" first rounds the decoded weights to a's dtype (exact for mxfp4 in bf16; relative
     2^-9 per weight for nvfp4 and the FP8 formats) and accumulates as torch._grouped_mm does.
