@@ -97,7 +97,9 @@ class ExpertForm:
         if self.form == "glu":
             g, u = z if len(z) == 2 else z[0].chunk(2, dim=-1)
             return self.activation(g) * u
-        g, u = z[0][..., 0::2].clamp(max=self.limit), z[0][..., 1::2].clamp(min=-self.limit, max=self.limit)
+        # gate and up in alternate columns (unbind, not a strided slice: fake CUDA tensors take it)
+        g, u = z[0].unflatten(-1, (-1, 2)).unbind(-1)
+        g, u = g.clamp(max=self.limit), u.clamp(min=-self.limit, max=self.limit)
         return (u + 1) * (g * torch.sigmoid(g * self.alpha))
 
 
@@ -178,10 +180,11 @@ def _accumulate(y_r: Tensor, w_rows: Tensor, plan: ExpertPlan, order: str, dt: t
     run = tokens.index_select(0, by_token)
     rank = torch.empty_like(tokens).index_copy_(
         0, by_token, torch.arange(N, device=tokens.device) - torch.searchsorted(run, run))
+    # (a device plan's dead rows rank after its token's kept rows and add an exact 0)
     buf = y_r.new_zeros((k, T, O), dtype=dt).index_put_((rank, tokens), contrib)
-    y = buf[0]
-    for j in range(1, k):
-        y = y + buf[j]
+    y, *rest = buf.unbind(0)
+    for b in rest:
+        y = y + b
     return y
 
 
@@ -244,6 +247,7 @@ def reference(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_i
     Returns:
         y [T, O] in x's dtype.
     """
+    plan, w_rows = _on_host(plan, w_rows)
     mm = _per_expert_mm(plan) if mm is None else mm
     expert = plan.experts if (b_in is not None or b_out is not None) else None
     x_r = x.index_select(0, plan.tokens)
@@ -254,6 +258,15 @@ def reference(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_i
     if b_out is not None:
         y_r = y_r + _bias_rows(b_out, expert)
     return _accumulate(y_r, w_rows, plan, order, x.dtype)
+
+
+def _on_host(plan: ExpertPlan, w_rows: Tensor) -> tuple[ExpertPlan, Tensor]:
+    """(plan, w_rows) with host bounds: a device plan's kept rows (its first rows, one host
+    sync) and their gate weights, for the consumers that loop over experts in Python."""
+    if plan.bounds is not None:
+        return plan, w_rows
+    plan = plan.on_host()
+    return plan, w_rows.narrow(0, 0, plan.num_rows)
 
 
 def _per_expert_mm(plan: ExpertPlan) -> Callable:
@@ -345,7 +358,10 @@ def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need
         acc = compute_dtype(dt)
         g_rows = torch.linalg.vecdot(gh_u.to(acc), hd.to(acc))
         if b_out is not None:   # <dy_t, d_e>: one [T, E] product, read at each row's (token, expert)
-            g_rows = g_rows + (gy.to(acc) @ b_out.to(acc).t())[tokens, expert]
+            E = b_out.shape[0]
+            g_rows = g_rows + (gy.to(acc) @ b_out.to(acc).t()).reshape(-1).index_select(0, tokens * E + expert)
+        if plan.dead is not None:   # a device plan's dead rows weigh nothing: no gradient for a dropped pair
+            g_rows = g_rows.masked_fill_(plan.dead, 0)
         g_rows = g_rows.to(w_rows.dtype)
     g_out = g_bout = None
     if need[3]:   # the gate weight folded into h: sum over e's rows of (w h)^T dy[t]
@@ -482,7 +498,10 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Union[ExpertPlan, Lay
     (quantize blocks per expert, ``offsets=plan.offsets``) around the kernel's float GEMMs,
     composed like :func:`reference` under autograd (``save`` does not apply: each quantized GEMM
     keeps what its recipe saves). A layout plan dispatches, runs its layout's kernel
-    (:func:`fmoe.engine.select`) on the buffers and combines.
+    (:func:`fmoe.engine.select`) on the buffers and combines. A device rows plan
+    (``plan.bounds`` None) runs as it is where the kernel takes it (:attr:`Kernel.static_rows
+    <fmoe.engine.table.Kernel>`: no host sync); packed weights, a recipe or another kernel take
+    its :meth:`~fmoe.engine.ExpertPlan.on_host` (one host sync).
     """
     w_in = tuple(w_in)
     _check(x, w_rows, plan, w_in, w_out, order)
@@ -499,6 +518,9 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Union[ExpertPlan, Lay
                                prescore)
     if prescore:
         raise ValueError("pre-scored gates (prescore=True) run on a layout plan (make_plan(..., layout=))")
+    if plan.bounds is None and (kern is None or not kern.static_rows or plan.precision is not None):
+        # packed weights, recipes and the per-expert kernels loop over experts in Python
+        plan, w_rows = _on_host(plan, w_rows)
     form, w_in, w_out = as_stored(form, w_in, w_out)
     ts = (x, w_rows, b_in, w_out, b_out, *w_in)
     if plan.precision is None and not packed:
@@ -515,10 +537,12 @@ def run_custom(fn: Callable, params, x: Tensor, w_rows: Tensor, plan: Union[Expe
     On a rows plan ``fn(params, x [T, M], plan) -> [N, O]`` (one row per plan row; it may
     multiply through :func:`fmoe.engine.grouped_mm`), gate-weighted and summed here in ``order``.
     On a layout plan ``fn(params, buffers) -> buffers`` over the layout's padded [E, C, M]
-    buffers (Tutel's custom-expert contract), dispatched and combined in ``order``."""
+    buffers (Tutel's custom-expert contract), dispatched and combined in ``order``. A device rows
+    plan reaches ``fn`` as its :meth:`~fmoe.engine.ExpertPlan.on_host` (one host sync)."""
     if isinstance(plan, ExpertPlan):
         if prescore:
             raise ValueError("pre-scored gates (prescore=True) run on a layout plan (make_plan(..., layout=))")
+        plan, w_rows = _on_host(plan, w_rows)   # fn may read host bounds: a device plan's cost one host sync
         y_rows = fn(params, x, plan)
         if not isinstance(y_rows, Tensor) or y_rows.dim() != 2 or y_rows.shape[0] != plan.num_rows:
             raise ValueError(f"a custom expert with takes_plan=True must return [N, O] with N={plan.num_rows} (one "

@@ -11,6 +11,19 @@ bounds, both as host ints (the kernels' loop bounds) and as an int64 ``offsets [
 tensor (their argument); ``experts [N]``, the expert of each row, is made on first use. Rows
 in a plan are exactly the rows of :func:`fmoe.make_layout` (routing, 'ragged'); tests check it.
 
+A device rows plan (``bounds`` None; :func:`make_plan` off the CPU wherever the table's grouped
+kernel runs the call: float32/bfloat16/float16, no quantized-training recipe) is built with no
+host sync. Its rows are the static bound k*T: the kept pairs sorted by (expert, slot) first,
+exactly a host plan's rows, then every pair that is not kept (id < 0 or slot >= capacity),
+the "dead rows", in pair order. ``offsets`` come from the sorted keys on the device
+(``offsets[E]`` = the kept rows); the kernels that take such a plan (:attr:`Kernel.static_rows
+<fmoe.engine.table.Kernel>`) write zeros into dead rows and read none of them in a weight
+gradient, and :meth:`ExpertPlan.row_weights` gives them gate weight 0 (so no gradient reaches a
+dropped pair). Its phase comes from the static shapes: 'train' when a gradient is taken, else
+'decode' where ``k*T / min(E, k*T) <= DECODE_ROWS`` (every pair kept, spread over as many
+experts as it can reach), 'prefill' otherwise. :meth:`ExpertPlan.on_host` gives the host plan
+of the same rows (one host sync) to consumers that loop over experts in Python.
+
 A layout plan (:class:`LayoutPlan`, ``make_plan(..., layout=)``: under forward-mode AD and a
 second derivative under torch.func, and wherever Tutel's buffer arithmetic is asked for) holds the routing and its
 :class:`~fmoe.Layout` instead: static buffer shapes, no host bounds, phase 'traced'.
@@ -31,7 +44,8 @@ from .. import _slots
 from ..layout import Layout
 from ..routing import Routing
 
-__all__ = ["PHASES", "TRACED", "DECODE_ROWS", "ExpertPlan", "LayoutPlan", "make_plan", "plan_from_bounds", "phase_of", "kept_rows"]
+__all__ = ["PHASES", "TRACED", "DECODE_ROWS", "ExpertPlan", "LayoutPlan", "make_plan", "plan_from_bounds", "phase_of",
+           "kept_rows", "device_plan"]
 
 PHASES = ("train", "prefill", "decode")
 TRACED = "traced"   # the phase of a layout plan
@@ -42,6 +56,10 @@ TRACED = "traced"   # the phase of a layout plan
 # 16 rows an fp32 [512 x 512] expert is 16 MFLOP against 1 MiB read, near the crossover
 # of a 2-core host's GEMM rate and memory stream (both measured in BENCHMARKS.md).
 DECODE_ROWS = 16
+
+# The dtypes torch._grouped_mm multiplies (the table's 'cuda-grouped-mm' entry): a call in one
+# of them, with no quantized-training recipe, runs on a device rows plan off the CPU.
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def phase_of(needs_grad: bool, rows: int, busy: int) -> str:
@@ -60,7 +78,8 @@ class ExpertPlan:
         tokens: int64 [N]. Token of each row (rows sorted by expert, then slot).
         pairs: int64 [N]. Flat pair index ``j * T + t`` of each row.
         offsets: int64 [E + 1], on tokens' device. Expert e owns rows ``offsets[e]:offsets[e+1]``.
-        bounds: the same E + 1 offsets as host ints.
+        bounds: the same E + 1 offsets as host ints; None on a device plan (N = k*T rows, those
+            past ``offsets[E]`` dead: see the module docstring).
         num_tokens: T.
         dropped: int64 [] pairs lost to capacity (None where unknown).
         phase: one of :data:`PHASES`.
@@ -72,7 +91,7 @@ class ExpertPlan:
     tokens: Tensor
     pairs: Tensor
     offsets: Tensor
-    bounds: tuple
+    bounds: Optional[tuple]
     num_tokens: int
     dropped: Optional[Tensor] = None
     phase: str = "train"
@@ -82,34 +101,70 @@ class ExpertPlan:
 
     @property
     def num_experts(self) -> int:
-        return len(self.bounds) - 1
+        return self.offsets.shape[0] - 1
 
     @property
     def num_rows(self) -> int:
-        """Rows the expert GEMMs see: N kept pairs."""
-        return self.bounds[-1]
+        """Rows the expert GEMMs see: N kept pairs (a device plan: the bound k*T, dead rows included)."""
+        return self.tokens.shape[0]
 
     @functools.cached_property
     def experts(self) -> Tensor:
         """int64 [N]: the expert of each row (per-expert biases; made on first use, since
-        bias-free kinds never need it)."""
+        bias-free kinds never need it). A device plan's dead rows read the last expert (a valid
+        index; their products are zeroed)."""
         # row r belongs to the expert whose bounds hold it: the count of ends offsets[1:] <= r
-        return torch.searchsorted(self.offsets[1:], torch.arange(self.num_rows, device=self.device), right=True)
+        E = self.num_experts
+        ends = self.offsets.narrow(0, 1, E)
+        expert = torch.searchsorted(ends, torch.arange(self.num_rows, device=self.device), right=True)
+        return expert if self.bounds is not None else expert.clamp_(max=max(E - 1, 0))
+
+    @functools.cached_property
+    def dead(self) -> Optional[Tensor]:
+        """bool [N]: a device plan's dead rows (row >= ``offsets[E]``, computed on the device);
+        None on a host plan (every row kept)."""
+        if self.bounds is not None:
+            return None
+        kept = self.offsets.narrow(0, self.num_experts, 1)
+        return torch.arange(self.num_rows, device=self.device) >= kept
 
     def row_weights(self, weights: Tensor) -> Tensor:
-        """The gate weight of each row: [N] from the routing's [k, T] ``weights``."""
-        return weights.reshape(-1).index_select(0, self.pairs)
+        """The gate weight of each row: [N] from the routing's [k, T] ``weights`` (a device
+        plan's dead rows 0, and no gradient through them)."""
+        w = weights.reshape(-1).index_select(0, self.pairs)
+        return w if self.bounds is not None else w.masked_fill(self.dead, 0)
+
+    def on_host(self) -> "ExpertPlan":
+        """This plan with host bounds: itself, or a device plan's kept rows (its first
+        ``offsets[E]`` rows, the same order) with ``bounds`` read from its offsets: one host
+        sync, for the consumers that loop over experts in Python (the per-expert kernels, packed
+        weights, quantized-training recipes, custom experts). Its phase is the device plan's."""
+        if self.bounds is not None:
+            return self
+        bounds = tuple(self.offsets.tolist())   # the one host sync
+        N = bounds[-1]
+        return ExpertPlan(self.tokens.narrow(0, 0, N), self.pairs.narrow(0, 0, N), self.offsets, bounds,
+                          self.num_tokens, self.dropped, self.phase, self.dtype, self.precision, self.num_slots)
+
+    def _host_bounds(self, what: str) -> tuple:
+        if self.bounds is None:
+            raise ValueError(f"ExpertPlan.{what}: a device rows plan keeps its row counts on the device (no host "
+                             f"sync); take plan.on_host() (one host sync) for host row counts")
+        return self.bounds
 
     @property
     def sizes(self) -> list:
-        """Rows per expert (host ints)."""
-        b = self.bounds
+        """Rows per expert (host ints; a device plan raises ValueError: :meth:`on_host`)."""
+        return self._sizes("sizes")
+
+    def _sizes(self, what: str) -> list:
+        b = self._host_bounds(what)
         return [b[e + 1] - b[e] for e in range(len(b) - 1)]
 
     @property
     def busy(self) -> int:
-        """Experts with at least one row."""
-        return sum(1 for n in self.sizes if n)
+        """Experts with at least one row (a device plan raises ValueError: :meth:`on_host`)."""
+        return sum(1 for n in self._sizes("busy") if n)
 
     @property
     def device(self) -> torch.device:
@@ -117,9 +172,10 @@ class ExpertPlan:
 
     def __repr__(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
-        sizes = self.sizes
-        return (f"ExpertPlan(T={self.num_tokens}, E={self.num_experts}, rows={self.num_rows}, busy={self.busy}, "
-                f"max_rows={max(sizes, default=0)}, phase={self.phase}, {dt}, "
+        counts = ("device bounds" if self.bounds is None else
+                  f"busy={self.busy}, max_rows={max(self.sizes, default=0)}")
+        return (f"ExpertPlan(T={self.num_tokens}, E={self.num_experts}, rows={self.num_rows}, {counts}, "
+                f"phase={self.phase}, {dt}, "
                 f"{self.device.type}" + ("" if self.precision is None else f", precision={self.precision}") + ")")
 
 
@@ -198,17 +254,34 @@ def _rows_cpu(ids: Tensor, slots: Tensor, counts: Tensor, C: int) -> tuple[Tenso
 
 
 def _rows_torch(ids: Tensor, slots: Tensor, counts: Tensor, C: int) -> tuple[Tensor, Tensor, tuple, Tensor]:
-    # Ragged rows run in (expert, slot) order, which is the order of the padded rows
-    # e * C + slot: sorting the kept pairs by that key gives them.
-    kept = ((ids >= 0) & (slots < C)).reshape(-1)
-    pairs = torch.nonzero(kept).squeeze(1)
-    key = (ids * C + slots).reshape(-1).index_select(0, pairs)
-    pairs = pairs.index_select(0, torch.argsort(key, stable=True))
-    bounds = [0]
-    for n in counts.clamp(max=C).tolist():
-        bounds.append(bounds[-1] + n)
-    dropped = ((ids >= 0) & (slots >= C)).sum()
-    return pairs.remainder(ids.shape[1]), pairs, tuple(bounds), dropped
+    # the device plan's kept rows with its offsets read once (one host sync)
+    p = device_plan(ids, slots, counts.shape[0], C, needs_grad=True, dtype=torch.float32).on_host()
+    return p.tokens, p.pairs, p.bounds, p.dropped
+
+
+def _takes_device_plan(device: torch.device, dtype: torch.dtype, precision) -> bool:
+    # the table's 'cuda-grouped-mm' entry runs the call (fmoe.engine.table._entry)
+    return device.type != "cpu" and precision is None and dtype in GROUPED_DTYPES and hasattr(torch, "_grouped_mm")
+
+
+def device_plan(expert_ids: Tensor, slots: Tensor, num_experts: int, capacity: int, *, needs_grad: bool,
+                dtype: torch.dtype, precision=None) -> ExpertPlan:
+    """A device rows plan (no host sync) of a routing given as its tensors: ``expert_ids`` and
+    ``slots`` int64 [k, T], E experts, capacity C. Its N = k*T rows: the kept pairs sorted by
+    (expert, slot), then the dead rows (id < 0 or slot >= C) in pair order; ``bounds`` None;
+    the phase from the static shapes (module docstring)."""
+    k, T = expert_ids.shape
+    E, C, N = num_experts, capacity, k * T
+    kept = (expert_ids >= 0) & (slots < C)
+    # a kept pair's key is its padded row e * C + slot (unique: the host plan's order); every
+    # other pair's key E * C sorts after them, in pair order (a stable sort)
+    key = torch.where(kept, expert_ids * C + slots, E * C).reshape(-1)
+    key, pairs = torch.sort(key, stable=True)
+    # offsets[e]: the kept pairs of experts below e, the sorted keys below e * C
+    offsets = torch.searchsorted(key, torch.arange(E + 1, device=key.device) * C)
+    dropped = ((expert_ids >= 0) & (slots >= C)).sum()
+    return ExpertPlan(pairs.remainder(T), pairs, offsets, None, T, dropped, phase_of(needs_grad, N, min(E, N)), dtype,
+                      precision, k)
 
 
 def rows_reference(routing: Routing) -> tuple[Tensor, Tensor, tuple, Tensor]:
@@ -244,9 +317,10 @@ def plan_from_bounds(tokens: Tensor, pairs: Tensor, bounds, num_tokens: int, *, 
 
 
 def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precision=None,
-              layout: Optional[Layout] = None) -> Union[ExpertPlan, LayoutPlan]:
-    """The plan of ``routing``: its kept pairs sorted by expert (one host sync), or with
-    ``layout`` a layout plan (no host sync: the layout kernels over the layout's buffers).
+              layout: Optional[Layout] = None, device_rows: Optional[bool] = None) -> Union[ExpertPlan, LayoutPlan]:
+    """The plan of ``routing``: its kept pairs sorted by expert (one host sync; off the CPU a
+    device rows plan, no host sync), or with ``layout`` a layout plan (no host sync: the layout
+    kernels over the layout's buffers).
 
     Args:
         routing: any :class:`~fmoe.Routing` (capacity honoured: pairs past it are dropped).
@@ -254,6 +328,9 @@ def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precisi
         dtype: the expert GEMMs' compute dtype.
         precision: the quantized-training recipe, or None.
         layout: :func:`fmoe.make_layout` of ``routing``, for a layout plan.
+        device_rows: True for a device rows plan (:func:`device_plan`) on any device, False
+            for host bounds; None: a device plan off the CPU where the table's grouped kernel
+            runs the call (dtype in :data:`GROUPED_DTYPES`, no ``precision``).
     Raises:
         ValueError for a routing whose counts disagree with its slots (a hand-made one).
     """
@@ -261,7 +338,11 @@ def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precisi
         raise TypeError(f"make_plan: routing must be a fmoe.Routing, got {type(routing).__name__}")
     if layout is not None:
         return LayoutPlan(routing, layout, dtype, precision)
-    if routing.expert_ids.device.type != "cpu":
+    ids = routing.expert_ids
+    if device_rows or (device_rows is None and _takes_device_plan(ids.device, dtype, precision)):
+        return device_plan(ids, routing.slots, routing.num_experts, routing.capacity, needs_grad=needs_grad,
+                           dtype=dtype, precision=precision)
+    if ids.device.type != "cpu":
         tokens, pairs, bounds, dropped = _rows_torch(routing.expert_ids, routing.slots, routing.counts,
                                                      routing.capacity)
         return plan_from_bounds(tokens, pairs, bounds, routing.num_tokens, needs_grad=needs_grad, dtype=dtype,

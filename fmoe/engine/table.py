@@ -59,6 +59,9 @@ class Kernel:
             weights (they take no gradient).
         scatter: ``scatter(a, w, plan, *, index, out, scale, transposed, bias) -> out``; None for
             layout plans (their products return through the layout's combine) and packed weights.
+        static_rows: it takes a device rows plan (``plan.bounds`` None, :func:`fmoe.engine.plan.device_plan`):
+            ``mm`` writes zeros into the dead rows (past ``offsets[E]``), ``wgrad`` reads none
+            of them, and no host sync. Other kernels get the plan's :meth:`~fmoe.engine.ExpertPlan.on_host`.
     """
 
     name: str
@@ -66,6 +69,7 @@ class Kernel:
     mm: Callable = dataclasses.field(repr=False)
     wgrad: Optional[Callable] = dataclasses.field(repr=False)
     scatter: Optional[Callable] = dataclasses.field(repr=False)
+    static_rows: bool = False
 
 
 def _native_kernel(impl: str, regime: str = "auto") -> tuple:
@@ -90,6 +94,7 @@ def _native_kernel(impl: str, regime: str = "auto") -> tuple:
 
 
 def _add_bias(y: Tensor, bias: Optional[Tensor], plan: ExpertPlan) -> Tensor:
+    # (a device plan's dead rows read the last expert's bias; _grouped_mm zeroes them after)
     return y if bias is None else y.add_(bias.index_select(0, plan.experts))
 
 
@@ -116,14 +121,24 @@ def _grouped_mm_ok(*ts: Tensor) -> bool:
 def _grouped_mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None, transposed: bool,
                 bias: Optional[Tensor] = None) -> Tensor:
     """One ``torch._grouped_mm`` over every expert (rows gathered first); the per-expert
-    reference where its layout rule refuses the operands."""
+    reference where its layout rule refuses the operands (one host sync).
+
+    A device plan's dead rows (past ``offsets[E]``) come out 0: torch._grouped_mm allocates
+    its output uninitialised and never writes rows past the last offset (ATen
+    GroupedMMUtils.h ``_grouped_mm_fallback``, the CPU path and CUDA's off sm90/sm100 or
+    outside bf16, slices rows by the offsets; CUDA's CUTLASS kernel, bf16 on sm90/sm100, sizes
+    each group's problem from them), so they are filled with 0 (NaN-safe) after the bias."""
     if rows is not None:
         a = a.index_select(0, rows)
     op = w.transpose(1, 2) if transposed else w
+    E = plan.num_experts
+    offsets = plan.offsets.to(a.device)
     if plan.num_rows and _grouped_mm_ok(a, op):
-        offs = plan.offsets[1:].to(device=a.device, dtype=torch.int32)
-        return _add_bias(torch._grouped_mm(a, op, offs=offs), bias, plan)
-    return native.gather_mm_reference(a, w, plan.offsets.to(a.device), transposed=transposed, bias=bias)
+        y = _add_bias(torch._grouped_mm(a, op, offs=offsets.narrow(0, 1, E).to(torch.int32)), bias, plan)
+        return y if plan.dead is None else y.masked_fill_(plan.dead.unsqueeze(1), 0)
+    # the reference writes the kept rows only: a device plan's dead rows stay 0
+    out = None if plan.dead is None else a.new_zeros((plan.num_rows, op.shape[2]))
+    return native.gather_mm_reference(a, w, offsets, transposed=transposed, bias=bias, out=out)
 
 
 def _grouped_wgrad(a: Tensor, b: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None,
@@ -136,9 +151,12 @@ def _grouped_wgrad(a: Tensor, b: Tensor, plan: ExpertPlan, *, rows: Optional[Ten
     if rows_b is not None:
         b = b.index_select(0, rows_b)
     offs = plan.offsets.to(a.device)
+    E = plan.num_experts
     if plan.num_rows and _grouped_mm_ok(a.t(), b):
-        z = torch._grouped_mm(a.t(), b, offs=offs[1:].to(torch.int32))
-        return z.masked_fill_((offs[1:] == offs[:-1]).view(-1, 1, 1), 0)
+        # each group reads its rows offs[e]:offs[e+1] only: a device plan's dead rows are never read
+        ends = offs.narrow(0, 1, E)
+        z = torch._grouped_mm(a.t(), b, offs=ends.to(torch.int32))
+        return z.masked_fill_((ends == offs.narrow(0, 0, E)).view(-1, 1, 1), 0)
     return native.gather_wgrad_reference(a, b, offs)
 
 
@@ -163,8 +181,10 @@ def _entry(device: str, phase: str, dtype: torch.dtype) -> Kernel:
         return Kernel("cpu-torch", f"per-expert torch.mm from Python ({native.status()})",
                       *_native_kernel("reference"))
     if dtype in (torch.bfloat16, torch.float16, torch.float32) and hasattr(torch, "_grouped_mm"):
-        return Kernel("cuda-grouped-mm", "torch._grouped_mm over all experts, products and weight gradients",
-                      _grouped_mm, _grouped_wgrad, _scatter_through(_grouped_mm))
+        return Kernel("cuda-grouped-mm", "torch._grouped_mm over all experts, products and weight gradients, on a "
+                      "device rows plan (no host sync in fmoe; torch's own kernel reads the offsets on the host "
+                      "outside bf16 on sm90/sm100)", _grouped_mm, _grouped_wgrad, _scatter_through(_grouped_mm),
+                      static_rows=True)
     return Kernel("cuda-torch", f"per-expert torch.mm ({str(dtype).replace('torch.', '')}: no grouped kernel)",
                   *_native_kernel("reference"))
 
@@ -274,7 +294,9 @@ def select(plan: Union[ExpertPlan, LayoutPlan], matrix_bytes: int = 0, *, choice
     kern = kernel_for(plan.device.type, plan.phase, plan.dtype)
     key = (plan.device.type, plan.phase, plan.dtype)
     if choice is None and plan.precision is None and key in wisdom.CANDIDATES:
-        choice = wisdom.lookup(key, wisdom.shape_class(plan.dtype, plan.num_rows / max(1, plan.busy), matrix_bytes))
+        # a device plan has no host count of busy experts: its static bound, as its phase
+        busy = plan.busy if plan.bounds is not None else min(plan.num_experts, plan.num_rows)
+        choice = wisdom.lookup(key, wisdom.shape_class(plan.dtype, plan.num_rows / max(1, busy), matrix_bytes))
     if choice is None or choice == kern.name:
         return kern
     return kernel_by_name(key, choice)

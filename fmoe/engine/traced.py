@@ -40,10 +40,10 @@ from ..ops.primitives import PLAIN_TENSORS
 from ..routing import Routing
 from . import kinds
 from .kinds import ExpertForm
-from .plan import kept_rows, plan_from_bounds
+from .plan import _takes_device_plan, device_plan, kept_rows, plan_from_bounds
 from .table import Kernel, select
 
-__all__ = ["ACTIVATIONS", "DOORS", "door", "applies", "run"]
+__all__ = ["ACTIVATIONS", "DOORS", "door", "run"]
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
                "softplus": F.softplus, "elu": F.elu, "leaky_relu": F.leaky_relu, "mish": F.mish, "selu": F.selu,
@@ -96,7 +96,13 @@ def _form(form: str, in_t: bool, out_t: bool, act: str, alpha: float, limit: flo
     return ExpertForm(form, in_t, out_t, activation=ACTIVATIONS.get(act, F.silu), alpha=alpha, limit=limit)
 
 
-def _plan(expert_ids: Tensor, slots: Tensor, counts: Tensor, capacity: int, T: int, train: bool, dtype):
+def _plan(expert_ids: Tensor, slots: Tensor, counts: Tensor, capacity: int, T: int, train: bool, dtype,
+          host: bool = False):
+    """The op's rows plan: off the CPU, where the table's grouped kernel runs the call, a device
+    plan (no host sync inside the op); else host bounds (the CPU's numba walk). ``host``: host
+    bounds everywhere (per-element weight gradients split rows at host bounds)."""
+    if not host and _takes_device_plan(expert_ids.device, dtype, None):
+        return device_plan(expert_ids, slots, counts.shape[0], capacity, needs_grad=train, dtype=dtype)
     tokens, pairs, bounds, dropped = kept_rows(expert_ids, slots, counts, capacity)
     return plan_from_bounds(tokens, pairs, bounds, T, needs_grad=train, dtype=dtype, dropped=dropped)
 
@@ -126,7 +132,7 @@ def _expert_rows(x: Tensor, gates: Tensor, expert_ids: Tensor, slots: Tensor, co
     f, w_in, w_out, _, _ = _stored(_form(form, in_t, out_t, act, alpha, limit), w_in, w_out)
     plan = _plan(expert_ids, slots, counts, capacity, x.shape[0], train, x.dtype)
     kern = select(plan, kinds._matrix_bytes(w_out))
-    w_rows = gates.reshape(-1).index_select(0, plan.pairs)
+    w_rows = plan.row_weights(gates)
     y, z, _ = kinds.forward(kern, f, x, w_rows, plan, w_in, b_in, w_out, b_out, order)
     if not keep:
         return [y]
@@ -153,9 +159,9 @@ def _expert_rows_backward(gy: Tensor, x: Tensor, gates: Tensor, expert_ids: Tens
     come element by element within each expert (:class:`_Merge`), and the weight and bias
     gradients are per (expert, element): [E * groups, ...], expert-major."""
     f, w_in, w_out, flip_in, flip_out = _stored(_form(form, in_t, out_t, act, alpha, limit), w_in, w_out)
-    plan = _plan(expert_ids, slots, counts, capacity, x.shape[0], True, x.dtype)
+    plan = _plan(expert_ids, slots, counts, capacity, x.shape[0], True, x.dtype, host=groups > 1)
     kern = select(plan, kinds._matrix_bytes(w_out))
-    w_rows = gates.reshape(-1).index_select(0, plan.pairs)
+    w_rows = plan.row_weights(gates)
     N = plan.num_rows
     zz = tuple(t[:N] for t in z) if z else kinds._projections(kern, f, x, plan, w_in, b_in)
     if groups > 1:
