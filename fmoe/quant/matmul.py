@@ -215,9 +215,10 @@ def _rows_grouped(a: torch.Tensor, w: QuantizedTensor, offsets: torch.Tensor) ->
 
     Memory (every call, all E experts, busy or not): the dequantized weights live through the
     call, E*N*K elements of a's dtype (bf16: 2 bytes per weight, ~3.8x an mxfp4 tensor; fp32: 4),
-    and :func:`dequantize`'s intermediates peak before that at roughly 12-13 bytes per weight
-    (int64 decode indices or expanded block scales beside the FP32 products; read off its code,
-    not measured). Time likewise scales with E, not with the busy experts. That is the cost the
+    and :func:`dequantize`'s intermediates (int64 decode indices or expanded block scales beside
+    FP32 products) peak higher: 13.1 (mxfp4) and 12.0 (fp8_block) bytes per weight, the bf16
+    result included (CPU peak RSS, E=8, N=1024, K=4096; CUDA's caching allocator keeps such
+    blocks for reuse). Time likewise scales with E, not with the busy experts. That is the cost the
     W4A16 kernel avoids at decode; for FP8 weights a ragged W8A16 kernel would. Rows and weights are zero-padded to torch._grouped_mm's 16-byte
     layout rule where K or N is not a multiple of 16 bytes. Offsets are clamped to [0, R] and
     made non-decreasing on the device (never read on the host), so no access leaves a; rows
