@@ -382,7 +382,8 @@ def check_rows(dev):
                 ok = res["rel_err"] < 1e-2 and not res.get("host_sync", False)
                 if path == "w4a16":
                     res["equals_padded_kernel"] = all(
-                        torch.equal(y[o[e]:o[e + 1]], native.w4a16_matmul(ad[o[e]:o[e + 1]].unsqueeze(0), wd[e:e + 1])[0])
+                        torch.equal(y[o[e]:o[e + 1]],
+                                    native.w4a16_matmul(ad[o[e]:o[e + 1]].unsqueeze(0), wd[e:e + 1])[0])
                         for e in range(E) if o[e + 1] > o[e])
                     ok = ok and res["equals_padded_kernel"] and res["auto_choice"] == "w4a16"
                 return {**res, "ok": ok}

@@ -219,8 +219,9 @@ def _rows_grouped(a: torch.Tensor, w: QuantizedTensor, offsets: torch.Tensor) ->
     FP32 products) peak higher: 13.1 (mxfp4) and 12.0 (fp8_block) bytes per weight, the bf16
     result included (CPU peak RSS, E=8, N=1024, K=4096; CUDA's caching allocator keeps such
     blocks for reuse). Time likewise scales with E, not with the busy experts. That is the cost the
-    W4A16 kernel avoids at decode; for FP8 weights a ragged W8A16 kernel would. Rows and weights are zero-padded to torch._grouped_mm's 16-byte
-    layout rule where K or N is not a multiple of 16 bytes. Offsets are clamped to [0, R] and
+    W4A16 kernel avoids at decode; for FP8 weights a ragged W8A16 kernel would. Rows and weights
+    are zero-padded to torch._grouped_mm's 16-byte layout rule where K or N is not a multiple of
+    16 bytes. Offsets are clamped to [0, R] and
     made non-decreasing on the device (never read on the host), so no access leaves a; rows
     past offsets[-1] are zero. Differentiable in a (torch._grouped_mm's backward).
 
