@@ -221,9 +221,9 @@ def _rows_grouped(a: torch.Tensor, w: QuantizedTensor, offsets: torch.Tensor) ->
     blocks for reuse). Time likewise scales with E, not with the busy experts. That is the cost the
     W4A16 kernel avoids at decode; for FP8 weights a ragged W8A16 kernel would. Rows and weights
     are zero-padded to torch._grouped_mm's 16-byte layout rule where K or N is not a multiple of
-    16 bytes. Offsets are clamped to [0, R] and
-    made non-decreasing on the device (never read on the host), so no access leaves a; rows
-    past offsets[-1] are zero. Differentiable in a (torch._grouped_mm's backward).
+    16 bytes. Offsets are clamped to [0, R] and made non-decreasing on the device (never read on
+    the host), so no access leaves a; rows past offsets[-1] are zero. Differentiable in a
+    (torch._grouped_mm's backward).
 
     torch's own limits (2.13): on CUDA its sync-free grouped kernel takes bf16 operands on sm90 /
     sm100; fp32 rows, or other GPUs, run torch's fallback, which copies the offsets to the host
