@@ -9,7 +9,7 @@
 * The C entry fmoe_w4a16_rows_matmul's return codes through ctypes on the built library.
 * Bad input: the error type and message before anything is launched.
 
-What needs a GPU (the ragged W4A16 kernel's results) is benchmarks/gpu_check.py's "w4a16_rows" items.
+What needs a GPU (the ragged W4A16 kernel's results) is benchmarks/gpu_check.py's "rows" section.
 """
 import ctypes
 import os
