@@ -346,3 +346,33 @@ def test_fake_cuda_tensors_plan_and_run_the_engine_with_no_host_sync(fake, kind)
             plan.on_host()
         with pytest.raises(DataDependentOutputException):   # float64 has no grouped kernel: host bounds
             P.make_plan(r, needs_grad=False, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kind", ["ffn", "gated_ffn", "swiglu", "gpt_oss"])
+def test_fake_cuda_tensors_run_the_one_process_expert_stage_with_no_host_sync(fake, kind, monkeypatch):
+    # fmoe.moe's expert stage (fmoe.experts.routed_experts) with an injected Routing: the door,
+    # the expert form, make_plan's own choice and the engine, in both combine orders. (The router
+    # before it reads a finiteness check on the host, and a CPU-only torch cannot copy fake CUDA
+    # tensors, so fmoe.moe itself is not run here.) The door sees a fake tensor as the plain
+    # CUDA tensor it stands for.
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from fmoe import experts as X
+
+    monkeypatch.setattr(traced, "PLAIN_TENSORS", traced.PLAIN_TENSORS + (FakeTensor,))
+    plans = []
+    real = K.run
+    monkeypatch.setattr(K, "run", lambda *a, **kw: plans.append(a[3]) or real(*a, **kw))
+    E, M, T, k, dtype = 8, 32, 24, 2, torch.bfloat16
+    spec = fmoe.ExpertSpec(type=kind, hidden_size=16)
+    p = fmoe.init_params(fmoe.MoESpec(model_dim=M, num_experts=E, experts=spec), dtype=dtype)["experts"]
+    cu = dict(device="cuda")
+    with fake, torch.no_grad():
+        params = pytree.tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, **cu), p)
+        ids = torch.empty(k, T, dtype=torch.int64, **cu)
+        r = fmoe.Routing(ids, torch.empty_like(ids), torch.empty(k, T, dtype=dtype, **cu),
+                         torch.empty(E, dtype=torch.int64, **cu), 5, E)
+        for order in K.ORDERS:
+            y, dropped = X.routed_experts(spec, params, torch.empty(T, M, dtype=dtype, **cu), r, order=order)
+            assert y.shape == (T, M) and y.device.type == "cuda" and dropped.device.type == "cuda"
+    assert len(plans) == 2 and all(pl.bounds is None and pl.num_rows == k * T for pl in plans)
