@@ -339,6 +339,10 @@ def test_fake_cuda_tensors_plan_and_run_the_engine_with_no_host_sync(fake, kind)
         g_w = kern.wgrad(x, gz, plan, rows=plan.tokens)
         assert gx.shape == (T, M) and g_w.shape == (E, M, gz.shape[1])
         assert plan.experts.shape == (k * T,) and plan.dead.shape == (k * T,)
+        # off the CPU torch._grouped_mm also wants 16-byte aligned data: a weight 4 bytes off takes the reference
+        flat = torch.empty(E * M * gz.shape[1] + 2, dtype=dtype, **cu)
+        assert table._grouped_mm_ok(x, flat.narrow(0, 0, E * M * gz.shape[1]).view(E, M, -1))
+        assert not table._grouped_mm_ok(x, flat.narrow(0, 2, E * M * gz.shape[1]).view(E, M, -1))
         # the traced op's plan (torch.compile's kernel) is the device plan too
         assert traced._plan(ids, r.slots, r.counts, 5, T, True, dtype).bounds is None
         # a host read is refused here: the consumers that loop over experts in Python

@@ -107,8 +107,11 @@ def _numba_rows_mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Ten
 
 def _grouped_mm_ok(*ts: Tensor) -> bool:
     # torch._grouped_mm's layout rule (ATen GroupedMMUtils.h): one of the last two strides is 1
-    # and the other spans its dimension in a multiple of 16 bytes.
+    # and the other spans its dimension in a multiple of 16 bytes; off the CPU the data starts
+    # on a 16-byte boundary too (a weight sliced at an odd column does not).
     for t in ts:
+        if t.device.type != "cpu" and t.data_ptr() % 16:
+            return False
         s, n, align = t.stride(), t.shape, 16 // t.element_size()
         if s[-1] == 1 and s[-2] >= max(1, n[-1]) and s[-2] % align == 0:
             continue

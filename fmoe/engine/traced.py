@@ -5,7 +5,8 @@ engine a call takes.
     y = traced.run(form, x, routing, w_in, w_out, b_in=b_in, b_out=b_out, order="fmoe", save="projections")
 
 A compiled graph cannot hold the rows plan's host row counts, so the plan is built inside the op
-(one numba walk over the routing's tensors, as in eager mode) and the op runs the same kernels
+(one numba walk over the routing's tensors, as in eager mode; off the CPU the device rows plan,
+no host sync, :func:`fmoe.engine.plan.device_plan`) and the op runs the same kernels
 as :func:`fmoe.engine.kinds.run`: eager and compiled calls make the same GEMM calls on the same
 rows. The op's shapes are static: y [T, O], and the saved in-projection outputs padded to the
 bound of k*T rows (:func:`torch.library.register_fake`), so ``torch.compile(fullgraph=True)``
