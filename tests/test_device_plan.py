@@ -88,8 +88,8 @@ def test_the_device_plan_is_the_host_rows_then_the_dead_pairs(case):
 
 def test_the_device_plan_phase_comes_from_the_static_shapes():
     # no host counts: 'train' with a gradient, else decode where k*T / min(E, k*T) <= DECODE_ROWS
-    for T, E, k, want in [(8, 4, 2, "decode"), (64, 8, 2, "decode"), (65, 8, 2, "prefill"), (32, 64, 4, "decode"), (8, 1, 2, "decode"),
-                          (9, 1, 2, "prefill")]:
+    for T, E, k, want in [(8, 4, 2, "decode"), (64, 8, 2, "decode"), (65, 8, 2, "prefill"), (32, 64, 4, "decode"),
+                          (8, 1, 2, "decode"), (9, 1, 2, "prefill")]:
         ids = torch.zeros(k, T, dtype=torch.int64)
         plan = P.device_plan(ids, ids, E, 1, needs_grad=False, dtype=torch.float32)
         assert plan.phase == want == P.phase_of(False, k * T, min(E, k * T)), (T, E, k)
@@ -179,7 +179,9 @@ def test_fmoe_moe_on_the_device_plan_equals_the_host_plan(kind, cf, combine, mon
 def _kinds_case(kind, E, M, H, dtype, seed=5):
     """(form, w_in, b_in, w_out, b_out): weights of one expert kind as leaves."""
     g = _gen(seed)
-    leaf = lambda *s, scale=1.0: (torch.randn(*s, generator=g, dtype=torch.float64) * scale).to(dtype).requires_grad_()  # noqa: E731
+
+    def leaf(*s, scale=1.0):
+        return (torch.randn(*s, generator=g, dtype=torch.float64) * scale).to(dtype).requires_grad_()
     if kind == "gpt_oss":
         f = K.ExpertForm("gpt_oss", False, False, limit=2.0)
         return f, (leaf(E, M, 2 * H, scale=0.5),), leaf(E, 2 * H), leaf(E, H, M, scale=0.3), leaf(E, M)
