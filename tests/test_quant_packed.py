@@ -277,8 +277,9 @@ def test_mxfp4_scale_bytes_0_and_255_on_every_path():
         assert not ((y - ref).abs() > bound)[fin].any(), isa
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_block"])
-def test_bfloat16_rows_round_once(fmt):
+@pytest.mark.parametrize("fmt,K", [("mxfp4", 256), ("nvfp4", 256), ("fp8_block", 256), ("fp8_block", 200),
+                                   ("fp8_block", 96), ("fp8_row", 256), ("mxfp8", 256)])
+def test_bfloat16_rows_round_once(fmt, K):
     """bf16 rows (FP4 experts past DENSE_FROM rows take a bf16 GEMM over their exactly decoded
     weights): each output is the reference's fp32 sum within the K-term bound, rounded to bf16
     once, on every ISA path and on both sides of DENSE_FROM."""
@@ -287,9 +288,9 @@ def test_bfloat16_rows_round_once(fmt):
         pytest.skip(packed.status())
     g = torch.Generator().manual_seed(4)
     counts = [3, 0, packed.DENSE_FROM + 1, 40]
-    w = Q.quantize(torch.randn(len(counts), 96, 256, generator=g), fmt)
+    w = Q.quantize(torch.randn(len(counts), 160, K, generator=g), fmt)   # fp8_block: 2 row blocks, one partial
     o = _offsets(counts)
-    a = torch.randn(int(o[-1]), 256, generator=g).bfloat16()
+    a = torch.randn(int(o[-1]), K, generator=g).bfloat16()
     ref = packed.grouped_matmul_reference(a.float(), w, o)          # exact bf16 inputs, fp32 sums
     slack = _bound(a, w, o) + ref.abs() * 2.0 ** -8                  # + one bf16 rounding
     for isa in isas:
@@ -297,5 +298,5 @@ def test_bfloat16_rows_round_once(fmt):
         assert y.dtype == torch.bfloat16
         bad = (y.float() - ref).abs() > slack
         assert not bad.any(), f"{fmt} isa={isa}: {int(bad.sum())} entries outside one bf16 rounding"
-    wrong = packed.grouped_matmul(a, Q.quantize(torch.randn(len(counts), 96, 256, generator=g), fmt), o)
+    wrong = packed.grouped_matmul(a, Q.quantize(torch.randn(len(counts), 160, K, generator=g), fmt), o)
     assert ((wrong.float() - ref).abs() > slack).any()   # the bound catches other weights

@@ -196,8 +196,9 @@ def _native(a: Tensor, w: QuantizedTensor, offsets: Tensor, isa: str, act_int8: 
     out = torch.empty(a.shape[0], w.logical_shape[1], dtype=torch.float32)
     if a.requires_grad:
         a = a.detach()
-    # bf16 rows: the decode + at::mm path of FP4 weights multiplies them as bf16 (exact weights)
-    a_bf16 = a.contiguous() if a.dtype == torch.bfloat16 and fp4 else None
+    # bf16 rows: the many-rows path multiplies FP4 weights (exact in bf16) and FP8 weights with
+    # float scales (their E4M3 values, the scales applied per block) as bf16
+    a_bf16 = a.contiguous() if a.dtype == torch.bfloat16 and (fp4 or scales.dtype == torch.float32) else None
     a32 = a if a.dtype == torch.float32 and a.is_contiguous() else a.float().contiguous()
     try:
         # the kernel checks the offsets' values (0 first, never decreasing, R last) before it reads them

@@ -45,6 +45,16 @@
 #include <limits>
 #include <vector>
 
+// MKL's bf16 GEMM with a float32 result (C = alpha A op(B) + beta C, LP64 ints), which the x86
+// torch wheels export from libtorch_cpu. A weak reference: null where this torch build has no
+// MKL, and then bf16 rows take at::mm (FP4 weights without a second-level scale) or the float32
+// path. Called inside the OpenMP region, MKL runs on the calling thread alone (its default for
+// nested calls, as for at::mm's there).
+extern "C" __attribute__((weak)) void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n,
+                                                             int k, float alpha, const uint16_t* a, int lda,
+                                                             const uint16_t* b, int ldb, float beta, float* c,
+                                                             int ldc);
+
 namespace {
 
 // Weight rows ahead that the register tiles prefetch (software prefetch of the same bytes of a
@@ -210,6 +220,14 @@ FMOE_AVX2 void decode_row_avx2(const Params& p, int64_t e, int64_t n, float* w) 
     for (; k + 8 <= k1; k += 8) _mm256_storeu_ps(w + k, _mm256_mul_ps(e4m3x8_avx2(row + k), s8));
     for (; k < k1; ++k) w[k] = p.e4m3[row[k]] * s;
   }
+}
+
+// One FP8 weight row's E4M3 values without their scale (float32, exact).
+FMOE_AVX2 void decode_e4m3_row_avx2(const Params& p, const uint8_t* row, float* w) {
+  const __m256 s8 = _mm256_set1_ps(256.0f);
+  int64_t k = 0;
+  for (; k + 8 <= p.K; k += 8) _mm256_storeu_ps(w + k, _mm256_mul_ps(e4m3x8_avx2(row + k), s8));
+  for (; k < p.K; ++k) w[k] = p.e4m3[row[k]];
 }
 
 // FP4 tile on AVX2: NR consecutive weight rows n.. against NT activation rows (x permuted per 32 k
@@ -797,18 +815,72 @@ at::Tensor thread_buffer(int64_t n, at::ScalarType dtype) {
   return t;
 }
 
+// FP8 weights with float32 scales (fp8_block's bn x bk blocks, fp8_row's one scale per row) and
+// bf16 rows, with MKL's bf16 GEMM: the E4M3 values (exact in bf16) decoded without their scale,
+// then per scale block one bf16 GEMM whose alpha is the block's scale, the blocks along K summed
+// in float32 in out (beta 1). One k-block (fp8_row): one GEMM, then each output column times its
+// row's scale. dequantize() rounds q * s once per weight; here each block's sum is scaled once:
+// both within the K-term bound. Returns false (nothing written) where the blocks are too thin
+// for this to pay (bn < 16 with several k-blocks).
+bool run_job_fp8_blocks(const Params& p, const Job& j, const at::Tensor& a_bf16, int isa) {
+  const int64_t tn = j.n1 - j.n0, kblocks = (p.K + p.bk - 1) / p.bk;
+  if (p.bn < 16 && kblocks > 1) return false;
+  const at::Tensor w32 = thread_buffer(p.K, at::kFloat);
+  const at::Tensor b16 = thread_buffer(tn * p.K, at::kBFloat16);
+  float* wp = w32.data_ptr<float>();
+  uint16_t* w16 = reinterpret_cast<uint16_t*>(b16.data_ptr());
+  for (int64_t n = j.n0; n < j.n1; ++n) {
+    const uint8_t* row = p.data + j.e * p.d_e + n * p.d_r;
+    uint16_t* row16 = w16 + (n - j.n0) * p.K;
+    if (isa == kPortable) {
+      for (int64_t k = 0; k < p.K; ++k) {
+        uint32_t u;
+        std::memcpy(&u, p.e4m3 + row[k], 4);
+        row16[k] = static_cast<uint16_t>(u >> 16);
+      }
+      continue;
+    }
+    decode_e4m3_row_avx2(p, row, wp);
+    bf16_of_exact_avx2(wp, row16, p.K);
+  }
+  const auto* ab = reinterpret_cast<const uint16_t*>(a_bf16.const_data_ptr()) + j.lo * p.K;
+  float* c = p.out + j.lo * p.N;
+  const int m = static_cast<int>(j.c), K = static_cast<int>(p.K), N = static_cast<int>(p.N);
+  if (kblocks == 1) {
+    cblas_gemm_bf16bf16f32(101, 111, 112, m, static_cast<int>(tn), K, 1.0f, ab, K, w16, K, 0.0f, c + j.n0, N);
+    for (int64_t r = 0; r < j.c; ++r)
+      for (int64_t n = j.n0; n < j.n1; ++n) c[r * p.N + n] *= scale_of(p, j.e, n, 0);
+    return true;
+  }
+  for (int64_t n0 = j.n0; n0 < j.n1; n0 = std::min(j.n1, (n0 / p.bn + 1) * p.bn)) {
+    const int64_t n1 = std::min(j.n1, (n0 / p.bn + 1) * p.bn);
+    for (int64_t kb = 0; kb < kblocks; ++kb) {
+      const int64_t k0 = kb * p.bk, kn = std::min(p.K, k0 + p.bk) - k0;
+      cblas_gemm_bf16bf16f32(101, 111, 112, m, static_cast<int>(n1 - n0), static_cast<int>(kn),
+                             scale_of(p, j.e, n0, kb), ab + k0, K, w16 + (n0 - j.n0) * p.K + k0, K,
+                             kb == 0 ? 0.0f : 1.0f, c + n0, N);
+    }
+  }
+  return true;
+}
+
 // Many rows: decode the tile once, then one single-threaded at::mm. The tile buffers are the
 // thread's own and reused from job to job (a fresh 2 MiB tile per job was a fresh mapping and
 // its page faults). bf16 rows of FP4 weights: each row decoded to float32 in L1 and stored as
 // bf16 (exact: an E2M1 value times an E8M0 or E4M3 scale has at most 6 significant bits), so
-// the bf16 GEMM (fp32 accumulation) multiplies the same products; the caller rounds the output
-// to bf16 once. Otherwise float32 weights and rows.
+// the bf16 GEMM (fp32 accumulation) multiplies the same products. With MKL's bf16 x bf16 ->
+// float32 GEMM the sum lands in out as float32 and nvfp4's second-level scale g is its alpha
+// (one rounding per output, as the register tiles apply g); without it at::mm rounds the sum to
+// bf16 (mxfp4 only: g would round it twice). The caller rounds out to bf16 once. Otherwise
+// float32 weights and rows.
 void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const c10::optional<at::Tensor>& a_bf16,
                    const at::Tensor& out, int isa) {
   const int64_t tn = j.n1 - j.n0;
   const float g = gscale_of(p, j.e);
   at::Tensor o = out.narrow(0, j.lo, j.c).narrow(1, j.n0, tn);
-  const bool bf16 = a_bf16.has_value() && p.fp4 && g == 1.0f;
+  const bool mkl = cblas_gemm_bf16bf16f32 != nullptr;
+  if (mkl && a_bf16.has_value() && !p.fp4 && p.sf != nullptr && run_job_fp8_blocks(p, j, *a_bf16, isa)) return;
+  const bool bf16 = a_bf16.has_value() && p.fp4 && (g == 1.0f || mkl);
   const at::Tensor w32 = thread_buffer(bf16 ? p.K : tn * p.K, at::kFloat);
   const at::Tensor b16 = bf16 ? thread_buffer(tn * p.K, at::kBFloat16) : at::Tensor();
   float* wp = w32.data_ptr<float>();
@@ -828,6 +900,13 @@ void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const c10
       std::memcpy(&u, dst + k, 4);
       row16[k] = static_cast<uint16_t>(u >> 16);
     }
+  }
+  if (bf16 && mkl) {
+    const auto* ab = reinterpret_cast<const uint16_t*>(a_bf16->const_data_ptr()) + j.lo * p.K;
+    cblas_gemm_bf16bf16f32(101 /* row major */, 111 /* a as is */, 112 /* w transposed */, static_cast<int>(j.c),
+                           static_cast<int>(tn), static_cast<int>(p.K), g, ab, static_cast<int>(p.K), w16,
+                           static_cast<int>(p.K), 0.0f, p.out + j.lo * p.N + j.n0, static_cast<int>(p.N));
+    return;
   }
   if (bf16) {
     const at::Tensor w = b16.narrow(0, 0, tn * p.K).view({tn, p.K});
