@@ -382,3 +382,29 @@ def test_fake_cuda_tensors_run_the_one_process_expert_stage_with_no_host_sync(fa
             y, dropped = X.routed_experts(spec, params, torch.empty(T, M, dtype=dtype, **cu), r, order=order)
             assert y.shape == (T, M) and y.device.type == "cuda" and dropped.device.type == "cuda"
     assert len(plans) == 2 and all(pl.bounds is None and pl.num_rows == k * T for pl in plans)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_block"])
+@pytest.mark.parametrize("cf", [1.0, 0.0])
+def test_packed_weights_run_the_device_plan_as_it_is(fmt, cf, monkeypatch):
+    """Packed swiglu experts on a device plan through the CUDA entry ('cuda-packed':
+    fmoe.quant.matmul.rows_matmul over the device offsets, forced on CPU tensors, where it takes
+    the dequantize + torch._grouped_mm route) with no host plan made: they equal the host plan
+    through the CPU's native packed kernel within the float32 bound (other GEMM calls: not bit
+    for bit), the dropped pairs' dead rows included."""
+    from fmoe.quant import quantize
+    spec = _spec("swiglu", cf, "fmoe", E=6, M=64, H=32)
+    p = _params(spec, torch.float32)
+    p["experts"] = {k: quantize(v, fmt) for k, v in p["experts"].items()}
+    x = torch.randn(40, spec.model_dim, generator=_gen(1))
+    with torch.no_grad():
+        host, aux = fmoe.moe(p, x, spec)
+        monkeypatch.setattr(table, "_PACKED", {"cpu": table._PACKED["cuda"], "cuda": table._PACKED["cuda"]})
+        monkeypatch.setattr(P, "_takes_device_plan", lambda device, dtype, precision: precision is None)
+
+        def no_host(self):
+            raise AssertionError("the packed CUDA entry asked for the host plan")
+        monkeypatch.setattr(P.ExpertPlan, "on_host", no_host)
+        dev, _ = fmoe.moe(p, x, spec)
+    assert cf == 0.0 or int(aux.dropped) > 0
+    assert _close(dev, host, BOUND[torch.float32]), float((dev - host).abs().max())

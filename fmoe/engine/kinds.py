@@ -247,8 +247,9 @@ def reference(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_i
     Returns:
         y [T, O] in x's dtype.
     """
-    plan, w_rows = _on_host(plan, w_rows)
-    mm = _per_expert_mm(plan) if mm is None else mm
+    if mm is None:   # the per-expert loop reads host bounds
+        plan, w_rows = _on_host(plan, w_rows)
+        mm = _per_expert_mm(plan)
     expert = plan.experts if (b_in is not None or b_out is not None) else None
     x_r = x.index_select(0, plan.tokens)
     z = [mm(x_r, w, form.in_transposed) for w in w_in]
@@ -258,6 +259,17 @@ def reference(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_i
     if b_out is not None:
         y_r = y_r + _bias_rows(b_out, expert)
     return _accumulate(y_r, w_rows, plan, order, x.dtype)
+
+
+def _takes_device_plan(plan: ExpertPlan, kern: Optional[Kernel], w_in: tuple, w_out) -> bool:
+    """Whether the call's GEMMs run a device rows plan as it is (no host sync): no recipe, and
+    the float kernel's :attr:`~fmoe.engine.Kernel.static_rows`, or with every weight packed the
+    packed kernel's."""
+    if plan.precision is not None:
+        return False
+    if kern is not None:
+        return kern.static_rows
+    return not any(isinstance(w, Tensor) for w in (*w_in, w_out)) and select(plan, packed=True).static_rows
 
 
 def _on_host(plan: ExpertPlan, w_rows: Tensor) -> tuple[ExpertPlan, Tensor]:
@@ -492,16 +504,17 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Union[ExpertPlan, Lay
     A rows plan runs eager mode only (:func:`fmoe.engine.traced.door`): float weights through
     one autograd Function over the table's kernels (a weight given as a transposed view of contiguous
     storage is read as that storage). Packed weights (:class:`fmoe.quant.QuantizedTensor`, any
-    projection) run the same composition with one fused low-precision call per busy expert
-    (:func:`fmoe.quant.expert_matmul`). With a quantized-training recipe (``plan.precision``)
+    projection) run the same composition with the table's packed kernel, one call per
+    projection for every busy expert (``select(plan, packed=True)``). With a quantized-training recipe (``plan.precision``)
     every float projection is :func:`fmoe.quant.training.quantized_mm` over the plan's rows
     (quantize blocks per expert, ``offsets=plan.offsets``) around the kernel's float GEMMs,
     composed like :func:`reference` under autograd (``save`` does not apply: each quantized GEMM
     keeps what its recipe saves). A layout plan dispatches, runs its layout's kernel
     (:func:`fmoe.engine.select`) on the buffers and combines. A device rows plan
     (``plan.bounds`` None) runs as it is where the kernel takes it (:attr:`Kernel.static_rows
-    <fmoe.engine.table.Kernel>`: no host sync); packed weights, a recipe or another kernel take
-    its :meth:`~fmoe.engine.ExpertPlan.on_host` (one host sync).
+    <fmoe.engine.table.Kernel>`: the CUDA float and packed entries, no host sync); a recipe,
+    packed beside float weights or another kernel take its
+    :meth:`~fmoe.engine.ExpertPlan.on_host` (one host sync).
     """
     w_in = tuple(w_in)
     _check(x, w_rows, plan, w_in, w_out, order)
@@ -518,8 +531,8 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Union[ExpertPlan, Lay
                                prescore)
     if prescore:
         raise ValueError("pre-scored gates (prescore=True) run on a layout plan (make_plan(..., layout=))")
-    if plan.bounds is None and (kern is None or not kern.static_rows or plan.precision is not None):
-        # packed weights, recipes and the per-expert kernels loop over experts in Python
+    if plan.bounds is None and not _takes_device_plan(plan, kern, w_in, w_out):
+        # recipes, packed beside float weights and the per-expert kernels loop over experts in Python
         plan, w_rows = _on_host(plan, w_rows)
     form, w_in, w_out = as_stored(form, w_in, w_out)
     ts = (x, w_rows, b_in, w_out, b_out, *w_in)

@@ -192,31 +192,33 @@ def _entry(device: str, phase: str, dtype: torch.dtype) -> Kernel:
                   *_native_kernel("reference"))
 
 
-def _packed_mm(a: Tensor, w, plan: ExpertPlan, *, rows: Optional[Tensor] = None, transposed: bool = True,
-               bias: Optional[Tensor] = None) -> Tensor:
+def _packed_cpu_mm(a: Tensor, w, plan: ExpertPlan, *, rows: Optional[Tensor] = None, transposed: bool = True,
+                   bias: Optional[Tensor] = None) -> Tensor:
     """Packed weights (:class:`fmoe.quant.QuantizedTensor` [E, N, K], always out x in, so
-    ``transposed`` does not apply) over a rows plan: on the CPU one native call for all busy
-    experts (:func:`fmoe.quant.packed.grouped_matmul`), elsewhere one fused low-precision call
-    (:func:`fmoe.quant.expert_matmul`) per busy expert. Differentiable in a."""
-    if rows is not None:
-        a = a.index_select(0, rows)
-    if a.device.type == "cpu":
-        from ..quant import packed   # optional: low-precision weights
-        y = packed.grouped_matmul(a, w, plan.offsets)
-    else:
-        from .. import quant
-        b = plan.bounds
-        parts = [quant.expert_matmul(a[b[e]:b[e + 1]].unsqueeze(0), w[e:e + 1])[0].to(a.dtype)
-                 for e in range(plan.num_experts) if b[e + 1] > b[e]]
-        y = torch.cat(parts) if parts else a.new_zeros((0, w.logical_shape[1]))
+    ``transposed`` does not apply) over a host rows plan: one native call decodes and multiplies
+    every busy expert (:func:`fmoe.quant.packed.grouped_matmul`). Differentiable in a."""
+    from ..quant import packed   # optional: low-precision weights
+    y = packed.grouped_matmul(a if rows is None else a.index_select(0, rows), w, plan.offsets)
+    return y if bias is None else y + bias.to(y.dtype).index_select(0, plan.experts)
+
+
+def _packed_rows_mm(a: Tensor, w, plan: ExpertPlan, *, rows: Optional[Tensor] = None, transposed: bool = True,
+                    bias: Optional[Tensor] = None) -> Tensor:
+    """As :func:`_packed_cpu_mm`, off the CPU: :func:`fmoe.quant.matmul.rows_matmul` over the
+    plan's device offsets (the ragged W4A16 kernel at decode, else every expert dequantized once
+    and one ``torch._grouped_mm``), so a device plan runs as it is: its dead rows, past the last
+    offset, come out 0 before the bias."""
+    from ..quant import matmul as qmm   # optional: low-precision weights
+    y = qmm.rows_matmul(a if rows is None else a.index_select(0, rows), w, plan.offsets)
     return y if bias is None else y + bias.to(y.dtype).index_select(0, plan.experts)
 
 
 _PACKED = {"cpu": Kernel("cpu-packed", "packed weights: one native call decodes and multiplies every busy expert "
-                         "(fmoe.quant.packed)", _packed_mm, None, None),
-           "cuda": Kernel("cuda-packed", "packed weights: one fused low-precision call per busy expert "
-                          "(fmoe.quant.expert_matmul: W4A16 / FP8-block kernels by its 'auto' path)", _packed_mm,
-                          None, None)}
+                         "(fmoe.quant.packed)", _packed_cpu_mm, None, None),
+           "cuda": Kernel("cuda-packed", "packed weights, no Python per expert and no host sync "
+                          "(fmoe.quant.matmul.rows_matmul): the ragged W4A16 kernel for bf16 rows of mxfp4/nvfp4 "
+                          "weights at decode, else every expert dequantized once and one torch._grouped_mm",
+                          _packed_rows_mm, None, None, static_rows=True)}
 
 
 def _layout_kernel(kind: str, generator: Optional[torch.Generator] = None) -> Kernel:
