@@ -44,8 +44,7 @@ from .. import _slots
 from ..layout import Layout
 from ..routing import Routing
 
-__all__ = ["PHASES", "TRACED", "DECODE_ROWS", "ExpertPlan", "LayoutPlan", "make_plan", "plan_from_bounds", "phase_of",
-           "kept_rows", "device_plan"]
+__all__ = ["PHASES", "DECODE_ROWS", "ExpertPlan", "LayoutPlan", "make_plan", "plan_from_bounds", "device_plan"]
 
 PHASES = ("train", "prefill", "decode")
 TRACED = "traced"   # the phase of a layout plan
