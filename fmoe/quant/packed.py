@@ -191,7 +191,9 @@ def _operands(w: QuantizedTensor):
     return data, w.scales.float().contiguous(), C.E8M0_TABLE, False, bn, bk, None
 
 
-def _native(a: Tensor, w: QuantizedTensor, offsets: Tensor, isa: str, act_int8: bool = False) -> Tensor:
+def _native(a: Tensor, w: QuantizedTensor, offsets: Tensor, isa: str, act_int8: bool = False, *,
+            blas: bool = True) -> Tensor:
+    # blas=False: bf16 rows skip MKL's bf16 GEMM (the path of a torch build without it; tests)
     data, scales, table, fp4, bn, bk, gs = _operands(w)
     out = torch.empty(a.shape[0], w.logical_shape[1], dtype=torch.float32)
     if a.requires_grad:
@@ -203,7 +205,7 @@ def _native(a: Tensor, w: QuantizedTensor, offsets: Tensor, isa: str, act_int8: 
     try:
         # the kernel checks the offsets' values (0 first, never decreasing, R last) before it reads them
         _EXT.packed_grouped_mm(a32, offsets.contiguous(), data, scales, table, C.E4M3_TABLE, gs, fp4, bn, bk, out,
-                               ISAS[isa], DENSE_FROM, act_int8, a_bf16)
+                               ISAS[isa], DENSE_FROM, act_int8, a_bf16, blas)
     except ValueError:
         _bounds(offsets, a.shape[0])   # bad offsets: raise the message that names them and R
         raise

@@ -83,6 +83,7 @@ struct Params {
   float* out;           // [R, N]
   bool fp4;
   bool e8m0;            // table is E8M0's (e8m0_table)
+  bool blas;            // bf16 rows may take MKL's bf16 GEMM where it is there (false: the fallbacks)
 };
 
 struct Job {
@@ -878,7 +879,7 @@ void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const c10
   const int64_t tn = j.n1 - j.n0;
   const float g = gscale_of(p, j.e);
   at::Tensor o = out.narrow(0, j.lo, j.c).narrow(1, j.n0, tn);
-  const bool mkl = cblas_gemm_bf16bf16f32 != nullptr;
+  const bool mkl = p.blas && cblas_gemm_bf16bf16f32 != nullptr;
   if (mkl && a_bf16.has_value() && !p.fp4 && p.sf != nullptr && run_job_fp8_blocks(p, j, *a_bf16, isa)) return;
   const bool bf16 = a_bf16.has_value() && p.fp4 && (g == 1.0f || mkl);
   const at::Tensor w32 = thread_buffer(bf16 ? p.K : tn * p.K, at::kFloat);
@@ -923,7 +924,7 @@ int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const 
                           const at::Tensor& scales, const at::Tensor& table, const at::Tensor& e4m3,
                           const c10::optional<at::Tensor>& gscale, bool fp4, int64_t bn, int64_t bk,
                           at::Tensor& out, int64_t isa, int64_t dense_from, bool act_int8,
-                          const c10::optional<at::Tensor>& a_bf16) {
+                          const c10::optional<at::Tensor>& a_bf16, bool blas) {
   TORCH_CHECK_VALUE(a.scalar_type() == at::kFloat && a.dim() == 2 && a.is_contiguous(), "a must be contiguous float32 [R, K]");
   TORCH_CHECK_VALUE(data.scalar_type() == at::kByte && data.dim() == 3 && data.is_contiguous(),
                     "data must be contiguous uint8 [E, N, K']");
@@ -971,6 +972,7 @@ int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const 
   p.out = out.data_ptr<float>();
   p.fp4 = fp4;
   p.e8m0 = byte_scales && e8m0_table(p.table);
+  p.blas = blas;
 
   const int best = best_isa();
   TORCH_CHECK_VALUE(isa >= 0 && isa <= 3, "isa must be 0 (auto), 1 (portable), 2 (avx2) or 3 (avx512), got ", isa);
