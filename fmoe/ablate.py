@@ -338,8 +338,9 @@ def _top1_fraction(top1: Tensor, E: int, dtype) -> Tensor:
 
 
 def _experts_and_combine(expert_params, tokens: Tensor, spec: MoESpec, routing: Routing) -> Tensor:
-    """The experts on the masked routing through :func:`fmoe.moe`'s own expert stage (:func:`fmoe.experts.routed_experts`) (the engine's
-    door: the kept pairs only, one folded call under vmap). A setting's capacity lives in the
+    """The experts on the masked routing through :func:`fmoe.moe`'s own expert stage
+    (:func:`fmoe.experts.routed_experts`: the engine's door, the kept pairs only, one folded call
+    under vmap). A setting's capacity lives in the
     slots (a pair past it sits past the static capacity), so the counts the plan reads are the
     kept pairs per expert, not the routed ones."""
     dtype = next((t.dtype for t in pytree.tree_leaves(expert_params)

@@ -504,8 +504,8 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Union[ExpertPlan, Lay
     one autograd Function over the table's kernels (a weight given as a transposed view of contiguous
     storage is read as that storage). Packed weights (:class:`fmoe.quant.QuantizedTensor`, any
     projection) run the same composition with the table's packed kernel, one call per
-    projection for every busy expert (``select(plan, packed=True)``). With a quantized-training recipe (``plan.precision``)
-    every float projection is :func:`fmoe.quant.training.quantized_mm` over the plan's rows
+    projection for every busy expert (``select(plan, packed=True)``). With a quantized-training
+    recipe (``plan.precision``) every float projection is :func:`fmoe.quant.training.quantized_mm` over the plan's rows
     (quantize blocks per expert, ``offsets=plan.offsets``) around the kernel's float GEMMs,
     composed like :func:`reference` under autograd (``save`` does not apply: each quantized GEMM
     keeps what its recipe saves). A layout plan dispatches, runs its layout's kernel
