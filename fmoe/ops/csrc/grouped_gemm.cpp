@@ -9,7 +9,9 @@
 //   parallel - at::parallel_for over the busy experts, each at::mm single-threaded
 //              (MKL and ATen both run one thread inside an OpenMP parallel region).
 //              Pays when experts have few rows (decode): the per-call overhead and the
-//              weight read, not the flops, are the time then.
+//              weight read, not the flops, are the time then. float32 products there call
+//              BLAS's sgemm_ directly (blas_rows_mm): the call at::mm makes, without its
+//              dispatch and the operands' views.
 //
 // Numerics: each expert's product is the same at::mm call on operands of the same
 // shape, strides and contiguity as the pure-torch reference in native.py, and the
@@ -27,6 +29,14 @@
 #include <cstring>
 #include <utility>
 #include <vector>
+
+// BLAS's single-precision GEMM (Fortran ABI, LP64 ints, as ATen declares and calls it), which the
+// x86 torch wheels export from libtorch_cpu. A weak reference: null where a build lacks it, and
+// then the parallel regime keeps at::mm.
+extern "C" __attribute__((weak)) void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                                             const int* k, const float* alpha, const float* a, const int* lda,
+                                             const float* b, const int* ldb, const float* beta, float* c,
+                                             const int* ldc);
 
 namespace {
 
@@ -113,6 +123,15 @@ void gather_rows(const at::Tensor& src, const int64_t* rows, int64_t n, at::Tens
   });
 }
 
+// gather_rows into raw memory (dst: n rows of src's width), run inline: the caller's thread.
+void gather_rows_raw(const at::Tensor& src, const int64_t* rows, int64_t n, void* dst) {
+  const int64_t row_bytes = src.size(1) * src.element_size();
+  const char* s = static_cast<const char*>(src.const_data_ptr());
+  char* d = static_cast<char*>(dst);
+  for (int64_t i = 0; i < n; ++i)
+    std::memcpy(d + i * row_bytes, s + rows[i] * row_bytes, static_cast<size_t>(row_bytes));
+}
+
 // The operand of expert span s: x's rows in place, or gathered into `scratch` (>= s.n rows).
 at::Tensor expert_rows(const at::Tensor& x, const int64_t* rows, const Span& s, at::Tensor& scratch) {
   if (rows == nullptr) return x.narrow(0, s.lo, s.n);
@@ -154,6 +173,44 @@ void scatter_add(const at::Tensor& p, const int64_t* index, const at::Tensor& sc
     scatter_add_rows<scalar_t>(pc.const_data_ptr<scalar_t>(), index + offset, s, n, N,
                                out.data_ptr<scalar_t>());
   });
+}
+
+// The parallel regime's float32 product straight through BLAS: o [n, N] (row stride N) = a [n, K]
+// (row stride K) @ op(w[e]), w contiguous [E, K, N], or [E, N, K] read as its transpose. At
+// decode an expert has a handful of rows and the ATen calls around each product (the views of
+// its operands and output, at::mm's dispatch) cost about as much as a small product's
+// arithmetic; this is the call at::mm makes (the row-major product as its column-major
+// transpose). False where it does not apply (another dtype, a weight that is a view, no BLAS
+// symbol): the caller takes at::mm.
+bool blas_rows_mm(const at::Tensor& w, int64_t e, bool transposed, const float* a, int64_t n, float* o) {
+  if (sgemm_ == nullptr || w.scalar_type() != at::kFloat || !w.is_contiguous()) return false;
+  const auto [K, N] = op_dims(w, transposed);
+  const float* we = w.const_data_ptr<float>() + e * K * N;
+  // column-major: o^T [N, n] = op(w_e)^T [N, K] @ a^T [K, n]
+  const char ta = transposed ? 'T' : 'N', tb = 'N';
+  const int m = static_cast<int>(N), nn = static_cast<int>(n), k = static_cast<int>(K);
+  const int lda = static_cast<int>(transposed ? K : N), ldb = k, ldc = m;
+  const float one = 1.0f, zero = 0.0f;
+  if (reinterpret_cast<std::uintptr_t>(o) % 64 == 0) {
+    sgemm_(&ta, &tb, &m, &nn, &k, &one, we, &lda, a, &ldb, &zero, o, &ldc);
+    return true;
+  }
+  // as mm_into: an unaligned destination gets the product computed where the reference's lies
+  thread_local at::Tensor scratch;
+  if (!scratch.defined() || scratch.numel() < n * N) scratch = at::empty({n * N}, at::kFloat);
+  float* t = scratch.data_ptr<float>();
+  sgemm_(&ta, &tb, &m, &nn, &k, &one, we, &lda, a, &ldb, &zero, t, &ldc);
+  std::memcpy(o, t, static_cast<size_t>(n * N) * sizeof(float));
+  return true;
+}
+
+// o[r] += bias[e] for the n rows of o (float32, row stride N): the reference's add, one rounding.
+void add_bias_rows(float* o, int64_t n, int64_t N, const c10::optional<at::Tensor>& bias, int64_t e) {
+  if (!bias.has_value()) return;
+  const at::Tensor b = bias->select(0, e).contiguous();
+  const float* bp = b.const_data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < N; ++j) o[r * N + j] = o[r * N + j] + bp[j];
 }
 
 // Runs body(span) for every busy expert, the experts spread over the intra-op threads
@@ -198,9 +255,19 @@ void gather_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offse
   if (parallel) {
     // One gather buffer, each expert filling its own slice: no sharing between threads.
     at::Tensor g = rp ? at::empty({R, K}, x.options()) : at::Tensor();
+    const bool blas = x.scalar_type() == at::kFloat && (!bias.has_value() || bias->scalar_type() == at::kFloat);
     parallel_over_experts(spans, [&](const Span& s) {
+      if (blas) {
+        const float* xe = (rp ? g : x).const_data_ptr<float>() + s.lo * K;
+        if (rp) gather_rows_raw(x, rp + s.lo, s.n, g.data_ptr<float>() + s.lo * K);
+        float* o = out.data_ptr<float>() + s.lo * N;
+        if (blas_rows_mm(w, s.expert, transposed, xe, s.n, o)) {
+          add_bias_rows(o, s.n, N, bias, s.expert);
+          return;
+        }
+      }
       at::Tensor xe = rp ? g.narrow(0, s.lo, s.n) : x.narrow(0, s.lo, s.n);
-      if (rp) gather_rows(x, rp + s.lo, s.n, xe);
+      if (rp && !blas) gather_rows(x, rp + s.lo, s.n, xe);
       at::Tensor o = out.narrow(0, s.lo, s.n);
       mm_into(o, xe, expert_weight(w, s.expert, transposed));
       add_bias(o, bias, s.expert);
@@ -239,7 +306,13 @@ void mm_scatter(const at::Tensor& a, const at::Tensor& w, const at::Tensor& offs
   if (parallel) {
     // Products in parallel into one buffer, then one serial (ascending-row) scatter.
     at::Tensor p = at::empty({R, N}, a.options());
+    const bool blas = a.scalar_type() == at::kFloat && (!bias.has_value() || bias->scalar_type() == at::kFloat);
     parallel_over_experts(spans, [&](const Span& s) {
+      float* po = blas ? p.data_ptr<float>() + s.lo * N : nullptr;
+      if (blas && blas_rows_mm(w, s.expert, transposed, a.const_data_ptr<float>() + s.lo * K, s.n, po)) {
+        add_bias_rows(po, s.n, N, bias, s.expert);
+        return;
+      }
       at::Tensor pe = p.narrow(0, s.lo, s.n);
       mm_into(pe, a.narrow(0, s.lo, s.n), expert_weight(w, s.expert, transposed));
       add_bias(pe, bias, s.expert);
