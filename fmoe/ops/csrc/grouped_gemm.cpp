@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -185,6 +186,9 @@ void scatter_add(const at::Tensor& p, const int64_t* index, const at::Tensor& sc
 bool blas_rows_mm(const at::Tensor& w, int64_t e, bool transposed, const float* a, int64_t n, float* o) {
   if (sgemm_ == nullptr || w.scalar_type() != at::kFloat || !w.is_contiguous()) return false;
   const auto [K, N] = op_dims(w, transposed);
+  // BLAS's int dimensions and its leading-dimension rule (>= 1): at::mm handles the rest
+  constexpr int64_t kMax = std::numeric_limits<int>::max();
+  if (K < 1 || N < 1 || K > kMax || N > kMax || n > kMax) return false;
   const float* we = w.const_data_ptr<float>() + e * K * N;
   // column-major: o^T [N, n] = op(w_e)^T [N, K] @ a^T [K, n]
   const char ta = transposed ? 'T' : 'N', tb = 'N';
