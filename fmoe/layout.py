@@ -61,7 +61,10 @@ class Layout:
         Only meaningful for the ragged layout, where the groups are contiguous."""
         if self.kind != "ragged":
             raise ValueError("offsets exist for the ragged layout only; the padded layout has starts e*C")
-        return torch.cat([self.starts, (self.starts[-1:] + self.sizes[-1:])])
+        # narrow, not [-1:]: the same values, and a form fake CUDA tensors of a CPU-only torch take
+        last = min(1, self.starts.shape[0])
+        end = self.starts.shape[0] - last
+        return torch.cat([self.starts, self.starts.narrow(0, end, last) + self.sizes.narrow(0, end, last)])
 
     def buffer_shape(self, features: int) -> tuple:
         """Shape of the dispatch buffer with ``features`` columns: (E, C, M) or (R, M)."""

@@ -223,6 +223,26 @@ def test_auto_runs_the_ragged_w4a16_kernel_up_to_the_launch(fake, built, fmt, of
             offs.tolist()   # what a host read of the offsets on the way would have raised
 
 
+@needs_no_gpu
+def test_a_ragged_layout_of_packed_weights_on_cuda_runs_the_rows_kernel_with_no_host_read(fake, built):
+    """A layout plan's packed GEMM over a ragged layout (fmoe.ops.grouped.layout_mm) off the CPU
+    takes rows_matmul on the layout's device offsets: the launch is reached with no host read and
+    no per-expert slice."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    from fmoe.layout import Layout
+    from fmoe.ops import grouped as G
+
+    with fake:
+        E, T, k = 4, 5, 2
+        sizes = torch.zeros(E, dtype=torch.int64, device="cuda")
+        lay = Layout(torch.zeros(k, T, dtype=torch.int64, device="cuda"), torch.cumsum(sizes, 0) - sizes, sizes,
+                     "ragged", k * T, E, T)
+        with pytest.raises(RuntimeError, match="^w4a16_rows_matmul: " + LAUNCH):
+            G.layout_mm(cuda(k * T, 256, dtype=torch.bfloat16), fp4(E, 64, 256), lay, transposed=True)
+        with pytest.raises(DataDependentOutputException):
+            sizes.tolist()   # what a host read of the layout on the way would have raised
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_grouped_route_on_cuda_is_one_grouped_mm_with_no_host_read(fake, grouped_calls, monkeypatch, fmt):
     # dequantize() decodes through table lookups written with Python indexing, which needs a CUDA

@@ -97,10 +97,15 @@ def layout_wgrad(a: Tensor, b: Tensor, layout: Layout) -> Tensor:
 
 def _packed_layout_mm(x: Tensor, w, layout: Layout) -> Tensor:
     """``x_e @ dequant(w[e])^T`` for a packed weight (:class:`fmoe.quant.QuantizedTensor` [E, N, K])
-    over a ragged layout's rows [R, K], in x's dtype (differentiable in x): on the CPU, where the
-    groups tile rows 0..end (the ragged layout's own starts), one native call for all experts
-    (:func:`fmoe.quant.packed.grouped_matmul`); otherwise one fused low-precision call
-    (:func:`fmoe.quant.expert_matmul`) per busy expert on its row slice."""
+    over a ragged layout's rows [R, K], in x's dtype (differentiable in x): off the CPU
+    :func:`fmoe.quant.matmul.rows_matmul` over the layout's offsets on the device (no Python per
+    expert, no host read; the ragged layout's groups tile rows 0..end by construction, as the
+    float path's ragged op takes them); on the CPU, where the groups tile rows 0..end, one native
+    call for all experts (:func:`fmoe.quant.packed.grouped_matmul`), else one fused low-precision
+    call (:func:`fmoe.quant.expert_matmul`) per busy expert on its row slice."""
+    if x.device.type != "cpu":
+        from ..quant import matmul as qmm  # optional: low-precision weights
+        return qmm.rows_matmul(x, w, layout.offsets)
     from .. import quant  # optional: low-precision weights
     out = x.new_zeros(x.shape[0], w.logical_shape[1])
     starts, sizes = layout.starts.tolist(), layout.sizes.tolist()
