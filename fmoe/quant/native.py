@@ -44,6 +44,35 @@ def _grid(what: str, E: int, **sizes: int) -> None:
     N.fits_int32(what, **sizes)
 
 
+def _w4a16_operands(what: str, x, w) -> tuple[int, int, int]:
+    """(E, N, K) of the W4A16 kernels' weight w (mxfp4/nvfp4), x checked to be a bf16 tensor."""
+    E, Nn, K = _quantized(what, "w", w)
+    if w.fmt not in _FMT:
+        raise ValueError(f"{what}: needs mxfp4 or nvfp4 weights, got {w.fmt}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: x must be a tensor, got {type(x).__name__}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"{what}: x must be bfloat16 (the kernel's A16 operand), got {x.dtype}")
+    return E, Nn, K
+
+
+def _w4a16_aligned_weight(what: str, w: QuantizedTensor) -> None:
+    _weight_leaves(what, "w", w)
+    if not N.aligned16(w.data):
+        raise ValueError(f"{what}: w.data starts at byte {N.address(w.data) % 16} of a 16-byte line; the "
+                         f"kernel's 16-byte loads need it aligned: pass a QuantizedTensor whose data is a "
+                         f"fresh tensor (data.clone())")
+
+
+def _w4a16_launch_args(x: torch.Tensor, w: QuantizedTensor, E: int) -> tuple:
+    """(x contiguous on a 16-byte boundary, byte scales, float32 global scale [E] or None)."""
+    xc = x.contiguous()
+    if not N.aligned16(xc):
+        xc = xc.clone()   # a fresh allocation starts on a 16-byte boundary
+    gs = None if w.global_scale is None else w.global_scale.float().reshape(E).contiguous()
+    return xc, w.scales.view(torch.uint8), gs
+
+
 def w4a16_matmul(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
     """y[e] = x[e] @ dequant(w[e]).T on CUDA. x bf16 [E, C, K]; w mxfp4/nvfp4 [E, N, K] with K a
     multiple of 32; returns bf16 [E, C, N].
@@ -52,13 +81,7 @@ def w4a16_matmul(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
     16-byte loads); w.data must be both (ValueError otherwise: a weight is not copied per call).
     """
     what = "w4a16_matmul"
-    E, Nn, K = _quantized(what, "w", w)
-    if w.fmt not in _FMT:
-        raise ValueError(f"{what}: needs mxfp4 or nvfp4 weights, got {w.fmt}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{what}: x must be a tensor, got {type(x).__name__}")
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"{what}: x must be bfloat16 (the kernel's A16 operand), got {x.dtype}")
+    E, Nn, K = _w4a16_operands(what, x, w)
     if x.dim() != 3 or x.shape[0] != E or x.shape[2] != K:
         raise ValueError(f"{what}: expected x [E, C, K] and w [E, N, K], got x {tuple(x.shape)} and w "
                          f"{(E, Nn, K)}")
@@ -69,21 +92,13 @@ def w4a16_matmul(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
     _grid(what, E, C=C, N=Nn, K=K)
     dev = N.same_cuda_device(what, ("x", x), ("w.data", w.data), ("w.scales", w.scales),
                              ("w.global_scale", w.global_scale))
-    _weight_leaves(what, "w", w)
-    if not N.aligned16(w.data):
-        raise ValueError(f"{what}: w.data starts at byte {N.address(w.data) % 16} of a 16-byte line; the "
-                         f"kernel's 16-byte loads need it aligned: pass a QuantizedTensor whose data is a "
-                         f"fresh tensor (data.clone())")
+    _w4a16_aligned_weight(what, w)
     if K == 0:
         return torch.zeros(E, C, Nn, dtype=torch.bfloat16, device=dev)
     y = torch.empty(E, C, Nn, dtype=torch.bfloat16, device=dev)
     if y.numel() == 0:
         return y
-    xc = x.contiguous()
-    if not N.aligned16(xc):
-        xc = xc.clone()   # a fresh allocation starts on a 16-byte boundary
-    scales = w.scales.view(torch.uint8)
-    gs = None if w.global_scale is None else w.global_scale.float().reshape(E).contiguous()
+    xc, scales, gs = _w4a16_launch_args(x, w, E)
     s = N.stream(what, dev)
     rc = N.lib().fmoe_w4a16_grouped_matmul(N.ptr(xc), N.ptr(w.data), N.ptr(scales), N.ptr(gs), N.ptr(y),
                                            _FMT[w.fmt], E, C, Nn, K, s)
@@ -117,13 +132,7 @@ def w4a16_rows_matmul(x: torch.Tensor, w: QuantizedTensor, offsets: torch.Tensor
     x is copied where it is not contiguous or not 16-byte aligned; w.data must be both (ValueError).
     """
     what = "w4a16_rows_matmul"
-    E, Nn, K = _quantized(what, "w", w)
-    if w.fmt not in _FMT:
-        raise ValueError(f"{what}: needs mxfp4 or nvfp4 weights, got {w.fmt}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{what}: x must be a tensor, got {type(x).__name__}")
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"{what}: x must be bfloat16 (the kernel's A16 operand), got {x.dtype}")
+    E, Nn, K = _w4a16_operands(what, x, w)
     if x.dim() != 2 or x.shape[1] != K:
         raise ValueError(f"{what}: expected x [R, K] and w [E, N, K], got x {tuple(x.shape)} and w {(E, Nn, K)}")
     _offsets(what, offsets, E)
@@ -134,20 +143,12 @@ def w4a16_rows_matmul(x: torch.Tensor, w: QuantizedTensor, offsets: torch.Tensor
     _grid(what, E, R=R, N=Nn, K=K)
     dev = N.same_cuda_device(what, ("x", x), ("offsets", offsets), ("w.data", w.data), ("w.scales", w.scales),
                              ("w.global_scale", w.global_scale))
-    _weight_leaves(what, "w", w)
-    if not N.aligned16(w.data):
-        raise ValueError(f"{what}: w.data starts at byte {N.address(w.data) % 16} of a 16-byte line; the "
-                         f"kernel's 16-byte loads need it aligned: pass a QuantizedTensor whose data is a "
-                         f"fresh tensor (data.clone())")
+    _w4a16_aligned_weight(what, w)
     y = torch.zeros(R, Nn, dtype=torch.bfloat16, device=dev)   # rows outside every range stay zero
     if y.numel() == 0 or E == 0 or K == 0:
         return y
-    xc = x.contiguous()
-    if not N.aligned16(xc):
-        xc = xc.clone()   # a fresh allocation starts on a 16-byte boundary
+    xc, scales, gs = _w4a16_launch_args(x, w, E)
     offs = offsets.to(torch.int64).contiguous()   # widened on the device: no host read
-    scales = w.scales.view(torch.uint8)
-    gs = None if w.global_scale is None else w.global_scale.float().reshape(E).contiguous()
     s = N.stream(what, dev)
     rc = N.lib().fmoe_w4a16_rows_matmul(N.ptr(xc), N.ptr(offs), N.ptr(w.data), N.ptr(scales), N.ptr(gs), N.ptr(y),
                                         _FMT[w.fmt], E, R, Nn, K, s)
