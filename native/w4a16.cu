@@ -10,6 +10,8 @@
 #include "common.cuh"
 #include "fmoe_native.h"
 
+#include <type_traits>
+
 namespace {
 
 constexpr int kWarps = 8;   // rows per CTA
@@ -132,6 +134,19 @@ int check_w4a16(const void *x, bool ragged, const void *offsets, const void *w, 
   return 0;
 }
 
+// Launches kernel<MXFP4> or kernel<NVFP4> (``launch(format tag, grid, block, stream)``) over
+// (N tiles, E) on the caller's stream; returns the launch's error.
+template <typename Launch>
+int launch_w4a16(int fmt, int E, int N, void *stream, Launch &&launch) {
+  const dim3 grid((N + kWarps - 1) / kWarps, E), block(kWarps * 32);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (fmt == FMOE_FMT_MXFP4)
+    launch(std::integral_constant<int, FMOE_FMT_MXFP4>{}, grid, block, s);
+  else
+    launch(std::integral_constant<int, FMOE_FMT_NVFP4>{}, grid, block, s);
+  return (int)cudaGetLastError();
+}
+
 }  // namespace
 
 extern "C" int fmoe_w4a16_grouped_matmul(const void *x, const uint8_t *w, const uint8_t *scales,
@@ -139,15 +154,12 @@ extern "C" int fmoe_w4a16_grouped_matmul(const void *x, const uint8_t *w, const 
                                          int N, int K, void *stream) {
   const int rc = check_w4a16(x, false, nullptr, w, scales, gscale, y, fmt, E, C, N, K);
   if (rc) return rc == 1 ? 0 : rc;
-  const dim3 grid((N + kWarps - 1) / kWarps, E), block(kWarps * 32);
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
   const auto *xb = static_cast<const __nv_bfloat16 *>(x);
   auto *yb = static_cast<__nv_bfloat16 *>(y);
-  if (fmt == FMOE_FMT_MXFP4)
-    w4a16_kernel<FMOE_FMT_MXFP4><<<grid, block, 0, s>>>(xb, w, scales, nullptr, yb, C, N, K);
-  else
-    w4a16_kernel<FMOE_FMT_NVFP4><<<grid, block, 0, s>>>(xb, w, scales, gscale, yb, C, N, K);
-  return (int)cudaGetLastError();
+  return launch_w4a16(fmt, E, N, stream, [&](auto f, dim3 grid, dim3 block, cudaStream_t s) {
+    constexpr int F = decltype(f)::value;
+    w4a16_kernel<F><<<grid, block, 0, s>>>(xb, w, scales, F == FMOE_FMT_NVFP4 ? gscale : nullptr, yb, C, N, K);
+  });
 }
 
 extern "C" int fmoe_w4a16_rows_matmul(const void *x, const int64_t *offsets, const uint8_t *w,
@@ -155,13 +167,11 @@ extern "C" int fmoe_w4a16_rows_matmul(const void *x, const int64_t *offsets, con
                                       int E, int R, int N, int K, void *stream) {
   const int rc = check_w4a16(x, true, offsets, w, scales, gscale, y, fmt, E, R, N, K);
   if (rc) return rc == 1 ? 0 : rc;
-  const dim3 grid((N + kWarps - 1) / kWarps, E), block(kWarps * 32);
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
   const auto *xb = static_cast<const __nv_bfloat16 *>(x);
   auto *yb = static_cast<__nv_bfloat16 *>(y);
-  if (fmt == FMOE_FMT_MXFP4)
-    w4a16_rows_kernel<FMOE_FMT_MXFP4><<<grid, block, 0, s>>>(xb, offsets, w, scales, nullptr, yb, R, N, K);
-  else
-    w4a16_rows_kernel<FMOE_FMT_NVFP4><<<grid, block, 0, s>>>(xb, offsets, w, scales, gscale, yb, R, N, K);
-  return (int)cudaGetLastError();
+  return launch_w4a16(fmt, E, N, stream, [&](auto f, dim3 grid, dim3 block, cudaStream_t s) {
+    constexpr int F = decltype(f)::value;
+    w4a16_rows_kernel<F><<<grid, block, 0, s>>>(xb, offsets, w, scales, F == FMOE_FMT_NVFP4 ? gscale : nullptr, yb,
+                                                R, N, K);
+  });
 }
