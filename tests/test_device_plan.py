@@ -31,6 +31,7 @@ import fmoe
 from fmoe.engine import kinds as K
 from fmoe.engine import plan as P
 from fmoe.engine import table, traced
+from tests.test_engine import _step as _engine_step
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
 
@@ -133,13 +134,9 @@ def _params(spec, dtype):
 
 
 def _step(spec, p, x):
-    """y, dx and every parameter gradient (router included) of sum(y * c) + l_aux."""
-    q = pytree.tree_map(lambda t: t.detach().clone().requires_grad_(True), p)
-    xx = x.detach().clone().requires_grad_(True)
-    y, aux = fmoe.moe(q, xx, spec)
-    c = torch.linspace(-1, 1, y.numel(), dtype=torch.float64).reshape(y.shape).to(y.dtype)
-    ((y * c).sum() + aux.l_aux).backward()
-    return [y.detach(), xx.grad, *[t.grad for t in pytree.tree_leaves(q)]]
+    """[y, dx, every parameter gradient (router included)] of sum(y * c) + l_aux (test_engine's step)."""
+    y, dx, grads = _engine_step(spec, p, x)
+    return [y, dx, *grads]
 
 
 def _count_plans(monkeypatch):
