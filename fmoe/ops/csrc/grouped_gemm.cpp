@@ -180,9 +180,11 @@ void scatter_add(const at::Tensor& p, const int64_t* index, const at::Tensor& sc
 // (row stride K) @ op(w[e]), w contiguous [E, K, N], or [E, N, K] read as its transpose. At
 // decode an expert has a handful of rows and the ATen calls around each product (the views of
 // its operands and output, at::mm's dispatch) cost about as much as a small product's
-// arithmetic; this is the call at::mm makes (the row-major product as its column-major
-// transpose). False where it does not apply (another dtype, a weight that is a view, no BLAS
-// symbol): the caller takes at::mm.
+// arithmetic. These are the arguments at::mm passes BLAS (the row-major product as its
+// column-major transpose) where its float32 GEMM is BLAS's, as in the x86 MKL wheels: equal bits
+// there; the parallel regime's tests hold it to the K-term bound, not to bits, since another
+// build's at::mm may take another kernel. False where it does not apply (another dtype, a weight
+// that is a view, no BLAS symbol): the caller takes at::mm.
 bool blas_rows_mm(const at::Tensor& w, int64_t e, bool transposed, const float* a, int64_t n, float* o) {
   if (sgemm_ == nullptr || w.scalar_type() != at::kFloat || !w.is_contiguous()) return false;
   const auto [K, N] = op_dims(w, transposed);
