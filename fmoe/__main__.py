@@ -9,8 +9,9 @@ Commands:
              GEMM's experts-side-by-side regime stops paying on this machine and records the
              thresholds (:func:`fmoe.ops.native.calibrate`; a few seconds, once per machine;
              they change the speed only).
-    build    build the native CPU grouped GEMM (a torch C++ extension, ~30 s; the set-up
-             scripts run it); without a C++ compiler it says so and fmoe runs the torch fallback.
+    build    build the native CPU extensions (the grouped GEMM, the packed-weight GEMM and the
+             routing walks: torch C++ extensions, ~30 s each; the set-up scripts run it); without
+             a C++ compiler it says so and fmoe runs the torch / numba fallbacks.
     info     print the threading layer, thread counts, the TBB library, whether the native
              CPU grouped GEMM is active, and the expert engine's kernel table;
              ``--explain SHAPE`` prints which kernel each GEMM of one step of SHAPE runs
@@ -65,11 +66,13 @@ def _info(args) -> int:
     print(f"tbb library: {_numba.tbb_library() or 'not loaded: ' + str(_numba.TBB_ERROR)}")
     print(f"torch threads: {torch.get_num_threads()}; numba threads: {numba.get_num_threads()} "
           f"(max {numba.config.NUMBA_NUM_THREADS})")
+    from . import _slots
     from .engine import table, wisdom
     from .ops import native
     from .quant import packed
     print(native.status())
     print(packed.status())
+    print(_slots.status())
     if args.explain:
         try:
             text = table.explain(args.explain)
@@ -94,10 +97,11 @@ def _info(args) -> int:
 
 
 def _build(args) -> int:
+    from . import _slots   # the routing walks: their own extension too
     from .ops import native
     from .quant import packed   # its own extension: a failure there never touches the float GEMM
     rc = native.build_command()
-    return max(rc, packed.build_command())
+    return max(rc, packed.build_command(), _slots.build_command())
 
 
 def main(argv=None) -> int:

@@ -1,112 +1,150 @@
-"""Slot assignment as a numba counter walk (the fast path of :func:`fmoe.routing.assign_slots`),
-and its inverse: the kept pairs listed by expert and slot (the fast path of
-:func:`fmoe.engine.plan.make_plan`).
+"""The routing walks that run on every CPU call, decode included: slot assignment (the fast path
+of :func:`fmoe.routing.assign_slots`) and its inverse, the kept pairs listed by expert and slot
+(the fast path of :func:`fmoe.engine.plan.make_plan`).
 
-Kept apart from :mod:`fmoe.ops` so that routing (plain data) never imports the ops.
+    assign_slots_fast(expert_ids, num_experts, order, impl="auto") -> (slots, counts) or None
+    kept_rows(ids, slots, counts, capacity, out, pairs, impl="auto") -> N or a KEPT_ROWS_ERRORS key
+
+Two integer-exact twins run them: the C++ extension ``fmoe_walks`` (fmoe/ops/csrc/walks.cpp, built
+by ``python -m fmoe build`` beside the grouped GEMMs) and the numba walks of :mod:`fmoe._slots_numba`,
+the fallback where the extension is not built. ``impl``: "auto" (the extension where built, else
+numba), "native" (insists: RuntimeError naming the build command), "numba". The extension is
+looked for when a walk first runs, and numba is imported only when its walks first run, so
+``import fmoe`` never loads numba and its LLVM (about 70 MiB resident), nor does an inference call
+where the extension is built.
+
+Kept apart from :mod:`fmoe.ops` so that routing (plain data) never imports the ops; only the build
+and load helpers of :mod:`fmoe.ops.native` are imported, when the extension is first looked for
+(by then ``import fmoe`` has completed).
 """
 from __future__ import annotations
 
+import os
+import sys
 from typing import Optional
 
 import numpy as np
 import torch
-from numba import njit
 from torch import Tensor
 
-from . import _numba  # noqa: F401  (selects numba's threading layer before any kernel compiles)
+IMPLS = ("auto", "native", "numba")
 
+# assign_slots' status codes (the same in both twins)
+ASSIGN_ERRORS = {
+    1: "an expert id is >= num_experts",
+    2: "order holds a token index outside [0, T)",
+    3: "order names a token twice",
+}
 
-@njit(cache=True, nogil=True)
-def assign_slots_walk(ids, order, num_experts, slots, counts):
-    """Slot-major slots (spec §6): walk j outer, tokens in ``order`` inner, one counter per expert.
-
-    ``order`` of length 0 means token order. Negative ids get slot -1 and are not
-    counted. Serial on purpose: the walk is a running count, O(k*T), far below
-    a millisecond. Returns the number of ids >= num_experts (must be 0).
-    """
-    k, T = ids.shape
-    for e in range(num_experts):
-        counts[e] = 0
-    bad = 0
-    use_order = order.shape[0] > 0
-    for j in range(k):
-        for i in range(T):
-            t = order[i] if use_order else i
-            e = ids[j, t]
-            if e < 0:
-                slots[j, t] = -1
-            elif e >= num_experts:
-                bad += 1
-                slots[j, t] = -1
-            else:
-                slots[j, t] = counts[e]
-                counts[e] += 1
-    return bad
-
-
-# kept_rows_walk's negative returns
+# kept_rows' negative returns (the same in both twins)
 KEPT_ROWS_ERRORS = {
     -1: "a kept pair's expert id is >= E or its slot is outside [0, min(counts[e], capacity))",
     -2: "two kept pairs share an expert and a slot",
     -3: "an expert has fewer kept pairs than min(counts[e], capacity) rows",
     -4: "an output buffer is too short (E + 2 + k*T and k*T)",
+    -5: "a count or the capacity is negative",
 }
 
+_NAME = "fmoe_walks"
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops", "csrc", "walks.cpp")
+_CFLAGS = ("-O3",)
+_LDFLAGS = ()
+_BUILD_CMD = "python -m fmoe build"
 
-@njit(cache=True, nogil=True)
-def kept_rows_walk(ids, slots, counts, capacity, out, pairs):
-    """The kept pairs sorted by (expert, slot): the rows of the ragged layout, inverted.
+_EXT = None
+_WHY: Optional[str] = None   # why the extension is not active; None until first looked for
+_NO_ORDER = torch.empty(0, dtype=torch.int64)
 
-    ids, slots: int64 [k, T]; counts: int64 [E]. ``out`` int64 [E + 2 + k*T] receives, in
-    order: bounds [E + 1], the prefix sums of min(counts[e], capacity); dropped [1], the valid
-    pairs at or past capacity; tokens [k*T]. ``pairs`` int64 [k*T] (its own buffer: autograd
-    keeps it as the gate weights' gather index). The first N entries of tokens and pairs are
-    ``t`` and ``j*T + t`` of the pair (j, t) in expert e's slot s, at ``bounds[e] + s``.
-    Returns N = bounds[E], or a key of :data:`KEPT_ROWS_ERRORS` for a routing whose counts
-    disagree with its slots (nothing is written past either buffer's end).
-    """
-    k, T = ids.shape
-    E = counts.shape[0]
-    kt = k * T
-    if out.shape[0] < E + 2 + kt or pairs.shape[0] < kt:
-        return -4
-    tokens0 = E + 2
-    out[0] = 0
-    for e in range(E):
-        c = counts[e]
-        out[e + 1] = out[e] + (c if c < capacity else capacity)
-    N = out[E]
-    if N > kt:   # more rows than pairs
-        return -3
-    for p in range(N):
-        pairs[p] = -1
-    lost = 0
-    for j in range(k):
-        for t in range(T):
-            e = ids[j, t]
-            s = slots[j, t]
-            if e < 0:
-                continue
-            if s >= capacity:
-                lost += 1
-                continue
-            if e >= E or s < 0 or s >= out[e + 1] - out[e]:
-                return -1
-            p = out[e] + s
-            if pairs[p] >= 0:
-                return -2
-            pairs[p] = j * T + t
-            out[tokens0 + p] = t
-    for p in range(N):
-        if pairs[p] < 0:
-            return -3
-    out[E + 1] = lost
-    return N
 
+# --------------------------------------------------------------------------- build and load
+
+def library_path() -> str:
+    """Where the built extension for this torch, Python and source lives (may not exist)."""
+    from .ops import native
+    return native.extension_path(_NAME, _SOURCE, _CFLAGS, _LDFLAGS)
+
+
+def _find() -> None:
+    global _EXT, _WHY
+    from .ops import native
+    _EXT, _WHY = native.find_extension(_NAME, _SOURCE, library_path(), "numba fallback")
+
+
+def extension():
+    """The loaded extension module, or None where it is not built (:func:`status` says why)."""
+    if _WHY is None:
+        _find()
+    return _EXT
+
+
+def status() -> str:
+    """One line: whether the C++ routing walks are active, and their path or why not."""
+    if extension() is not None:
+        return f"native routing walks: active ({library_path()})"
+    return f"native routing walks: {_WHY}"
+
+
+def build(verbose: bool = True) -> str:
+    """Compile the extension for the current key (a no-op when built) and load it, with the
+    machinery of :func:`fmoe.ops.native.build` (its own module and cache directory). Returns the
+    library path; RuntimeError where no C++ compiler is on PATH or the load fails."""
+    from .ops import native
+    path = library_path()
+    if not os.path.exists(path):
+        native.compile_extension(_NAME, _SOURCE, path, cflags=_CFLAGS, ldflags=_LDFLAGS,
+                                 what="the routing walks", tag="fmoe.walks", verbose=verbose)
+    if extension() is None:
+        _find()
+        if _EXT is None:
+            raise RuntimeError(status())
+    return path
+
+
+def build_command() -> int:
+    """``python -m fmoe build``'s step for the walks: 0 when built (or no compiler: numba runs
+    them), 1 when a present compiler fails."""
+    from .ops import native
+    if not native._compiler():
+        print("[fmoe.walks] no C++ compiler: not building; the routing walks run in numba")
+        return 0
+    try:
+        build(verbose=False)
+    except Exception as e:
+        print(f"[fmoe.walks] build failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(status())
+    return 0
+
+
+def _native(impl: str, fn: str):
+    """The extension to run ``fn`` with, or None for the numba twin (``impl`` as in the module doc)."""
+    if impl == "auto":
+        return extension()
+    if impl == "numba":
+        return None
+    if impl == "native":
+        if extension() is None:
+            raise RuntimeError(f"{fn}(impl='native'): the C++ routing walks are not active ({_WHY}); "
+                               f"build them with `{_BUILD_CMD}`")
+        return _EXT
+    raise ValueError(f"{fn}: impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
+
+
+def numba_walks():
+    """:mod:`fmoe._slots_numba`, imported on first use (it imports numba)."""
+    from . import _slots_numba
+    return _slots_numba
+
+
+# --------------------------------------------------------------------------- the walks
 
 def int64_array(t: Tensor) -> np.ndarray:
     """A plain CPU integer tensor as a C-contiguous int64 numpy array (no copy if it is one)."""
     return np.ascontiguousarray(t.numpy(), dtype=np.int64)
+
+
+def _int64(t: Tensor) -> Tensor:
+    return t.to(torch.int64).contiguous()
 
 
 def _plain(t: Tensor) -> Optional[Tensor]:
@@ -119,29 +157,71 @@ def _plain(t: Tensor) -> Optional[Tensor]:
     return t
 
 
-def assign_slots_fast(expert_ids: Tensor, num_experts: int, order: Optional[Tensor]
+def assign_slots_fast(expert_ids: Tensor, num_experts: int, order: Optional[Tensor], impl: str = "auto"
                       ) -> Optional[tuple[Tensor, Tensor]]:
     """(slots int64 [k, T], counts int64 [E]) by the counter walk, or None where it cannot run.
 
-    None (the caller then uses the pure-torch reference) while compiling, under vmap and
-    off CPU. The pure-torch version builds a [k*T, E] membership matrix and cumsums it
-    (~160 ms at T=8192, k=8, E=64); this takes well under 1 ms.
+    None (the caller then uses the pure-torch reference) while compiling, under vmap and off
+    CPU. The pure-torch version builds a [k*T, E] membership matrix and cumsums it (~160 ms at
+    T=8192, k=8, E=64); this takes well under 1 ms. IndexError where an id is >= num_experts,
+    ValueError where ``order`` is not a permutation of the T tokens or num_experts < 0.
     """
     if torch.compiler.is_compiling():  # Dynamo traces the pure-torch version
         return None
     ids = _plain(expert_ids)
     perm = None if order is None else _plain(order)
-    if ids is None or (order is not None and perm is None) or ids.device.type != "cpu" or ids.dim() != 2:
+    if (ids is None or (order is not None and (perm is None or perm.device.type != "cpu"))
+            or ids.device.type != "cpu" or ids.dim() != 2):
         return None
+    E = int(num_experts)
+    if E < 0:
+        raise ValueError(f"assign_slots: num_experts must be >= 0, got {num_experts}")
+    T = ids.shape[1]
+    if perm is not None and (perm.dim() != 1 or perm.shape[0] != T):
+        raise ValueError(f"assign_slots: order must be [T] = [{T}] (a permutation of the tokens), got shape "
+                         f"{tuple(perm.shape)}")
     # Inside a torch.func transform every torch op (even .numpy()) would see the
     # transform's dispatch keys; the ids are plain integer data, so step outside.
     with torch._C._DisableFuncTorch():
-        ids = int64_array(ids)
-        perm = np.empty(0, np.int64) if perm is None else int64_array(perm)
-        if perm.size not in (0, ids.shape[1]):
-            raise ValueError(f"assign_slots: order must have T={ids.shape[1]} entries, got {perm.size}")
-        slots = np.empty(ids.shape, np.int64)
-        counts = np.empty(num_experts, np.int64)
-        if assign_slots_walk(ids, perm, num_experts, slots, counts):
-            raise IndexError(f"assign_slots: an expert id is >= num_experts={num_experts}")
-        return torch.from_numpy(slots), torch.from_numpy(counts)
+        ext = _native(impl, "assign_slots")
+        if ext is not None:
+            slots, counts, bad = ext.assign_slots(_int64(ids), _NO_ORDER if perm is None else _int64(perm), E)
+        else:
+            a = int64_array(ids)
+            p = np.empty(0, np.int64) if perm is None else int64_array(perm)
+            slots, counts = np.empty(a.shape, np.int64), np.empty(E, np.int64)
+            bad = numba_walks().assign_slots_walk(a, p, E, slots, counts)
+            slots, counts = torch.from_numpy(slots), torch.from_numpy(counts)
+        if bad == 1:
+            raise IndexError(f"assign_slots: an expert id is >= num_experts={E} (the largest is {int(ids.max())}); "
+                             f"ids must lie in [0, num_experts), or be negative for no expert")
+        if bad:
+            raise ValueError(f"assign_slots: {ASSIGN_ERRORS[bad]}: order must be a permutation of 0..{T - 1}")
+        return slots, counts
+
+
+def kept_rows(ids: Tensor, slots: Tensor, counts: Tensor, capacity: int, out: Tensor, pairs: Tensor,
+              impl: str = "auto") -> int:
+    """The kept pairs sorted by (expert, slot), written into ``out`` and ``pairs``.
+
+    ids, slots: CPU integer [k, T]; counts: CPU integer [E]; ``out`` contiguous int64 CPU
+    [E + 2 + k*T] receives, in order: bounds [E + 1], the prefix sums of min(counts[e],
+    capacity); dropped [1], the valid pairs at or past capacity; tokens [k*T]. ``pairs``
+    contiguous int64 CPU [k*T] (its own buffer: autograd keeps it as the gate weights' gather
+    index). The first N entries of tokens and pairs are ``t`` and ``j*T + t`` of the pair (j, t)
+    in expert e's slot s, at ``bounds[e] + s``. Returns N = bounds[E], or a key of
+    :data:`KEPT_ROWS_ERRORS` (negative) for a routing whose counts disagree with its slots;
+    nothing is written past either buffer's end.
+    """
+    if ids.dim() != 2 or tuple(slots.shape) != tuple(ids.shape) or counts.dim() != 1:
+        raise ValueError(f"kept_rows: ids and slots must be [k, T] of one shape and counts [E], got ids "
+                         f"{tuple(ids.shape)}, slots {tuple(slots.shape)}, counts {tuple(counts.shape)}")
+    for name, t in (("out", out), ("pairs", pairs)):
+        if t.dtype != torch.int64 or t.dim() != 1 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"kept_rows: {name} must be a contiguous 1-D int64 CPU tensor (written in place), got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    ext = _native(impl, "kept_rows")
+    if ext is not None:
+        return ext.kept_rows(_int64(ids), _int64(slots), _int64(counts), capacity, out, pairs)
+    return int(numba_walks().kept_rows_walk(int64_array(ids), int64_array(slots), int64_array(counts), capacity,
+                                            out.numpy(), pairs.numpy()))

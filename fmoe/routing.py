@@ -383,7 +383,7 @@ def assign_slots(expert_ids: Tensor, num_experts: int, *, order: Optional[Tensor
                  ) -> tuple[Tensor, Tensor]:
     """Slot-major location assignment (§6); same contract as :func:`assign_slots_torch`.
 
-    On CPU this runs numba's O(k*T) counter walk (:mod:`fmoe._slots`); under vmap,
+    On CPU this runs the O(k*T) counter walk (:mod:`fmoe._slots`: C++, numba where not built); under vmap,
     while compiling and off CPU it is the pure-torch version.
     """
     fast = _slots.assign_slots_fast(expert_ids, num_experts, order)

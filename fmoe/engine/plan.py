@@ -233,14 +233,14 @@ class LayoutPlan:
 
 
 def _walk_cpu(ids: Tensor, slots: Tensor, counts: Tensor, C: int) -> tuple[Tensor, Tensor, tuple, Tensor, Tensor]:
-    # One numba walk over the pairs replaces the ragged layout's two dozen small ops (about
-    # 0.15-0.3 ms of a decode call at T 16, E 32-64). Returns (tokens, pairs, bounds, dropped,
-    # offsets): the walk writes the offsets tensor too.
+    # One walk over the pairs (fmoe._slots: C++, numba where not built) replaces the ragged layout's
+    # two dozen small ops (about 0.15-0.3 ms of a decode call at T 16, E 32-64). Returns (tokens,
+    # pairs, bounds, dropped, offsets): the walk writes the offsets tensor too.
     k, T = ids.shape
     E = counts.shape[0]
     out, pairs = torch.empty(E + 2 + k * T, dtype=torch.int64), torch.empty(k * T, dtype=torch.int64)
-    a, host = _slots.int64_array, out.numpy()
-    N = _slots.kept_rows_walk(a(ids), a(slots), a(counts), C, host, pairs.numpy())
+    N = _slots.kept_rows(ids, slots, counts, C, out, pairs)
+    host = out.numpy()
     if N < 0:
         raise ValueError(f"make_plan: the routing's counts disagree with its slots: {_slots.KEPT_ROWS_ERRORS[N]}")
     # (numpy reads the bounds; a torch slice costs a microsecond each)

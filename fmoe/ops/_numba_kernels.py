@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .._slots import assign_slots_walk, kept_rows_walk
+from .._slots_numba import assign_slots_walk, kept_rows_walk
 
 _FLAGS = dict(cache=True, nogil=True)
 

@@ -4,7 +4,8 @@ Importing this module registers the kernels as the CPU implementation of the
 three custom ops (``fmoe.ops`` imports it), so every caller — plain calls,
 autograd, ``torch.func`` transforms (the vmap rule folds the batch into rows
 and makes one kernel call), ``torch.compile(fullgraph=True)`` (the op is
-opaque to Dynamo and runs this kernel) — gets it without opting in.
+opaque to Dynamo and runs this kernel) — gets it without opting in. numba
+itself is imported when a kernel first runs, not by the registration.
 
 The kernels see zero-copy numpy views of contiguous CPU tensors. float32 and
 float64 run natively; float16/bfloat16 (no numpy dtype) are widened to
@@ -28,8 +29,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import _numba
-from . import _numba_kernels as K
 from . import primitives, reference, tuning
 from .memory_order import stored_transposed
 
@@ -41,7 +40,24 @@ _WIDENED = (torch.float16, torch.bfloat16)
 _NP_ZERO = {torch.float32: np.float32(0), torch.float64: np.float64(0)}
 _NO_WEIGHTS = {dt: np.empty((0, 0), dtype=z.dtype) for dt, z in _NP_ZERO.items()}
 
-threading_layer = _numba.threading_layer
+_LOADED = None   # (fmoe._numba, fmoe.ops._numba_kernels) once a kernel has run
+
+
+def _numba_modules():
+    """(fmoe._numba, fmoe.ops._numba_kernels), imported when a numba kernel first runs: registering
+    the kernels imports no numba, so ``import fmoe`` (and inference, which runs none of them)
+    never loads numba and its LLVM."""
+    global _LOADED
+    if _LOADED is None:
+        from .. import _numba
+        from . import _numba_kernels
+        _LOADED = (_numba, _numba_kernels)
+    return _LOADED
+
+
+def threading_layer() -> str:
+    """The numba threading layer fmoe's kernels use (:func:`fmoe._numba.threading_layer`)."""
+    return _numba_modules()[0].threading_layer()
 
 
 def _view(t: Tensor) -> np.ndarray:
@@ -70,7 +86,7 @@ def _pos(pos: Tensor) -> Tensor:
 
 
 def _check_rows(pos: np.ndarray, rows: int, what: str) -> None:
-    if pos.size and K.max_position(pos) >= rows:
+    if pos.size and _numba_modules()[1].max_position(pos) >= rows:
         raise IndexError(f"{what}: a position is >= the buffer's {rows} rows")
 
 
@@ -81,6 +97,7 @@ def _supported(*ts: Tensor) -> bool:
 # --------------------------------------------------------------------------- kernels on tensors
 
 def _dispatch_native(out: Tensor, x: Tensor, pos: Tensor, weights: Optional[Tensor]) -> None:
+    _numba, K = _numba_modules()
     acc = x.dtype
     p = _view(pos)
     if x.shape[0] != p.shape[1]:  # the kernels read x[t] for every token t of pos
@@ -102,6 +119,7 @@ def _dispatch_native(out: Tensor, x: Tensor, pos: Tensor, weights: Optional[Tens
 
 
 def _combine_native(out: Tensor, y: Tensor, pos: Tensor, weights: Optional[Tensor]) -> None:
+    _numba, K = _numba_modules()
     acc = y.dtype
     p = _view(pos)
     w, keep = _weights(weights, acc, p)
@@ -158,6 +176,7 @@ def gate_grad(a: Tensor, b: Tensor, pos: Tensor) -> Tensor:
         raise ValueError(f"gate_grad: need a [T, M] and b [R, M] with T={p.shape[1]} tokens of the positions, "
                          f"got a {list(aa.shape)} and b {list(ba.shape)}")
     out = torch.empty(p.shape, dtype=acc)
+    _numba, K = _numba_modules()
     with _numba.kernel_call():
         _check_rows(_view(p), ba.shape[0], "gate_grad")
         K.gate_grad_rows(_view(aa), _view(ba), _view(p), _NP_ZERO[acc], _view(out))
@@ -180,6 +199,7 @@ def few_rows_mm(x: Tensor, w: Tensor, bounds: list, transposed: bool) -> Tensor:
         [N, n] in x's dtype, equal to per-expert ``torch.mm`` within float rounding (the K
         reduction is vectorised like a BLAS GEMV).
     """
+    _numba = _numba_modules()[0]   # first: it picks numba's threading layer
     from . import _ragged_kernels as RK
     if x.dtype not in NATIVE_DTYPES or w.dtype != x.dtype or x.device.type != "cpu" or w.device.type != "cpu":
         raise TypeError(f"few_rows_mm: float32/float64 CPU tensors of one dtype, got x {x.dtype} on {x.device}, "
@@ -241,6 +261,7 @@ def warmup(progress: Optional[Callable[[str], None]] = None) -> dict:
     """
     from . import _ragged_kernels  # few_rows_mm's kernels
 
+    _numba, K = _numba_modules()
     times = {}
     with _numba.kernel_call():
         for name, kernel, args in [*K.signatures(), *_ragged_kernels.signatures()]:
