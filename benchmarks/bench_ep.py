@@ -57,6 +57,22 @@ def _step(params, x, spec, comm=None, parallel=None):
     y.square().mean().backward()
 
 
+def _profile(comm, step, n: int) -> dict:
+    """``n`` profiled steps after two warm ones; rank 0 prints the ops' self CPU times per step."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(2):
+        step()
+    comm.mpi_comm.Barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            step()
+    if comm.rank == 0:
+        print(f"{n} steps; times are totals over them")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60))
+    comm.close()
+    return {}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=7)
@@ -68,6 +84,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--hidden", type=int, default=384)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", type=int, default=0,
+                    help="instead of timing: N steps of one variant (--profile_variant) under torch.profiler (first "
+                         "kind and cf); rank 0 prints the ops by self CPU time")
+    ap.add_argument("--profile_variant", default="mpi", choices=("mpi", "gloo", "func", "local"))
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     comm = MPIComm()
@@ -91,6 +111,8 @@ def main(argv=None) -> dict:
                         "gloo": lambda: _step(local, x, spec, gloo, ParallelSpec()),
                         "func": lambda: _func_step(local, x, spec, comm, ParallelSpec()),
                         "local": lambda: _step(one, x, one_spec)}
+            if a.profile:
+                return _profile(comm, variants[a.profile_variant], a.profile)
             times = {n: [] for n in variants}
             for rep in range(a.reps + 1):   # round 0 warms up
                 for name, fn in variants.items():

@@ -43,7 +43,7 @@ from .comm import compress as _compress
 from .comm import matching
 from .comm.agreement import InconsistentRanksError, agree_across_ranks  # step agreement, re-exported
 from .comm.hierarchical import Hierarchical2DComm
-from .comm.registry import cache_of, calls_of
+from .comm.registry import cache_of, calls_of, handle_of
 from .engine import kinds as _kinds
 from .engine import traced as _traced
 from .engine.traced import door
@@ -53,7 +53,7 @@ from .experts import EXPERT_PARAMS, expert_form, shard_axes, sharding
 from .layout import Layout, make_layout
 from .routers import check_router_params
 from .routing import _trusted_routing, check_finite
-from .ops import dispatch
+from .ops import combine_raw, dispatch
 from .ops.orders import combine_in_order
 
 __all__ = ["ParallelSpec", "sharding", "shard_experts", "capacity_alignment", "expert_stage", "expert_parallel",
@@ -270,6 +270,46 @@ def _a2av(x: Tensor, comm, send: list, recv: list, parallel: ParallelSpec) -> Te
     return all_to_all_v(x, comm, send, recv)
 
 
+class _SendRows(torch.autograd.Function):
+    """``all_to_all_v(dispatch(x, layout), comm, send, recv)`` for an unweighted ragged layout, in one
+    op: the exchange reads each row where it lies in x (``rows``: the token of each buffer row), so
+    no [N, M] dispatch buffer is written and read again. Backward is the exchange back and then
+    the dispatch's own backward (the combine over the layout's positions): the same ops, hence the
+    same bits, as the two-op path."""
+
+    @staticmethod
+    def forward(x, pos, rows, comm, send, recv):
+        return torch.ops.fmoe.gather_all_to_all_v(x, rows, handle_of(comm), send, recv)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, pos, rows, ctx.comm, ctx.send, ctx.recv = inputs
+        ctx.save_for_backward(pos)
+        ctx.save_for_forward(pos, rows)
+
+    @staticmethod
+    def backward(ctx, g):
+        pos, = ctx.saved_tensors
+        return combine_raw(all_to_all_v(g, ctx.comm, ctx.recv, ctx.send), pos, None), None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, tx, *_):
+        pos, rows = ctx.saved_tensors
+        return _SendRows.apply(tx, pos, rows, ctx.comm, ctx.send, ctx.recv)
+
+
+def _layout_tokens(layout: Layout, num_tokens: int) -> Tensor:
+    """int64 [N]: the token of each row of a ragged layout cut to its kept rows (:func:`_kept_rows`:
+    rows [0, N) each hold one pair), i.e. the rows :func:`fmoe.ops.dispatch` would copy."""
+    flat = layout.positions.reshape(-1)                     # pair j * T + t -> its row, -1 if not kept
+    tokens = torch.arange(flat.shape[0], device=flat.device) % max(1, num_tokens)
+    N = int(layout.sizes.sum())
+    if N != flat.shape[0]:                                  # dropped pairs hold no row
+        kept = flat >= 0
+        flat, tokens = flat[kept], tokens[kept]
+    return torch.empty(N, dtype=torch.int64, device=flat.device).index_copy_(0, flat, tokens)
+
+
 def _engine_form(experts, params, x: Tensor) -> dict:
     """The kind's :func:`~fmoe.experts.expert_form` and, as ``kw["door"]``, the engine door
     (:func:`fmoe.engine.traced.door`) that runs these experts on x."""
@@ -396,10 +436,26 @@ def expert_stage(experts, expert_params, x: Tensor, routing, comm, parallel: Opt
     layout = make_layout(routing, layout_kind)
     if layout_kind == "ragged" and _traced.data_shapes():
         layout = _kept_rows(layout)
-    buffers = dispatch(x, routing, weighted=prescore, layout=layout)
-    out = expert_parallel(experts, expert_params, buffers, comm, parallel, layout=layout, num_experts=num_experts,
-                          output_dim=output_dim, save=save, generator=generator)
+    if (layout_kind == "ragged" and _traced.data_shapes() and comm.size > 1 and s == 1 and par.degree(s) == 1
+            and par.overlap_degree == 1 and not par.compressed and not prescore and experts.type != "custom"):
+        # the exchange reads the rows from x itself (_SendRows): no dispatch buffer
+        _check_dispatch_input(x, routing)
+        out = _stage(experts, expert_params, None, (x, _layout_tokens(layout, x.shape[0])), comm, parallel, layout,
+                     num_experts, output_dim, save, generator)
+    else:
+        buffers = dispatch(x, routing, weighted=prescore, layout=layout)
+        out = expert_parallel(experts, expert_params, buffers, comm, parallel, layout=layout,
+                              num_experts=num_experts, output_dim=output_dim, save=save, generator=generator)
     return combine_in_order(out, routing, layout, order, weighted=not prescore)
+
+
+def _check_dispatch_input(x, routing) -> None:
+    """:func:`fmoe.ops.dispatch`'s checks of x, for the path that sends x's rows without it."""
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        raise TypeError(f"dispatch: input must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() != 2 or x.shape[0] != routing.num_tokens:
+        raise ValueError(f"dispatch: x must be [T, M] with T={routing.num_tokens} (routing's tokens), "
+                         f"got shape {tuple(x.shape)}")
 
 
 def expert_parallel(experts, expert_params, buffers: Tensor, comm, parallel: Optional[ParallelSpec] = None,
@@ -428,9 +484,18 @@ def expert_parallel(experts, expert_params, buffers: Tensor, comm, parallel: Opt
     Returns:
         Expert outputs for this rank's buffers in the same layout ([E, C, O] or [R, O]).
     """
+    return _stage(experts, expert_params, buffers, None, comm, parallel, layout, num_experts, output_dim, save,
+                  generator)
+
+
+def _stage(experts, expert_params, buffers: Optional[Tensor], source: Optional[tuple], comm, parallel, layout: Layout,
+           num_experts: int, output_dim: int, save: str, generator) -> Tensor:
+    """:func:`expert_parallel` on ``buffers``, or with ``source`` = (x [T, M], the token of each row
+    [N]) on the ragged rows that the exchange reads from x itself (no dispatch buffer)."""
     parallel = parallel or ParallelSpec()
     W = comm.size
     E = num_experts
+    dtype = (buffers if source is None else source[0]).dtype
     if layout.num_experts != E:
         raise ValueError(f"expert_parallel: layout has {layout.num_experts} experts, num_experts={E}")
     n, s = sharding(E, W)
@@ -440,7 +505,7 @@ def expert_parallel(experts, expert_params, buffers: Tensor, comm, parallel: Opt
     if parallel.check:
         fields = {"world_size": W, "num_experts": E, "output_dim": output_dim, "experts": experts,
                   "parallel": dataclasses.replace(parallel, check=True), "layout": layout.kind,
-                  "dtype": str(buffers.dtype), "expert_params": _leaf_sig(expert_params)}
+                  "dtype": str(dtype), "expert_params": _leaf_sig(expert_params)}
         if layout.kind == "padded":
             fields["capacity"] = layout.capacity
         agree_across_ranks(comm, fields, defer=True)
@@ -450,14 +515,15 @@ def expert_parallel(experts, expert_params, buffers: Tensor, comm, parallel: Opt
     # no graph op): compiled calls keep their records.
     scope = matching.covered(comm) if agreed and not torch.compiler.is_compiling() else contextlib.nullcontext()
     with scope:
-        return _expert_stage(experts, expert_params, buffers, comm, parallel, layout, E, n, s, r, d, output_dim,
-                             save, generator)
+        return _expert_stage(experts, expert_params, buffers, source, comm, parallel, layout, E, n, s, r, d,
+                             output_dim, save, generator)
 
 
-def _expert_stage(experts, expert_params, buffers, comm, parallel, layout, E, n, s, r, d, output_dim, save,
+def _expert_stage(experts, expert_params, buffers, source, comm, parallel, layout, E, n, s, r, d, output_dim, save,
                   generator):
     if layout.kind == "ragged":
-        return _ragged_expert_parallel(experts, expert_params, buffers, comm, parallel, layout, r, d, save, generator)
+        return _ragged_expert_parallel(experts, expert_params, buffers, comm, parallel, layout, r, d, save, generator,
+                                       source)
     _, C, M = buffers.shape
     et = experts.type
     if r == 0:
@@ -499,14 +565,16 @@ def _expert_chunk(experts, local, chunk: Tensor, filled: Tensor, comm, s: int, r
     return y.reshape(E, r, c, y.shape[-1]).sum(1)              # sum the r partial outputs
 
 
-def _ragged_expert_parallel(experts, expert_params, rows: Tensor, comm, parallel: ParallelSpec, layout: Layout,
-                            r: int, d: int, save: str, generator) -> Tensor:
+def _ragged_expert_parallel(experts, expert_params, rows: Optional[Tensor], comm, parallel: ParallelSpec,
+                            layout: Layout, r: int, d: int, save: str, generator, source: Optional[tuple] = None
+                            ) -> Tensor:
     """Ragged rows [R, M] (sorted by global expert) through all-to-all-v, experts, all-to-all-v.
 
     Rank w owns experts [w*n, (w+1)*n), whose rows are contiguous in the ragged buffer, so the
-    send buffer is the buffer itself: exactly the kept rows travel, no padding. Received rows
-    are source-major: the engine's plan reads them in local-expert order and writes each output
-    row back in place (the staged kernel regroups them and puts them back).
+    send buffer is the buffer itself: exactly the kept rows travel, no padding. With ``source``
+    = (x [T, M], token of each row [N]) instead of ``rows`` (None) the exchange reads the rows from
+    x (:class:`_SendRows`; r = 1 only). Received rows are source-major: the engine's plan reads them
+    in local-expert order and writes each output row back in place.
     """
     W, E = comm.size, layout.num_experts
     n, s = sharding(E, W)
@@ -518,7 +586,7 @@ def _ragged_expert_parallel(experts, expert_params, rows: Tensor, comm, parallel
     if d != 1:
         raise ValueError(f"the ragged layout runs with overlap_degree=1 (got {d}); overlap chunks the padded "
                          "capacity axis: use MoESpec(layout='padded') with a finite capacity_factor")
-    R = rows.shape[0]
+    R = layout.num_rows if rows is None else rows.shape[0]
     sizes = layout.sizes
     N = int(sizes.sum())                                        # host sync: all-to-all-v needs counts
     if r == 0:                                                  # every expert on every rank, no exchange
@@ -529,8 +597,11 @@ def _ragged_expert_parallel(experts, expert_params, rows: Tensor, comm, parallel
     recv_matrix = comm.all_to_all(sizes, 0, 0).reshape(W, n)  # [source, local expert]
     send = sizes.reshape(W, n).sum(1).tolist()
     recv = recv_matrix.sum(1).tolist()
-    got = _a2av(rows[:N], xcomm, send, recv, parallel)        # [sum recv, M], source-major
-    local_id = torch.repeat_interleave(torch.arange(n, device=rows.device).repeat(W), recv_matrix.reshape(-1))
+    if source is None:
+        got = _a2av(rows[:N], xcomm, send, recv, parallel)    # [sum recv, M], source-major
+    else:
+        got = _SendRows.apply(source[0], layout.positions, source[1], xcomm, send, recv)
+    local_id = torch.repeat_interleave(torch.arange(n, device=sizes.device).repeat(W), recv_matrix.reshape(-1))
     by_expert = torch.argsort(local_id, stable=True)
     local_sizes = recv_matrix.sum(0)
     y = _engine_rows(experts, expert_params, got, local_sizes, save, generator, rows=by_expert)

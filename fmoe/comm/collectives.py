@@ -70,6 +70,22 @@ def _(x, handle, send_counts, recv_counts):
     return x.new_empty(sum(recv_counts), *x.shape[1:])
 
 
+@torch.library.custom_op("fmoe::gather_all_to_all_v", mutates_args=())
+def _ga2av_op(x: Tensor, rows: Tensor, handle: int, send_counts: list[int], recv_counts: list[int]) -> Tensor:
+    """``all_to_all_v(x[rows], ...)``: a communicator with ``gather_all_to_all_v`` (MPIComm) sends the
+    rows from where they lie in x; any other gathers them first (the same bytes on the wire)."""
+    comm = lookup(handle)
+    gather = getattr(comm, "gather_all_to_all_v", None)
+    if gather is None:
+        return _fresh(comm.all_to_all_v(x.index_select(0, rows), send_counts, recv_counts), x)
+    return _fresh(gather(x.contiguous(), rows, send_counts, recv_counts), x)
+
+
+@_ga2av_op.register_fake
+def _(x, rows, handle, send_counts, recv_counts):
+    return x.new_empty(sum(recv_counts), *x.shape[1:])
+
+
 def _front(t: Tensor, dim, size: int) -> Tensor:
     return t.unsqueeze(0).expand(size, *t.shape) if dim is None else t.movedim(dim, 0)
 

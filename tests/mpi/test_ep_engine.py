@@ -173,8 +173,8 @@ def test_forward_mode_ad_runs_the_plan_reference_and_equals_one_process(comm, cf
 def test_eager_exchange_carries_only_the_kept_rows(comm, monkeypatch, cf):
     """Eager expert parallel at a capacity that drops pairs routes ragged rows cut to the kept pairs:
     the dispatch buffer, and so both exchanges, hold exactly this rank's kept pairs (no zero rows up
-    to k*T); the output and the gradients of x, the gate and the experts equal one process."""
-    import fmoe.parallel as par_mod
+    to k*T); the output and the gradients of x, the gate and the experts equal one process. The
+    rows leave straight from x (MPIComm's gather_all_to_all_v: no dispatch buffer)."""
     W = comm.size
     E = 2 * W
     spec = make_spec(E, 2, cf)
@@ -182,9 +182,12 @@ def test_eager_exchange_carries_only_the_kept_rows(comm, monkeypatch, cf):
     x = local_batch(comm.rank, T=32)
     cot = torch.randn(x.shape[0], spec.output_dim, generator=torch.Generator().manual_seed(5 + comm.rank),
                       dtype=torch.float64)
-    sent = []
-    real = par_mod.dispatch
-    monkeypatch.setattr(par_mod, "dispatch", lambda *a, **kw: (lambda b: sent.append(b.shape[0]) or b)(real(*a, **kw)))
+    gathered, exchanged = [], []   # (rows sent, rows received) of each exchange on this rank
+    real_gather, real_a2av = type(comm).gather_all_to_all_v, type(comm).all_to_all_v
+    monkeypatch.setattr(type(comm), "gather_all_to_all_v", lambda self, x, rows, s, r: gathered.append(
+        (sum(s), sum(r))) or real_gather(self, x, rows, s, r))
+    monkeypatch.setattr(type(comm), "all_to_all_v", lambda self, x, s, r: exchanged.append(
+        (sum(s), sum(r))) or real_a2av(self, x, s, r))
 
     def run(params, xs, s, **kw):
         p = {g: {k: v.detach().clone().requires_grad_(True) for k, v in d.items()} for g, d in params.items()}
@@ -195,7 +198,12 @@ def test_eager_exchange_carries_only_the_kept_rows(comm, monkeypatch, cf):
 
     yd, gxd, pd, aux = run(local_params(spec, full, comm), x, spec, comm=comm, parallel=ParallelSpec())
     kept = _kept(aux.routing)
-    assert sent == [kept], f"cf={cf}: dispatched {sent} rows for {kept} kept pairs"
+    mine = gathered[0][1] if gathered else -1   # rows this rank's experts got
+    # forward: the kept rows out from x, the outputs back; backward: the output gradient out, the
+    # rows' x gradient back
+    assert gathered == [(kept, mine)] and exchanged == [(mine, kept), (kept, mine), (mine, kept)], \
+        f"cf={cf}: exchanges (sent, received) {gathered} from x, then {exchanged}, for {kept} kept pairs"
+    assert comm.all_reduce(torch.tensor([mine - kept]), "sum").item() == 0
     dropped = comm.all_reduce(torch.tensor([x.shape[0] * 2 - kept]), "sum").item()
     assert dropped > 0, f"cf={cf}: no pair dropped on any rank, the cut is not exercised"
     from fmoe.parallel import capacity_alignment

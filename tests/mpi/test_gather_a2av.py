@@ -1,0 +1,112 @@
+"""The gathered all-to-all-v: rows sent from where they lie in x (MPIComm.gather_all_to_all_v, one
+indexed MPI datatype per peer), and the expert-parallel exchange built on it (no dispatch buffer).
+
+Checked: the bytes equal ``all_to_all_v(x.index_select(0, rows))`` for several dtypes and row shapes,
+uneven and empty counts, repeated and unordered rows; a bad ``rows`` raises on every rank; the
+torch op's fallback for a communicator without the method (TorchDistComm over gloo) gives the same
+rows; and the exchange's gradient equals the dispatch-then-exchange path's bit for bit.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fmoe.comm import all_to_all_v
+from fmoe.comm.registry import handle_of
+from fmoe.ops import combine_raw, dispatch_raw
+from _helpers import init_gloo
+
+
+def _case(comm, dtype, tail, seed):
+    """(x [T, *tail], rows, send, recv): uneven counts (rank r sends (r + u) % 3 rows to u, the
+    rows drawn with repeats and in no order from x), a peer with none."""
+    W, r = comm.size, comm.rank
+    g = torch.Generator().manual_seed(seed + r)
+    T = 7 + r
+    x = (torch.randn(T, *tail, generator=g, dtype=torch.float64) * 100).to(dtype)
+    send = [(r + u) % 3 for u in range(W)]
+    recv = [(u + r) % 3 for u in range(W)]
+    rows = torch.randint(0, T, (sum(send),), generator=g)
+    return x, rows, send, recv
+
+
+@pytest.mark.parametrize("dtype,tail", [(torch.float32, (5,)), (torch.float64, (3, 2)), (torch.bfloat16, (4,)),
+                                        (torch.int64, (1,))])
+def test_gathered_rows_equal_the_gathered_buffer_exchanged(comm, dtype, tail):
+    x, rows, send, recv = _case(comm, dtype, tail, seed=3)
+    got = comm.gather_all_to_all_v(x, rows, send, recv)
+    want = comm.all_to_all_v(x.index_select(0, rows), send, recv)
+    assert got.shape == want.shape == (sum(recv), *tail)
+    assert torch.equal(got, want)
+
+
+def test_gathered_exchange_with_no_rows_and_a_non_contiguous_x(comm):
+    W = comm.size
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(comm.rank))[:, ::2]   # strided view
+    assert comm.gather_all_to_all_v(x, torch.zeros(0, dtype=torch.int64), [0] * W, [0] * W).shape == (0, 4)
+    rows = torch.tensor([5, 0] * W)
+    got = comm.gather_all_to_all_v(x, rows, [2] * W, [2] * W)
+    assert torch.equal(got, comm.all_to_all_v(x.index_select(0, rows), [2] * W, [2] * W))
+
+
+@pytest.mark.parametrize("bad,match", [("range", r"rows must lie in \[0, 6\).*from 0 to 6"),
+                                       ("dtype", "rows must be a contiguous int64 CPU vector")])
+def test_bad_rows_raise_on_every_rank(comm, bad, match):
+    """Rank 0 passes the bad rows; every rank raises it (the peers do not wait for data)."""
+    W = comm.size
+    x = torch.zeros(6, 2)
+    rows = torch.zeros(W, dtype=torch.int64)
+    if comm.rank == 0:
+        rows = torch.tensor([6] + [0] * (W - 1)) if bad == "range" else rows.to(torch.int32)
+    with pytest.raises(ValueError, match=match) as err:
+        comm.gather_all_to_all_v(x, rows, [1] * W, [1] * W)
+    assert comm.rank == 0 or "invalid arguments on rank(s) 0" in str(err.value)
+
+
+def test_fallback_of_a_communicator_without_the_method(comm):
+    """gloo's TorchDistComm has no gather_all_to_all_v: the torch op gathers first, same rows."""
+    init_gloo(comm)
+    from fmoe.comm import TorchDistComm
+    gloo = TorchDistComm()
+    assert not hasattr(gloo, "gather_all_to_all_v")
+    x, rows, send, recv = _case(comm, torch.float32, (3,), seed=9)
+    got = torch.ops.fmoe.gather_all_to_all_v(x, rows, handle_of(gloo), send, recv)
+    assert torch.equal(got, comm.all_to_all_v(x.index_select(0, rows), send, recv))
+
+
+def test_expert_parallel_send_equals_dispatch_then_exchange_with_gradient(comm):
+    """parallel._SendRows (the rows sent from x) against dispatch then all_to_all_v over the same
+    ragged positions: output and x's gradient (through the combine) bit for bit."""
+    from fmoe.parallel import _SendRows
+    W, r = comm.size, comm.rank
+    g = torch.Generator().manual_seed(40 + r)
+    T, k, M = 9, 2, 6
+    # a ragged layout's positions: pairs (j, t) -> rows [0, N) one to one; one pair dropped (-1)
+    N = k * T - 1
+    order = torch.randperm(k * T, generator=g)
+    pos = torch.full((k * T,), -1, dtype=torch.int64)
+    pos[order[:N]] = torch.arange(N)
+    pos = pos.view(k, T)
+    tokens = torch.empty(N, dtype=torch.int64)
+    tokens[pos.reshape(-1)[order[:N]]] = order[:N] % T
+    counts = comm.all_to_all(torch.tensor([N // W + (u < N % W) for u in range(W)]), 0, 0)
+    send = [N // W + (u < N % W) for u in range(W)]
+    recv = counts.tolist()
+    x = torch.randn(T, M, generator=g, dtype=torch.float32)
+    cot = torch.randn(sum(recv), M, generator=g, dtype=torch.float32)
+
+    xa = x.clone().requires_grad_(True)
+    ya = _SendRows.apply(xa, pos, tokens, comm, send, recv)
+    (ya * cot).sum().backward()
+    xb = x.clone().requires_grad_(True)
+    yb = all_to_all_v(dispatch_raw(xb, pos, None, N), comm, send, recv)
+    (yb * cot).sum().backward()
+    assert torch.equal(ya, yb)
+    assert torch.equal(xa.grad, xb.grad)
+    assert torch.equal(xa.grad, combine_raw(all_to_all_v(cot, comm, recv, send), pos, None))
+    # torch.func.grad and jvp take the same op
+    gf = torch.func.grad(lambda t: (_SendRows.apply(t, pos, tokens, comm, send, recv) * cot).sum())(x)
+    assert torch.equal(gf, xb.grad)
+    tx = torch.randn(T, M, generator=g)
+    _, t_out = torch.func.jvp(lambda t: _SendRows.apply(t, pos, tokens, comm, send, recv), (x,), (tx,))
+    assert torch.equal(t_out, all_to_all_v(dispatch_raw(tx, pos, None, N), comm, send, recv))
