@@ -15,11 +15,19 @@ beside a cold float32 GEMV of the busy experts' packed bytes; ratio = call time 
 ``fmoe_packed_gemm_old``: Python keeps one module per name) in the same run, interleaved, so before/after
 share the host's noise. Medians of ``--repeats`` samples.
 
+``cold`` (``--cold``): the layer's two packed GEMMs alone (bench_inference's swiglu experts: gate_up_proj
+[E, 1536, 2048] then down_proj [E, 2048, 768], E=64, top-6 routed by a random gate), T = 1, 4, 16, 2 threads,
+cold (each call after an untimed 512 MiB read), as x = time / (busy experts' stored bytes / stream rate), the
+stream rate being that of the same run's eviction reads. Steps, interleaved: ``new`` this build's native call
+(operands and outputs prepared once, so no Python front), ``old`` the ``--old`` build the same way, ``front``
+``grouped_matmul`` (what the layer calls), and ``read``: a plain torch reduction (2 threads, no C++ of ours)
+over the same busy experts' bytes, the ceiling for these buffer sizes (a few MiB per expert, one call each).
+
 ``layer`` (``--layer``): ``fmoe.moe`` decode with packed experts at 1 thread, CPU time, new vs ``--old``
 (see :func:`layer`).
 
 Run: ``python -m benchmarks.bench_packed_kernels [--repeats 15] [--formats ...] [--rows 1 4] [--old OLD.so]
-[--no-single] [--no-multi] [--layer]``.
+[--no-single] [--no-multi] [--layer] [--cold]``.
 """
 from __future__ import annotations
 
@@ -61,12 +69,14 @@ def _weights(fmt: str, experts: int, g: torch.Generator):
     return Q.QuantizedTensor(rep(w.data), rep(w.scales), rep(w.global_scale), fmt, (experts, N, K), w.block)
 
 
-def _call(ext, a, offsets, w, isa: int, int8: bool = False):
+def _call(ext, a, offsets, w, isa: int, int8: bool = False, n: int = N):
     from fmoe.quant import _codecs as C
     from fmoe.quant import packed
     data, scales, table, fp4, bn, bk, gs = packed._operands(w)
-    out = torch.empty(a.shape[0], N)
-    extra = (None,) if ext is packed._EXT else ()   # this build takes bf16 rows too; an --old one may not
+    out = torch.empty(a.shape[0], n)
+    # the trailing arguments an older build may lack: bf16 rows (arg14), the blas flag (arg15)
+    doc = ext.packed_grouped_mm.__doc__ or ""
+    extra = (None, True) if "arg15" in doc else (None,) if "arg14" in doc else ()
     return lambda: ext.packed_grouped_mm(a, offsets, data, scales, table, C.E4M3_TABLE, gs, fp4, bn, bk, out, isa,
                                          packed.DENSE_FROM, int8, *extra)
 
@@ -161,6 +171,85 @@ def multi(formats, tokens, repeats: int, old=None, log=print) -> dict:
     return res
 
 
+def _read_step(ws, busy_ids):
+    """A torch reduction over the busy experts' stored bytes (data and scales) of every weight in ws:
+    each expert's contiguous block viewed as int32 words and reduced with max (vectorized, no widening
+    to int64, unlike a sum of integers; no float specials, unlike a float view)."""
+    views = []
+    for w in ws:
+        for t in (w.data, w.scales):
+            b = t.view(torch.uint8)
+            for e in busy_ids:
+                blk = b[e].reshape(-1)
+                n = blk.numel() // 4 * 4
+                views.append(blk[:n].view(torch.int32))
+    return lambda: [v.max() for v in views]
+
+
+def cold(formats, tokens, repeats: int, old=None, threads: int = 2, log=print) -> dict:
+    """The layer's two packed expert GEMMs alone, cold, ``threads`` threads, against the same run's
+    stream rate (module docstring, ``cold``). Rows: median and min of each step as a multiple of the
+    busy bytes' stream time. At 1 thread every time (the stream reads' too) is the thread's CPU time,
+    which the other tenants of a shared host do not inflate; at 2 threads wall time (a thread that
+    waits for its partner counts)."""
+    from fmoe.quant import packed
+
+    from . import bench_inference as BI
+    torch.set_num_threads(threads)
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    g = torch.Generator().manual_seed(3)
+    wg = torch.randn(BI.E, BI.M, generator=g) * 0.02
+    buf = torch.ones(BI.FLUSH_BYTES // 4)
+    buf.sum()
+    res = {}
+    for fmt in formats:
+        wu, wd = BI._rand_packed(fmt, 2 * BI.I, BI.M, g), BI._rand_packed(fmt, BI.M, BI.I, g)
+        for T in tokens:
+            x = torch.randn(T, BI.M, generator=g)
+            idx = (x @ wg.T).topk(BI.K_TOP, dim=-1).indices.reshape(-1)
+            counts = torch.bincount(idx, minlength=BI.E)
+            busy_ids = torch.nonzero(counts).reshape(-1).tolist()
+            off = torch.zeros(BI.E + 1, dtype=torch.int64)
+            off[1:] = counts.cumsum(0)
+            R = int(off[-1])
+            a, h = torch.randn(R, BI.M, generator=g), torch.randn(R, BI.I, generator=g)
+            nbytes = sum(BI._nbytes(w, len(busy_ids)) for w in (wu, wd))
+
+            def pair(ext, a=a, h=h, off=off):
+                f1, f2 = _call(ext, a, off, wu, 0, n=2 * BI.I), _call(ext, h, off, wd, 0, n=BI.M)
+                return lambda: (f1(), f2())
+            steps = {"new": pair(packed._EXT)}
+            if old is not None:
+                steps["old"] = pair(old)
+            steps["front"] = lambda a=a, h=h, off=off: (packed.grouped_matmul(a, wu, off), packed.grouped_matmul(h, wd, off))
+            steps["read"] = _read_step((wu, wd), busy_ids)
+            times = {n: [] for n in steps}
+            rates = []
+            order = list(steps)
+            with torch.no_grad():
+                for fn in steps.values():
+                    fn()
+                for r in range(repeats):
+                    for name in (order[::-1] if r % 2 else order):
+                        t0 = clock()
+                        buf.sum()
+                        rates.append(BI.FLUSH_BYTES / (clock() - t0) / 1e9)
+                        t0 = clock()
+                        steps[name]()
+                        times[name].append(clock() - t0)
+            rate = statistics.median(rates)
+            bound = nbytes / (rate * 1e9)
+            row = {"threads": threads, "busy": len(busy_ids), "rows": R, "bytes": nbytes, "stream_gb_per_s": rate, "bound_us": bound * 1e6}
+            for name, v in times.items():
+                row[name] = {"us": statistics.median(v) * 1e6, "min_us": min(v) * 1e6,
+                             "x": statistics.median(v) / bound, "min_x": min(v) / bound}
+            res[f"{fmt}_T{T}"] = row
+            log(f"  {fmt:9s} T={T:2d} busy {len(busy_ids):2d} {nbytes / 2**20:5.1f} MiB: stream {rate:5.1f} GB/s, "
+                f"bound {bound * 1e6:6.0f} us | " + "  ".join(
+                    f"{n} {row[n]['us']:6.0f} us {row[n]['x']:.2f}x (min {row[n]['min_x']:.2f})" for n in times))
+    return res
+
+
 def layer(formats, tokens, repeats: int, old=None, log=print) -> dict:
     """``fmoe.moe`` decode with packed experts (bench_inference's layer: swiglu M=2048 I=768 E=64 k=6)
     at 1 thread, cold weights, timed by the thread's CPU time, the new build and (``old``) the other
@@ -229,6 +318,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-single", action="store_true")
     p.add_argument("--no-multi", action="store_true")
     p.add_argument("--layer", action="store_true", help="also fmoe.moe decode at 1 thread, CPU time (see layer())")
+    p.add_argument("--cold", action="store_true", help="also the layer's two GEMMs cold vs the stream (see cold())")
+    p.add_argument("--cold-threads", type=int, default=2, choices=(1, 2),
+                   help="threads of --cold (1: CPU time, robust on a shared host; 2: wall time)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     from fmoe.quant import packed
@@ -247,6 +339,11 @@ def main(argv=None) -> int:
     if args.layer:
         print("fmoe.moe decode, swiglu M=2048 I=768 E=64 k=6, cold, 1 thread, CPU time: x = time / (bytes / stream)")
         out["layer"] = layer([f for f in args.formats if f in ("mxfp4", "nvfp4", "fp8_block")], args.tokens, args.repeats, old)
+    if args.cold:
+        print(f"the layer's two packed GEMMs (swiglu M=2048 I=768 E=64 k=6), cold, {args.cold_threads} thread(s): "
+              f"x = time / (bytes / stream)")
+        out["cold"] = cold([f for f in args.formats if f in ("mxfp4", "nvfp4", "fp8_block")], args.tokens, args.repeats, old,
+                           args.cold_threads)
     with open("/proc/loadavg") as f:
         out["loadavg_end"] = f.read().split()[:3]
     print(f"load average at the end: {' '.join(out['loadavg_end'])}")

@@ -57,10 +57,17 @@ extern "C" __attribute__((weak)) void cblas_gemm_bf16bf16f32(int layout, int tra
 
 namespace {
 
-// Weight rows ahead that the register tiles prefetch (software prefetch of the same bytes of a
-// later row; rows are contiguous). From memory, the hardware prefetchers alone left the
-// decode-bound loops waiting on DRAM: measured 1.7x faster expert GEMMs at T = 1 with it.
+// How far ahead the register tiles prefetch: the byte this many bytes after the one they load
+// (an expert's rows are contiguous, so this is the same column of a later row), at least
+// kPrefetchRows rows and kPrefetchBytes bytes (Params::pf). From memory, the hardware prefetchers
+// alone left the decode-bound loops waiting on DRAM: measured 1.7x faster expert GEMMs at T = 1
+// with it. A tile reads up to 4 rows side by side, so the distance must exceed 4 rows to reach
+// rows not yet read; in bytes so that short rows (down_proj's) still run far enough ahead. The
+// hint is L2 (T1), not L1: L2 holds more misses in flight than L1's fill buffers, which the
+// tiles' own loads need (FP8 block at T = 1 and 4: 8% faster cold, FP4 2-3%).
 constexpr int64_t kPrefetchRows = 8;
+constexpr int64_t kPrefetchBytes = 8192;
+#define FMOE_PREFETCH(ptr) _mm_prefetch(reinterpret_cast<const char*>(ptr), _MM_HINT_T1)
 constexpr int64_t kTileN = 64;        // weight rows per job (register kernels)
 constexpr int64_t kTileDense = 256;   // weight rows per job decoded to float (<= 2 MiB at K = 2048: L2)
 
@@ -84,6 +91,8 @@ struct Params {
   bool fp4;
   bool e8m0;            // table is E8M0's (e8m0_table)
   bool blas;            // bf16 rows may take MKL's bf16 GEMM where it is there (false: the fallbacks)
+  int64_t pf;           // prefetch distance in bytes of data (a multiple of 64 and of d_r)
+  int64_t pf_s;         // the same rows' distance in the byte scales (pf / d_r scale rows)
 };
 
 struct Job {
@@ -257,7 +266,7 @@ FMOE_AVX2 FMOE_INLINE void fp4_tile_avx2(const Params& p, int64_t e, int64_t n, 
       const __m256 s1 = _mm256_set1_ps(0.5f * p.table[sr[i][(k + 16) >> sh]]);
       __m128i lo, hi;
       fp4x32_i8_avx2(r[i] + k / 2, lo, hi);
-      _mm_prefetch(reinterpret_cast<const char*>(r[i] + k / 2 + kPrefetchRows * p.d_r), _MM_HINT_T0);
+      if ((k & 127) == 0) FMOE_PREFETCH(r[i] + k / 2 + p.pf);  // once per 64-byte line
       const __m256 w0 = _mm256_mul_ps(i8x8_ps(lo), s0);                     // even k 0..14
       const __m256 w1 = _mm256_mul_ps(i8x8_ps(_mm_srli_si128(lo, 8)), s1);  // even k 16..30
       const __m256 w2 = _mm256_mul_ps(i8x8_ps(hi), s0);                     // odd k 1..15
@@ -320,7 +329,7 @@ FMOE_AVX2 FMOE_INLINE void fp8_tile_avx2(const Params& p, int64_t e, int64_t n, 
     for (; k + 16 <= k1; k += 16) {
       for (int i = 0; i < NR; ++i) {
         const __m128i b8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r[i] + k));
-        _mm_prefetch(reinterpret_cast<const char*>(r[i] + k + kPrefetchRows * p.d_r), _MM_HINT_T0);
+        FMOE_PREFETCH(r[i] + k + p.pf);
         nan[i] |= _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_and_si128(b8, m7f), m7f));
         __m256 w0, w1;
         e4m3x16_avx2(b8, w0, w1);
@@ -408,7 +417,9 @@ FMOE_AVX512 FMOE_INLINE void fp4_tile_avx512(const Params& p, int64_t e, int64_t
     __m512i v[NR];
     for (int i = 0; i < NR; ++i) {
       v[i] = _mm512_loadu_si512(r[i] + 64 * c);
-      _mm_prefetch(reinterpret_cast<const char*>(r[i] + 64 * c + kPrefetchRows * p.d_r), _MM_HINT_T0);
+      FMOE_PREFETCH(r[i] + 64 * c + p.pf);
+      // the scale rows too (kSpc bytes per chunk: one line per 64 / kSpc chunks)
+      if ((kSpc * c) % 64 == 0) FMOE_PREFETCH(sr[i] + kSpc * c + p.pf_s);
     }
     const float* xc = x0 + 128 * c;
     __m512 part[NR][NT][P];
@@ -523,7 +534,7 @@ FMOE_AVX512 FMOE_INLINE void fp8_tile_avx512(const Params& p, int64_t e, int64_t
       __m512 w[NR][2];
       for (int i = 0; i < NR; ++i) {
         const __m256i b8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[i] + k));
-        _mm_prefetch(reinterpret_cast<const char*>(r[i] + k + kPrefetchRows * p.d_r), _MM_HINT_T0);
+        FMOE_PREFETCH(r[i] + k + p.pf);
         nan[i] |= nan_bytes(b8);
         e4m3x32_avx512(b8, w[i][0], w[i][1]);
         if constexpr (PRE) {
@@ -609,8 +620,8 @@ FMOE_VNNI void fp4_rows2_vnni(const Params& p, const Job& j, int64_t n, int64_t 
   for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
   for (int64_t c = 0; c < nc; ++c) {
     const __m512i v0 = _mm512_loadu_si512(r0 + 64 * c), v1 = _mm512_loadu_si512(r1 + 64 * c);
-    _mm_prefetch(reinterpret_cast<const char*>(r0 + 64 * c + kPrefetchRows * p.d_r), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(r1 + 64 * c + kPrefetchRows * p.d_r), _MM_HINT_T0);
+    FMOE_PREFETCH(r0 + 64 * c + p.pf);
+    FMOE_PREFETCH(r1 + 64 * c + p.pf);
     const __m512i a_lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v0, m4));
     const __m512i a_hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4));
     const __m512i b_lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v1, m4));
@@ -919,6 +930,19 @@ void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const c10
   at::mm_out(o, a.narrow(0, j.lo, j.c), w.t());
 }
 
+// A job that does not continue the rows its thread read last starts where no prefetch has run
+// ahead: prefetch its first p.pf bytes of weights (and their scale rows) before the tiles start.
+void prefetch_start(const Params& p, const Job& j) {
+  const char* d = reinterpret_cast<const char*>(p.data + j.e * p.d_e + j.n0 * p.d_r);
+  const int64_t nd = std::min(p.pf, (j.n1 - j.n0) * p.d_r);
+  for (int64_t b = 0; b < nd; b += 64) FMOE_PREFETCH(d + b);
+  if (p.sb != nullptr) {
+    const char* s = reinterpret_cast<const char*>(p.sb + j.e * p.s_e + (j.n0 / p.bn) * p.s_r);
+    const int64_t ns = std::min(p.pf_s, (j.n1 - j.n0) * p.s_r);
+    for (int64_t b = 0; b < ns; b += 64) FMOE_PREFETCH(s + b);
+  }
+}
+
 // out [R, N] float32 (written); see the file comment for the operands. Returns the ISA run.
 int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const at::Tensor& data,
                           const at::Tensor& scales, const at::Tensor& table, const at::Tensor& e4m3,
@@ -973,6 +997,9 @@ int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const 
   p.fp4 = fp4;
   p.e8m0 = byte_scales && e8m0_table(p.table);
   p.blas = blas;
+  const int64_t pf_rows = std::max(kPrefetchRows, (kPrefetchBytes + p.d_r - 1) / std::max<int64_t>(p.d_r, 1));
+  p.pf = pf_rows * p.d_r;
+  p.pf_s = pf_rows * p.s_r;
 
   const int best = best_isa();
   TORCH_CHECK_VALUE(isa >= 0 && isa <= 3, "isa must be 0 (auto), 1 (portable), 2 (avx2) or 3 (avx512), got ", isa);
@@ -1005,19 +1032,31 @@ int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const 
     const int64_t tile = (o[e + 1] - o[e] > dense_from) ? kTileDense : kTileN;
     for (int64_t n0 = 0; n0 < N; n0 += tile) jobs.push_back({e, o[e], o[e + 1] - o[e], n0, std::min(N, n0 + tile)});
   }
-  // Jobs are taken from a shared counter, not split in fixed halves: on a shared or busy host a
-  // thread that starts late (descheduled) leaves its share to the others instead of holding
-  // the whole call until it has run its half.
-  std::atomic<int64_t> next{0};
+  // Each thread starts on its own contiguous run of the jobs (expert-major, rows in order), so it
+  // streams long stretches of each expert's [N, K'] block and its prefetches run ahead into rows
+  // it will read itself; a thread done with its run takes jobs from the others' runs (their
+  // counters), so on a shared or busy host a thread that starts late (descheduled) leaves its
+  // run to the others instead of holding the call until it has done it.
   const int64_t njobs = static_cast<int64_t>(jobs.size());
-  at::parallel_for(0, std::min<int64_t>(njobs, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+  const int64_t nth = std::min<int64_t>(njobs, at::get_num_threads());
+  std::vector<std::atomic<int64_t>> next(std::max<int64_t>(nth, 1));
+  for (int64_t t = 0; t < nth; ++t) next[t] = t * njobs / nth;
+  at::parallel_for(0, nth, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> w;
-    for (int64_t i = next.fetch_add(1); i < njobs; i = next.fetch_add(1)) {
-      const Job& j = jobs[i];
-      if (j.c > dense_from) run_job_dense(p, j, a, a_bf16, out, run);
-      else if (act_int8) run_job_vnni(p, j, xq.const_data_ptr<uint8_t>(), xd.const_data_ptr<float>());
-      else run_job_small(p, j, xsp, run, w);
-    }
+    const uint8_t* streamed = nullptr;  // the end of the weight rows this thread read last
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t k = 0; k < nth; ++k) {
+        const int64_t run_of = (t + k) % nth, end = (run_of + 1) * njobs / nth;
+        for (int64_t i = next[run_of].fetch_add(1); i < end; i = next[run_of].fetch_add(1)) {
+          const Job& j = jobs[i];
+          const uint8_t* first = p.data + j.e * p.d_e + j.n0 * p.d_r;
+          if (first != streamed && j.c <= dense_from) prefetch_start(p, j);
+          streamed = p.data + j.e * p.d_e + j.n1 * p.d_r;
+          if (j.c > dense_from) run_job_dense(p, j, a, a_bf16, out, run);
+          else if (act_int8) run_job_vnni(p, j, xq.const_data_ptr<uint8_t>(), xd.const_data_ptr<float>());
+          else run_job_small(p, j, xsp, run, w);
+        }
+      }
   });
   return run;
 }
