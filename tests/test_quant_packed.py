@@ -303,3 +303,42 @@ def test_bfloat16_rows_round_once(fmt, K):
             assert not bad.any(), f"{fmt} isa={isa} {path}: {int(bad.sum())} entries outside one bf16 rounding"
     wrong = packed.grouped_matmul(a, Q.quantize(torch.randn(len(counts), 160, K, generator=g), fmt), o)
     assert ((wrong.float() - ref).abs() > slack).any()   # the bound catches other weights
+
+
+_MAPPINGS = []
+
+
+def _before_an_unreadable_page(t):
+    """A copy of the uint8 tensor t whose last byte is the last of a readable page, the next page
+    PROT_NONE: a read past t's end is a segfault, not a silent read. The mapping stays for the session
+    (_MAPPINGS): a view of the tensor outlives the tensor object."""
+    import ctypes
+    import mmap
+    page = mmap.PAGESIZE
+    pages = -(-t.numel() // page) + 1
+    m = mmap.mmap(-1, pages * page, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mprotect(ctypes.c_void_p(base + (pages - 1) * page), ctypes.c_size_t(page), 0) == 0   # PROT_NONE
+    buf = (ctypes.c_uint8 * t.numel()).from_address(base + (pages - 1) * page - t.numel())
+    assert (base + (pages - 1) * page - t.numel()) % 64 == 0   # as aligned as a torch allocation
+    out = torch.frombuffer(buf, dtype=torch.uint8).view(t.shape)
+    out.copy_(t)
+    _MAPPINGS.append((m, buf))
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_weights_ending_at_a_page_end(fmt):
+    # the AVX-512 FP4 tiles read a chunk's indices by loads 1 to 3 bytes further (all but the
+    # tensor's last chunk): with data ending where an unreadable page starts, the last expert's last
+    # row (in a group of 4 rows at one activation row, and a single row) must not read past it
+    isas = _isas()
+    if not isas:
+        pytest.skip(packed.status())
+    g = torch.Generator().manual_seed(9)
+    w = Q.quantize(torch.randn(2, 9, 256, generator=g), fmt)
+    data = _before_an_unreadable_page(w.data.view(torch.uint8)).view(w.data.dtype)
+    w2 = Q.QuantizedTensor(data, w.scales, w.global_scale, fmt, w.shape, w.block)
+    for counts in ([1, 1], [0, 3]):
+        _within_the_bound_on_every_isa(w2, _offsets(counts), 256, g, isas, f"{fmt} counts={counts}")

@@ -79,6 +79,7 @@ struct Params {
   const float* a;       // [R, K] activations, plan order (possibly a permuted copy, see prep_*)
   int64_t K, N;         // reduction length, weight rows per expert
   const uint8_t* data;  // packed weights
+  const uint8_t* data_end;  // one past data's last byte
   int64_t d_e, d_r;     // strides (bytes) of data: per expert, per row
   const uint8_t* sb;    // byte scales (table) or nullptr
   const float* sf;      // float scales or nullptr
@@ -413,41 +414,59 @@ FMOE_AVX512 FMOE_INLINE void fp4_tile_avx512(const Params& p, int64_t e, int64_t
   __m512 acc[NR][NT];
   for (int i = 0; i < NR; ++i)
     for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < nc; ++c) {
-    __m512i v[NR];
-    for (int i = 0; i < NR; ++i) {
-      v[i] = _mm512_loadu_si512(r[i] + 64 * c);
-      FMOE_PREFETCH(r[i] + 64 * c + p.pf);
-      // the scale rows too (kSpc bytes per chunk: one line per 64 / kSpc chunks)
-      if ((kSpc * c) % 64 == 0) FMOE_PREFETCH(sr[i] + kSpc * c + p.pf_s);
-    }
-    const float* xc = x0 + 128 * c;
-    __m512 part[NR][NT][P];
-#define FMOE_FP4_Q(q)                                                                             \
+  // The index of k = 8j + q in lane j: the dword's nibble q (vpermps reads the low 4). Shifting
+  // the chunk by 4q costs 7 shifts per chunk and row, which share the two vector ports with the
+  // permutes and the FMAs (this loop is bound by them, not by memory). Where 3 more bytes follow
+  // the chunk in data (all but the tensor's last chunk), the load o bytes further holds nibble
+  // 2o in each dword's low 4 bits and nibble 2o + 1 in the next 4: loads (other ports) and 4
+  // shifts instead. The same indices, so the same weights and sums.
+#define FMOE_IDX_LOADS(i, q) \
+  ((q) % 2 ? _mm512_srli_epi32(_mm512_loadu_si512(r[i] + 64 * c + (q) / 2), 4) : _mm512_loadu_si512(r[i] + 64 * c + (q) / 2))
+#define FMOE_IDX_SHIFTS(i, q) ((q) ? _mm512_srli_epi32(v[i], 4 * (q)) : v[i])
+#define FMOE_FP4_Q(IDX, q)                                                                        \
     {                                                                                             \
       __m512 w[NR];                                                                               \
-      for (int i = 0; i < NR; ++i) w[i] = _mm512_permutexvar_ps(q ? _mm512_srli_epi32(v[i], 4 * q) : v[i], lut); \
+      for (int i = 0; i < NR; ++i) w[i] = _mm512_permutexvar_ps(IDX(i, q), lut);                 \
       for (int t = 0; t < NT; ++t) {                                                              \
         const __m512 xv = _mm512_loadu_ps(xc + t * p.K + 16 * q);                                 \
         for (int i = 0; i < NR; ++i)                                                              \
           part[i][t][q % P] = q < P ? _mm512_mul_ps(w[i], xv) : _mm512_fmadd_ps(w[i], xv, part[i][t][q % P]); \
       }                                                                                           \
     }
-    FMOE_FP4_Q(0) FMOE_FP4_Q(1) FMOE_FP4_Q(2) FMOE_FP4_Q(3)
-    FMOE_FP4_Q(4) FMOE_FP4_Q(5) FMOE_FP4_Q(6) FMOE_FP4_Q(7)
-#undef FMOE_FP4_Q
-    for (int i = 0; i < NR; ++i) {
-      __m512 s;
-      if constexpr (E8) {
-        int32_t b4;
-        std::memcpy(&b4, sr[i] + kSpc * c, 4);
-        s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(b4), spread), 23));
-      } else {
-        s = fp4_scales16<BK>(p.table, sr[i] + kSpc * c);
-      }
-      for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_fmadd_ps(_mm512_add_ps(part[i][t][0], part[i][t][1]), s, acc[i][t]);
-    }
+#define FMOE_FP4_CHUNK(IDX)                                                                       \
+  {                                                                                               \
+    __m512i v[NR];                                                                                \
+    for (int i = 0; i < NR; ++i) {                                                                \
+      v[i] = _mm512_loadu_si512(r[i] + 64 * c);                                                   \
+      FMOE_PREFETCH(r[i] + 64 * c + p.pf);                                                        \
+      /* the scale rows too (kSpc bytes per chunk: one line per 64 / kSpc chunks) */              \
+      if ((kSpc * c) % 64 == 0) FMOE_PREFETCH(sr[i] + kSpc * c + p.pf_s);                         \
+    }                                                                                             \
+    (void)v;                                                                                      \
+    const float* xc = x0 + 128 * c;                                                               \
+    __m512 part[NR][NT][P];                                                                       \
+    FMOE_FP4_Q(IDX, 0) FMOE_FP4_Q(IDX, 1) FMOE_FP4_Q(IDX, 2) FMOE_FP4_Q(IDX, 3)                   \
+    FMOE_FP4_Q(IDX, 4) FMOE_FP4_Q(IDX, 5) FMOE_FP4_Q(IDX, 6) FMOE_FP4_Q(IDX, 7)                   \
+    for (int i = 0; i < NR; ++i) {                                                                \
+      __m512 s;                                                                                   \
+      if constexpr (E8) {                                                                         \
+        int32_t b4;                                                                               \
+        std::memcpy(&b4, sr[i] + kSpc * c, 4);                                                    \
+        s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(b4), spread), 23)); \
+      } else {                                                                                    \
+        s = fp4_scales16<BK>(p.table, sr[i] + kSpc * c);                                          \
+      }                                                                                           \
+      for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_fmadd_ps(_mm512_add_ps(part[i][t][0], part[i][t][1]), s, acc[i][t]); \
+    }                                                                                             \
   }
+  const int64_t nloads = r[NR - 1] + p.d_r + 3 <= p.data_end ? nc : nc - 1;
+  int64_t c = 0;
+  for (; c < nloads; ++c) FMOE_FP4_CHUNK(FMOE_IDX_LOADS)
+  for (; c < nc; ++c) FMOE_FP4_CHUNK(FMOE_IDX_SHIFTS)
+#undef FMOE_FP4_CHUNK
+#undef FMOE_FP4_Q
+#undef FMOE_IDX_SHIFTS
+#undef FMOE_IDX_LOADS
   for (int i = 0; i < NR; ++i)
     for (int t = 0; t < NT; ++t) res[t * NR + i] = _mm512_reduce_add_ps(acc[i][t]);
 }
@@ -982,6 +1001,7 @@ int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const 
   p.K = K;
   p.N = N;
   p.data = data.const_data_ptr<uint8_t>();
+  p.data_end = p.data + data.numel();
   p.d_r = data.size(2);
   p.d_e = N * p.d_r;
   p.sb = byte_scales ? scales.const_data_ptr<uint8_t>() : nullptr;
