@@ -267,7 +267,7 @@ FMOE_AVX2 FMOE_INLINE void fp4_tile_avx2(const Params& p, int64_t e, int64_t n, 
       const __m256 s1 = _mm256_set1_ps(0.5f * p.table[sr[i][(k + 16) >> sh]]);
       __m128i lo, hi;
       fp4x32_i8_avx2(r[i] + k / 2, lo, hi);
-      if ((k & 127) == 0) FMOE_PREFETCH(r[i] + k / 2 + p.pf);  // once per 64-byte line
+      FMOE_PREFETCH(r[i] + k / 2 + p.pf);
       const __m256 w0 = _mm256_mul_ps(i8x8_ps(lo), s0);                     // even k 0..14
       const __m256 w1 = _mm256_mul_ps(i8x8_ps(_mm_srli_si128(lo, 8)), s1);  // even k 16..30
       const __m256 w2 = _mm256_mul_ps(i8x8_ps(hi), s0);                     // odd k 1..15
@@ -496,7 +496,7 @@ FMOE_AVX512 bool e8m0_plain(const uint8_t* s, int64_t n) {
 // 32 E4M3 bytes -> two vectors of 16 floats * 2^-8: byte b placed in binary16 as (b << 8) >> 1
 // (arithmetic: the sign lands in bits 15 and 14) & 0xBF80, i.e. sign, then exponent and
 // mantissa with the bias 7 of E4M3 read as binary16's 15 (subnormals line up too). The NaN
-// codes 0x7F / 0xFF decode to finite values here; the caller checks for them (nan_bytes).
+// codes 0x7F / 0xFF decode to finite values here; the caller checks for them (clear_nan_bytes).
 FMOE_AVX512 inline void e4m3x32_avx512(__m256i b8, __m512& f0, __m512& f1) {
   const __m512i b = _mm512_cvtepu8_epi16(b8);
   const __m512i h = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(b, 8), 1),
@@ -505,8 +505,10 @@ FMOE_AVX512 inline void e4m3x32_avx512(__m256i b8, __m512& f0, __m512& f1) {
   f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }
 
-FMOE_AVX512 inline __mmask32 nan_bytes(__m256i b8) {
-  return _mm256_cmpeq_epi8_mask(_mm256_and_si256(b8, _mm256_set1_epi8(0x7F)), _mm256_set1_epi8(0x7F));
+// ok with the bits of b8's NaN bytes (0x7F, 0xFF) cleared: a running "no NaN yet" mask per row,
+// through the compare's write mask (no mask OR in the loop).
+FMOE_AVX512 inline __mmask32 clear_nan_bytes(__mmask32 ok, __m256i b8) {
+  return _mm256_mask_cmpneq_epi8_mask(ok, _mm256_and_si256(b8, _mm256_set1_epi8(0x7F)), _mm256_set1_epi8(0x7F));
 }
 
 // FP8 tile: NR consecutive weight rows n.. against NT activation rows (stride K, natural order),
@@ -526,9 +528,9 @@ FMOE_AVX512 FMOE_INLINE void fp8_tile_avx512(const Params& p, int64_t e, int64_t
   }
   __m512 acc[NR][NT];
   float tail[NR][NT];
-  __mmask32 nan[NR];
+  __mmask32 ok[NR];  // all ones while the row has no NaN byte
   for (int i = 0; i < NR; ++i) {
-    nan[i] = 0;
+    ok[i] = ~__mmask32(0);
     for (int t = 0; t < NT; ++t) {
       acc[i][t] = _mm512_setzero_ps();
       tail[i][t] = 0.0f;
@@ -554,7 +556,7 @@ FMOE_AVX512 FMOE_INLINE void fp8_tile_avx512(const Params& p, int64_t e, int64_t
       for (int i = 0; i < NR; ++i) {
         const __m256i b8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[i] + k));
         FMOE_PREFETCH(r[i] + k + p.pf);
-        nan[i] |= nan_bytes(b8);
+        ok[i] = clear_nan_bytes(ok[i], b8);
         e4m3x32_avx512(b8, w[i][0], w[i][1]);
         if constexpr (PRE) {
           w[i][0] = _mm512_mul_ps(w[i][0], spre[i]);
@@ -586,7 +588,8 @@ FMOE_AVX512 FMOE_INLINE void fp8_tile_avx512(const Params& p, int64_t e, int64_t
       for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_add_ps(part[i][t][0], part[i][t][1]);
   for (int i = 0; i < NR; ++i)
     for (int t = 0; t < NT; ++t)
-      res[t * NR + i] = nan[i] ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_add_ps(acc[i][t]) + tail[i][t];
+      res[t * NR + i] = ok[i] != ~__mmask32(0) ? std::numeric_limits<float>::quiet_NaN()
+                                               : _mm512_reduce_add_ps(acc[i][t]) + tail[i][t];
 }
 
 // ------------------------------------------------------------------ int8 activations (AVX-512 VNNI), FP4 only
