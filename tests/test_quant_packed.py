@@ -342,3 +342,28 @@ def test_weights_ending_at_a_page_end(fmt):
     w2 = Q.QuantizedTensor(data, w.scales, w.global_scale, fmt, w.shape, w.block)
     for counts in ([1, 1], [0, 3]):
         _within_the_bound_on_every_isa(w2, _offsets(counts), 256, g, isas, f"{fmt} counts={counts}")
+
+
+def test_nvfp4_scale_bytes_nan_negative_subnormal_on_every_path():
+    # nvfp4's E4M3 scale bytes at the edges of the code: the NaN codes 0x7F / 0xFF give NaN outputs,
+    # a negative scale (0xB8), a subnormal one (0x01) and 0 count as dequantize()'s values, on every path
+    isas = _isas()
+    if not isas:
+        pytest.skip(packed.status())
+    g = torch.Generator().manual_seed(10)
+    w = Q.quantize(torch.randn(2, 72, 256, generator=g), "nvfp4")
+    sc = w.scales.view(torch.uint8).clone()
+    sc[0, 3, 2], sc[1, 70, 5] = 0x7F, 0xFF     # NaN blocks
+    sc[0, 5, 0], sc[1, 8, 15], sc[1, 9, 1] = 0xB8, 0x01, 0x00
+    w2 = Q.QuantizedTensor(w.data, sc.view(w.scales.dtype), w.global_scale, "nvfp4", w.shape, w.block)
+    o = _offsets([1, 3])
+    a = torch.randn(4, 256, generator=g)
+    a[1:, 240:256] *= 2.0 ** 20   # makes the subnormal block count
+    ref = packed.grouped_matmul_reference(a, w2, o)
+    assert torch.isnan(ref[0, 3]) and torch.isnan(ref[1:, 70]).all() and int(torch.isnan(ref).sum()) == 4
+    bound = _bound(a, w2, o)
+    for isa in isas:
+        y = packed.grouped_matmul(a, w2, o, isa=isa, impl="native")
+        assert torch.equal(torch.isnan(y), torch.isnan(ref)), isa
+        fin = ~torch.isnan(ref)
+        assert not ((y - ref).abs() > bound)[fin].any(), isa
