@@ -12,8 +12,9 @@
 //   fp8: data uint8 [E, N, K] (E4M3 bytes), scales either float32 [E, ceil(N/bn), ceil(K/bk)]
 //        (fp8_block, fp8_row) or uint8 E8M0 [E, N, K/32] through the table (mxfp8).
 //
-// Work split: jobs = (busy expert, tile of weight rows), taken from a shared counter by the
-// intra-op threads, so the threads split the weight stream. Per job, experts with few rows
+// Work split: jobs = (busy expert, tile of weight rows); each intra-op thread runs its own
+// contiguous stretch of them and then takes what is left of the others' (per-stretch counters),
+// so the threads split the weight stream in long runs. Per job, experts with few rows
 // (C <= dense_from) run register tiles (run_tiles): a group of 1, 2 or 4 weight rows is decoded
 // once and multiplied with up to 4 (FP4 on AVX-512) or 8 activation rows held in registers;
 // more rows go in passes over slices of weight rows that stay in L1, so every weight byte comes
