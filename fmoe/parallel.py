@@ -411,7 +411,9 @@ def expert_stage(experts, expert_params, x: Tensor, routing, comm, parallel: Opt
                  layout_kind: str, num_experts: int, output_dim: int, prescore: bool = False, order: str = "fmoe",
                  save: str = "projections", generator=None) -> Tensor:
     """:func:`fmoe.moe`'s expert stage on several ranks: this rank's tokens into the layout's
-    buffers, :func:`expert_parallel`, and back to tokens.
+    buffers, :func:`expert_parallel`, and back to tokens. Eager ragged rows of whole experts
+    (r = 1, d = 1, an uncompressed wire, gates at the combine) skip the dispatch buffer: the
+    exchange reads each kept row from x (:class:`_SendRows`).
 
     Args:
         experts, expert_params, comm, parallel, num_experts, output_dim, generator: as

@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .buffers import recv_buffer
 from .layout import a2a_out_shape, norm_axis
 from .registry import handle_of, lookup
 
@@ -77,7 +78,10 @@ def _ga2av_op(x: Tensor, rows: Tensor, handle: int, send_counts: list[int], recv
     comm = lookup(handle)
     gather = getattr(comm, "gather_all_to_all_v", None)
     if gather is None:
-        return _fresh(comm.all_to_all_v(x.index_select(0, rows), send_counts, recv_counts), x)
+        # the gathered rows go into a pooled buffer (free again once the exchange has read it): a
+        # fresh one of tens of MB would page-fault on every step
+        rows_buf = recv_buffer(comm, (rows.shape[0], *x.shape[1:]), x.dtype, x.device)
+        return _fresh(comm.all_to_all_v(torch.index_select(x, 0, rows, out=rows_buf), send_counts, recv_counts), x)
     return _fresh(gather(x.contiguous(), rows, send_counts, recv_counts), x)
 
 
