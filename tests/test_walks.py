@@ -191,6 +191,43 @@ def test_kept_rows_refuses_bad_arguments_before_either_twin_runs(impl):
         _slots.kept_rows(ids, ids * 0, torch.tensor([1, 1]), 4, out, pairs.float(), impl=impl)
 
 
+@pytest.mark.skipif(not HAS_COMPILER, reason="the extension needs a C++ compiler")
+def test_the_extension_checks_its_arguments_itself():
+    # the backstop behind fmoe._slots' wrappers: a caller who skips them gets an error, never a read
+    # or write outside a buffer
+    ext = _slots.extension()
+    ids, none = torch.tensor([[0, 1, 2]]), torch.empty(0, dtype=torch.int64)
+    bad = [
+        (lambda: ext.assign_slots(ids.int(), none, 3), "ids must be int64, got Int"),
+        (lambda: ext.assign_slots(ids[0], none, 3), r"ids must be 2-D, got shape \[3\]"),
+        (lambda: ext.assign_slots(torch.zeros(3, 2, dtype=torch.int64).t(), none, 3), "ids must be contiguous"),
+        (lambda: ext.assign_slots(ids.to("meta"), none, 3), "ids must be a CPU tensor"),
+        (lambda: ext.assign_slots(ids, torch.tensor([0, 1]), 3), "order must have 0 or T=3 entries, got 2"),
+        (lambda: ext.assign_slots(ids, none, -1), "num_experts must be >= 0, got -1"),
+        (lambda: ext.kept_rows(ids, ids.t().contiguous(), torch.tensor([1, 1, 1]), 4, torch.empty(8, dtype=torch.int64),
+                               torch.empty(3, dtype=torch.int64)), r"slots must have ids' shape \[1, 3\], got \[3, 1\]"),
+        (lambda: ext.kept_rows(ids, ids, torch.tensor([1, 1, 1]), 4, torch.empty(8), torch.empty(3, dtype=torch.int64)),
+         "out must be int64, got Float"),
+    ]
+    for call, msg in bad:
+        with pytest.raises(RuntimeError, match=f"fmoe walks: {msg}"):
+            call()
+    slots, counts, status = ext.assign_slots(ids, torch.tensor([0, 0, 1]), 3)
+    assert status == 3 and slots.tolist() == [[-1, -1, -1]] and counts.tolist() == [0, 0, 0]
+
+
+def test_both_twins_leave_the_same_buffers_on_a_bad_order():
+    ids = torch.tensor([[0, 1, 2], [2, 2, -1]])
+    for order, code in ((torch.tensor([0, 0, 1]), 3), (torch.tensor([2, 3, 0]), 2)):
+        W = _slots.numba_walks()
+        slots, counts = torch.full((2, 3), 9), torch.full((3,), 9)
+        assert W.assign_slots_walk(ids.numpy(), order.numpy(), 3, slots.numpy(), counts.numpy()) == code
+        assert (slots == -1).all() and (counts == 0).all()
+        if HAS_COMPILER:
+            s2, c2, status = _slots.extension().assign_slots(ids, order, 3)
+            assert status == code and torch.equal(s2, slots) and torch.equal(c2, counts)
+
+
 # --------------------------------------------------------------------------- numba stays out of inference
 
 _NUMBA_WATCH = textwrap.dedent("""
