@@ -112,3 +112,29 @@ def test_expert_parallel_send_equals_dispatch_then_exchange_with_gradient(comm):
     tx = torch.randn(T, M, generator=g)
     _, t_out = torch.func.jvp(lambda t: _SendRows.apply(t, pos, tokens, comm, send, recv), (x,), (tx,))
     assert torch.equal(t_out, all_to_all_v(dispatch_raw(tx, pos, None, N), comm, send, recv))
+
+
+@pytest.mark.parametrize("cf", [0.0, 1.0])
+def test_rows_from_x_over_2dh_and_gloo_equal_flat_mpi_bit_for_bit(comm, cf):
+    """The expert-parallel step on communicators that gather first (2DH with local_size=2, a real
+    two-level exchange from 4 ranks; gloo) equals MPIComm's rows-from-x exchange bit for bit, the
+    output and the expert gradients; and it equals one process."""
+    from fmoe.comm import TorchDistComm
+    from fmoe.parallel import ParallelSpec
+    from _helpers import allclose, distributed, full_params, local_batch, local_params, make_spec, reference
+    init_gloo(comm)
+    W = comm.size
+    spec = make_spec(2 * W, 2, cf)
+    full = full_params(spec)
+    local = local_params(spec, full, comm)
+    x = local_batch(comm.rank, T=24)
+    cot = torch.randn(x.shape[0], spec.output_dim, generator=torch.Generator().manual_seed(7 + comm.rank),
+                      dtype=torch.float64)
+    y, g = distributed(spec, local, x, comm, ParallelSpec(), cot)
+    for c, par in ((comm, ParallelSpec(local_size=2)), (TorchDistComm(), ParallelSpec())):
+        y2, g2 = distributed(spec, local, x, c, par, cot)
+        assert torch.equal(y2, y), (c, par)
+        for k in g["experts"]:
+            assert torch.equal(g2["experts"][k], g["experts"][k]), (c, par, k)
+    yr, _ = reference(spec, full, x, W, ParallelSpec(), cot)
+    allclose(y, yr, f"rows from x vs one process cf={cf}")
