@@ -410,8 +410,8 @@ def _memory_table(mod: dict) -> list[str]:
              "| variant | after load | **at decode b1** | after prefill 512 | peak |", "|---|---|---|---|---|"]
     mib = 2 ** 20
     for n, r in ok.items():
-        cells = [f"{r[f'rss_{w}_bytes'] / mib:.0f} ({r[f'anon_{w}_bytes'] / mib:.0f} + {r[f'file_{w}_bytes'] / mib:.0f})"
-                 for w in ("load", "decode", "prefill")]
+        cells = [f"{r[f'rss_{w}_bytes'] / mib:.0f} ({r[f'anon_{w}_bytes'] / mib:.0f} + "
+                 f"{r[f'file_{w}_bytes'] / mib:.0f})" for w in ("load", "decode", "prefill")]
         lines.append(f"| {n} | {cells[0]} | **{cells[1]}** | {cells[2]} | {r['hwm_prefill_bytes'] / mib:.0f} |")
     if len(ok) == 2:
         f, t = ok["fmoe"], ok["transformers"]

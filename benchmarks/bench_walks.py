@@ -92,7 +92,8 @@ def run(repeats: int = 7, rounds: int = 3, log=print) -> dict:
 
 def tables(res: dict) -> list[str]:
     med = res["median"]
-    lines = [f"load average {res['loadavg'][0]:.1f} (2 cores); medians of {len(res['rounds']['native'])} processes each",
+    n = len(res["rounds"]["native"])
+    lines = [f"load average {res['loadavg'][0]:.1f} (2 cores); medians of {n} processes each",
              "", "| walks | import fmoe s | first assign_slots ms | first kept_rows ms | numba loaded | RSS MiB "
              "(anon + file) |", "|---|---|---|---|---|---|"]
     for impl, m in med.items():

@@ -127,7 +127,8 @@ def _kept(impl, ids, slots, counts, C, fill=-7):
 
 
 @pytest.mark.parametrize("T,E,k,cf", [(1, 32, 4, 0.0), (1, 32, 4, 1.0), (16, 64, 6, 0.0), (16, 64, 6, 2.0),
-                                      (300, 8, 2, 0.5), (300, 8, 2, 1.0), (300, 8, 2, 0.0), (5, 3, 3, 1.0), (5, 3, 2, 0.5)])
+                                      (300, 8, 2, 0.5), (300, 8, 2, 1.0), (300, 8, 2, 0.0), (5, 3, 3, 1.0),
+                                      (5, 3, 2, 0.5)])
 def test_kept_rows_twins_equal_the_torch_reference(T, E, k, cf):
     g = torch.Generator().manual_seed(T * 7 + E + k)
     r = fmoe.top_k_routing(torch.rand(T, E, generator=g).softmax(1), k, cf)
@@ -205,7 +206,8 @@ def test_the_extension_checks_its_arguments_itself():
         (lambda: ext.assign_slots(ids, torch.tensor([0, 1]), 3), "order must have 0 or T=3 entries, got 2"),
         (lambda: ext.assign_slots(ids, none, -1), "num_experts must be >= 0, got -1"),
         (lambda: ext.kept_rows(ids, ids.t().contiguous(), torch.tensor([1, 1, 1]), 4, torch.empty(8, dtype=torch.int64),
-                               torch.empty(3, dtype=torch.int64)), r"slots must have ids' shape \[1, 3\], got \[3, 1\]"),
+                               torch.empty(3, dtype=torch.int64)),
+         r"slots must have ids' shape \[1, 3\], got \[3, 1\]"),
         (lambda: ext.kept_rows(ids, ids, torch.tensor([1, 1, 1]), 4, torch.empty(8), torch.empty(3, dtype=torch.int64)),
          "out must be int64, got Float"),
     ]
