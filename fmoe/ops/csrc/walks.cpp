@@ -26,6 +26,23 @@ void check_int64(const at::Tensor& t, const char* name, int64_t dim) {
 // assign_slots' status codes (fmoe/_slots.py ASSIGN_ERRORS)
 constexpr int64_t kIdTooLarge = 1, kOrderOutOfRange = 2, kOrderRepeats = 3;
 
+// One slot j of the walk: tokens in `perm` order (token order where null). Whether an id was >= E.
+inline bool count_row(const int64_t* __restrict__ row, const int64_t* __restrict__ perm, int64_t T, int64_t E,
+                      int64_t* __restrict__ count, int64_t* __restrict__ out) {
+  bool bad = false;
+  for (int64_t i = 0; i < T; ++i) {
+    const int64_t t = perm ? perm[i] : i;
+    const int64_t e = row[t];
+    if (e >= 0 && e < E) {
+      out[t] = count[e]++;
+    } else {
+      bad |= e >= E;
+      out[t] = -1;
+    }
+  }
+  return bad;
+}
+
 // Slot-major slots (spec section 6): j outer, tokens in `order` inner (token order when order is
 // empty), one counter per expert. Negative ids get slot -1 and are not counted. Returns (slots
 // [k, T], counts [E], status): status 0, or kIdTooLarge where an id is >= E (those pairs get
@@ -61,20 +78,8 @@ std::tuple<at::Tensor, at::Tensor, int64_t> assign_slots(const at::Tensor& ids, 
   }
   bool bad = false;
   for (int64_t j = 0; j < k; ++j) {
-    const int64_t* row = id + j * T;
-    int64_t* out = slot + j * T;
-    for (int64_t i = 0; i < T; ++i) {
-      const int64_t t = use_order ? perm[i] : i;
-      const int64_t e = row[t];
-      if (e < 0) {
-        out[t] = -1;
-      } else if (e >= num_experts) {
-        bad = true;
-        out[t] = -1;
-      } else {
-        out[t] = count[e]++;
-      }
-    }
+    if (use_order) bad |= count_row(id + j * T, perm, T, num_experts, count, slot + j * T);
+    else bad |= count_row(id + j * T, nullptr, T, num_experts, count, slot + j * T);
   }
   return {slots, counts, bad ? kIdTooLarge : 0};
 }
