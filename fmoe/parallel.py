@@ -385,13 +385,13 @@ def _engine_rows(experts, params, x: Tensor, mask: Tensor, save: str, generator,
     needs_grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (x, *weights))
     plan = plan_from_bounds(rows, rows, bounds, flat.shape[0], needs_grad=needs_grad, dtype=flat.dtype,
                             precision=experts.precision)
-    ones = flat.new_ones(plan.num_rows)                           # the gates act at the source rank's combine
+    # w_rows None: every gate 1 (the gates act at the source rank's combine), no product by them
     if kw["door"] == "rows":
-        y = _kinds.run(kw["form"], flat, ones, plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"],
+        y = _kinds.run(kw["form"], flat, None, plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"],
                        save=save, generator=generator)
     else:
         mm = _kinds._rows_mm(select(plan, generator=generator), plan, generator)
-        y = _kinds.reference(kw["form"], flat, ones, plan, kw["w_in"], kw["b_in"], kw["w_out"], kw["b_out"], mm=mm)
+        y = _kinds.reference(kw["form"], flat, None, plan, kw["w_in"], kw["b_in"], kw["w_out"], kw["b_out"], mm=mm)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

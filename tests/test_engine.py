@@ -254,6 +254,37 @@ def test_run_matches_a_per_pair_loop_and_skips_unused_grads(form):
 
 
 
+@pytest.mark.parametrize("save", K.SAVES)
+@pytest.mark.parametrize("order", ["fmoe", "eager"])
+@pytest.mark.parametrize("form", FORMS)
+def test_no_gates_equal_gates_of_one_bit_for_bit(form, order, save):
+    """w_rows=None (expert parallel's received rows) skips the products by the gates: the same
+    output and gradients as gates of 1 (x * 1 is x), bit for bit, in every order and save."""
+    f, x, _, plan, w_in, b_in, w_out, b_out = _direct(form, seed=5)
+    leaves = [t for t in (x, w_out, b_in, b_out, *w_in) if t is not None]
+    got, want = [], []
+    for w_rows, out in ((None, got), (torch.ones(plan.num_rows, dtype=x.dtype), want)):
+        y = engine.run(f, x, w_rows, plan, w_in, w_out, b_in=b_in, b_out=b_out, order=order, save=save)
+        gy = torch.randn(y.shape, generator=_gen(6), dtype=y.dtype)
+        out += [y, *torch.autograd.grad(y, leaves, gy)]
+        with torch.no_grad():
+            out.append(engine.run(f, x, w_rows, plan, w_in, w_out, b_in=b_in, b_out=b_out, order=order))
+        out.append(K.reference(f, x, w_rows, plan, w_in, b_in, w_out, b_out, order))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_no_gates_are_refused_off_a_host_rows_plan():
+    f, x, w_rows, plan, w_in, b_in, w_out, b_out = _direct("fused")
+    r = fmoe.top_k_routing(torch.rand(x.shape[0], plan.num_experts, generator=_gen(7), dtype=DT), 2, 0.0)
+    dev = engine.plan.device_plan(r.expert_ids, r.slots, r.num_experts, r.capacity, needs_grad=False, dtype=DT)
+    with pytest.raises(ValueError, match="w_rows=None .* need a host plan"):
+        engine.run(f, x, None, dev, w_in, w_out)
+    lay = make_plan(r, needs_grad=False, dtype=DT, layout=ragged_layout(r))
+    with pytest.raises(ValueError, match="w_rows=None is for rows plans"):
+        engine.run(f, x, None, lay, w_in, w_out)
+
+
 def _per_hidden(f, parts):
     """Sum the per-element values of the in-projection output(s) that feed each hidden unit [N, H]."""
     if f.form == "ffn":

@@ -116,7 +116,7 @@ def rows_orders(plan: Union[ExpertPlan, LayoutPlan], w_in: tuple, w_out) -> tupl
     return LAYOUT_ORDERS if isinstance(plan, LayoutPlan) or packed_rows(plan, w_in, w_out) else ORDERS
 
 
-def _check(x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out: Tensor, order: str) -> None:
+def _check(x: Tensor, w_rows: Optional[Tensor], plan: ExpertPlan, w_in: tuple, w_out: Tensor, order: str) -> None:
     layout = isinstance(plan, LayoutPlan)
     orders = rows_orders(plan, w_in, w_out)
     if order not in orders:
@@ -126,8 +126,14 @@ def _check(x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out: Tens
     if x.dim() != 2 or x.shape[0] != plan.num_tokens:
         raise ValueError(f"x must be [T, M] with T={plan.num_tokens} (the plan's tokens), got {tuple(x.shape)}")
     if layout:   # the layout kernel casts weights to x's dtype (gates: _gated_routing)
+        if w_rows is None:
+            raise ValueError("a layout plan combines with the routing's [k, T] gates: w_rows=None is for rows plans")
         return
-    if w_rows.shape != (plan.num_rows,):
+    if w_rows is None:
+        if plan.bounds is None:   # a device plan's dead rows need their gate 0
+            raise ValueError("gate weights w_rows=None (every gate 1) need a host plan; a device plan's dead rows "
+                             "take gate 0: pass plan.row_weights(routing.weights)")
+    elif w_rows.shape != (plan.num_rows,):
         raise ValueError(f"the gate weights must be [N] = [{plan.num_rows}] (one per plan row), got "
                          f"{tuple(w_rows.shape)}")
     for w in (*w_in, w_out):
@@ -144,8 +150,16 @@ def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _accumulate(y_r: Tensor, w_rows: Tensor, plan: ExpertPlan, order: str, dt: torch.dtype) -> Tensor:
-    """y [T, O] in dt: ``y[t] += w_r * y_r`` over the rows in plan (ascending expert) order."""
+def _weighted(y_r: Tensor, w_rows: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> Tensor:
+    # w_r * y_r (None: every gate 1, whose product is y_r itself), in dtype where given
+    if dtype is not None:
+        y_r, w_rows = _cast(y_r, dtype), (None if w_rows is None else _cast(w_rows, dtype))
+    return y_r if w_rows is None else y_r * w_rows.unsqueeze(1)
+
+
+def _accumulate(y_r: Tensor, w_rows: Optional[Tensor], plan: ExpertPlan, order: str, dt: torch.dtype) -> Tensor:
+    """y [T, O] in dt: ``y[t] += w_r * y_r`` over the rows in plan (ascending expert) order
+    (``w_rows`` None: every gate 1)."""
     T, O = plan.num_tokens, y_r.shape[1]
     tokens = plan.tokens
     if order == "grouped":
@@ -157,15 +171,15 @@ def _accumulate(y_r: Tensor, w_rows: Tensor, plan: ExpertPlan, order: str, dt: t
         by_slot = torch.argsort(plan.pairs)
         y = y_r.new_zeros((T, O), dtype=acc)
         y.index_add_(0, tokens.index_select(0, by_slot),
-                     (y_r * w_rows.unsqueeze(1)).index_select(0, by_slot).to(acc))
+                     _weighted(y_r, w_rows).index_select(0, by_slot).to(acc))
         return y.to(dt)
     if order == "fmoe":
         acc = compute_dtype(dt)
         y = y_r.new_zeros((T, O), dtype=acc)
         # rows are sorted by expert, and an fp32/fp64 index_add_ adds duplicates in index order
-        y.index_add_(0, tokens, _cast(y_r, acc) * _cast(w_rows, acc).unsqueeze(1))
+        y.index_add_(0, tokens, _weighted(y_r, w_rows, acc))
         return _cast(y, dt)
-    contrib = (y_r * w_rows.unsqueeze(1)).to(dt)
+    contrib = _weighted(y_r, w_rows).to(dt)
     if dt in (torch.float32, torch.float64):
         return y_r.new_zeros((T, O)).index_add_(0, tokens, contrib)
     # transformers adds expert by expert in dt (a bf16/fp16 index_add_ would sum one call's
@@ -237,7 +251,7 @@ def reference(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_i
 
     Args:
         form: the expert kind.
-        x: float [T, M]. w_rows: [N] gate weight of each plan row.
+        x: float [T, M]. w_rows: [N] gate weight of each plan row (None: every gate 1).
         plan: the :class:`~fmoe.engine.ExpertPlan`.
         w_in: one or two in-projection weights, [E, M, H] ([E, H, M] with ``form.in_transposed``).
         b_in: [E, H] or None. w_out: [E, H, O] ([E, O, H] transposed). b_out: [E, O] or None.
@@ -271,13 +285,13 @@ def _takes_device_plan(plan: ExpertPlan, kern: Optional[Kernel], w_in: tuple, w_
     return not any(isinstance(w, Tensor) for w in (*w_in, w_out)) and select(plan, packed=True).static_rows
 
 
-def _on_host(plan: ExpertPlan, w_rows: Tensor) -> tuple[ExpertPlan, Tensor]:
+def _on_host(plan: ExpertPlan, w_rows: Optional[Tensor]) -> tuple[ExpertPlan, Optional[Tensor]]:
     """(plan, w_rows) with host bounds: a device plan's kept rows (its first rows, one host
     sync) and their gate weights, for the consumers that loop over experts in Python."""
     if plan.bounds is not None:
         return plan, w_rows
     plan = plan.on_host()
-    return plan, w_rows.narrow(0, 0, plan.num_rows)
+    return plan, None if w_rows is None else w_rows.narrow(0, 0, plan.num_rows)
 
 
 def _per_expert_mm(plan: ExpertPlan) -> Callable:
@@ -352,7 +366,8 @@ def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need
               w_in, z, graph=None) -> tuple:
     dt, tokens = x.dtype, plan.tokens
     gy = gy.to(dt).contiguous()
-    w_col = w_rows.unsqueeze(1)
+    # w_rows None: every gate 1 (expert parallel's received rows), so no product by the gates
+    w_col = None if w_rows is None else w_rows.unsqueeze(1)
     expert = plan.experts if b_in is not None or b_out is not None else None
     if graph is None:   # a pure activation: recomputed from z
         zz = tuple(t.detach().requires_grad_() for t in z)
@@ -376,12 +391,13 @@ def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need
         g_rows = g_rows.to(w_rows.dtype)
     g_out = g_bout = None
     if need[3]:   # the gate weight folded into h: sum over e's rows of (w h)^T dy[t]
-        wh = (hd * w_col).to(dt)
+        wh = (hd if w_col is None else hd * w_col).to(dt)
         g_out = kern.wgrad(gy, wh, plan, rows=tokens) if form.out_transposed else kern.wgrad(wh, gy, plan, rows_b=tokens)
         del wh
     if b_out is not None and need[4]:   # sum over e's rows of w dy[t]: the same kernel, a one-column operand
-        g_bout = kern.wgrad(w_col.to(dt), gy, plan, rows_b=tokens).squeeze(1).to(b_out.dtype)
-    gh = gh_u.mul_(w_col)
+        col = gy.new_ones((plan.num_rows, 1)) if w_col is None else w_col.to(dt)
+        g_bout = kern.wgrad(col, gy, plan, rows_b=tokens).squeeze(1).to(b_out.dtype)
+    gh = gh_u if w_col is None else gh_u.mul_(w_col)
     need_z = need[0] or need[2] or any(need[5:])
     # a kept graph stays usable for a second backward through a retained outer graph
     gz = torch.autograd.grad(h, zz, gh, retain_graph=graph is not None) if need_z else (None,) * len(zz)
@@ -483,7 +499,9 @@ def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Union[ExpertPlan, Lay
     Args:
         form: the expert kind.
         x: float [T, M] tokens. w_rows: ``plan.row_weights(routing.weights)``: [N] gate weight of
-            each row of a rows plan, the routing's [k, T] for a layout plan (differentiable).
+            each row of a rows plan, the routing's [k, T] for a layout plan (differentiable); None
+            on a host rows plan: every gate 1 (expert parallel's received rows, whose gates act at
+            the source rank's combine), with no product by the gates forward or backward.
         plan: :func:`~fmoe.engine.make_plan` of the routing.
         w_in: in-projection weights in x's dtype, one ([E, M, H] or [E, M, 2H] fused) or two
             (gate, up), transposed ([E, H, M]) with ``form.in_transposed``.

@@ -265,6 +265,9 @@ class _ExpertRows(torch.autograd.Function):
         x, gates, ids, slots, counts, capacity, w_out, b_in, b_out, statics, train, keep, *w_in = inputs
         _save(ctx, [], x, gates, ids, slots, counts, capacity, w_in, w_out, b_in, b_out, statics, output[1:])
         ctx.mark_non_differentiable(*output[1:])
+        # z (non-differentiable) takes no gradient: autograd would otherwise fill a zero [k*T, H] for
+        # each; backward runs only when y has one, so gy is never None
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, gy, *_):
