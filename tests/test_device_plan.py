@@ -102,8 +102,8 @@ def test_make_plan_picks_the_device_plan_off_the_cpu_for_the_grouped_dtypes():
     for dtype, precision, want in [(torch.float32, None, True), (torch.bfloat16, None, True),
                                    (torch.float16, None, True), (torch.float64, None, False),
                                    (torch.float32, "some-recipe", False)]:
-        assert P._takes_device_plan(cuda, dtype, precision) is want
-    assert not P._takes_device_plan(torch.device("cpu"), torch.float32, None)
+        assert P.device_rows_by_default(cuda, dtype, precision) is want
+    assert not P.device_rows_by_default(torch.device("cpu"), torch.float32, None)
 
 
 # --------------------------------------------------------------------------- the engine on it
@@ -113,7 +113,7 @@ def _grouped_route(monkeypatch, device_plan: bool):
     ``device_plan``) make_plan's device plan, as off the CPU."""
     monkeypatch.setattr(K, "select", lambda plan, *a, **kw: table.kernel_for("cuda", plan.phase, plan.dtype))
     if device_plan:
-        monkeypatch.setattr(P, "_takes_device_plan", lambda device, dtype, precision: precision is None)
+        monkeypatch.setattr(P, "device_rows_by_default", lambda device, dtype, precision: precision is None)
 
 
 def _spec(kind, cf, combine, E=6, M=32, H=16, k=2):
@@ -260,7 +260,7 @@ def test_the_traced_op_plans_on_the_device_off_the_cpu_and_weighs_dead_rows_zero
         return [y.detach(), *torch.autograd.grad(y.square().sum(), leaves)]
 
     host = step()
-    monkeypatch.setattr(traced, "_takes_device_plan", lambda device, dtype, precision: True)
+    monkeypatch.setattr(traced, "device_rows_by_default", lambda device, dtype, precision: True)
     dev = step()
     assert [p.bounds is None for p in plans] == [False, False, True, True]
     dead = ~((r.expert_ids >= 0) & (r.slots < r.capacity))
@@ -397,7 +397,7 @@ def test_packed_weights_run_the_device_plan_as_it_is(fmt, cf, monkeypatch):
     with torch.no_grad():
         host, aux = fmoe.moe(p, x, spec)
         monkeypatch.setattr(table, "_PACKED", {"cpu": table._PACKED["cuda"], "cuda": table._PACKED["cuda"]})
-        monkeypatch.setattr(P, "_takes_device_plan", lambda device, dtype, precision: precision is None)
+        monkeypatch.setattr(P, "device_rows_by_default", lambda device, dtype, precision: precision is None)
 
         def no_host(self):
             raise AssertionError("the packed CUDA entry asked for the host plan")

@@ -258,8 +258,10 @@ def _rows_torch(ids: Tensor, slots: Tensor, counts: Tensor, C: int) -> tuple[Ten
     return p.tokens, p.pairs, p.bounds, p.dropped
 
 
-def _takes_device_plan(device: torch.device, dtype: torch.dtype, precision) -> bool:
-    # the table's 'cuda-grouped-mm' entry runs the call (fmoe.engine.table._entry)
+def device_rows_by_default(device: torch.device, dtype: torch.dtype, precision) -> bool:
+    """Whether :func:`make_plan` (and the traced op) build a device rows plan for a call on
+    ``device`` in ``dtype`` with ``precision``: where the table's 'cuda-grouped-mm' entry runs it
+    (:func:`fmoe.engine.table._entry`)."""
     return device.type != "cpu" and precision is None and dtype in GROUPED_DTYPES and hasattr(torch, "_grouped_mm")
 
 
@@ -338,7 +340,7 @@ def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precisi
     if layout is not None:
         return LayoutPlan(routing, layout, dtype, precision)
     ids = routing.expert_ids
-    if device_rows or (device_rows is None and _takes_device_plan(ids.device, dtype, precision)):
+    if device_rows or (device_rows is None and device_rows_by_default(ids.device, dtype, precision)):
         return device_plan(ids, routing.slots, routing.num_experts, routing.capacity, needs_grad=needs_grad,
                            dtype=dtype, precision=precision)
     if ids.device.type != "cpu":

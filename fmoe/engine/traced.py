@@ -41,7 +41,7 @@ from ..ops.primitives import PLAIN_TENSORS
 from ..routing import Routing
 from . import kinds
 from .kinds import ExpertForm
-from .plan import _takes_device_plan, device_plan, kept_rows, plan_from_bounds
+from .plan import device_plan, device_rows_by_default, kept_rows, plan_from_bounds
 from .table import Kernel, select
 
 __all__ = ["ACTIVATIONS", "DOORS", "door", "run"]
@@ -102,7 +102,7 @@ def _plan(expert_ids: Tensor, slots: Tensor, counts: Tensor, capacity: int, T: i
     """The op's rows plan: off the CPU, where the table's grouped kernel runs the call, a device
     plan (no host sync inside the op); else host bounds (the CPU's numba walk). ``host``: host
     bounds everywhere (per-element weight gradients split rows at host bounds)."""
-    if not host and _takes_device_plan(expert_ids.device, dtype, None):
+    if not host and device_rows_by_default(expert_ids.device, dtype, None):
         return device_plan(expert_ids, slots, counts.shape[0], capacity, needs_grad=train, dtype=dtype)
     tokens, pairs, bounds, dropped = kept_rows(expert_ids, slots, counts, capacity)
     return plan_from_bounds(tokens, pairs, bounds, T, needs_grad=train, dtype=dtype, dropped=dropped)
