@@ -20,7 +20,6 @@ and load helpers of :mod:`fmoe.ops.native` are imported, when the extension is f
 from __future__ import annotations
 
 import os
-import sys
 from typing import Optional
 
 import numpy as np
@@ -101,19 +100,10 @@ def build(verbose: bool = True) -> str:
 
 
 def build_command() -> int:
-    """``python -m fmoe build``'s step for the walks: 0 when built (or no compiler: numba runs
-    them), 1 when a present compiler fails."""
+    """``python -m fmoe build``'s step for the walks (:func:`fmoe.ops.native.build_step`); without a
+    compiler numba runs them."""
     from .ops import native
-    if not native._compiler():
-        print("[fmoe.walks] no C++ compiler: not building; the routing walks run in numba")
-        return 0
-    try:
-        build(verbose=False)
-    except Exception as e:
-        print(f"[fmoe.walks] build failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    print(status())
-    return 0
+    return native.build_step("fmoe.walks", "the routing walks run in numba", lambda: build(verbose=False), status)
 
 
 def _native(impl: str, fn: str):

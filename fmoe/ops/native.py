@@ -70,7 +70,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -621,17 +621,22 @@ AVAILABLE = False
 _try_load()
 
 
-def build_command() -> int:
-    """``python -m fmoe build``: build the extension; 0 without a compiler (fmoe then runs the
-    torch fallback), 1 when a present compiler fails."""
+def build_step(tag: str, without: str, make: Callable[[], object], report: Callable[[], str]) -> int:
+    """One extension's step of ``python -m fmoe build``: ``make()`` where a C++ compiler is on
+    PATH, then ``report()`` printed. 0 when built, or with no compiler (``without`` says what runs
+    instead); 1 when a present compiler fails (the error on stderr)."""
     if not _compiler():
-        print("[fmoe.native] no C++ compiler (c++/g++) on PATH: not building; "
-              "fmoe uses the pure-torch grouped GEMM")
+        print(f"[{tag}] no C++ compiler (c++/g++) on PATH: not building; {without}")
         return 0
     try:
-        build(verbose=True)
+        make()
     except Exception as e:
-        print(f"[fmoe.native] build failed: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"[{tag}] build failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    print(status())
+    print(report())
     return 0
+
+
+def build_command() -> int:
+    """``python -m fmoe build``'s grouped-GEMM step (:func:`build_step`)."""
+    return build_step("fmoe.native", "fmoe uses the pure-torch grouped GEMM", lambda: build(verbose=True), status)

@@ -27,7 +27,6 @@ path against that bound). Weight bytes that encode NaN decode to NaN, as in dequ
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 from torch import Tensor
@@ -97,18 +96,11 @@ def build(verbose: bool = True) -> str:
 
 
 def build_command() -> int:
-    """``python -m fmoe build``'s second step: 0 when built (or no compiler), 1 when a compile fails."""
+    """``python -m fmoe build``'s packed-GEMM step (:func:`fmoe.ops.native.build_step`); without a
+    compiler packed weights run the numba kernels."""
     from ..ops import native
-    if not native._compiler():
-        print("[fmoe.quant.packed] no C++ compiler: not building; packed weights run the numba kernels")
-        return 0
-    try:
-        build(verbose=False)
-    except Exception as e:
-        print(f"[fmoe.quant.packed] build failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    print(status())
-    return 0
+    return native.build_step("fmoe.quant.packed", "packed weights run the numba kernels", lambda: build(verbose=False),
+                             status)
 
 
 def best_isa() -> str:
