@@ -6,8 +6,8 @@ each timed as its own call on the routing / plan / rows the layer makes:
 
 * ``layer``: the whole ``fmoe.moe`` call;
 * ``layer_host`` (packed formats): the same call with the packed extension's kernel replaced by a
-  no-op, so everything but the C++ GEMM (Python, small torch ops, allocations, the kernel's own
-  argument checks excluded) is timed in place;
+  fill of its output with zeros, so everything but the C++ GEMM (Python, small torch ops,
+  allocations; the kernel's own argument checks excluded) is timed in place;
 * ``checks``: ``moe._check_input`` + ``moe.check_params``;
 * ``route``: ``moe._route`` (router GEMM, scores, top-k, finiteness check, slots, capacity, the
   Routing and the GShard loss);
@@ -56,6 +56,10 @@ class _NoKernel:
 
     @staticmethod
     def packed_grouped_mm(*args):
+        # the output (argument 10) zeroed, not left as torch.empty's garbage: the activation after
+        # it would otherwise run on whatever bytes the allocator returned (denormals and NaNs slow
+        # silu by two orders of magnitude, and which bytes come back varies between trees)
+        args[10].zero_()
         return 0
 
 
