@@ -220,7 +220,7 @@ def _bias_rows(b: Optional[Tensor], expert: Optional[Tensor]) -> Optional[Tensor
     return None if b is None else b.index_select(0, expert)
 
 
-def forward(kern: Kernel, form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple,
+def forward(kern: Kernel, form: ExpertForm, x: Tensor, w_rows: Optional[Tensor], plan: ExpertPlan, w_in: tuple,
             b_in: Optional[Tensor], w_out: Tensor, b_out: Optional[Tensor], order: str, keep_graph: bool = False
             ) -> tuple[Tensor, tuple, Optional[tuple]]:
     """(y [T, O] in x's dtype, z, graph) through the kernel ``kern``; with ``keep_graph`` the
@@ -245,8 +245,9 @@ def forward(kern: Kernel, form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Exp
     return _accumulate(y_r, w_rows, plan, order, dt), z, graph
 
 
-def reference(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, b_in: Optional[Tensor],
-              w_out: Tensor, b_out: Optional[Tensor], order: str = "fmoe", *, mm: Optional[Callable] = None) -> Tensor:
+def reference(form: ExpertForm, x: Tensor, w_rows: Optional[Tensor], plan: ExpertPlan, w_in: tuple,
+              b_in: Optional[Tensor], w_out: Tensor, b_out: Optional[Tensor], order: str = "fmoe", *,
+              mm: Optional[Callable] = None) -> Tensor:
     """The oracle: per-expert ``torch.mm`` and plain autograd (differentiable to any order).
 
     Args:
@@ -490,8 +491,8 @@ def _matrix_bytes(w) -> int:
     return sum(t.numel() * t.element_size() for t in (w.data, w.scales) if isinstance(t, Tensor)) // max(1, w.logical_shape[0])
 
 
-def run(form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Union[ExpertPlan, LayoutPlan], w_in: tuple, w_out: Tensor, *,
-        b_in: Optional[Tensor] = None, b_out: Optional[Tensor] = None, order: str = "fmoe",
+def run(form: ExpertForm, x: Tensor, w_rows: Optional[Tensor], plan: Union[ExpertPlan, LayoutPlan], w_in: tuple,
+        w_out: Tensor, *, b_in: Optional[Tensor] = None, b_out: Optional[Tensor] = None, order: str = "fmoe",
         save: str = "projections", prescore: bool = False, kernel: Optional[Kernel] = None,
         generator: Optional[torch.Generator] = None) -> Tensor:
     """The experts of ``form`` on the plan, summed back to tokens.
