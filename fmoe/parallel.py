@@ -53,7 +53,7 @@ from .experts import EXPERT_PARAMS, expert_form, shard_axes, sharding
 from .layout import Layout, make_layout
 from .routers import check_router_params
 from .routing import _trusted_routing, check_finite
-from .ops import combine_raw, dispatch
+from .ops import check_dispatch_input, combine_raw, dispatch
 from .ops.orders import combine_in_order
 
 __all__ = ["ParallelSpec", "sharding", "shard_experts", "capacity_alignment", "expert_stage", "expert_parallel",
@@ -441,7 +441,7 @@ def expert_stage(experts, expert_params, x: Tensor, routing, comm, parallel: Opt
     if (layout_kind == "ragged" and _traced.data_shapes() and comm.size > 1 and s == 1 and par.degree(s) == 1
             and par.overlap_degree == 1 and not par.compressed and not prescore and experts.type != "custom"):
         # the exchange reads the rows from x itself (_SendRows): no dispatch buffer
-        _check_dispatch_input(x, routing)
+        check_dispatch_input(x, routing)
         out = _stage(experts, expert_params, None, (x, _layout_tokens(layout, x.shape[0])), comm, parallel, layout,
                      num_experts, output_dim, save, generator)
     else:
@@ -449,15 +449,6 @@ def expert_stage(experts, expert_params, x: Tensor, routing, comm, parallel: Opt
         out = expert_parallel(experts, expert_params, buffers, comm, parallel, layout=layout,
                               num_experts=num_experts, output_dim=output_dim, save=save, generator=generator)
     return combine_in_order(out, routing, layout, order, weighted=not prescore)
-
-
-def _check_dispatch_input(x, routing) -> None:
-    """:func:`fmoe.ops.dispatch`'s checks of x, for the path that sends x's rows without it."""
-    if not isinstance(x, Tensor) or not x.is_floating_point():
-        raise TypeError(f"dispatch: input must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-    if x.dim() != 2 or x.shape[0] != routing.num_tokens:
-        raise ValueError(f"dispatch: x must be [T, M] with T={routing.num_tokens} (routing's tokens), "
-                         f"got shape {tuple(x.shape)}")
 
 
 def expert_parallel(experts, expert_params, buffers: Tensor, comm, parallel: Optional[ParallelSpec] = None,

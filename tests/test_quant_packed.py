@@ -252,6 +252,17 @@ def test_register_tiles_every_row_count(fmt, K, dense_from, monkeypatch):
     _within_the_bound_on_every_isa(w, _offsets(counts), K, g, isas, f"{fmt} K={K} dense_from={dense_from}")
 
 
+def _nans_and_bound_on_every_isa(a, w, o, ref, isas):
+    # NaN exactly where the reference has it (a NaN scale poisons its block's every sum, on any
+    # path), every other entry within the K-term bound
+    bound = _bound(a, w, o)
+    fin = ~torch.isnan(ref)
+    for isa in isas:
+        y = packed.grouped_matmul(a, w, o, isa=isa, impl="native")
+        assert torch.equal(torch.isnan(y), torch.isnan(ref)), isa
+        assert not ((y - ref).abs() > bound)[fin].any(), isa
+
+
 def test_mxfp4_scale_bytes_0_and_255_on_every_path():
     # E8M0 byte 0 is 2^-127 (not the bit pattern 0) and 255 is NaN: a 64-row tile holding either
     # leaves the AVX-512 kernel's E8M0 bit path for the table; the other tiles keep it
@@ -269,12 +280,7 @@ def test_mxfp4_scale_bytes_0_and_255_on_every_path():
     a[0, 96:128] *= 2.0 ** 120   # makes the 2^-127 block count
     ref = packed.grouped_matmul_reference(a, w2, o)
     assert torch.isnan(ref[1:, 130]).all() and ref[:, :130].isfinite().all()
-    bound = _bound(a, w2, o)
-    for isa in isas:
-        y = packed.grouped_matmul(a, w2, o, isa=isa, impl="native")
-        assert torch.equal(torch.isnan(y), torch.isnan(ref)), isa
-        fin = ~torch.isnan(ref)
-        assert not ((y - ref).abs() > bound)[fin].any(), isa
+    _nans_and_bound_on_every_isa(a, w2, o, ref, isas)
 
 
 @pytest.mark.parametrize("fmt,K", [("mxfp4", 256), ("nvfp4", 256), ("fp8_block", 256), ("fp8_block", 200),
@@ -361,9 +367,4 @@ def test_nvfp4_scale_bytes_nan_negative_subnormal_on_every_path():
     a[1:, 240:256] *= 2.0 ** 20   # makes the subnormal block count
     ref = packed.grouped_matmul_reference(a, w2, o)
     assert torch.isnan(ref[0, 3]) and torch.isnan(ref[1:, 70]).all() and int(torch.isnan(ref).sum()) == 4
-    bound = _bound(a, w2, o)
-    for isa in isas:
-        y = packed.grouped_matmul(a, w2, o, isa=isa, impl="native")
-        assert torch.equal(torch.isnan(y), torch.isnan(ref)), isa
-        fin = ~torch.isnan(ref)
-        assert not ((y - ref).abs() > bound)[fin].any(), isa
+    _nans_and_bound_on_every_isa(a, w2, o, ref, isas)

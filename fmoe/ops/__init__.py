@@ -35,6 +35,15 @@ def _check_tokens(name: str, x: Tensor, routing: Routing) -> None:
                         f"{getattr(x, 'dtype', type(x).__name__)}")
 
 
+def check_dispatch_input(x: Tensor, routing: Routing) -> None:
+    """:func:`dispatch`'s checks of its tokens x [T, M] against the routing (also run by the
+    expert-parallel exchange that reads x's rows without dispatching them)."""
+    _check_tokens("dispatch", x, routing)
+    if x.dim() != 2 or x.shape[0] != routing.num_tokens:
+        raise ValueError(f"dispatch: x must be [T, M] with T={routing.num_tokens} (routing's tokens), "
+                         f"got shape {tuple(x.shape)}")
+
+
 def _layout(routing: Routing, layout: Optional[Layout]) -> Layout:
     if layout is None:
         return padded_layout(routing)
@@ -59,10 +68,7 @@ def dispatch(x: Tensor, routing: Routing, *, weighted: bool = False, layout: Opt
         padded: [E, C, M], row ``(e, c)`` the token at slot c of expert e; ragged: [R, M],
         experts' rows back to back. x's dtype; zero where no pair lands. Dropped pairs are absent.
     """
-    _check_tokens("dispatch", x, routing)
-    if x.dim() != 2 or x.shape[0] != routing.num_tokens:
-        raise ValueError(f"dispatch: x must be [T, M] with T={routing.num_tokens} (routing's tokens), "
-                         f"got shape {tuple(x.shape)}")
+    check_dispatch_input(x, routing)
     lay = _layout(routing, layout)
     w = routing.weights if weighted else None
     out = dispatch_raw(x, lay.positions, w, lay.num_rows)
