@@ -21,12 +21,19 @@ each timed as its own call on the routing / plan / rows the layer makes:
 of 512 MiB (bench_inference's eviction), as bench_inference times the layer. Medians and 20th
 percentiles (the host is shared; the low percentile is the less disturbed figure).
 
+``layer_host`` for float32 experts stubs the float grouped-GEMM extension the same way (gather_mm
+zeroes its output, mm_scatter adds nothing). ``--grad`` times with grad enabled and the float
+parameters requiring gradients (a training step's forward) instead of under no_grad. Each run
+also counts the dispatched aten ops of one warm ``layer_host`` and ``route`` call (torch.profiler:
+the aten events no other aten op encloses; ``layer_host``, since the extensions' GEMMs dispatch
+aten ops of their own).
+
 ``--compare DIR`` times another checkout (e.g. ``git archive <commit> | tar -x -C DIR``) against
 this one: the two run in alternating child processes (A B A B ...), each for ``--rounds`` rounds,
 and the table gives both and their ratio. The children import fmoe from their own tree.
 
 Run: ``python -m benchmarks.bench_decode_overhead [--repeats 200] [--cold-repeats 25] [--tokens 1 4]
-[--formats mxfp4 float32] [--compare DIR --rounds 3] [--json PATH]``.
+[--formats mxfp4 float32] [--grad] [--compare DIR --rounds 3] [--json PATH]``.
 """
 from __future__ import annotations
 
@@ -63,12 +70,37 @@ class _NoKernel:
         return 0
 
 
+class _NoFloatKernel(_NoKernel):
+    """The float grouped-GEMM extension with its GEMMs no-ops (float ``layer_host``): gather_mm
+    zeroes its output (argument 5), mm_scatter leaves its zeroed output as it is."""
+
+    @staticmethod
+    def gather_mm(*args):
+        args[5].zero_()
+
+    @staticmethod
+    def mm_scatter(*args):
+        return None
+
+
+def _stubbed(module, stub, fn):
+    """``fn()`` with ``module._EXT`` replaced by ``stub(module._EXT)``."""
+    ext = module._EXT
+    module._EXT = stub(ext)
+    try:
+        return fn()
+    finally:
+        module._EXT = ext
+
+
 def _quantiles(v: list) -> dict:
     s = sorted(v)
     return {"median": statistics.median(s), "p20": s[len(s) // 5]}
 
 
 def _time(steps: dict, repeats: int, cold: bool) -> dict:
+    if repeats < 1:
+        return {}
     buf = torch.ones(FLUSH_BYTES // 4) if cold else None
     times = {n: [] for n in steps}
     order = list(steps)
@@ -85,17 +117,24 @@ def _time(steps: dict, repeats: int, cold: bool) -> dict:
     return {n: _quantiles(v) for n, v in times.items()}
 
 
-def sections(fmt: str, T: int):
-    """{name: zero-argument callable} for one format and token count (imports fmoe from sys.path)."""
+def sections(fmt: str, T: int, grad: bool = False):
+    """{name: zero-argument callable} for one format and token count (imports fmoe from sys.path);
+    ``grad``: the float parameters require gradients (time the calls under enable_grad)."""
     from benchmarks.bench_inference import E, I, M, _rand_packed, _spec
     import fmoe  # noqa: F401
     moe = importlib.import_module("fmoe.moe")
     from fmoe.engine import plan as _plan
+    from fmoe.ops import native
     from fmoe.quant import packed
     spec = _spec()
     g = torch.Generator().manual_seed(0)
     gate = {"wg": torch.randn(E, M, generator=g) * 0.02}
     w = {"gate_up_proj": _rand_packed(fmt, 2 * I, M, g), "down_proj": _rand_packed(fmt, M, I, g)}
+    if grad:   # a training step's forward: every float parameter takes a gradient
+        gate["wg"].requires_grad_()
+        for v in w.values():
+            if isinstance(v, torch.Tensor):
+                v.requires_grad_()
     params = {"gate": gate, "experts": w}
     x = torch.randn(T, M, generator=g)
     kind = spec.layout_kind(1)
@@ -124,27 +163,42 @@ def sections(fmt: str, T: int):
         if check is not None:
             steps["gemms_check"] = lambda: (check(a, w["gate_up_proj"], pl.offsets), check(h, w["down_proj"], pl.offsets))
         if packed.AVAILABLE:
-            def host():
-                ext = packed._EXT
-                packed._EXT = _NoKernel(ext)
-                try:
-                    return fmoe.moe(params, x, spec)
-                finally:
-                    packed._EXT = ext
-            steps["layer_host"] = host
+            steps["layer_host"] = lambda: _stubbed(packed, _NoKernel, lambda: fmoe.moe(params, x, spec))
+    elif native.AVAILABLE:
+        steps["layer_host"] = lambda: _stubbed(native, _NoFloatKernel, lambda: fmoe.moe(params, x, spec))
     return steps
 
 
-def measure(formats, tokens, repeats: int, cold_repeats: int, only=None) -> dict:
+def count_ops(fn) -> int:
+    """Dispatched aten ops of one (warm) call of ``fn``: the torch.profiler's aten:: events that
+    no other aten op encloses (what the Python side asked the dispatcher for)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    n = 0
+    for e in prof.events():
+        if not e.name.startswith("aten::"):
+            continue
+        p = e.cpu_parent
+        while p is not None and not p.name.startswith("aten::"):
+            p = p.cpu_parent
+        n += p is None
+    return n
+
+
+def measure(formats, tokens, repeats: int, cold_repeats: int, only=None, grad: bool = False) -> dict:
     out = {"threads": torch.get_num_threads(), "loadavg_start": os.getloadavg()[0], "runs": {}}
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         for fmt in formats:
             for T in tokens:
-                steps = sections(fmt, T)
+                steps = sections(fmt, T, grad)
+                # (layer_host: the extension's GEMMs call aten ops of their own, which are no host work)
+                ops = {n: count_ops(steps[n]) for n in ("layer_host", "route") if n in steps}
                 if only:
                     steps = {n: f for n, f in steps.items() if n in only}
                 out["runs"][f"{fmt} T={T}"] = {"warm": _time(steps, repeats, False),
-                                                "cold": _time(steps, cold_repeats, True)}
+                                                "cold": _time(steps, cold_repeats, True), "ops": ops}
     out["loadavg_end"] = os.getloadavg()[0]
     return out
 
@@ -152,22 +206,23 @@ def measure(formats, tokens, repeats: int, cold_repeats: int, only=None) -> dict
 def _child(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    res = measure(args.formats, args.tokens, args.repeats, args.cold_repeats, args.sections)
+    res = measure(args.formats, args.tokens, args.repeats, args.cold_repeats, args.sections, args.grad)
     from fmoe._io import atomic_write_text
     atomic_write_text(args.child, json.dumps(res))
     return 0
 
 
 def _merge(runs: list) -> dict:
-    """Median over child runs of each section's median and p20."""
-    out = {}
+    """Median over child runs of each section's median and p20 (the op counts: the first run's)."""
+    out, ops = {}, {}
     for key in runs[0]["runs"]:
         out[key] = {}
+        ops[key] = runs[0]["runs"][key].get("ops", {})
         for mode in ("warm", "cold"):
             out[key][mode] = {n: {q: statistics.median(r["runs"][key][mode][n][q] for r in runs)
                                   for q in ("median", "p20")}
                               for n in runs[0]["runs"][key][mode] if all(n in r["runs"][key][mode] for r in runs)}
-    return out
+    return out, ops
 
 
 def _spawn(tree: str, args, path: str) -> dict:
@@ -176,6 +231,8 @@ def _spawn(tree: str, args, path: str) -> dict:
            str(args.cold_repeats), "--formats", *args.formats, "--tokens", *map(str, args.tokens)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.grad:
+        cmd += ["--grad"]
     if args.sections:
         cmd += ["--sections", *args.sections]
     env = dict(os.environ, PYTHONPATH=tree)
@@ -188,6 +245,8 @@ def table(res: dict, base: dict = None) -> list:
     lines = []
     for key, modes in res.items():
         for mode, secs in modes.items():
+            if not secs:
+                continue
             lines += ["", f"{key}, {mode} (us: median / p20" + (", this tree vs --compare" if base else "") + ")", "",
                       "| section | " + ("this tree | compare | ratio (p20) |" if base else "median | p20 |"),
                       "|---|---|---|" + ("---|" if base else "")]
@@ -211,6 +270,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--sections", nargs="+", default=None, help="time only these sections (e.g. the host-only ones: "
                    "layer_host route plan checks gemms_check; without the GEMM sections warm calls stay warm)")
+    p.add_argument("--grad", action="store_true", help="time with grad enabled and the float parameters "
+                   "requiring gradients (a training step's forward) instead of under no_grad")
     p.add_argument("--compare", default=None, help="another checkout to time against this one")
     p.add_argument("--rounds", type=int, default=3, help="child runs per tree with --compare")
     p.add_argument("--json", default=None)
@@ -225,10 +286,16 @@ def main(argv=None) -> int:
             mine.append(_spawn(here, args, os.path.join(d, f"a{r}.json")))
             if args.compare:
                 other.append(_spawn(os.path.abspath(args.compare), args, os.path.join(d, f"b{r}.json")))
-    res = {"this": _merge(mine), "compare": _merge(other) if other else None,
+    (this, ops), (base, base_ops) = _merge(mine), (_merge(other) if other else (None, None))
+    res = {"this": this, "compare": base, "ops": ops, "compare_ops": base_ops, "grad": args.grad,
            "threads": mine[0]["threads"], "loadavg": [r["loadavg_start"] for r in mine + other]}
-    print(f"{res['threads']} torch threads; load average at each child's start {res['loadavg']}")
+    print(f"{res['threads']} torch threads{', grad enabled' if args.grad else ', no_grad'}; load average at each "
+          f"child's start {res['loadavg']}")
     print("\n".join(table(res["this"], res["compare"])))
+    print("\ndispatched aten ops per call (" + ("this tree / compare" if base_ops else "this tree") + ")\n")
+    for key, n in ops.items():
+        print(f"{key}: " + ", ".join(f"{s} {c}" + (f" / {base_ops[key].get(s, '-')}" if base_ops else "")
+                                     for s, c in n.items()))
     if args.json:
         from fmoe._io import atomic_write_text
         atomic_write_text(args.json, json.dumps(res, indent=1))
