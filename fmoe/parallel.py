@@ -643,6 +643,13 @@ def check_moe_call(comm, spec, parallel: ParallelSpec, x, params, routing, local
     both raise on every rank. The agreement record travels with the call's first collective (no
     exchange of its own) on fmoe's communicators; their ``checks="off"`` skips it.
     """
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "fmoe.moe: expert parallelism (a comm of size > 1) does not run inside a torch.compile graph: its "
+            "agreement check and its exchanges' row counts run on the host. Leave the MoE layer out of the "
+            "graph (torch.compile without fullgraph=True breaks the graph there and runs it eagerly; or wrap "
+            "the layer in torch.compiler.disable), or differentiate the step with torch.func, which runs "
+            "expert parallelism")
     cache_of(comm).pop(_AGREED, None)  # a token left by a call that failed before its expert stage
 
     def local():
