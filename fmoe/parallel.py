@@ -645,11 +645,11 @@ def check_moe_call(comm, spec, parallel: ParallelSpec, x, params, routing, local
     """
     if torch.compiler.is_compiling():
         raise NotImplementedError(
-            "fmoe.moe: expert parallelism (a comm of size > 1) does not run inside a torch.compile graph: its "
-            "agreement check and its exchanges' row counts run on the host. Leave the MoE layer out of the "
-            "graph (torch.compile without fullgraph=True breaks the graph there and runs it eagerly; or wrap "
-            "the layer in torch.compiler.disable), or differentiate the step with torch.func, which runs "
-            "expert parallelism")
+            "fmoe.moe: expert parallelism (a comm of size > 1) does not run inside one torch.compile graph: its "
+            "agreement check and its exchanges' row counts run on the host. Compile without fullgraph=True "
+            "(the graph breaks at the check and at each exchange, and the expert stage between them still "
+            "compiles), wrap the layer in torch.compiler.disable, or differentiate the step with torch.func, "
+            "which runs expert parallelism")
     cache_of(comm).pop(_AGREED, None)  # a token left by a call that failed before its expert stage
 
     def local():
