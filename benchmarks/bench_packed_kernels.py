@@ -26,8 +26,13 @@ over the same busy experts' bytes, the ceiling for these buffer sizes (a few MiB
 ``layer`` (``--layer``): ``fmoe.moe`` decode with packed experts at 1 thread, CPU time, new vs ``--old``
 (see :func:`layer`).
 
+``prefill`` (``--prefill``): one packed grouped GEMM call at prefill shapes (E=64, ``--prefill-rows`` rows per
+expert, T * k / E = 48 at T = 512, k = 6; gate_up_proj [1536, 2048] and down_proj [2048, 768]), 2 threads,
+warm, float32 and bf16 rows, against the same GEMM on the weights already decoded to the rows' dtype
+(``fmoe.ops.native.gather_mm``, what float experts run; see :func:`prefill`).
+
 Run: ``python -m benchmarks.bench_packed_kernels [--repeats 15] [--formats ...] [--rows 1 4] [--old OLD.so]
-[--no-single] [--no-multi] [--layer] [--cold]``.
+[--no-single] [--no-multi] [--layer] [--cold] [--prefill]``.
 """
 from __future__ import annotations
 
@@ -308,6 +313,67 @@ def layer(formats, tokens, repeats: int, old=None, log=print) -> dict:
     return res
 
 
+def _prefill_call(ext, a, a16, off, w, n: int, isa: int = 0):
+    """The native call with float32 rows a, or bf16 rows a16 (a being their float32 copy), as
+    packed._native passes them."""
+    from fmoe.quant import _codecs as C
+    from fmoe.quant import packed
+    data, scales, table, fp4, bn, bk, gs = packed._operands(w)
+    out = torch.empty(a.shape[0], n)
+    b16 = a16 if a16 is not None and (fp4 or scales.dtype == torch.float32) else None
+    return lambda: ext.packed_grouped_mm(a, off, data, scales, table, C.E4M3_TABLE, gs, fp4, bn, bk, out, isa,
+                                         packed.DENSE_FROM, False, b16, True)
+
+
+def prefill(formats, rows: int, repeats: int, old=None, threads: int = 2, log=print) -> dict:
+    """One packed grouped GEMM call at prefill shapes, warm, ``threads`` threads (1: timed by the thread's CPU
+    time; 2: wall time): E=64 experts with ``rows``
+    rows each, for gate_up_proj [1536, 2048] and down_proj [2048, 768] (bench_inference's layer). Steps,
+    interleaved, medians: ``new`` (and ``old``, the ``--old`` build) the native call with float32 rows and
+    with bf16 rows (the call packed.grouped_matmul makes, without its Python front); ``f32`` / ``bf16`` the
+    same products on the weights decoded once beforehand to float32 / bf16 (``gather_mm``, what float
+    experts run, auto regime); ``f32_par`` / ``bf16_par`` the same in gather_mm's parallel regime (one
+    single-threaded GEMM per expert, the packed call's threading). The packed call's time less the
+    decoded GEMM's is what decoding costs it (decode, its stores and reloads, the smaller BLAS calls)."""
+    from fmoe.ops import native as NO
+    from fmoe.quant import packed
+    from fmoe.quant.formats import dequantize
+
+    from . import bench_inference as BI
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(4)
+    off = torch.arange(0, (BI.E + 1) * rows, rows, dtype=torch.int64)
+    res = {}
+    for name, (n, k) in {"gate_up": (2 * BI.I, BI.M), "down": (BI.M, BI.I)}.items():
+        a = torch.randn(BI.E * rows, k, generator=g)
+        a16 = a.bfloat16()
+        a16f = a16.float()
+        for fmt in formats:
+            w = BI._rand_packed(fmt, n, k, g)
+            w32 = dequantize(w)
+            w16 = w32.bfloat16()
+            steps = {"new_f32": _prefill_call(packed._EXT, a, None, off, w, n),
+                     "new_bf16": _prefill_call(packed._EXT, a16f, a16, off, w, n)}
+            if old is not None:
+                steps["old_f32"] = _prefill_call(old, a, None, off, w, n)
+                steps["old_bf16"] = _prefill_call(old, a16f, a16, off, w, n)
+            steps["f32"] = lambda: NO.gather_mm(a, w32, off, transposed=True)
+            steps["f32_par"] = lambda: NO.gather_mm(a, w32, off, transposed=True, regime="parallel")
+            steps["bf16"] = lambda: NO.gather_mm(a16, w16, off, transposed=True)
+            steps["bf16_par"] = lambda: NO.gather_mm(a16, w16, off, transposed=True, regime="parallel")
+            if threads == 1:   # no parallel regime to compare at one thread
+                del steps["f32_par"], steps["bf16_par"]
+            with torch.no_grad():
+                # one thread: its CPU time, which the other tenants of a shared host do not inflate
+                t = _interleaved(steps, repeats, inner=1, clock=time.thread_time if threads == 1 else time.perf_counter)
+            row = {n_: v * 1e3 for n_, v in t.items()}
+            res[f"{name}_{fmt}"] = row
+            log(f"  {name:7s} {fmt:9s} ms: " + "  ".join(f"{n_} {v:6.1f}" for n_, v in row.items())
+                + f" | new/f32 {t['new_f32'] / t['f32']:.2f}x, new_bf16/bf16 {t['new_bf16'] / t['bf16']:.2f}x")
+            del w32, w16
+    return res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=15)
@@ -321,6 +387,10 @@ def main(argv=None) -> int:
     p.add_argument("--cold", action="store_true", help="also the layer's two GEMMs cold vs the stream (see cold())")
     p.add_argument("--cold-threads", type=int, default=2, choices=(1, 2),
                    help="threads of --cold (1: CPU time, robust on a shared host; 2: wall time)")
+    p.add_argument("--prefill", action="store_true", help="also one call at prefill shapes (see prefill())")
+    p.add_argument("--prefill-rows", type=int, default=48, help="rows per expert of --prefill (T * k / E)")
+    p.add_argument("--prefill-threads", type=int, default=2, choices=(1, 2),
+                   help="threads of --prefill (1: the thread's CPU time, robust on a shared host; 2: wall time)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     from fmoe.quant import packed
@@ -344,6 +414,11 @@ def main(argv=None) -> int:
               f"x = time / (bytes / stream)")
         out["cold"] = cold([f for f in args.formats if f in ("mxfp4", "nvfp4", "fp8_block")], args.tokens, args.repeats, old,
                            args.cold_threads)
+    if args.prefill:
+        print(f"prefill: one grouped GEMM, E=64, {args.prefill_rows} rows per expert, warm, {args.prefill_threads} "
+              f"thread(s), medians (ms)")
+        out["prefill"] = prefill([f for f in args.formats if f in ("mxfp4", "nvfp4", "fp8_block")], args.prefill_rows,
+                                 args.repeats, old, args.prefill_threads)
     with open("/proc/loadavg") as f:
         out["loadavg_end"] = f.read().split()[:3]
     print(f"load average at the end: {' '.join(out['loadavg_end'])}")

@@ -699,6 +699,101 @@ void run_job_vnni(const Params& p, const Job& j, const uint8_t* xq, const float*
   }
 }
 
+// ------------------------------------------------------------------ AVX-512 row decode (the many-rows path)
+
+// Weight row n of expert e decoded in natural k order for the many-rows path, the values
+// decode_row_avx2 writes (bit for bit: every FP4 product E2M1 * s is exact, and FP8 takes the
+// same x * 2^-8 * (s * 256) and the same scalar tail), g (nvfp4's second-level scale, 1 for the
+// others) multiplied into every weight as at::mul_ would (one rounding per weight; the bf16
+// output takes g == 1 only). BF16: each value's bf16 bits (its top half, exact: at most 6
+// significant bits for FP4, 4 for bare E4M3) are stored instead of the float. FP4 needs
+// K % 64 == 0 and bk in {16, 32} (effective_isa guarantees both on this path).
+//
+// FP4: 32 bytes (64 k) per step. Byte i holds k = 2i (low nibble) and 2i + 1 (high nibble);
+// interleaving the bytes with themselves shifted right by 4 puts each code in the low 4 bits of
+// its own byte in k order (per 128-bit lane: unpacklo gives k 0..15 | 32..47, unpackhi 16..31 |
+// 48..63), which vpmovzxbd widens to the dword indices of vpermps (only their low 4 bits are read,
+// so nothing is masked). One table lookup, one multiply by the 16 lanes' scale per 16 weights, in
+// place of the AVX2 path's shuffles, widenings and two divisions per 32.
+template <bool BF16>
+FMOE_AVX512 FMOE_INLINE void store16_avx512(void* dst, int64_t k, __m512 v) {
+  if constexpr (BF16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(dst) + k),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+  } else {
+    _mm512_storeu_ps(static_cast<float*>(dst) + k, v);
+  }
+}
+
+template <bool BF16>
+FMOE_AVX512 void decode_row_avx512(const Params& p, int64_t e, int64_t n, float g, void* dst) {
+  const uint8_t* row = p.data + e * p.d_e + n * p.d_r;
+  const __m512 gv = _mm512_set1_ps(g);
+  const bool scale_g = g != 1.0f;
+  if (p.fp4) {
+    const uint8_t* sr = p.sb + e * p.s_e + n * p.s_r;  // bn == 1 for FP4
+    const int sh = p.bk == 32 ? 5 : 4;
+    const __m512 lut = _mm512_loadu_ps(kE2M1);
+    for (int64_t k = 0; k < p.K; k += 64) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k / 2));
+      const __m256i h = _mm256_srli_epi16(v, 4);
+      const __m256i lo = _mm256_unpacklo_epi8(v, h), hi = _mm256_unpackhi_epi8(v, h);
+      const __m512i idx[4] = {_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo)),
+                              _mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi)),
+                              _mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1)),
+                              _mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1))};
+      for (int q = 0; q < 4; ++q) {
+        __m512 w = _mm512_mul_ps(_mm512_permutexvar_ps(idx[q], lut), _mm512_set1_ps(p.table[sr[(k + 16 * q) >> sh]]));
+        if (scale_g) w = _mm512_mul_ps(w, gv);
+        store16_avx512<BF16>(dst, k + 16 * q, w);
+      }
+    }
+    return;
+  }
+  const RowScales rs(p, e, n);
+  const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
+  for (int64_t k0 = 0; k0 < p.K; k0 += p.bk) {
+    const int64_t k1 = std::min(p.K, k0 + p.bk);
+    const float s = BF16 ? 1.0f : rs[k0 / p.bk];  // bf16: the bare E4M3 values
+    const __m512 s8 = _mm512_set1_ps(s * 256.0f);
+    int64_t k = k0;
+    for (; k + 32 <= k1; k += 32) {
+      const __m256i b8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+      const __mmask32 isnan = _mm256_cmpeq_epi8_mask(_mm256_and_si256(b8, _mm256_set1_epi8(0x7F)), _mm256_set1_epi8(0x7F));
+      __m512 f0, f1;
+      e4m3x32_avx512(b8, f0, f1);
+      f0 = _mm512_mask_mov_ps(_mm512_mul_ps(f0, s8), static_cast<__mmask16>(isnan), nan);
+      f1 = _mm512_mask_mov_ps(_mm512_mul_ps(f1, s8), static_cast<__mmask16>(isnan >> 16), nan);
+      if (scale_g) {
+        f0 = _mm512_mul_ps(f0, gv);
+        f1 = _mm512_mul_ps(f1, gv);
+      }
+      store16_avx512<BF16>(dst, k, f0);
+      store16_avx512<BF16>(dst, k + 16, f1);
+    }
+    if (k < k1) {
+      // the rest of the block as decode_row_avx2 decodes it (its 8-wide steps from k0 cover the
+      // same whole eights): 8 at a time x * 2^-8 * (s * 256), then the scalar table
+      float buf[32];
+      const int64_t kv = k + (k1 - k) / 8 * 8;
+      const __m256 s8a = _mm256_set1_ps(s * 256.0f);
+      for (int64_t kk = k; kk < kv; kk += 8) _mm256_storeu_ps(buf + (kk - k), _mm256_mul_ps(e4m3x8_avx2(row + kk), s8a));
+      for (int64_t kk = kv; kk < k1; ++kk) buf[kk - k] = p.e4m3[row[kk]] * s;
+      for (int64_t kk = k; kk < k1; ++kk) {
+        float w = buf[kk - k];
+        if (scale_g) w *= g;
+        if constexpr (BF16) {
+          uint32_t u;
+          std::memcpy(&u, &w, 4);
+          static_cast<uint16_t*>(dst)[kk] = static_cast<uint16_t>(u >> 16);
+        } else {
+          static_cast<float*>(dst)[kk] = w;
+        }
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------ drivers
 
 enum Isa { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
@@ -875,6 +970,10 @@ bool run_job_fp8_blocks(const Params& p, const Job& j, const at::Tensor& a_bf16,
       }
       continue;
     }
+    if (isa == kAvx512) {
+      decode_row_avx512<true>(p, j.e, n, 1.0f, row16);
+      continue;
+    }
     decode_e4m3_row_avx2(p, row, wp);
     bf16_of_exact_avx2(wp, row16, p.K);
   }
@@ -920,7 +1019,14 @@ void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const c10
   const at::Tensor b16 = bf16 ? thread_buffer(tn * p.K, at::kBFloat16) : at::Tensor();
   float* wp = w32.data_ptr<float>();
   uint16_t* w16 = bf16 ? reinterpret_cast<uint16_t*>(b16.data_ptr()) : nullptr;
+  // AVX-512: each row straight to the tile's dtype, nvfp4's g folded into the float32 weights
+  const bool g_in_decode = isa == kAvx512 && !bf16;
   for (int64_t n = j.n0; n < j.n1; ++n) {
+    if (isa == kAvx512) {
+      if (bf16) decode_row_avx512<true>(p, j.e, n, 1.0f, w16 + (n - j.n0) * p.K);
+      else decode_row_avx512<false>(p, j.e, n, g, wp + (n - j.n0) * p.K);
+      continue;
+    }
     float* dst = bf16 ? wp : wp + (n - j.n0) * p.K;
     if (isa == kPortable) decode_row_portable(p, j.e, n, dst);
     else decode_row_avx2(p, j.e, n, dst);
@@ -949,7 +1055,7 @@ void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const c10
     return;
   }
   const at::Tensor w = w32.narrow(0, 0, tn * p.K).view({tn, p.K});
-  if (g != 1.0f) w.mul_(g);  // nvfp4: dequantize()'s (value * s) * g, rounded once per weight
+  if (g != 1.0f && !g_in_decode) w.mul_(g);  // nvfp4: dequantize()'s (value * s) * g, rounded once per weight
   at::mm_out(o, a.narrow(0, j.lo, j.c), w.t());
 }
 
