@@ -54,14 +54,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from .routing import Routing, _group_max, _top_k, check_finite, make_routing
+from .routing import Routing, _group_max, _routing_of, _top_k, check_finite
 
 __all__ = [
     "ROUTER_TYPES", "GATE_TYPES", "SCORE_FNS", "GateSpec", "RouterOutput",
@@ -661,16 +661,27 @@ def router_forward(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int,
     Returns:
         :class:`RouterOutput`.
     """
+    return _router_forward(params, x, spec, num_experts, normalize, training, generator, noise, importance=True)
+
+
+def _router_forward(params: dict, x: Tensor, spec: GateSpec, num_experts: int, normalize: bool, training: bool,
+                    generator, noise, *, importance: bool) -> RouterOutput:
+    """:func:`router_forward`; ``importance=False`` leaves ``RouterOutput.importance`` None (one
+    [T, E] reduction less where nothing places tokens by it)."""
     _check_spec(spec)
     _check_x(x)
     check_router_params(params, spec, num_experts, x.shape[1])
     t = spec.type
+
+    def amax(s: Tensor) -> Optional[Tensor]:
+        return s.amax(dim=1) if importance else None
+
     k = spec.k
     if t in ("top", "cosine_top"):
         logits, noisy, scores = _tutel_logits(spec, params, x, training, generator, noise)
         # without noise the scores are a softmax / sigmoid of logits check_finite passed: in [0, 1]
         ids, w = _top_k(scores, k, normalize, checked=noisy is logits)
-        return RouterOutput(ids, w, logits, scores, noisy, scores.amax(dim=1), type=t)
+        return RouterOutput(ids, w, logits, scores, noisy, amax(scores), type=t)
     if t == "sinkhorn":
         logits, noisy, scores = _tutel_logits(spec, params, x, training, generator, noise)
         kk = min(k, num_experts)
@@ -679,7 +690,7 @@ def router_forward(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int,
         w = scores.t().gather(0, ids)
         if normalize:
             w = _normalize_tutel(w)
-        return RouterOutput(ids, w, logits, scores, noisy, scores.amax(dim=1), type=t)
+        return RouterOutput(ids, w, logits, scores, noisy, amax(scores), type=t)
     if t == "expert_choice":
         logits, noisy, scores = _tutel_logits(spec, params, x, training, generator, noise)
         T, E = scores.shape
@@ -694,23 +705,25 @@ def router_forward(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int,
         return RouterOutput(ids, w, logits, scores, noisy, None, slots, capacity=C, type=t)
     if noise is not None and t != "mixtral":
         raise ValueError(f"noise= is for the Tutel-style routers and mixtral jitter, not type={t!r}")
-    out = _arch_router(params, x, spec, k, normalize, training, generator, noise)
+    out = _arch_router(params, x, spec, k, normalize, training, generator, noise, amax)
     _check_logits(out.logits)
     return out
 
 
-def _arch_router(params, x, spec: GateSpec, k: int, normalize: bool, training: bool, generator, noise) -> RouterOutput:
-    """The architecture routers (qwen, deepseek, gpt_oss, mixtral) of :func:`router_forward`."""
+def _arch_router(params, x, spec: GateSpec, k: int, normalize: bool, training: bool, generator, noise,
+                 amax: Callable) -> RouterOutput:
+    """The architecture routers (qwen, deepseek, gpt_oss, mixtral) of :func:`router_forward`
+    (``amax``: the importance of the scores, or None)."""
     t = spec.type
     if t == "qwen":
         logits, probs, w, ids = _qwen(x, params["wg"], k, normalize)
         return RouterOutput(ids.t().contiguous(), w.to(logits.dtype).t().contiguous(), logits, probs,
-                            importance=probs.amax(dim=1), type=t)
+                            importance=amax(probs), type=t)
     if t == "deepseek":
         logits, scores, w, ids = _deepseek(x, params["wg"], params.get("correction_bias"), k, spec.n_group,
                                            spec.topk_group, normalize, spec.routed_scaling_factor)
         return RouterOutput(ids.t().contiguous(), w.t().contiguous(), logits, scores,
-                            importance=scores.amax(dim=1), type=t)
+                            importance=amax(scores), type=t)
     if t == "gpt_oss":
         if not normalize:
             raise ValueError("gpt_oss weights are a softmax over the k selected logits and always sum to 1; "
@@ -718,7 +731,7 @@ def _arch_router(params, x, spec: GateSpec, k: int, normalize: bool, training: b
         logits, w, ids = gpt_oss_topk(x, params["wg"], params["bias"], k)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         return RouterOutput(ids.t().contiguous(), w.t().contiguous(), logits, probs,
-                            importance=probs.amax(dim=1), type=t)
+                            importance=amax(probs), type=t)
     # mixtral
     tokens = None
     if training and spec.jitter_eps > 0:
@@ -729,7 +742,7 @@ def _arch_router(params, x, spec: GateSpec, k: int, normalize: bool, training: b
         else:
             tokens = x * noise.to(x.dtype)
     logits, probs, w, ids = _mixtral(x if tokens is None else tokens, params["wg"], k, normalize)
-    return RouterOutput(ids.t().contiguous(), w.t().contiguous(), logits, probs, importance=probs.amax(dim=1),
+    return RouterOutput(ids.t().contiguous(), w.t().contiguous(), logits, probs, importance=amax(probs),
                         tokens=tokens, type=t)
 
 
@@ -767,10 +780,11 @@ def route(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, normaliz
     gets zero output. ``batch_prioritized`` is an error (experts pick the tokens).
 
     Returns:
-        (routing, router output).
+        (routing, router output); the output's ``importance`` is None unless ``batch_prioritized``
+        (nothing else reads it: :func:`router_forward` gives it always).
     """
-    out = router_forward(params, x, spec, num_experts=num_experts, normalize=normalize, training=training,
-                         generator=generator, noise=noise)
+    out = _router_forward(params, x, spec, num_experts, normalize, training, generator, noise,
+                          importance=batch_prioritized)
     if spec.type == "expert_choice":
         if batch_prioritized:
             raise ValueError("batch_prioritized has no meaning for type='expert_choice' (experts pick their "
@@ -778,8 +792,9 @@ def route(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, normaliz
         if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
             raise ValueError(f"alignment must be an int >= 1, got {alignment!r}")
         return _expert_choice_routing(out, num_experts, alignment=alignment, comm=comm, capacity=capacity), out
-    routing = make_routing(out.expert_ids, out.weights, num_experts, spec.static_capacity_factor,
-                           importance=out.importance if batch_prioritized else None, alignment=alignment,
-                           comm=comm, capacity=capacity)
+    # the router's own ids and gates: [k, T] int64 and float by construction (make_routing's checks)
+    routing = _routing_of(out.expert_ids, out.weights, num_experts, spec.static_capacity_factor,
+                          importance=out.importance, alignment=alignment, comm=comm, capacity=capacity,
+                          trusted=True)
     return routing, out
 
