@@ -14,7 +14,10 @@ time):
 * ``func``: ``mpi`` under ``torch.func.grad``, where the received rows run the engine's traced
   op (the route compiled and transformed calls take; the staged kernel over placeholder layouts
   before);
-* ``local``: the one-process baseline.
+* ``local``: the one-process baseline;
+* ``mpi_unplaced`` (with ``--unplaced``): ``mpi`` with MPIComm's ``exchange_rows`` hidden, so the
+  step takes the route before it (rows received source-major, the engine's output zero-filled and
+  scattered by a permuted index): an A/B of that change within one process, round by round.
 
 Rank 0 prints the medians and the ratios to ``local``, and the same for each variant's best round
 (on a shared host the best round is the one least disturbed by other processes; a median of a
@@ -58,6 +61,18 @@ def _step(params, x, spec, comm=None, parallel=None):
     y.square().mean().backward()
 
 
+def _unplaced(step):
+    """``step`` with ``MPIComm.exchange_rows`` hidden from :mod:`fmoe.parallel` (its route before)."""
+    def run():
+        real = MPIComm.exchange_rows
+        del MPIComm.exchange_rows
+        try:
+            step()
+        finally:
+            MPIComm.exchange_rows = real
+    return run
+
+
 def _profile(comm, step, n: int) -> dict:
     """``n`` profiled steps after two warm ones; rank 0 prints the ops' self CPU times per step."""
     from torch.profiler import ProfilerActivity, profile
@@ -88,7 +103,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile", type=int, default=0,
                     help="instead of timing: N steps of one variant (--profile_variant) under torch.profiler (first "
                          "kind and cf); rank 0 prints the ops by self CPU time")
-    ap.add_argument("--profile_variant", default="mpi", choices=("mpi", "gloo", "func", "local"))
+    ap.add_argument("--profile_variant", default="mpi", choices=("mpi", "gloo", "func", "local", "mpi_unplaced"))
+    ap.add_argument("--unplaced", action="store_true", help="also time mpi_unplaced (see the module docstring)")
+    ap.add_argument("--variants", default="mpi,gloo,func", help="which of mpi, gloo, func to time (with local)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     comm = MPIComm()
@@ -112,8 +129,11 @@ def main(argv=None) -> dict:
                         "gloo": lambda: _step(local, x, spec, gloo, ParallelSpec()),
                         "func": lambda: _func_step(local, x, spec, comm, ParallelSpec()),
                         "local": lambda: _step(one, x, one_spec)}
+            variants["mpi_unplaced"] = _unplaced(variants["mpi"])
             if a.profile:
                 return _profile(comm, variants[a.profile_variant], a.profile)
+            timed = a.variants.split(",") + (["mpi_unplaced"] if a.unplaced else [])
+            variants = {n: f for n, f in variants.items() if n in timed or n == "local"}
             times = {n: [] for n in variants}
             for rep in range(a.reps + 1):   # round 0 warms up
                 for name, fn in variants.items():
@@ -126,17 +146,22 @@ def main(argv=None) -> dict:
                         times[name].append(dt)
             med = {n: statistics.median(v) for n, v in times.items()}
             best = {n: min(v) for n, v in times.items()}
+            others = [n for n in times if n != "local"]
             row = {"kind": kind, "cf": cf, **{f"{n}_ms": v * 1e3 for n, v in med.items()},
-                   **{f"{n}_over_local": med[n] / med["local"] for n in ("mpi", "gloo", "func")},
+                   **{f"{n}_over_local": med[n] / med["local"] for n in others},
                    **{f"{n}_best_ms": v * 1e3 for n, v in best.items()},
-                   **{f"{n}_best_over_local": best[n] / best["local"] for n in ("mpi", "gloo", "func")}}
+                   **{f"{n}_best_over_local": best[n] / best["local"] for n in others}}
+            if "mpi_unplaced" in times and "mpi" in times:   # paired round by round: the A/B
+                row["mpi_over_unplaced_per_round"] = statistics.median(
+                    u / v for u, v in zip(times["mpi"], times["mpi_unplaced"]))
             results.append(row)
             if comm.rank == 0:
-                print(f"{kind:9s} cf={cf:<5} local {row['local_ms']:8.1f} ms | mpi {row['mpi_ms']:8.1f} ms "
-                      f"({row['mpi_over_local']:.2f}x) | gloo {row['gloo_ms']:8.1f} ms ({row['gloo_over_local']:.2f}x)"
-                      f" | func {row['func_ms']:8.1f} ms ({row['func_over_local']:.2f}x) || best: local "
-                      f"{row['local_best_ms']:.1f} ms, mpi {row['mpi_best_over_local']:.2f}x, gloo "
-                      f"{row['gloo_best_over_local']:.2f}x, func {row['func_best_over_local']:.2f}x", flush=True)
+                print(f"{kind:9s} cf={cf:<5} local {row['local_ms']:8.1f} ms | " + " | ".join(
+                    f"{n} {row[f'{n}_ms']:8.1f} ms ({row[f'{n}_over_local']:.2f}x)" for n in others)
+                    + f" || best: local {row['local_best_ms']:.1f} ms, " + ", ".join(
+                    f"{n} {row[f'{n}_best_over_local']:.2f}x" for n in others)
+                    + (f" || mpi / mpi_unplaced per round {row['mpi_over_unplaced_per_round']:.3f}"
+                       if "mpi_over_unplaced_per_round" in row else ""), flush=True)
     out = {"ranks": W, "threads_per_rank": 1, "T_per_rank": T, "E": E, "M": M, "H": H, "k": k, "reps": a.reps,
            "load": os.getloadavg(), "rows": results}
     if comm.rank == 0 and a.json:

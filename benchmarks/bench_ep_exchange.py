@@ -51,9 +51,16 @@ def main(argv=None) -> dict:
     N = k * T
     pos = torch.empty_like(by_expert).index_copy_(0, by_expert, torch.arange(N)).view(k, T)
     tokens = by_expert % T                                    # the token of each row
-    send = torch.bincount(ids, minlength=E).reshape(W, E // W).sum(1)
+    sizes = torch.bincount(ids, minlength=E)
+    send = sizes.reshape(W, E // W).sum(1)
     recv = comm.all_to_all(send, 0, 0).tolist()
     send = send.tolist()
+    # where each received row goes in expert order (fmoe.parallel._ragged_expert_parallel's place)
+    n = E // W
+    recv_matrix = comm.all_to_all(sizes, 0, 0).reshape(W, n)
+    local_id = torch.repeat_interleave(torch.arange(n).repeat(W), recv_matrix.reshape(-1))
+    got_by_expert = torch.argsort(local_id, stable=True)
+    place = torch.empty_like(got_by_expert).index_copy_(0, got_by_expert, torch.arange(got_by_expert.shape[0]))
 
     def from_x():
         return _parallel._SendRows.apply(x, pos, tokens, xcomm, send, recv)
@@ -61,9 +68,25 @@ def main(argv=None) -> dict:
     def dispatch():
         return all_to_all_v(dispatch_raw(x, pos, None, N), xcomm, send, recv)
 
+    def placed():
+        return _parallel._SendPlaced.apply(x, pos, tokens, place, xcomm, send, recv)
+
+    y = from_x().clone()   # stands in for the experts' outputs (source-major), and in expert order:
+    y_sorted = y.index_select(0, got_by_expert)
+
+    def back():
+        return all_to_all_v(y, xcomm, recv, send)
+
+    def back_from_sorted():
+        return _parallel._GatherSend.apply(y_sorted, place, xcomm, recv, send)
+
     if not torch.equal(from_x(), dispatch()):
         raise AssertionError("the two exchanges differ")
     variants = {"from_x": from_x, "dispatch": dispatch}
+    if hasattr(xcomm, "exchange_rows"):
+        if not torch.equal(placed(), y_sorted) or not torch.equal(back_from_sorted(), back()):
+            raise AssertionError("the placed exchanges differ")
+        variants.update(placed=placed, back=back, back_from_sorted=back_from_sorted)
     times = {n: [] for n in variants}
     order = random.Random(0)
     for rnd in range(a.rounds + 1):   # round 0 warms up
@@ -76,13 +99,18 @@ def main(argv=None) -> dict:
             dt = float(comm.all_reduce(torch.tensor([time.perf_counter() - t0], dtype=torch.float64), "max"))
             if rnd:
                 times[name].append(dt * 1e3)
-    ratio = statistics.median(a_ / b_ for a_, b_ in zip(times["from_x"], times["dispatch"]))
+    def ratio(a_, b_):
+        return statistics.median(u / v for u, v in zip(times[a_], times[b_]))
     out = {n: {"median_ms": statistics.median(v), "min_ms": min(v)} for n, v in times.items()}
-    out["from_x_over_dispatch_per_round_median"] = ratio
+    out["from_x_over_dispatch_per_round_median"] = ratio("from_x", "dispatch")
+    if "placed" in times:
+        out["placed_over_from_x_per_round_median"] = ratio("placed", "from_x")
+        out["back_from_sorted_over_back_per_round_median"] = ratio("back_from_sorted", "back")
     if comm.rank == 0:
         print(f"{'gloo' if a.gloo else 'MPIComm'} W={W} T={T} E={E} M={M} k={k}: " + " | ".join(
             f"{n} median {v['median_ms']:.2f} ms, min {v['min_ms']:.2f} ms" for n, v in out.items() if n in times)
-              + f" | from_x / dispatch per round: {ratio:.3f}")
+              + " | per round: " + ", ".join(f"{n[:-len('_per_round_median')]} {v:.3f}" for n, v in out.items()
+                                             if n.endswith("_per_round_median")))
     comm.close()
     return out
 

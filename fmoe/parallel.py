@@ -298,6 +298,90 @@ class _SendRows(torch.autograd.Function):
         return _SendRows.apply(tx, pos, rows, ctx.comm, ctx.send, ctx.recv)
 
 
+def _exchange_rows(x: Tensor, rows: Optional[Tensor], place: Optional[Tensor], comm, send: list,
+                   recv: list) -> Tensor:
+    return torch.ops.fmoe.exchange_rows(x, rows, place, handle_of(comm), send, recv)
+
+
+class _SendPlaced(torch.autograd.Function):
+    """:class:`_SendRows` whose received rows land in expert order: received row i (source-major)
+    goes to row ``place[i]``, so the engine's plan over them is in order (no gather, no scatter).
+    Backward sends each gradient row from where it lies (:class:`_GatherSend`) and combines it
+    over the layout's positions, as :class:`_SendRows`' backward does."""
+
+    @staticmethod
+    def forward(x, pos, rows, place, comm, send, recv):
+        return _exchange_rows(x, rows, place, comm, send, recv)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, pos, rows, place, ctx.comm, ctx.send, ctx.recv = inputs
+        ctx.save_for_backward(pos, place)
+        ctx.save_for_forward(pos, rows, place)
+
+    @staticmethod
+    def backward(ctx, g):
+        pos, place = ctx.saved_tensors
+        back = _GatherSend.apply(g, place, ctx.comm, ctx.recv, ctx.send)
+        return combine_raw(back, pos, None), None, None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, tx, *_):
+        pos, rows, place = ctx.saved_tensors
+        return _SendPlaced.apply(tx, pos, rows, place, ctx.comm, ctx.send, ctx.recv)
+
+
+class _GatherSend(torch.autograd.Function):
+    """``all_to_all_v(y[rows], comm, send, recv)`` with the rows read where they lie in y: the
+    experts' outputs (in expert order) back to their source ranks in the order each sent them.
+    Its dual is :class:`_PlaceRecv` (backward), and its jvp is itself."""
+
+    @staticmethod
+    def forward(y, rows, comm, send, recv):
+        return _exchange_rows(y, rows, None, comm, send, recv)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, rows, ctx.comm, ctx.send, ctx.recv = inputs
+        ctx.save_for_backward(rows)
+        ctx.save_for_forward(rows)
+
+    @staticmethod
+    def backward(ctx, g):
+        rows, = ctx.saved_tensors
+        return _PlaceRecv.apply(g, rows, ctx.comm, ctx.recv, ctx.send), None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, ty, *_):
+        rows, = ctx.saved_tensors
+        return _GatherSend.apply(ty, rows, ctx.comm, ctx.send, ctx.recv)
+
+
+class _PlaceRecv(torch.autograd.Function):
+    """``all_to_all_v(g, comm, send, recv)`` with received row i written to row ``place[i]``: the
+    transpose of :class:`_GatherSend` (each is the other's backward)."""
+
+    @staticmethod
+    def forward(g, place, comm, send, recv):
+        return _exchange_rows(g, None, place, comm, send, recv)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, place, ctx.comm, ctx.send, ctx.recv = inputs
+        ctx.save_for_backward(place)
+        ctx.save_for_forward(place)
+
+    @staticmethod
+    def backward(ctx, g):
+        place, = ctx.saved_tensors
+        return _GatherSend.apply(g, place, ctx.comm, ctx.recv, ctx.send), None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, tg, *_):
+        place, = ctx.saved_tensors
+        return _PlaceRecv.apply(tg, place, ctx.comm, ctx.send, ctx.recv)
+
+
 def _layout_tokens(layout: Layout, num_tokens: int) -> Tensor:
     """int64 [N]: the token of each row of a ragged layout cut to its kept rows (:func:`_kept_rows`:
     rows [0, N) each hold one pair), i.e. the rows :func:`fmoe.ops.dispatch` would copy."""
@@ -375,7 +459,9 @@ def _engine_rows(experts, params, x: Tensor, mask: Tensor, save: str, generator,
     if x.dim() == 3:
         rows = torch.nonzero(mask.reshape(-1)).squeeze(1)        # e-major: sorted by local expert
         sizes = mask.sum(1, dtype=torch.int64)
+        in_order = False
     else:
+        in_order = rows is None   # x's rows already in local-expert order: the plan's tokens are its rows
         rows = torch.arange(flat.shape[0], device=x.device) if rows is None else rows
         sizes = mask
     bounds = [0]
@@ -384,7 +470,7 @@ def _engine_rows(experts, params, x: Tensor, mask: Tensor, save: str, generator,
     weights = (*kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"])
     needs_grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (x, *weights))
     plan = plan_from_bounds(rows, rows, bounds, flat.shape[0], needs_grad=needs_grad, dtype=flat.dtype,
-                            precision=experts.precision)
+                            precision=experts.precision, in_order=in_order)
     # w_rows None: every gate 1 (the gates act at the source rank's combine), no product by them
     if kw["door"] == "rows":
         y = _kinds.run(kw["form"], flat, None, plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"],
@@ -590,15 +676,27 @@ def _ragged_expert_parallel(experts, expert_params, rows: Optional[Tensor], comm
     recv_matrix = comm.all_to_all(sizes, 0, 0).reshape(W, n)  # [source, local expert]
     send = sizes.reshape(W, n).sum(1).tolist()
     recv = recv_matrix.sum(1).tolist()
-    if source is None:
-        got = _a2av(rows[:N], xcomm, send, recv, parallel)    # [sum recv, M], source-major
-    else:
-        got = _SendRows.apply(source[0], layout.positions, source[1], xcomm, send, recv)
     local_id = torch.repeat_interleave(torch.arange(n, device=sizes.device).repeat(W), recv_matrix.reshape(-1))
     by_expert = torch.argsort(local_id, stable=True)
     local_sizes = recv_matrix.sum(0)
-    y = _engine_rows(experts, expert_params, got, local_sizes, save, generator, rows=by_expert)
-    ret = _a2av(y, xcomm, recv, send, parallel)                # [N, O] in this rank's row order
+    if (source is not None and hasattr(xcomm, "exchange_rows")
+            and _engine_form(experts, expert_params, source[0])["door"] == "rows"):
+        # MPIComm writes each received row where it goes: rows in expert order, an in-order plan
+        # (the eager engine's GEMMs read and write them in place: no gather, zero fill or scatter),
+        # and the outputs go back from where they lie. place[i]: the expert-order row of
+        # source-major received row i. (The traced op and the reference gather and scatter by any
+        # index: they keep the plain exchanges.)
+        place = torch.empty_like(by_expert).index_copy_(0, by_expert, torch.arange(by_expert.shape[0]))
+        got = _SendPlaced.apply(source[0], layout.positions, source[1], place, xcomm, send, recv)
+        y = _engine_rows(experts, expert_params, got, local_sizes, save, generator)
+        ret = _GatherSend.apply(y, place, xcomm, recv, send)   # [N, O] in this rank's row order
+    else:
+        if source is None:
+            got = _a2av(rows[:N], xcomm, send, recv, parallel)    # [sum recv, M], source-major
+        else:
+            got = _SendRows.apply(source[0], layout.positions, source[1], xcomm, send, recv)
+        y = _engine_rows(experts, expert_params, got, local_sizes, save, generator, rows=by_expert)
+        ret = _a2av(y, xcomm, recv, send, parallel)                # [N, O] in this rank's row order
     if N == R:
         return ret
     return torch.cat([ret, ret.new_zeros(R - N, ret.shape[1])])

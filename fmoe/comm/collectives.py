@@ -18,7 +18,7 @@ differentiable; use these in models.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -87,6 +87,26 @@ def _ga2av_op(x: Tensor, rows: Tensor, handle: int, send_counts: list[int], recv
 
 @_ga2av_op.register_fake
 def _(x, rows, handle, send_counts, recv_counts):
+    return x.new_empty(sum(recv_counts), *x.shape[1:])
+
+
+@torch.library.custom_op("fmoe::exchange_rows", mutates_args=())
+def _xrows_op(x: Tensor, rows: Optional[Tensor], place: Optional[Tensor], handle: int, send_counts: list[int],
+              recv_counts: list[int]) -> Tensor:
+    """``all_to_all_v(x[rows], ...)`` with received row i put in row ``place[i]`` of the result (rows
+    or place None: in order), on a communicator with ``exchange_rows`` (MPIComm: the rows are read
+    and written where they lie). Others have no such method: :func:`fmoe.parallel` takes them
+    through ``gather_all_to_all_v`` and ``all_to_all_v`` instead."""
+    comm = lookup(handle)
+    move = getattr(comm, "exchange_rows", None)
+    if move is None:   # the same type on every rank: every rank raises here
+        raise TypeError(f"exchange_rows needs a communicator with an exchange_rows method (MPIComm), got "
+                        f"{type(comm).__name__}: use fmoe.comm.all_to_all_v after an index_select")
+    return _fresh(move(x.contiguous(), send_counts, recv_counts, rows=rows, place=place), x)
+
+
+@_xrows_op.register_fake
+def _(x, rows, place, handle, send_counts, recv_counts):
     return x.new_empty(sum(recv_counts), *x.shape[1:])
 
 

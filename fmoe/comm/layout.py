@@ -9,6 +9,7 @@ into JAX-style ``all_to_all(x, concat_axis, split_axis)`` (spec §12.2).
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -117,3 +118,23 @@ def a2av_counts(x: Tensor, send_counts, recv_counts, world: int):
         err = ValueError(f"all_to_all_v: need {world} non-negative counts each with sum(send_counts) == "
                          f"rows; got send={send}, recv={recv}, rows={x.shape[0] if x.dim() else None}")
     return send, recv, err
+
+
+def place_error(place: Tensor, R: int) -> Optional[ValueError]:
+    """Why ``place`` cannot say where each of R received rows goes (None: it can): it must be a
+    permutation of [0, R), or a result row would be left unwritten."""
+    if place.dtype != torch.int64 or place.dim() != 1 or place.device.type != "cpu" or not place.is_contiguous():
+        return ValueError(f"exchange_rows: place must be a contiguous int64 CPU vector, got {place.dtype} "
+                          f"{tuple(place.shape)} on {place.device}")
+    if place.shape[0] != R:
+        return ValueError(f"exchange_rows: place must hold one destination per received row, {R} "
+                          f"(sum(recv_counts)), got {place.shape[0]}")
+    if R:
+        lo, hi = torch.aminmax(place)
+        if int(lo) < 0 or int(hi) >= R:
+            return ValueError(f"exchange_rows: place must lie in [0, {R}) (the result's rows), got entries from "
+                              f"{int(lo)} to {int(hi)}")
+        if int(torch.bincount(place, minlength=R).max()) > 1:
+            return ValueError("exchange_rows: place must send each received row to its own result row (a "
+                              "permutation of [0, sum(recv_counts))); it repeats an entry")
+    return None

@@ -234,6 +234,11 @@ def forward(kern: Kernel, form: ExpertForm, x: Tensor, w_rows: Optional[Tensor],
     else:
         h = form.hidden(*z)
     dt = x.dtype
+    if plan.in_order and w_rows is None and scatters_output(order, dt):
+        # each row is its own token, with gate 1: the products are y's rows. The scatter below would
+        # add each product to a zero once (0 + v is v, only -0.0 turns +0.0), so no fill and no scatter
+        y = kern.mm(h, w_out, plan, transposed=form.out_transposed, bias=b_out)
+        return y, z, graph
     if scatters_output(order, dt):
         # straight into y: the same products, roundings and order as _accumulate, no [N, O] buffer
         y = x.new_zeros((plan.num_tokens, w_out.shape[1] if form.out_transposed else w_out.shape[2]),
@@ -326,8 +331,19 @@ def _rows_mm(kern: Optional[Kernel], plan: ExpertPlan, generator: Optional[torch
     return mm
 
 
+def _rows_of(plan: ExpertPlan, a: Tensor) -> Optional[Tensor]:
+    """The kernels' gather index of a's rows: ``plan.tokens``, or None (no copy of the rows) on an
+    in-order plan whose a lies as the kernel's gathered copy would: contiguous, each row starting
+    on a 64-byte boundary. The GEMMs then take operands of the same shape, strides and alignment,
+    hence the same bits."""
+    if plan.in_order and a.is_contiguous() and a.data_ptr() % 64 == 0 and a.stride(0) * a.element_size() % 64 == 0:
+        return None
+    return plan.tokens
+
+
 def _projections(kern: Kernel, form: ExpertForm, x: Tensor, plan: ExpertPlan, w_in: tuple, b_in) -> tuple:
-    return tuple(kern.mm(x, w, plan, rows=plan.tokens, transposed=form.in_transposed, bias=b_in if i == 0 else None)
+    rows = _rows_of(plan, x)
+    return tuple(kern.mm(x, w, plan, rows=rows, transposed=form.in_transposed, bias=b_in if i == 0 else None)
                  for i, w in enumerate(w_in))
 
 
@@ -379,7 +395,8 @@ def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need
     hd = h.detach()
     # dL/dh without the gate weight: dy[t] D^T (dy's rows gathered by the kernel); it also gives
     # the gate-weight gradient <dy, h D + d> = <dy D^T, h> + <dy, d>
-    gh_u = kern.mm(gy, w_out, plan, rows=tokens, transposed=not form.out_transposed)
+    gy_rows, x_rows = _rows_of(plan, gy), _rows_of(plan, x)
+    gh_u = kern.mm(gy, w_out, plan, rows=gy_rows, transposed=not form.out_transposed)
     g_rows = None
     if need[1]:
         acc = compute_dtype(dt)
@@ -393,11 +410,12 @@ def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need
     g_out = g_bout = None
     if need[3]:   # the gate weight folded into h: sum over e's rows of (w h)^T dy[t]
         wh = (hd if w_col is None else hd * w_col).to(dt)
-        g_out = kern.wgrad(gy, wh, plan, rows=tokens) if form.out_transposed else kern.wgrad(wh, gy, plan, rows_b=tokens)
+        g_out = kern.wgrad(gy, wh, plan, rows=gy_rows) if form.out_transposed else kern.wgrad(wh, gy, plan,
+                                                                                               rows_b=gy_rows)
         del wh
     if b_out is not None and need[4]:   # sum over e's rows of w dy[t]: the same kernel, a one-column operand
         col = gy.new_ones((plan.num_rows, 1)) if w_col is None else w_col.to(dt)
-        g_bout = kern.wgrad(col, gy, plan, rows_b=tokens).squeeze(1).to(b_out.dtype)
+        g_bout = kern.wgrad(col, gy, plan, rows_b=gy_rows).squeeze(1).to(b_out.dtype)
     gh = gh_u if w_col is None else gh_u.mul_(w_col)
     need_z = need[0] or need[2] or any(need[5:])
     # a kept graph stays usable for a second backward through a retained outer graph
@@ -411,14 +429,18 @@ def _backward(kern: Kernel, form: ExpertForm, plan: ExpertPlan, gy: Tensor, need
         if not need[5 + i]:
             g_in.append(None)
         elif form.in_transposed:
-            g_in.append(kern.wgrad(gz[i], x, plan, rows_b=tokens))
+            g_in.append(kern.wgrad(gz[i], x, plan, rows_b=x_rows))
         else:
-            g_in.append(kern.wgrad(x, gz[i], plan, rows=tokens))
+            g_in.append(kern.wgrad(x, gz[i], plan, rows=x_rows))
     gx = None
     if need[0]:
-        gx = torch.zeros_like(x)
-        for i, w in enumerate(w_in):   # the k terms of a token added in expert order, straight into dx
-            kern.scatter(gz[i].contiguous(), w, plan, index=tokens, out=gx, transposed=not form.in_transposed)
+        first = 0
+        if plan.in_order:   # each row is its own token: the first product is dx's rows (no fill, no scatter)
+            gx, first = kern.mm(gz[0].contiguous(), w_in[0], plan, transposed=not form.in_transposed), 1
+        else:
+            gx = torch.zeros_like(x)
+        for i in range(first, len(w_in)):   # the k terms of a token added in expert order, straight into dx
+            kern.scatter(gz[i].contiguous(), w_in[i], plan, index=tokens, out=gx, transposed=not form.in_transposed)
     return (gx, g_rows, g_bin, g_out, g_bout, *g_in)
 
 

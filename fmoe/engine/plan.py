@@ -85,6 +85,9 @@ class ExpertPlan:
         dtype: the compute dtype of the expert GEMMs.
         precision: None (float GEMMs) or a quantized-training recipe.
         num_slots: k, the routing's pairs per token (the bound on a token's rows); 0 where unknown.
+        in_order: every row is its own token (``tokens`` is ``arange(T)``, N = T: expert
+            parallel's received rows placed in expert order), so a product row needs no gather
+            or scatter to reach its token.
     """
 
     tokens: Tensor
@@ -97,6 +100,7 @@ class ExpertPlan:
     dtype: torch.dtype = torch.float32
     precision: Any = None
     num_slots: int = 0
+    in_order: bool = False
 
     @property
     def num_experts(self) -> int:
@@ -302,19 +306,24 @@ def kept_rows(expert_ids: Tensor, slots: Tensor, counts: Tensor, capacity: int) 
 
 def plan_from_bounds(tokens: Tensor, pairs: Tensor, bounds, num_tokens: int, *, needs_grad: bool,
                      dtype: torch.dtype, precision=None, dropped: Optional[Tensor] = None,
-                     num_slots: int = 0) -> ExpertPlan:
+                     num_slots: int = 0, in_order: bool = False) -> ExpertPlan:
     """An :class:`ExpertPlan` from rows already sorted by expert (bounds: E + 1 host ints;
-    ``num_slots``: the routing's k where known)."""
+    ``num_slots``: the routing's k where known; ``in_order``: ``tokens`` is ``arange(num_tokens)``,
+    checked)."""
     bounds = tuple(int(b) for b in bounds)
     if len(bounds) < 2 or bounds[0] != 0 or any(b1 < b0 for b0, b1 in zip(bounds, bounds[1:])):
         raise ValueError(f"plan bounds must start at 0 and never decrease, got {bounds[:8]}...")
     if tokens.shape != (bounds[-1],) or pairs.shape != (bounds[-1],):
         raise ValueError(f"plan tokens and pairs must be int64 [N] with N={bounds[-1]} (the last bound), got "
                          f"{tuple(tokens.shape)} and {tuple(pairs.shape)}")
+    if in_order and (num_tokens != bounds[-1] or not torch.equal(tokens, torch.arange(num_tokens,
+                                                                                      device=tokens.device))):
+        raise ValueError(f"plan_from_bounds: in_order=True needs tokens == arange(num_tokens) with num_tokens = N "
+                         f"= {bounds[-1]}, got num_tokens={num_tokens} and other tokens")
     busy = sum(1 for b0, b1 in zip(bounds, bounds[1:]) if b1 > b0)
     offsets = torch.tensor(bounds, dtype=torch.int64, device=tokens.device)
     return ExpertPlan(tokens, pairs, offsets, bounds, num_tokens, dropped, phase_of(needs_grad, bounds[-1], busy),
-                      dtype, precision, num_slots)
+                      dtype, precision, num_slots, in_order)
 
 
 def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precision=None,

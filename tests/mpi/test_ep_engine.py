@@ -174,7 +174,8 @@ def test_eager_exchange_carries_only_the_kept_rows(comm, monkeypatch, cf):
     """Eager expert parallel at a capacity that drops pairs routes ragged rows cut to the kept pairs:
     the dispatch buffer, and so both exchanges, hold exactly this rank's kept pairs (no zero rows up
     to k*T); the output and the gradients of x, the gate and the experts equal one process. The
-    rows leave straight from x (MPIComm's gather_all_to_all_v: no dispatch buffer)."""
+    rows leave straight from x and land in expert order, and the outputs leave from where they lie
+    (MPIComm's exchange_rows: no dispatch buffer, no copy of the rows on either side)."""
     W = comm.size
     E = 2 * W
     spec = make_spec(E, 2, cf)
@@ -182,12 +183,16 @@ def test_eager_exchange_carries_only_the_kept_rows(comm, monkeypatch, cf):
     x = local_batch(comm.rank, T=32)
     cot = torch.randn(x.shape[0], spec.output_dim, generator=torch.Generator().manual_seed(5 + comm.rank),
                       dtype=torch.float64)
-    gathered, exchanged = [], []   # (rows sent, rows received) of each exchange on this rank
-    real_gather, real_a2av = type(comm).gather_all_to_all_v, type(comm).all_to_all_v
-    monkeypatch.setattr(type(comm), "gather_all_to_all_v", lambda self, x, rows, s, r: gathered.append(
-        (sum(s), sum(r))) or real_gather(self, x, rows, s, r))
+    # (rows sent, rows received, sent from an index, placed by an index) of each exchange on this rank
+    exchanged = []
+    real_rows, real_a2av = type(comm).exchange_rows, type(comm).all_to_all_v
+
+    def rows_spy(self, x, s, r, *, rows=None, place=None):
+        exchanged.append((sum(s), sum(r), rows is not None, place is not None))
+        return real_rows(self, x, s, r, rows=rows, place=place)
+    monkeypatch.setattr(type(comm), "exchange_rows", rows_spy)
     monkeypatch.setattr(type(comm), "all_to_all_v", lambda self, x, s, r: exchanged.append(
-        (sum(s), sum(r))) or real_a2av(self, x, s, r))
+        (sum(s), sum(r), False, False)) or real_a2av(self, x, s, r))
 
     def run(params, xs, s, **kw):
         p = {g: {k: v.detach().clone().requires_grad_(True) for k, v in d.items()} for g, d in params.items()}
@@ -198,11 +203,12 @@ def test_eager_exchange_carries_only_the_kept_rows(comm, monkeypatch, cf):
 
     yd, gxd, pd, aux = run(local_params(spec, full, comm), x, spec, comm=comm, parallel=ParallelSpec())
     kept = _kept(aux.routing)
-    mine = gathered[0][1] if gathered else -1   # rows this rank's experts got
-    # forward: the kept rows out from x, the outputs back; backward: the output gradient out, the
-    # rows' x gradient back
-    assert gathered == [(kept, mine)] and exchanged == [(mine, kept), (kept, mine), (mine, kept)], \
-        f"cf={cf}: exchanges (sent, received) {gathered} from x, then {exchanged}, for {kept} kept pairs"
+    mine = exchanged[0][1] if exchanged else -1   # rows this rank's experts got
+    # forward: the kept rows out from x into expert order, the outputs back from it; backward: the
+    # output gradient out into expert order, the rows' x gradient back from it
+    assert exchanged == [(kept, mine, True, True), (mine, kept, True, False), (kept, mine, False, True),
+                         (mine, kept, True, False)], \
+        f"cf={cf}: exchanges (sent, received, from an index, to an index) {exchanged} for {kept} kept pairs"
     assert comm.all_reduce(torch.tensor([mine - kept]), "sum").item() == 0
     dropped = comm.all_reduce(torch.tensor([x.shape[0] * 2 - kept]), "sum").item()
     assert dropped > 0, f"cf={cf}: no pair dropped on any rank, the cut is not exercised"
