@@ -527,7 +527,8 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
         _par.check_moe_call(comm, spec, parallel, x, params, routing, local_check)
         alignment = _par.capacity_alignment(spec.num_experts, comm.size, parallel, spec.alignment)
     kind = spec.layout_kind(comm.size, parallel.overlap_degree if comm.size > 1 else 1)
-    tokens = x.reshape(-1, spec.model_dim)
+    # (x itself where it is [T, M] already: a reshape to its own shape is still a dispatched op)
+    tokens = x if x.dim() == 2 else x.reshape(-1, spec.model_dim)
     out = None
     if routing is None:
         routing, out, l_aux = _route(params, tokens, spec, kind, comm=comm, generator=generator, noise=noise,
@@ -553,7 +554,8 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
                               prescore=not spec.is_postscore, order=spec.combine, save=spec.save,
                               generator=generator)
         dropped = routing.num_dropped()
-    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    if x.dim() != 2:
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
     y = y if y.dtype == x.dtype else y.to(x.dtype)
     if shared is not None:
         y = y + shared[0].reshape(y.shape)

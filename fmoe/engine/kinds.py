@@ -245,7 +245,7 @@ def forward(kern: Kernel, form: ExpertForm, x: Tensor, w_rows: Optional[Tensor],
                         dtype=compute_dtype(dt) if order == "fmoe" else dt)
         kern.scatter(h, w_out, plan, index=plan.tokens, out=y, scale=w_rows, transposed=form.out_transposed,
                      bias=b_out)
-        return y.to(dt), z, graph
+        return _cast(y, dt), z, graph
     y_r = kern.mm(h, w_out, plan, transposed=form.out_transposed, bias=b_out)
     return _accumulate(y_r, w_rows, plan, order, dt), z, graph
 
