@@ -1,0 +1,202 @@
+"""The placed all-to-all-v: rows sent from where they lie and written where they go
+(MPIComm.exchange_rows, indexed MPI datatypes on both sides), and the expert-parallel exchanges
+built on it (received rows in expert order, outputs and gradients sent back from that order).
+
+Checked: the bytes equal ``all_to_all_v(x.index_select(0, rows))`` placed by ``index_copy_`` for
+several dtypes and row shapes, uneven and empty counts, destinations in runs and in no order (this
+rank's own rows through both of their copy paths); a bad ``place`` raises on every rank; the torch
+op refuses a communicator without the method; the three autograd fronts equal the unplaced
+composition bit for bit, forward, backward, under torch.func.grad and jvp; and the expert-parallel
+step on the placed route equals the unplaced route (the method hidden) bit for bit, outputs and
+gradients, down to the sign of zero.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fmoe
+from fmoe.comm import all_to_all_v
+from fmoe.comm.registry import handle_of
+from fmoe.ops import combine_raw, dispatch_raw
+from mpi_backend import MPIComm
+from _helpers import init_gloo
+
+
+def _case(comm, dtype, tail, seed, rows_kind, place_kind, own=None):
+    """(x, rows, place, send, recv): rank r sends (r + u) % 3 rows to u (to itself ``own`` rows
+    where given; x's rows drawn with repeats in no order, or x in order), and places the received
+    rows in runs or in no order."""
+    W, r = comm.size, comm.rank
+    g = torch.Generator().manual_seed(seed + r)
+    send = [own if own is not None and u == r else (r + u) % 3 for u in range(W)]
+    recv = [own if own is not None and u == r else (u + r) % 3 for u in range(W)]
+    T = sum(send) + 2 if rows_kind == "none" else 7 + r
+    x = (torch.randn(T, *tail, generator=g, dtype=torch.float64) * 100).to(dtype)
+    rows = None
+    if rows_kind == "gather":
+        rows = torch.randint(0, T, (sum(send),), generator=g)
+    elif rows_kind == "none":
+        x = x[:sum(send)]
+    R = sum(recv)
+    place = None
+    if place_kind == "runs":   # blocks of consecutive rows, the blocks in no order
+        starts = torch.randperm(max(1, R // 5) + 1, generator=g)
+        bounds = sorted(set(torch.linspace(0, R, steps=starts.shape[0] + 1).long().tolist()))
+        blocks = [torch.arange(a, b) for a, b in zip(bounds, bounds[1:])]
+        order = torch.randperm(len(blocks), generator=g).tolist()
+        place = torch.cat([blocks[i] for i in order]) if blocks else torch.zeros(0, dtype=torch.int64)
+    elif place_kind == "shuffled":
+        place = torch.randperm(R, generator=g)
+    return x, rows, place, send, recv
+
+
+def _want(comm, x, rows, place, send, recv):
+    got = comm.all_to_all_v(x if rows is None else x.index_select(0, rows), send, recv)
+    return got if place is None else torch.empty_like(got).index_copy_(0, place, got)
+
+
+@pytest.mark.parametrize("dtype,tail", [(torch.float32, (5,)), (torch.float64, (3, 2)), (torch.bfloat16, (4,)),
+                                        (torch.int64, (1,))])
+@pytest.mark.parametrize("rows_kind", ["none", "gather"])
+@pytest.mark.parametrize("place_kind", ["none", "runs", "shuffled"])
+def test_placed_rows_equal_the_exchanged_buffer_placed(comm, dtype, tail, rows_kind, place_kind):
+    x, rows, place, send, recv = _case(comm, dtype, tail, 3, rows_kind, place_kind)
+    want = _want(comm, x, rows, place, send, recv)
+    # with a timeout (MPI_Ialltoallw, polled) and without (the blocking MPI_Alltoallw)
+    for c in (comm, MPIComm(comm.mpi_comm)):
+        assert torch.equal(c.exchange_rows(x, send, recv, rows=rows, place=place), want), c
+
+
+@pytest.mark.parametrize("place_kind", ["runs", "shuffled"])
+def test_own_rows_in_many_runs_and_in_few(comm, place_kind):
+    """This rank sends itself 200 rows: placed in a few runs they are gathered run by run straight
+    into the result, shuffled (more runs than the cut-off, 64) gathered once and placed once."""
+    x, rows, place, send, recv = _case(comm, torch.float32, (3,), 11, "gather", place_kind, own=200)
+    assert torch.equal(comm.exchange_rows(x, send, recv, rows=rows, place=place),
+                       _want(comm, x, rows, place, send, recv))
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("repeat", "place must send each received row to its own result row"),
+    ("range", r"place must lie in \[0, 2W\)"),
+    ("length", "place must hold one destination per received row"),
+    ("dtype", "place must be a contiguous int64 CPU vector")])
+def test_bad_place_raises_on_every_rank(comm, bad, match):
+    """Rank 0 passes the bad place; every rank raises it (the peers do not wait for data)."""
+    W = comm.size
+    x = torch.zeros(2 * W, 2)
+    place = torch.arange(2 * W)
+    if comm.rank == 0:
+        place = {"repeat": torch.zeros(2 * W, dtype=torch.int64), "range": place + 1,
+                 "length": place[:-1].contiguous(), "dtype": place.to(torch.int32)}[bad]
+    with pytest.raises(ValueError, match=match.replace("2W", str(2 * W))) as err:
+        comm.exchange_rows(x, [2] * W, [2] * W, place=place)
+    assert comm.rank == 0 or "invalid arguments on rank(s) 0" in str(err.value)
+
+
+def test_the_op_refuses_a_communicator_without_the_method(comm):
+    init_gloo(comm)
+    from fmoe.comm import TorchDistComm
+    gloo = TorchDistComm()
+    W = comm.size
+    with pytest.raises(TypeError, match="exchange_rows needs a communicator with an exchange_rows method"):
+        torch.ops.fmoe.exchange_rows(torch.zeros(W, 2), None, None, handle_of(gloo), [1] * W, [1] * W)
+
+
+def test_placed_fronts_equal_the_unplaced_composition_with_gradients(comm):
+    """_SendPlaced (rows from x into place), _GatherSend (rows sent from an index) and _PlaceRecv
+    (received rows to an index), against index ops around the plain exchange: outputs, x's
+    gradient (through the layout's combine), torch.func.grad and jvp, bit for bit."""
+    from fmoe.parallel import _GatherSend, _PlaceRecv, _SendPlaced
+    W, r = comm.size, comm.rank
+    g = torch.Generator().manual_seed(50 + r)
+    T, k, M = 9, 2, 6
+    N = k * T - 1   # a ragged layout's positions, one pair dropped
+    order = torch.randperm(k * T, generator=g)
+    pos = torch.full((k * T,), -1, dtype=torch.int64)
+    pos[order[:N]] = torch.arange(N)
+    pos = pos.view(k, T)
+    tokens = torch.empty(N, dtype=torch.int64)
+    tokens[pos.reshape(-1)[order[:N]]] = order[:N] % T
+    send = [N // W + (u < N % W) for u in range(W)]
+    recv = comm.all_to_all(torch.tensor(send), 0, 0).tolist()
+    R = sum(recv)
+    place = torch.randperm(R, generator=g)
+    x = torch.randn(T, M, generator=g, dtype=torch.float64)
+    cot = torch.randn(R, M, generator=g, dtype=torch.float64)
+
+    def unplaced(t):
+        got = all_to_all_v(dispatch_raw(t, pos, None, N), comm, send, recv)
+        return torch.zeros_like(got).index_add(0, place, got)   # differentiable placement
+
+    xa = x.clone().requires_grad_(True)
+    ya = _SendPlaced.apply(xa, pos, tokens, place, comm, send, recv)
+    (ya * cot).sum().backward()
+    xb = x.clone().requires_grad_(True)
+    yb = unplaced(xb)
+    (yb * cot).sum().backward()
+    assert torch.equal(ya, yb)
+    assert torch.equal(xa.grad, xb.grad)
+    assert torch.equal(xa.grad, combine_raw(all_to_all_v(cot.index_select(0, place), comm, recv, send), pos, None))
+    gf = torch.func.grad(lambda t: (_SendPlaced.apply(t, pos, tokens, place, comm, send, recv) * cot).sum())(x)
+    assert torch.equal(gf, xb.grad)
+    tx = torch.randn(T, M, generator=g, dtype=torch.float64)
+    _, t_out = torch.func.jvp(lambda t: _SendPlaced.apply(t, pos, tokens, place, comm, send, recv), (x,), (tx,))
+    assert torch.equal(t_out, unplaced(tx))
+
+    # the return trip: rows of y [R, O] read at place, back in each source's order; and its dual
+    y = torch.randn(R, 3, generator=g, dtype=torch.float64)
+    back_cot = torch.randn(N, 3, generator=g, dtype=torch.float64)
+    ya = y.clone().requires_grad_(True)
+    ret = _GatherSend.apply(ya, place, comm, recv, send)
+    (ret * back_cot).sum().backward()
+    assert torch.equal(ret, all_to_all_v(y.index_select(0, place), comm, recv, send))
+    placed = _PlaceRecv.apply(back_cot, place, comm, send, recv)
+    assert torch.equal(ya.grad, placed)
+    assert torch.equal(placed, _want(comm, back_cot, None, place, send, recv))
+    gp = torch.func.grad(lambda t: (_PlaceRecv.apply(t, place, comm, send, recv) * y).sum())(back_cot)
+    assert torch.equal(gp, ret.detach() * 0 + all_to_all_v(y.index_select(0, place), comm, recv, send))
+    _, t_ret = torch.func.jvp(lambda t: _GatherSend.apply(t, place, comm, recv, send), (y,), (y * 2,))
+    assert torch.equal(t_ret, all_to_all_v((y * 2).index_select(0, place), comm, recv, send))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.int64)
+
+
+@pytest.mark.parametrize("kind", ["ffn", "gated_ffn", "gpt_oss"])
+@pytest.mark.parametrize("cf", [0.0, 1.0])
+def test_placed_route_equals_the_unplaced_route_bit_for_bit(comm, monkeypatch, kind, cf):
+    """The expert-parallel training step on MPIComm's placed route (in-order plan: no gather, zero
+    fill or scatter) against the same step with exchange_rows hidden (rows received source-major,
+    the plan's permuted index): the output and the gradients of x, the gate and the experts
+    equal to the bit, -0.0 included: each output row reaches the caller only through a sum that
+    starts from +0.0 (the combine, dx's combine over the layout), where -0.0 and +0.0 add alike.
+    The placed route is the one taken (the spy sees it)."""
+    from _helpers import full_params, local_batch, local_params, make_spec
+    from fmoe.parallel import ParallelSpec
+    W = comm.size
+    spec = make_spec(2 * W, 2, cf, expert_type=kind)
+    full = full_params(spec)
+    local = local_params(spec, full, comm)
+    x = local_batch(comm.rank, T=40)
+    cot = torch.randn(x.shape[0], spec.output_dim, generator=torch.Generator().manual_seed(3 + comm.rank),
+                      dtype=torch.float64)
+
+    def step():
+        p = {gr: {k: v.detach().clone().requires_grad_(True) for k, v in d.items()} for gr, d in local.items()}
+        xs = x.clone().requires_grad_(True)
+        y, _ = fmoe.moe(p, xs, spec, comm=comm, parallel=ParallelSpec())
+        (y * cot).sum().backward()
+        return [y, xs.grad] + [v.grad for d in p.values() for v in d.values()]
+
+    placed = []
+    real = MPIComm.exchange_rows
+    monkeypatch.setattr(MPIComm, "exchange_rows", lambda self, *a, **kw: placed.append(1) or real(self, *a, **kw))
+    a = step()
+    assert len(placed) == 4, f"the placed route ran {len(placed)} placed exchanges, not 4"
+    monkeypatch.delattr(MPIComm, "exchange_rows")
+    b = step()
+    for i, (u, v) in enumerate(zip(a, b)):
+        assert torch.equal(_bits(u), _bits(v)), f"{kind} cf={cf}: tensor {i} differs in its bits"
