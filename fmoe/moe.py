@@ -554,7 +554,9 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
                               prescore=not spec.is_postscore, order=spec.combine, save=spec.save,
                               generator=generator)
         dropped = routing.num_dropped()
-    if x.dim() != 2:
+    if x.dim() != 2 or torch.compiler.is_compiling():
+        # (eager [T, M]: no reshape, a dispatched op. Traced it costs nothing, and dynamo cannot set an
+        # attribute on the traced expert op's own output, which fmoe.nn does: y.l_aux)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
     y = y if y.dtype == x.dtype else y.to(x.dtype)
     if shared is not None:
