@@ -263,7 +263,10 @@ _cached_form = functools.lru_cache(maxsize=256)(_form)
 
 def _form_of(spec: "ExpertSpec", in_transposed: bool, out_transposed: bool) -> ExpertForm:
     # one form per layer's spec, not one dataclass per call; a spec holding an unhashable
-    # callable (an activation object without __hash__) builds its form each time
+    # callable (an activation object without __hash__) builds its form each time, and so does a
+    # traced call (dynamo warns at a cache wrapper; the form is a constant of the graph anyway)
+    if torch.compiler.is_compiling():
+        return _form(spec, in_transposed, out_transposed)
     try:
         return _cached_form(spec, in_transposed, out_transposed)
     except TypeError:
