@@ -156,7 +156,9 @@ def layer_prefill(formats=("mxfp4", "nvfp4", "fp8_block"), tokens: int = 512, re
     """Prefill of the same layer: ``fmoe.moe`` on ``tokens`` tokens (no grad) with packed experts,
     against float32 and bfloat16 experts of the same shapes, each with float32 and bfloat16 rows
     where it runs both (bf16 experts: bf16 rows only). Interleaved rounds, medians (warm weights:
-    at T = 512 every expert is busy and the GEMMs, not the weight stream, bound the call)."""
+    at T = 512 every expert is busy and the GEMMs, not the weight stream, bound the call). Wall
+    time, or at one intra-op thread (``--threads 1``) that thread's CPU time, which the other
+    tenants of a shared host do not inflate."""
     import fmoe
     spec = _spec()
     g = torch.Generator().manual_seed(1)
@@ -173,16 +175,18 @@ def layer_prefill(formats=("mxfp4", "nvfp4", "fp8_block"), tokens: int = 512, re
             p = {"gate": {"wg": gate["wg"].to(dt)}, "experts": w}
             steps[f"{f}|{str(dt).replace('torch.', '')}"] = (lambda p=p, xs=xs: fmoe.moe(p, xs, spec))
     times = {n: [] for n in steps}
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     with torch.no_grad():
         for fn in steps.values():
             fn()
         order = list(steps)
         for r in range(repeats):
             for n in (order[::-1] if r % 2 else order):
-                t0 = time.perf_counter()
+                t0 = clock()
                 steps[n]()
-                times[n].append(time.perf_counter() - t0)
-    res = {"tokens": tokens, "seconds": {n: statistics.median(v) for n, v in times.items()}}
+                times[n].append(clock() - t0)
+    res = {"tokens": tokens, "threads": torch.get_num_threads(), "clock": clock.__name__,
+           "seconds": {n: statistics.median(v) for n, v in times.items()}}
     base = res["seconds"]["float32|float32"]
     for n, t in res["seconds"].items():
         log(f"  prefill T={tokens} {n:20s} {t * 1e3:8.1f} ms = {t / base:.2f}x float32 experts (float32 rows)")
@@ -368,11 +372,15 @@ def tables(res: dict) -> list[str]:
     pre = res.get("prefill")
     if pre:
         base = pre["seconds"]["float32|float32"]
-        lines += ["", f"Prefill, T = {pre['tokens']} (the same layer, warm): experts | rows dtype | ms | x float32 "
-                  "experts (float32 rows)", "", "| experts | rows | ms | x fp32 experts |", "|---|---|---|---|"]
+        b16 = pre["seconds"].get("bfloat16|bfloat16")
+        how = f"{pre.get('threads', '?')} thread(s), {pre.get('clock', 'perf_counter')}"
+        lines += ["", f"Prefill, T = {pre['tokens']} (the same layer, warm, {how}): experts | rows dtype | ms | x float32 "
+                  "experts (float32 rows) | x bf16 experts (bf16 rows)", "",
+                  "| experts | rows | ms | x fp32 experts | x bf16 experts |", "|---|---|---|---|---|"]
         for n, t in pre["seconds"].items():
             f, dt = n.split("|")
-            lines.append(f"| {f} | {dt} | {t * 1e3:.1f} | {t / base:.2f} |")
+            rel = f"{t / b16:.2f}" if b16 and dt == "bfloat16" else ""
+            lines.append(f"| {f} | {dt} | {t * 1e3:.1f} | {t / base:.2f} | {rel} |")
     mod = res.get("model")
     if mod:
         lines += ["", f"Whole model ({mod['arch']}, {mod['size']}: {mod['config']}), bf16 activations, "

@@ -368,3 +368,50 @@ def test_nvfp4_scale_bytes_nan_negative_subnormal_on_every_path():
     ref = packed.grouped_matmul_reference(a, w2, o)
     assert torch.isnan(ref[0, 3]) and torch.isnan(ref[1:, 70]).all() and int(torch.isnan(ref).sum()) == 4
     _nans_and_bound_on_every_isa(a, w2, o, ref, isas)
+
+
+@pytest.mark.parametrize("fmt,K", [("mxfp4", 1152), ("nvfp4", 1152), ("mxfp8", 1184), ("fp8_block", 1100),
+                                   ("fp8_row", 1100)])
+def test_long_rows_in_k_slices(fmt, K):
+    """float32 rows past DENSE_FROM with K > 1024: the AVX-512 path decodes and multiplies 1024-k
+    slices and sums them in the output (the last slice shorter; fp8_block's 1100 ends inside a
+    scale block, fp8_row keeps whole rows); every ISA path within the K-term bound."""
+    isas = _isas()
+    if not isas:
+        pytest.skip(packed.status())
+    g = torch.Generator().manual_seed(11)
+    counts = [packed.DENSE_FROM + 1, 2, 20]
+    w = Q.quantize(torch.randn(len(counts), 40, K, generator=g), fmt)
+    _within_the_bound_on_every_isa(w, _offsets(counts), K, g, isas, f"{fmt} K={K}")
+
+
+def test_bfloat16_rows_mxfp4_scales_at_the_exponent_add_edges():
+    """bf16 rows of mxfp4 experts past DENSE_FROM: rows whose E8M0 scales all lie in [2, 252] are
+    decoded to bf16 by an exponent add, the others (a byte 0, 1, 253 or 255) through floats; both
+    equal the reference within the K-term bound and one bf16 rounding, NaN where it has NaN."""
+    isas = _isas()
+    if not isas:
+        pytest.skip(packed.status())
+    g = torch.Generator().manual_seed(12)
+    K = 256
+    w = Q.quantize(torch.randn(2, 12, K, generator=g), "mxfp4")
+    sc = w.scales.view(torch.uint8).clone()
+    sc[0, 0, 4] = 2          # the exponent add's smallest scale
+    sc[0, 1, 3] = 252        # its largest (blocks 2 and 3: the activations are scaled down below)
+    sc[0, 2, 1] = 1          # out of the add's range: the float decode
+    sc[0, 3, 2] = 253        # 6 * 2^126 overflows: infinite weights (NaN or inf sums, as the reference's)
+    sc[1, 4, 5] = 0
+    sc[1, 5, 6] = 255        # NaN
+    w2 = Q.QuantizedTensor(w.data, sc.view(w.scales.dtype), None, "mxfp4", w.shape, w.block)
+    o = _offsets([packed.DENSE_FROM + 1, packed.DENSE_FROM + 3])
+    a = torch.randn(int(o[-1]), K, generator=g)
+    a[:, 64:128] *= 2.0 ** -120   # keeps the 2^125 and 2^126 blocks' products finite
+    a = a.bfloat16()
+    ref = packed.grouped_matmul_reference(a.float(), w2, o)
+    assert torch.isnan(ref[o[1]:, 5]).all() and ref[:, [0, 1, 2, 4]].isfinite().all()
+    fin = ~torch.isnan(ref)
+    slack = _bound(a, w2, o) + ref.abs() * 2.0 ** -8
+    for isa in isas:
+        y = packed.grouped_matmul(a, w2, o, isa=isa, impl="native").float()
+        assert torch.equal(torch.isnan(y), torch.isnan(ref)), isa
+        assert not ((y - ref).abs() > slack)[fin].any(), isa
