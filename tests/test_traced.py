@@ -380,3 +380,22 @@ def test_recompute_under_vmap_of_grad_and_grad_of_a_vmapped_sweep(op_calls):
     assert op_calls
     for kk in want:
         torch.testing.assert_close(g[kk], want[kk], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("form,act,parts", [("ffn", F.relu, 1), ("ffn", torch.relu, 1), ("ffn", F.silu, 1),
+                                            ("ffn", F.gelu, 1), ("glu", F.silu, 1), ("glu", F.relu, 1),
+                                            ("glu", F.gelu, 1), ("glu", F.silu, 2), ("glu", F.gelu, 2),
+                                            ("gpt_oss", F.silu, 1)])
+def test_the_in_place_elementwise_step_equals_hidden_bit_for_bit(form, act, parts):
+    # the vmapped sweep's fold runs hidden_ over its dead projections (one fused z, or gate and up):
+    # the same bits as hidden, written over z where the activation has an in-place twin
+    from fmoe.engine.kinds import ExpertForm
+    f = ExpertForm(form, True, False, activation=act)
+    g = torch.Generator().manual_seed(3)
+    z = [torch.randn(37, 24 if parts == 1 else 12, generator=g) * 4 for _ in range(parts)]
+    want = f.hidden(*z)
+    zc = [t.clone() for t in z]
+    got = f.hidden_(*zc)
+    assert torch.equal(got, want) and got.dtype == want.dtype
+    overwritten = not torch.equal(zc[0], z[0])
+    assert overwritten == (act in (F.relu, torch.relu, F.silu) and form != "gpt_oss")

@@ -52,6 +52,7 @@ __all__ = ["FORMS", "ORDERS", "SAVES", "ExpertForm", "run", "run_custom", "refer
 FORMS = ("ffn", "glu", "gpt_oss")
 PURE_ACTIVATIONS = frozenset({F.relu, F.gelu, F.silu, F.sigmoid, F.tanh, F.softplus, F.elu, F.leaky_relu, F.mish,
                               F.selu, F.hardswish, torch.relu, torch.sigmoid, torch.tanh})
+_INPLACE = {F.relu: torch.relu_, torch.relu: torch.relu_, F.silu: lambda t: F.silu(t, inplace=True)}
 ORDERS = ("fmoe", "eager")   # a float rows plan's; a layout plan and packed weights also 'grouped' (LAYOUT_ORDERS)
 LAYOUT_ORDERS = COMBINES
 SAVES = ("projections", "recompute")
@@ -100,6 +101,18 @@ class ExpertForm:
         g, u = z[0].unflatten(-1, (-1, 2)).unbind(-1)
         g, u = g.clamp(max=self.limit), u.clamp(min=-self.limit, max=self.limit)
         return (u + 1) * (g * torch.sigmoid(g * self.alpha))
+
+    def hidden_(self, *z: Tensor) -> Tensor:
+        """:meth:`hidden` with the same bits, writing over z where the activation has an in-place
+        twin (relu, silu): for callers whose z is dead afterwards and outside autograd. A fresh
+        [N, H] of a large call is new pages, whose first touch costs about what the activation does."""
+        inplace = _INPLACE.get(self.activation)
+        if inplace is None or self.form == "gpt_oss":
+            return self.hidden(*z)
+        if self.form == "ffn":
+            return inplace(z[0])
+        g, u = z if len(z) == 2 else z[0].chunk(2, dim=-1)
+        return inplace(g) * u
 
 
 def packed_rows(plan: Union[ExpertPlan, LayoutPlan], w_in: tuple, w_out) -> bool:

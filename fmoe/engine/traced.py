@@ -399,7 +399,7 @@ def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: in
         fs, w_in_s, w_out_s = kinds.as_stored(_form(form, in_t, out_t, act, alpha, limit), tuple(w_in), w_out)
         kern = select(plan, kinds._matrix_bytes(w_out_s))
         z = kinds._projections(kern, fs, xs, plan, w_in_s, b_in)
-        y_u = kern.mm(fs.hidden(*z), w_out_s, plan, transposed=fs.out_transposed, bias=b_out)
+        y_u = kern.mm(fs.hidden_(*z), w_out_s, plan, transposed=fs.out_transposed, bias=b_out)
     # y[b, t] = the sum over its kept pairs, in ascending expert order, of gate * row output: one
     # embedding bag per (element, token), its kept rows only (no [B*T, O] term per pair). Where
     # the elements share x the bags run token by token: a token's bags read the same rows of y_u
