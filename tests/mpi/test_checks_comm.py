@@ -13,7 +13,7 @@ from mpi_backend import MPIComm
 from _helpers import full_params, init_gloo, local_batch, local_params, make_spec
 
 _COLLECTIVES = {"Allgather", "Iallgather", "Alltoall", "Ialltoall", "Allreduce", "Iallreduce", "Alltoallv",
-                "Ialltoallv", "Barrier", "Ibarrier", "Split"}
+                "Ialltoallv", "Alltoallw", "Ialltoallw", "Barrier", "Ibarrier", "Split"}
 
 
 class Counting:
