@@ -2,6 +2,7 @@
 
     mpiexec -n 2 python -m benchmarks.bench_ep [--reps 7] [--kinds ffn,swiglu] [--cfs 1.25,0] [--json out.json]
     mpiexec -n 2 python -m benchmarks.bench_ep --kinds ffn --cfs 1.25 --profile 5 [--profile_variant gloo]
+    mpiexec -n 2 python -m benchmarks.bench_ep --variants mpi --unplaced    # the placed route's A/B
 
 Each rank holds E/W experts and receives about k*T rows; the baseline runs fmoe.moe on one
 process with E/W experts and the same T tokens per rank (the same expert GEMMs, no exchange),

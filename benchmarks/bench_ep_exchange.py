@@ -9,6 +9,10 @@ then :func:`fmoe.comm.all_to_all_v`). Top-k routing of random logits, rows sorte
 ragged layout, nothing dropped), one torch thread per rank; the two are timed interleaved in a
 shuffled order each round (the slowest rank's time) and checked equal bit for bit first. With
 ``--gloo`` the same over TorchDistComm (gloo), which gathers into a pooled buffer and then exchanges.
+On MPIComm also the placed route's exchanges (:meth:`mpi_backend.MPIComm.exchange_rows`):
+``placed``, rows from x landing in expert order (:class:`fmoe.parallel._SendPlaced`), against
+``from_x``; ``back_from_sorted``, expert outputs in expert order sent back from where they lie
+(:class:`fmoe.parallel._GatherSend`), against ``back``, the plain exchange of source-major rows.
 """
 from __future__ import annotations
 
