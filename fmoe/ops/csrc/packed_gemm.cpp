@@ -1111,10 +1111,10 @@ void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const c10
 // be shorter): each slice of the tile decoded (tn x kc floats, 1 MiB) and multiplied, the slices'
 // products summed in out (at::addmm_, beta 1). A whole 256 x 2048 float32 tile is 2 MiB, all of a
 // 2 MiB L2, so its decode's stores went to L3 (0.17-0.20 ns a weight against 0.12 into an L2-sized
-// tile, one thread) and the GEMM read it back from there: gate_up_proj at 48 rows an expert ran
-// 0.96-1.00x the fp32 experts' GEMM with slices against 1.05-1.13x without (three interleaved runs,
-// one thread's CPU time). The slices' sum is one more rounding per slice than one GEMM over K:
-// another summation order, within the same K-term bound.
+// tile, one thread) and the GEMM read it back from there: gate_up_proj at 48 rows an expert took
+// 0.90-1.00x the unsliced build's time (two interleaved runs, mxfp4 / nvfp4 / fp8_block, one
+// thread's CPU time, benchmarks/bench_packed_kernels.py --prefill). The slices' sum is one more
+// rounding per slice than one GEMM over K: another summation order, within the same K-term bound.
 void run_job_dense_ksplit(const Params& p, const Job& j, const at::Tensor& a, const at::Tensor& out, int64_t kc) {
   const int64_t tn = j.n1 - j.n0;
   const float g = gscale_of(p, j.e);
