@@ -18,8 +18,9 @@
 // (C <= dense_from) run register tiles (run_tiles): a group of 1, 2 or 4 weight rows is decoded
 // once and multiplied with up to 4 (FP4 on AVX-512) or 8 activation rows held in registers;
 // more rows go in passes over slices of weight rows that stay in L1, so every weight byte comes
-// from memory once. Experts with more rows decode the tile to float32 once and multiply it with
-// at::mm (single-threaded inside the parallel region).
+// from memory once. Experts with more rows decode the tile once (to bf16 for bf16 rows where that
+// is exact, else float32; on AVX-512 float32 tiles over 1 MiB in 1024-k slices) and multiply it
+// with one BLAS call per tile (single-threaded inside the parallel region): run_job_dense.
 //
 // ISA: every path is compiled into this one library with per-function target attributes
 // (no -march flag); the caller picks one at run time (`isa`: 0 auto, 1 portable, 2 AVX2+FMA
