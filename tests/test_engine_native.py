@@ -668,3 +668,40 @@ def test_bad_regime_raises(impl):
         native.mm_scatter(torch.randn(6, 4), w, off, rows, torch.zeros(10, 5), regime="x", impl=impl)
     with pytest.raises(ValueError, match=r"regime must be"):
         native.gather_wgrad(x, torch.randn(6, 5), off, rows=rows, regime="x", impl=impl)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="the planned entries call the extension")
+@pytest.mark.parametrize("regime", ["serial", "parallel", "auto"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_planned_entries_equal_the_checked_ones_and_the_extension_refuses_bad_plans(regime, transposed):
+    # the engine's entries skip the Python checks for a plan's host bounds: the same extension call
+    # (bit for bit), and the extension's own checks still stop a bad plan before a row is read
+    c = _make("decode", torch.float32, transposed)
+    bounds = tuple(c["off"].tolist())
+    bias = torch.randn(c["E"], c["N"], generator=c["g"])
+    got = native.planned_mm(c["x"], c["w"], c["off"], bounds, rows=c["rows"], transposed=transposed, bias=bias,
+                            regime=regime)
+    want = native.gather_mm(c["x"], c["w"], c["off"], rows=c["rows"], transposed=transposed, bias=bias,
+                            impl="native", regime=regime)
+    assert torch.equal(got, want)
+    a = torch.randn(bounds[-1], c["K"], generator=c["g"])
+    scale = torch.rand(bounds[-1], generator=c["g"])
+    out0 = torch.randn(c["T"], c["N"], generator=c["g"])
+    got = native.planned_scatter(a, c["w"], c["off"], bounds, c["rows"], out0.clone(), scale=scale,
+                                 transposed=transposed, bias=bias, regime=regime)
+    want = native.mm_scatter(a, c["w"], c["off"], c["rows"], out0.clone(), scale=scale, transposed=transposed,
+                             bias=bias, impl="native", regime=regime)
+    assert torch.equal(got, want)
+    bad_rows = c["rows"].clone()
+    bad_rows[-1] = c["T"]
+    with pytest.raises(ValueError, match=r"rows\[\d+\] = \d+ is outside"):
+        native.planned_mm(c["x"], c["w"], c["off"], bounds, rows=bad_rows, transposed=transposed, bias=None,
+                          regime=regime)
+    with pytest.raises(ValueError, match=r"index\[\d+\] = \d+ is outside"):
+        native.planned_scatter(a, c["w"], c["off"], bounds, bad_rows, out0.clone(), scale=None,
+                               transposed=transposed, bias=None, regime=regime)
+    shifted = c["off"].clone()
+    shifted[1:] -= 1   # offsets that end one row short of the bounds' R
+    with pytest.raises(ValueError, match="offsets must start at 0 and end at R"):
+        native.planned_mm(c["x"], c["w"], shifted, bounds, rows=c["rows"], transposed=transposed, bias=None,
+                          regime=regime)

@@ -76,9 +76,13 @@ def _native_kernel(impl: str, regime: str = "auto") -> tuple:
     """(mm, wgrad, scatter) over :mod:`.native` (impl 'native': the C++ kernels with this
     threading regime; 'reference': their per-expert torch.mm twins)."""
     kw = {} if impl == "reference" else {"regime": regime}
+    planned = impl == "native"   # a plan's host bounds go straight to the extension, which checks them
 
     def mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None, transposed: bool,
            bias: Optional[Tensor] = None) -> Tensor:
+        if planned and plan.bounds is not None:
+            return native.planned_mm(a, w, plan.offsets, plan.bounds, rows=rows, transposed=transposed, bias=bias,
+                                     regime=regime)
         return native.gather_mm(a, w, plan.offsets, rows=rows, transposed=transposed, bias=bias, impl=impl, **kw)
 
     def wgrad(a: Tensor, b: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None,
@@ -87,6 +91,9 @@ def _native_kernel(impl: str, regime: str = "auto") -> tuple:
 
     def scatter(a: Tensor, w: Tensor, plan: ExpertPlan, *, index: Tensor, out: Tensor, scale: Optional[Tensor] = None,
                 transposed: bool, bias: Optional[Tensor] = None) -> Tensor:
+        if planned and plan.bounds is not None:
+            return native.planned_scatter(a, w, plan.offsets, plan.bounds, index, out, scale=scale,
+                                          transposed=transposed, bias=bias, regime=regime)
         return native.mm_scatter(a, w, plan.offsets, index, out, scale=scale, transposed=transposed, bias=bias,
                                  impl=impl, **kw)
 

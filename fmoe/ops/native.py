@@ -533,6 +533,37 @@ def gather_mm(x: Tensor, w: Tensor, offsets: Tensor, *, rows: Optional[Tensor] =
     return y
 
 
+def planned_mm(x: Tensor, w: Tensor, offsets: Tensor, bounds: tuple, *, rows: Optional[Tensor],
+               transposed: bool, bias: Optional[Tensor], regime: str = "auto") -> Tensor:
+    """:func:`gather_mm` (impl 'native') for a plan fmoe built, whose ``bounds`` (offsets as host
+    ints) it already holds. The extension checks offsets, rows, shapes and the bias itself before
+    it reads a row; what is skipped is the Python pass over them for friendlier messages (a host
+    list of the offsets, a loop over E, two host reads of the index range): about 10 us a call,
+    which a decode step pays per projection."""
+    K, N = _inner_dims(w, transposed)
+    R = bounds[-1]
+    y = torch.empty(R, N, dtype=x.dtype)
+    if R:
+        _EXT.gather_mm(x.contiguous(), w, offsets, None if rows is None else rows.contiguous(), transposed, y,
+                       regime_for(bounds, K * N * x.element_size(), regime) == "parallel",
+                       None if bias is None else bias.contiguous())
+    return y
+
+
+def planned_scatter(a: Tensor, w: Tensor, offsets: Tensor, bounds: tuple, index: Tensor, out: Tensor, *,
+                    scale: Optional[Tensor], transposed: bool, bias: Optional[Tensor], regime: str = "auto"
+                    ) -> Tensor:
+    """:func:`mm_scatter` (impl 'native') for a plan fmoe built: the extension's own checks only,
+    as :func:`planned_mm`."""
+    K, N = _inner_dims(w, transposed)
+    if bounds[-1]:
+        _EXT.mm_scatter(a.contiguous(), w, offsets, index.contiguous(), out,
+                        None if scale is None else scale.contiguous(), transposed,
+                        regime_for(bounds, K * N * a.element_size(), regime) == "parallel",
+                        None if bias is None else bias.contiguous())
+    return out
+
+
 def mm_scatter(a: Tensor, w: Tensor, offsets: Tensor, index: Tensor, out: Tensor, *,
                scale: Optional[Tensor] = None, transposed: bool = False, impl: str = "auto",
                regime: str = "auto", bias: Optional[Tensor] = None) -> Tensor:
