@@ -76,3 +76,20 @@ def init_gloo(comm) -> None:
             port[0] = s.getsockname()[1]
     port = int(comm.all_reduce(port, "max").item())
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
+
+
+def ragged_send(comm, g: torch.Generator, T: int, k: int) -> tuple:
+    """A ragged layout's positions over k*T pairs with one pair dropped, and the exchange it makes:
+    (pos int64 [k, T] (-1: dropped), tokens int64 [N] (each row's token), N, send, recv) with N =
+    k*T - 1 rows split about evenly over the ranks."""
+    W = comm.size
+    N = k * T - 1
+    order = torch.randperm(k * T, generator=g)
+    pos = torch.full((k * T,), -1, dtype=torch.int64)
+    pos[order[:N]] = torch.arange(N)
+    pos = pos.view(k, T)
+    tokens = torch.empty(N, dtype=torch.int64)
+    tokens[pos.reshape(-1)[order[:N]]] = order[:N] % T
+    send = [N // W + (u < N % W) for u in range(W)]
+    recv = comm.all_to_all(torch.tensor(send), 0, 0).tolist()
+    return pos, tokens, N, send, recv

@@ -20,7 +20,7 @@ from fmoe.comm import all_to_all_v
 from fmoe.comm.registry import handle_of
 from fmoe.ops import combine_raw, dispatch_raw
 from mpi_backend import MPIComm
-from _helpers import init_gloo
+from _helpers import init_gloo, ragged_send
 
 
 def _case(comm, dtype, tail, seed, rows_kind, place_kind, own=None):
@@ -109,18 +109,9 @@ def test_placed_fronts_equal_the_unplaced_composition_with_gradients(comm):
     (received rows to an index), against index ops around the plain exchange: outputs, x's
     gradient (through the layout's combine), torch.func.grad and jvp, bit for bit."""
     from fmoe.parallel import _GatherSend, _PlaceRecv, _SendPlaced
-    W, r = comm.size, comm.rank
-    g = torch.Generator().manual_seed(50 + r)
+    g = torch.Generator().manual_seed(50 + comm.rank)
     T, k, M = 9, 2, 6
-    N = k * T - 1   # a ragged layout's positions, one pair dropped
-    order = torch.randperm(k * T, generator=g)
-    pos = torch.full((k * T,), -1, dtype=torch.int64)
-    pos[order[:N]] = torch.arange(N)
-    pos = pos.view(k, T)
-    tokens = torch.empty(N, dtype=torch.int64)
-    tokens[pos.reshape(-1)[order[:N]]] = order[:N] % T
-    send = [N // W + (u < N % W) for u in range(W)]
-    recv = comm.all_to_all(torch.tensor(send), 0, 0).tolist()
+    pos, tokens, N, send, recv = ragged_send(comm, g, T, k)
     R = sum(recv)
     place = torch.randperm(R, generator=g)
     x = torch.randn(T, M, generator=g, dtype=torch.float64)

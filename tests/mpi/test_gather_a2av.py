@@ -15,7 +15,7 @@ from fmoe.comm import all_to_all_v
 from fmoe.comm.registry import handle_of
 from fmoe.ops import combine_raw, dispatch_raw
 from mpi_backend import MPIComm
-from _helpers import init_gloo
+from _helpers import init_gloo, ragged_send
 
 
 def _case(comm, dtype, tail, seed):
@@ -80,20 +80,9 @@ def test_expert_parallel_send_equals_dispatch_then_exchange_with_gradient(comm):
     """parallel._SendRows (the rows sent from x) against dispatch then all_to_all_v over the same
     ragged positions: output and x's gradient (through the combine) bit for bit."""
     from fmoe.parallel import _SendRows
-    W, r = comm.size, comm.rank
-    g = torch.Generator().manual_seed(40 + r)
+    g = torch.Generator().manual_seed(40 + comm.rank)
     T, k, M = 9, 2, 6
-    # a ragged layout's positions: pairs (j, t) -> rows [0, N) one to one; one pair dropped (-1)
-    N = k * T - 1
-    order = torch.randperm(k * T, generator=g)
-    pos = torch.full((k * T,), -1, dtype=torch.int64)
-    pos[order[:N]] = torch.arange(N)
-    pos = pos.view(k, T)
-    tokens = torch.empty(N, dtype=torch.int64)
-    tokens[pos.reshape(-1)[order[:N]]] = order[:N] % T
-    counts = comm.all_to_all(torch.tensor([N // W + (u < N % W) for u in range(W)]), 0, 0)
-    send = [N // W + (u < N % W) for u in range(W)]
-    recv = counts.tolist()
+    pos, tokens, N, send, recv = ragged_send(comm, g, T, k)
     x = torch.randn(T, M, generator=g, dtype=torch.float32)
     cot = torch.randn(sum(recv), M, generator=g, dtype=torch.float32)
 
