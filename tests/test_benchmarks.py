@@ -177,26 +177,44 @@ def test_round_robin_order_alternates_only_when_asked():
 
 
 def _recording_gather_mm(monkeypatch):
-    """Every native grouped call (gather_mm and mm_scatter): operand shapes, the weight's data
-    pointer, shape and strides, the offsets, the gathered row count, the order and the regime."""
+    """Every native grouped call (gather_mm and mm_scatter, and the engine's entries for a plan's
+    host bounds, planned_mm and planned_scatter): operand shapes, the weight's data pointer, shape
+    and strides, the offsets, the gathered row count, the order and the regime."""
     from fmoe.ops import native
     calls = []
-    real_mm, real_scatter = native.gather_mm, native.mm_scatter
+    real = {n: getattr(native, n) for n in ("gather_mm", "mm_scatter", "planned_mm", "planned_scatter")}
 
-    def rec(x, w, offsets, **kw):
+    def mm_call(x, w, offsets, kw):
         rows = kw.get("rows")
         calls.append(("mm", tuple(x.shape), w.data_ptr(), tuple(w.shape), w.stride(), offsets.tolist(),
                       None if rows is None else rows.shape[0], kw.get("transposed"), kw.get("regime"),
                       kw.get("bias") is not None))
-        return real_mm(x, w, offsets, **kw)
 
-    def rec_scatter(a, w, offsets, index, out, **kw):
+    def scatter_call(a, w, offsets, out, kw):
         calls.append(("scatter", tuple(a.shape), w.data_ptr(), tuple(w.shape), w.stride(), offsets.tolist(),
                       tuple(out.shape), kw.get("transposed"), kw.get("regime"), kw.get("bias") is not None))
-        return real_scatter(a, w, offsets, index, out, **kw)
 
-    monkeypatch.setattr(native, "gather_mm", rec)
-    monkeypatch.setattr(native, "mm_scatter", rec_scatter)
+    def rec(x, w, offsets, **kw):
+        mm_call(x, w, offsets, kw)
+        return real["gather_mm"](x, w, offsets, **kw)
+
+    def rec_scatter(a, w, offsets, index, out, **kw):
+        scatter_call(a, w, offsets, out, kw)
+        return real["mm_scatter"](a, w, offsets, index, out, **kw)
+
+    def rec_planned(x, w, offsets, bounds, **kw):
+        assert tuple(offsets.tolist()) == bounds
+        mm_call(x, w, offsets, kw)
+        return real["planned_mm"](x, w, offsets, bounds, **kw)
+
+    def rec_planned_scatter(a, w, offsets, bounds, index, out, **kw):
+        assert tuple(offsets.tolist()) == bounds
+        scatter_call(a, w, offsets, out, kw)
+        return real["planned_scatter"](a, w, offsets, bounds, index, out, **kw)
+
+    for name, f in (("gather_mm", rec), ("mm_scatter", rec_scatter), ("planned_mm", rec_planned),
+                    ("planned_scatter", rec_planned_scatter)):
+        monkeypatch.setattr(native, name, f)
     return calls
 
 
