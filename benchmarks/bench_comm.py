@@ -91,6 +91,16 @@ def bench_step(comm, reps, T=2048, M=256, H=512, E=None):
     return res
 
 
+def ep_world() -> MPIComm:
+    """MPIComm over COMM_WORLD for the expert-parallel benchmarks: one torch thread per rank, at
+    least two ranks (else exit with how to launch)."""
+    torch.set_num_threads(1)
+    comm = MPIComm()
+    if comm.size < 2:
+        sys.exit("run under mpiexec -n 2 (or more)")
+    return comm
+
+
 def gloo(comm):
     import torch.distributed as dist
     from fmoe.comm import TorchDistComm

@@ -319,6 +319,13 @@ def write_json(path: str, obj) -> None:
         raise
 
 
+def report(lines: list, res: dict, path: Optional[str]) -> None:
+    """A benchmark's end: its tables printed, and its results written to ``path`` (atomically) when given."""
+    print("\n".join(lines))
+    if path:
+        write_json(path, res)
+
+
 def status(name: str, measured: Optional[float], threshold: float, higher_is_better: bool, detail: str,
            why_missing: str = "") -> dict:
     """One target's status line: met / missed with the measured ratio, or not measured."""

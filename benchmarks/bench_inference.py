@@ -31,6 +31,8 @@ from typing import Callable, Optional
 
 import torch
 
+from benchmarks.bench_common import report
+
 M, I, E, K_TOP = 2048, 768, 64, 6
 FLUSH_BYTES = 512 << 20
 
@@ -461,10 +463,7 @@ def main(argv=None) -> int:
     if args.model or args.model_only:
         res["model"] = model_suite(args.arch, args.size, min(args.repeats, 3), args.rounds)
     res["loadavg_end"] = os.getloadavg()
-    print("\n".join(tables(res)))
-    if args.json:
-        from fmoe._io import atomic_write_text
-        atomic_write_text(args.json, json.dumps(res, indent=1))
+    report(tables(res), res, args.json)
     return 0
 
 

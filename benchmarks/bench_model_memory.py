@@ -21,6 +21,7 @@ import tempfile
 
 import torch
 
+from benchmarks.bench_common import report
 from benchmarks.bench_inference import _memory
 
 
@@ -100,10 +101,7 @@ def main(argv=None) -> int:
         print(json.dumps(child(args.child, args.checkpoint, args.tokens)))
         return 0
     res = run(args.size, args.layers, args.tokens)
-    print("\n".join(tables(res)))
-    if args.json:
-        from fmoe._io import atomic_write_text
-        atomic_write_text(args.json, json.dumps(res, indent=1))
+    report(tables(res), res, args.json)
     return 0
 
 

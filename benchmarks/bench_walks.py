@@ -119,10 +119,8 @@ def main(argv=None) -> int:
         print(json.dumps(child(args.child, args.repeats)))
         return 0
     res = run(args.repeats, args.rounds)
-    print("\n".join(tables(res)))
-    if args.json:
-        from fmoe._io import atomic_write_text
-        atomic_write_text(args.json, json.dumps(res, indent=1))
+    from benchmarks.bench_common import report   # here, not at the top: a child's import cost is measured
+    report(tables(res), res, args.json)
     return 0
 
 
