@@ -12,7 +12,7 @@ shuffled order each round (the slowest rank's time) and checked equal bit for bi
 On MPIComm also the placed route's exchanges (:meth:`mpi_backend.MPIComm.exchange_rows`):
 ``placed``, rows from x landing in expert order (:class:`fmoe.parallel._SendPlaced`), against
 ``from_x``; ``back_from_sorted``, expert outputs in expert order sent back from where they lie
-(:class:`fmoe.parallel._GatherSend`), against ``back``, the plain exchange of source-major rows.
+(:class:`fmoe.parallel._Exchange`), against ``back``, the plain exchange of source-major rows.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
         return all_to_all_v(y, xcomm, recv, send)
 
     def back_from_sorted():
-        return _parallel._GatherSend.apply(y_sorted, place, xcomm, recv, send)
+        return _parallel._Exchange.apply(y_sorted, place, None, xcomm, recv, send)
 
     if not torch.equal(from_x(), dispatch()):
         raise AssertionError("the two exchanges differ")

@@ -306,7 +306,7 @@ def _exchange_rows(x: Tensor, rows: Optional[Tensor], place: Optional[Tensor], c
 class _SendPlaced(torch.autograd.Function):
     """:class:`_SendRows` whose received rows land in expert order: received row i (source-major)
     goes to row ``place[i]``, so the engine's plan over them is in order (no gather, no scatter).
-    Backward sends each gradient row from where it lies (:class:`_GatherSend`) and combines it
+    Backward sends each gradient row from where it lies (:class:`_Exchange`) and combines it
     over the layout's positions, as :class:`_SendRows`' backward does."""
 
     @staticmethod
@@ -322,7 +322,7 @@ class _SendPlaced(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         pos, place = ctx.saved_tensors
-        back = _GatherSend.apply(g, place, ctx.comm, ctx.recv, ctx.send)
+        back = _Exchange.apply(g, place, None, ctx.comm, ctx.recv, ctx.send)
         return combine_raw(back, pos, None), None, None, None, None, None, None
 
     @staticmethod
@@ -331,55 +331,31 @@ class _SendPlaced(torch.autograd.Function):
         return _SendPlaced.apply(tx, pos, rows, place, ctx.comm, ctx.send, ctx.recv)
 
 
-class _GatherSend(torch.autograd.Function):
-    """``all_to_all_v(y[rows], comm, send, recv)`` with the rows read where they lie in y: the
-    experts' outputs (in expert order) back to their source ranks in the order each sent them.
-    Its dual is :class:`_PlaceRecv` (backward), and its jvp is itself."""
+class _Exchange(torch.autograd.Function):
+    """``all_to_all_v(t[rows], comm, send, recv)`` with received row i written to row ``place[i]``
+    (rows or place None: in order), rows read and written where they lie. With both indices
+    permutations (or None) it is a permutation of rows across ranks: its transpose, the backward,
+    is the same exchange with the indices' roles and the counts swapped, and its jvp is itself."""
 
     @staticmethod
-    def forward(y, rows, comm, send, recv):
-        return _exchange_rows(y, rows, None, comm, send, recv)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, rows, ctx.comm, ctx.send, ctx.recv = inputs
-        ctx.save_for_backward(rows)
-        ctx.save_for_forward(rows)
-
-    @staticmethod
-    def backward(ctx, g):
-        rows, = ctx.saved_tensors
-        return _PlaceRecv.apply(g, rows, ctx.comm, ctx.recv, ctx.send), None, None, None, None
-
-    @staticmethod
-    def jvp(ctx, ty, *_):
-        rows, = ctx.saved_tensors
-        return _GatherSend.apply(ty, rows, ctx.comm, ctx.send, ctx.recv)
-
-
-class _PlaceRecv(torch.autograd.Function):
-    """``all_to_all_v(g, comm, send, recv)`` with received row i written to row ``place[i]``: the
-    transpose of :class:`_GatherSend` (each is the other's backward)."""
-
-    @staticmethod
-    def forward(g, place, comm, send, recv):
-        return _exchange_rows(g, None, place, comm, send, recv)
+    def forward(t, rows, place, comm, send, recv):
+        return _exchange_rows(t, rows, place, comm, send, recv)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, place, ctx.comm, ctx.send, ctx.recv = inputs
-        ctx.save_for_backward(place)
-        ctx.save_for_forward(place)
+        _, rows, place, ctx.comm, ctx.send, ctx.recv = inputs
+        ctx.save_for_backward(rows, place)
+        ctx.save_for_forward(rows, place)
 
     @staticmethod
     def backward(ctx, g):
-        place, = ctx.saved_tensors
-        return _GatherSend.apply(g, place, ctx.comm, ctx.recv, ctx.send), None, None, None, None
+        rows, place = ctx.saved_tensors
+        return _Exchange.apply(g, place, rows, ctx.comm, ctx.recv, ctx.send), None, None, None, None, None
 
     @staticmethod
-    def jvp(ctx, tg, *_):
-        place, = ctx.saved_tensors
-        return _PlaceRecv.apply(tg, place, ctx.comm, ctx.send, ctx.recv)
+    def jvp(ctx, tt, *_):
+        rows, place = ctx.saved_tensors
+        return _Exchange.apply(tt, rows, place, ctx.comm, ctx.send, ctx.recv)
 
 
 def _layout_tokens(layout: Layout, num_tokens: int) -> Tensor:
@@ -689,7 +665,7 @@ def _ragged_expert_parallel(experts, expert_params, rows: Optional[Tensor], comm
         place = torch.empty_like(by_expert).index_copy_(0, by_expert, torch.arange(by_expert.shape[0]))
         got = _SendPlaced.apply(source[0], layout.positions, source[1], place, xcomm, send, recv)
         y = _engine_rows(experts, expert_params, got, local_sizes, save, generator)
-        ret = _GatherSend.apply(y, place, xcomm, recv, send)   # [N, O] in this rank's row order
+        ret = _Exchange.apply(y, place, None, xcomm, recv, send)   # [N, O] in this rank's row order
     else:
         if source is None:
             got = _a2av(rows[:N], xcomm, send, recv, parallel)    # [sum recv, M], source-major

@@ -105,10 +105,10 @@ def test_the_op_refuses_a_communicator_without_the_method(comm):
 
 
 def test_placed_fronts_equal_the_unplaced_composition_with_gradients(comm):
-    """_SendPlaced (rows from x into place), _GatherSend (rows sent from an index) and _PlaceRecv
+    """_SendPlaced (rows from x into place), _Exchange with rows (rows sent from an index) and with place
     (received rows to an index), against index ops around the plain exchange: outputs, x's
     gradient (through the layout's combine), torch.func.grad and jvp, bit for bit."""
-    from fmoe.parallel import _GatherSend, _PlaceRecv, _SendPlaced
+    from fmoe.parallel import _Exchange, _SendPlaced
     g = torch.Generator().manual_seed(50 + comm.rank)
     T, k, M = 9, 2, 6
     pos, tokens, N, send, recv = ragged_send(comm, g, T, k)
@@ -140,15 +140,15 @@ def test_placed_fronts_equal_the_unplaced_composition_with_gradients(comm):
     y = torch.randn(R, 3, generator=g, dtype=torch.float64)
     back_cot = torch.randn(N, 3, generator=g, dtype=torch.float64)
     ya = y.clone().requires_grad_(True)
-    ret = _GatherSend.apply(ya, place, comm, recv, send)
+    ret = _Exchange.apply(ya, place, None, comm, recv, send)
     (ret * back_cot).sum().backward()
     assert torch.equal(ret, all_to_all_v(y.index_select(0, place), comm, recv, send))
-    placed = _PlaceRecv.apply(back_cot, place, comm, send, recv)
+    placed = _Exchange.apply(back_cot, None, place, comm, send, recv)
     assert torch.equal(ya.grad, placed)
     assert torch.equal(placed, _want(comm, back_cot, None, place, send, recv))
-    gp = torch.func.grad(lambda t: (_PlaceRecv.apply(t, place, comm, send, recv) * y).sum())(back_cot)
+    gp = torch.func.grad(lambda t: (_Exchange.apply(t, None, place, comm, send, recv) * y).sum())(back_cot)
     assert torch.equal(gp, ret.detach() * 0 + all_to_all_v(y.index_select(0, place), comm, recv, send))
-    _, t_ret = torch.func.jvp(lambda t: _GatherSend.apply(t, place, comm, recv, send), (y,), (y * 2,))
+    _, t_ret = torch.func.jvp(lambda t: _Exchange.apply(t, place, None, comm, recv, send), (y,), (y * 2,))
     assert torch.equal(t_ret, all_to_all_v((y * 2).index_select(0, place), comm, recv, send))
 
 
