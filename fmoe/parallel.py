@@ -657,11 +657,11 @@ def _ragged_expert_parallel(experts, expert_params, rows: Optional[Tensor], comm
     local_sizes = recv_matrix.sum(0)
     if (source is not None and hasattr(xcomm, "exchange_rows")
             and _engine_form(experts, expert_params, source[0])["door"] == "rows"):
-        # MPIComm writes each received row where it goes: rows in expert order, an in-order plan
-        # (the eager engine's GEMMs read and write them in place: no gather, zero fill or scatter),
-        # and the outputs go back from where they lie. place[i]: the expert-order row of
-        # source-major received row i. (The traced op and the reference gather and scatter by any
-        # index: they keep the plain exchanges.)
+        # MPIComm and TorchDistComm write each received row where it goes: rows in expert order, an
+        # in-order plan (the eager engine's GEMMs read and write them in place: no gather, zero fill
+        # or scatter), and the outputs go back from where they lie. place[i]: the expert-order row
+        # of source-major received row i. (The traced op and the reference gather and scatter by
+        # any index: they keep the plain exchanges.)
         place = torch.empty_like(by_expert).index_copy_(0, by_expert, torch.arange(by_expert.shape[0]))
         got = _SendPlaced.apply(source[0], layout.positions, source[1], place, xcomm, send, recv)
         y = _engine_rows(experts, expert_params, got, local_sizes, save, generator)

@@ -35,8 +35,8 @@ from torch import Tensor
 from fmoe.comm import matching
 from fmoe.comm.buffers import recv_buffer
 from fmoe.comm.agreement import end_of_job_check
-from fmoe.comm.layout import (a2a_front, a2av_counts, front_to_concat, gathered_to_axis, norm_axis, place_error,
-                              plain, raw_collective)
+from fmoe.comm.layout import (a2a_front, a2av_counts, front_to_concat, gathered_to_axis, move_rows, norm_axis,
+                              place_error, plain, raw_collective, rows_error, runs)
 from fmoe.comm.registry import forget, mark_closed
 
 __all__ = ["MPIComm", "mpi_launched"]
@@ -79,33 +79,6 @@ def _bytes(t: Tensor):
     if not t.is_contiguous():
         raise ValueError("internal: MPIComm buffer must be contiguous")
     return _mpi().buffer.fromaddress(t.data_ptr(), t.numel() * t.element_size())
-
-
-def _rows_error(x: Tensor, rows: Tensor) -> Optional[ValueError]:
-    """Why ``rows`` cannot index the rows of x (None: it can)."""
-    if rows.dtype != torch.int64 or rows.dim() != 1 or rows.device.type != "cpu" or not rows.is_contiguous():
-        return ValueError(f"gather_all_to_all_v: rows must be a contiguous int64 CPU vector, got {rows.dtype} "
-                          f"{tuple(rows.shape)} on {rows.device}")
-    if x.dim() == 0:
-        return ValueError("gather_all_to_all_v: x needs a row dimension, got a 0-d tensor")
-    if rows.numel():
-        lo, hi = torch.aminmax(rows)
-        if int(lo) < 0 or int(hi) >= x.shape[0]:
-            return ValueError(f"gather_all_to_all_v: rows must lie in [0, {x.shape[0]}) (x's rows), got entries "
-                              f"from {int(lo)} to {int(hi)}")
-    return None
-
-
-def _runs(dest: np.ndarray) -> list:
-    """[(start, stop)] of the runs of ``dest`` that count up by one (destinations of consecutive rows)."""
-    if dest.size == 0:
-        return []
-    cut = (np.flatnonzero(np.diff(dest) != 1) + 1).tolist()
-    return list(zip([0] + cut, cut + [dest.size]))
-
-
-# Own rows whose destinations break into more runs than this are gathered once and placed once.
-_MAX_RUNS = 64
 
 
 class MPIComm(matching.ControlExchange):
@@ -282,7 +255,7 @@ class MPIComm(matching.ControlExchange):
         MPI = _mpi()
         send, recv, err = a2av_counts(x if rows is None else rows, send_counts, recv_counts, self.size)
         if err is None and rows is not None:
-            err = _rows_error(x, rows)
+            err = rows_error(x, rows)
         if err is None and place is not None:
             err = place_error(place, sum(recv))
         mine = torch.tensor(send + recv, dtype=torch.int64)
@@ -322,26 +295,9 @@ class MPIComm(matching.ControlExchange):
     def _own_rows(x: Tensor, rows: Optional[Tensor], place: Optional[Tensor], out: Tensor, s0: int, r0: int,
                   n: int) -> None:
         """This rank's n own rows, ``x[rows[s0:s0+n]]`` (or ``x[s0:s0+n]``), into ``out[place[r0:r0+n]]``
-        (or ``out[r0:r0+n]``), copied once: each run of consecutive destinations is one gather."""
-        src = None if rows is None else rows[s0:s0 + n]
-        if place is None:
-            mine_out = out[r0:r0 + n]
-            if src is None:
-                mine_out.copy_(x[s0:s0 + n])
-            else:
-                torch.index_select(x, 0, src, out=mine_out)
-            return
-        dest = place[r0:r0 + n]
-        if src is None:
-            out.index_copy_(0, dest, x[s0:s0 + n])
-            return
-        d = dest.numpy()
-        runs = _runs(d)
-        if len(runs) > _MAX_RUNS:
-            out.index_copy_(0, dest, x.index_select(0, src))
-            return
-        for a, b in runs:
-            torch.index_select(x, 0, src[a:b], out=out[int(d[a]):int(d[a]) + b - a])
+        (or ``out[r0:r0+n]``), copied once (:func:`fmoe.comm.layout.move_rows`)."""
+        move_rows(x if rows is not None else x[s0:s0 + n], None if rows is None else rows[s0:s0 + n],
+                  None if place is None else place[r0:r0 + n], out if place is not None else out[r0:r0 + n])
 
     def _alltoallv(self, call, x, out, send, sdis, recv, rdis, row_bytes) -> None:
         row = _mpi().BYTE.Create_contiguous(row_bytes).Commit()
@@ -367,10 +323,10 @@ class MPIComm(matching.ControlExchange):
             if index is None:
                 return row.Create_hindexed_block(count, [start * row_bytes]).Commit()
             idx = index.numpy()[start:start + count]
-            runs = _runs(idx)
-            if len(runs) == count:
+            spans = runs(idx)
+            if len(spans) == count:
                 return row.Create_hindexed_block(1, (idx * row_bytes).tolist()).Commit()
-            return row.Create_hindexed([b - a for a, b in runs], [int(idx[a]) * row_bytes for a, _ in runs]).Commit()
+            return row.Create_hindexed([b - a for a, b in spans], [int(idx[a]) * row_bytes for a, _ in spans]).Commit()
 
         try:
             stypes, rtypes = [], []

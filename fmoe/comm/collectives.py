@@ -95,13 +95,14 @@ def _xrows_op(x: Tensor, rows: Optional[Tensor], place: Optional[Tensor], handle
               recv_counts: list[int]) -> Tensor:
     """``all_to_all_v(x[rows], ...)`` with received row i put in row ``place[i]`` of the result (rows
     or place None: in order), on a communicator with ``exchange_rows`` (MPIComm: the rows are read
-    and written where they lie). Others have no such method: :func:`fmoe.parallel` takes them
-    through ``gather_all_to_all_v`` and ``all_to_all_v`` instead."""
+    and written where they lie; TorchDistComm: gathered into and placed from its buffers). Others
+    have no such method: :func:`fmoe.parallel` takes them through ``gather_all_to_all_v`` and
+    ``all_to_all_v`` instead."""
     comm = lookup(handle)
     move = getattr(comm, "exchange_rows", None)
     if move is None:   # the same type on every rank: every rank raises here
-        raise TypeError(f"exchange_rows needs a communicator with an exchange_rows method (MPIComm), got "
-                        f"{type(comm).__name__}: use fmoe.comm.all_to_all_v after an index_select")
+        raise TypeError(f"exchange_rows needs a communicator with an exchange_rows method (MPIComm, "
+                        f"TorchDistComm), got {type(comm).__name__}: use fmoe.comm.all_to_all_v after an index_select")
     return _fresh(move(x.contiguous(), send_counts, recv_counts, rows=rows, place=place), x)
 
 

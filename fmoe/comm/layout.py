@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -138,3 +139,58 @@ def place_error(place: Tensor, R: int) -> Optional[ValueError]:
             return ValueError("exchange_rows: place must send each received row to its own result row (a "
                               "permutation of [0, sum(recv_counts))); it repeats an entry")
     return None
+
+
+def rows_error(x: Tensor, rows: Tensor) -> Optional[ValueError]:
+    """Why ``rows`` cannot index the rows of x (None: it can)."""
+    if rows.dtype != torch.int64 or rows.dim() != 1 or rows.device.type != "cpu" or not rows.is_contiguous():
+        return ValueError(f"gather_all_to_all_v: rows must be a contiguous int64 CPU vector, got {rows.dtype} "
+                          f"{tuple(rows.shape)} on {rows.device}")
+    if x.dim() == 0:
+        return ValueError("gather_all_to_all_v: x needs a row dimension, got a 0-d tensor")
+    if rows.numel():
+        lo, hi = torch.aminmax(rows)
+        if int(lo) < 0 or int(hi) >= x.shape[0]:
+            return ValueError(f"gather_all_to_all_v: rows must lie in [0, {x.shape[0]}) (x's rows), got entries "
+                              f"from {int(lo)} to {int(hi)}")
+    return None
+
+
+def runs(dest: np.ndarray) -> list:
+    """[(start, stop)] of the runs of ``dest`` that count up by one (destinations of consecutive rows)."""
+    if dest.size == 0:
+        return []
+    cut = (np.flatnonzero(np.diff(dest) != 1) + 1).tolist()
+    return list(zip([0] + cut, cut + [dest.size]))
+
+
+# Rows whose destinations break into more runs than this are gathered once and placed once.
+MAX_RUNS = 64
+
+
+def move_rows(x: Tensor, rows: Optional[Tensor], place: Optional[Tensor], out: Tensor) -> None:
+    """``out[place] = x[rows]`` (rows None: x's rows in order; place None: out's rows in order),
+    each row copied once. Consecutive rows read (rows) or written (place) in runs are one block
+    copy per run where there are few runs; else one gather and one placement.
+    ``rows`` / ``place``: contiguous int64 CPU vectors, one entry per moved row."""
+    if rows is None and place is None:
+        out.copy_(x)
+        return
+    d = (rows if place is None else place).numpy()
+    spans = runs(d)
+    if len(spans) > MAX_RUNS:
+        if place is None:
+            torch.index_select(x, 0, rows, out=out)
+        elif rows is None:
+            out.index_copy_(0, place, x)
+        else:
+            out.index_copy_(0, place, x.index_select(0, rows))
+        return
+    for a, b in spans:
+        at = int(d[a])
+        if place is None:      # rows[a:b] consecutive: one block of x
+            out[a:b].copy_(x[at:at + b - a])
+        elif rows is None:     # place[a:b] consecutive: one block of out
+            out[at:at + b - a].copy_(x[a:b])
+        else:
+            torch.index_select(x, 0, rows[a:b], out=out[at:at + b - a])

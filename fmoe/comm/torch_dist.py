@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import math
 import os
 import sys
 from typing import Optional, Sequence
@@ -14,7 +15,8 @@ from torch import Tensor
 from . import matching
 from .buffers import recv_buffer
 from .agreement import end_of_job_check
-from .layout import a2a_front, a2av_counts, front_to_concat, gathered_to_axis, norm_axis, raw_collective
+from .layout import (a2a_front, a2av_counts, front_to_concat, gathered_to_axis, move_rows, norm_axis, place_error,
+                     raw_collective, rows_error)
 from .registry import forget_all, mark_closed
 
 __all__ = ["TorchDistComm"]
@@ -157,6 +159,75 @@ class TorchDistComm(matching.ControlExchange):
         out = recv_buffer(self, (sum(recv),) + tuple(x.shape[1:]), x.dtype, x.device)   # CPU: reused
         self._do(f"all_to_all_v #{call}", lambda: dist.all_to_all_single(
             out, x, output_split_sizes=recv, input_split_sizes=send, group=self.group))
+        return out
+
+    @raw_collective
+    def exchange_rows(self, x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], *,
+                      rows: Optional[Tensor] = None, place: Optional[Tensor] = None) -> Tensor:
+        """``all_to_all_v(x[rows], send_counts, recv_counts)`` with received row i put in row
+        ``place[i]`` of the result (rows or place None: in order); the same bytes as
+        ``mpi_backend.MPIComm.exchange_rows``.
+
+        torch.distributed moves contiguous buffers only: the rows for the peers are gathered into
+        a send buffer and, where ``place`` is given, the received ones placed from a receive
+        buffer (a run of consecutive destinations is one copy). This rank's own rows never enter
+        the exchange: they are copied once, from x to their destinations, while the peers' rows
+        are in flight (the exchange runs asynchronously meanwhile).
+
+        Args:
+            x: contiguous CPU [T, ...]. rows: int64 [sum(send_counts)], entries in [0, T).
+            place: int64 [sum(recv_counts)], a permutation of [0, sum(recv_counts)).
+        Returns:
+            [sum(recv_counts), ...] (a receive buffer of this communicator's pool).
+        """
+        send, recv, err = a2av_counts(x if rows is None else rows, send_counts, recv_counts, self.size)
+        if err is None and rows is not None:
+            err = rows_error(x, rows)
+        if err is None and place is not None:
+            err = place_error(place, sum(recv))
+        if err is None and x.device.type != "cpu":
+            err = ValueError(f"exchange_rows moves CPU tensors only, got a tensor on {x.device}")
+        mine = torch.tensor(send + recv, dtype=torch.int64)
+        inline = err is None and matching.fits(mine)
+        call, ctrl = self._begin("all_to_all_v", x, error=err, payload=mine if inline else None)
+        if ctrl is not None:  # checked: the counts must pair up (recv[u] on w == send[w] on u)
+            if inline:
+                table = matching.payload_of(ctrl, mine)
+            else:
+                table = torch.empty(self.size * 2 * self.size, dtype=torch.int64)
+                self._do(f"all_to_all_v #{call} (counts)",
+                         lambda: _all_gather_tensor(table, mine, group=self.group))
+            matching.check_counts(table.reshape(self.size, 2 * self.size), call)
+        x = x.contiguous()
+        tail = tuple(x.shape[1:])
+        out = recv_buffer(self, (sum(recv),) + tail, x.dtype)   # reused: no fresh pages to fault
+        if math.prod(tail) == 0:   # (from the shape: every rank skips alike)
+            return out
+        me, R = self.rank, out.shape[0]
+        ns, nr, s0, r0 = send[me], recv[me], sum(send[:me]), sum(recv[:me])
+        peer_send, peer_recv = send[:me] + [0] + send[me + 1:], recv[:me] + [0] + recv[me + 1:]
+        if rows is None and (s0 == 0 or s0 + ns == x.shape[0]):
+            sbuf = x[ns:] if s0 == 0 else x[:s0]                 # one piece of x: sent where it lies
+        else:
+            sbuf = recv_buffer(self, (x.shape[0] - ns if rows is None else rows.shape[0] - ns,) + tail, x.dtype)
+            if rows is None:
+                torch.cat([x[:s0], x[s0 + ns:]], out=sbuf)
+            else:
+                move_rows(x, torch.cat([rows[:s0], rows[s0 + ns:]]), None, sbuf)
+        direct = place is None and (r0 == 0 or r0 + nr == R)
+        rbuf = (out[nr:] if r0 == 0 else out[:r0]) if direct else recv_buffer(self, (R - nr,) + tail, x.dtype)
+        work = self._do(f"all_to_all_v #{call}", lambda: dist.all_to_all_single(
+            rbuf, sbuf, output_split_sizes=peer_recv, input_split_sizes=peer_send, group=self.group,
+            async_op=True))
+        if ns:   # this rank's own rows, while the peers' are in flight
+            move_rows(x[s0:s0 + ns] if rows is None else x, None if rows is None else rows[s0:s0 + ns],
+                      None if place is None else place[r0:r0 + nr], out[r0:r0 + nr] if place is None else out)
+        self._do(f"all_to_all_v #{call}", work.wait)
+        if place is not None:
+            move_rows(rbuf, None, torch.cat([place[:r0], place[r0 + nr:]]), out)
+        elif not direct:
+            out[:r0].copy_(rbuf[:r0])
+            out[r0 + nr:].copy_(rbuf[r0:])
         return out
 
     @raw_collective

@@ -63,18 +63,42 @@ def _want(comm, x, rows, place, send, recv):
 def test_placed_rows_equal_the_exchanged_buffer_placed(comm, dtype, tail, rows_kind, place_kind):
     x, rows, place, send, recv = _case(comm, dtype, tail, 3, rows_kind, place_kind)
     want = _want(comm, x, rows, place, send, recv)
-    # with a timeout (MPI_Ialltoallw, polled) and without (the blocking MPI_Alltoallw)
-    for c in (comm, MPIComm(comm.mpi_comm)):
+    # with a timeout (MPI_Ialltoallw, polled) and without (the blocking MPI_Alltoallw); and over gloo
+    # (TorchDistComm: the peers' rows gathered, exchanged asynchronously, placed from a buffer)
+    for c in (comm, MPIComm(comm.mpi_comm), _gloo(comm)):
         assert torch.equal(c.exchange_rows(x, send, recv, rows=rows, place=place), want), c
 
 
 @pytest.mark.parametrize("place_kind", ["runs", "shuffled"])
-def test_own_rows_in_many_runs_and_in_few(comm, place_kind):
+@pytest.mark.parametrize("rows_kind", ["none", "gather"])
+def test_own_rows_in_many_runs_and_in_few(comm, place_kind, rows_kind):
     """This rank sends itself 200 rows: placed in a few runs they are gathered run by run straight
-    into the result, shuffled (more runs than the cut-off, 64) gathered once and placed once."""
-    x, rows, place, send, recv = _case(comm, torch.float32, (3,), 11, "gather", place_kind, own=200)
-    assert torch.equal(comm.exchange_rows(x, send, recv, rows=rows, place=place),
-                       _want(comm, x, rows, place, send, recv))
+    into the result, shuffled (more runs than the cut-off, 64) gathered once and placed once; on
+    MPIComm and on gloo (whose peers' rows take the same copy paths from its buffers)."""
+    x, rows, place, send, recv = _case(comm, torch.float32, (3,), 11, rows_kind, place_kind, own=200)
+    want = _want(comm, x, rows, place, send, recv)
+    for c in (comm, _gloo(comm)):
+        assert torch.equal(c.exchange_rows(x, send, recv, rows=rows, place=place), want), c
+
+
+def test_gloo_rows_sent_in_runs_and_received_in_place(comm):
+    """TorchDistComm's copy paths past the ones above: rows read in runs (the return trip's gather of
+    the expert-order outputs), place None (received straight into the result where the peers'
+    rows are one piece, through a buffer where this rank's own lie between them: 3+ ranks), and
+    an empty exchange; the same bytes as MPIComm."""
+    W, r = comm.size, comm.rank
+    g = torch.Generator().manual_seed(21 + r)
+    send = [2 + (r + u) % 3 for u in range(W)]
+    recv = [2 + (u + r) % 3 for u in range(W)]
+    x = torch.randn(sum(send) + 5, 4, generator=g)
+    blocks = torch.randperm(sum(send) // 2 + 1, generator=g)[:len(send)]
+    rows = torch.cat([torch.arange(2 * int(b), 2 * int(b) + c) % x.shape[0] for b, c in zip(blocks, send)])
+    for rw, pl in ((rows, None), (None, None), (rows, torch.randperm(sum(recv), generator=g))):
+        xs = x if rw is not None else x[:sum(send)]
+        assert torch.equal(_gloo(comm).exchange_rows(xs, send, recv, rows=rw, place=pl),
+                           comm.exchange_rows(xs, send, recv, rows=rw, place=pl))
+    zero = [0] * W
+    assert _gloo(comm).exchange_rows(torch.zeros(0, 3), zero, zero).shape == (0, 3)
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -96,12 +120,15 @@ def test_bad_place_raises_on_every_rank(comm, bad, match):
 
 
 def test_the_op_refuses_a_communicator_without_the_method(comm):
+    from fmoe.comm import LocalComm
+    with pytest.raises(TypeError, match="exchange_rows needs a communicator with an exchange_rows method"):
+        torch.ops.fmoe.exchange_rows(torch.zeros(1, 2), None, None, handle_of(LocalComm()), [1], [1])
+
+
+def _gloo(comm):
     init_gloo(comm)
     from fmoe.comm import TorchDistComm
-    gloo = TorchDistComm()
-    W = comm.size
-    with pytest.raises(TypeError, match="exchange_rows needs a communicator with an exchange_rows method"):
-        torch.ops.fmoe.exchange_rows(torch.zeros(W, 2), None, None, handle_of(gloo), [1] * W, [1] * W)
+    return TorchDistComm()
 
 
 def test_placed_fronts_equal_the_unplaced_composition_with_gradients(comm):
@@ -158,13 +185,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["ffn", "gated_ffn", "gpt_oss"])
 @pytest.mark.parametrize("cf", [0.0, 1.0])
-def test_placed_route_equals_the_unplaced_route_bit_for_bit(comm, monkeypatch, kind, cf):
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_placed_route_equals_the_unplaced_route_bit_for_bit(comm, monkeypatch, kind, cf, backend):
     """The expert-parallel training step on MPIComm's placed route (in-order plan: no gather, zero
     fill or scatter) against the same step with exchange_rows hidden (rows received source-major,
     the plan's permuted index): the output and the gradients of x, the gate and the experts
     equal to the bit, -0.0 included: each output row reaches the caller only through a sum that
     starts from +0.0 (the combine, dx's combine over the layout), where -0.0 and +0.0 add alike.
-    The placed route is the one taken (the spy sees it)."""
+    The placed route is the one taken (the spy sees it). The same over gloo (TorchDistComm)."""
     from _helpers import full_params, local_batch, local_params, make_spec
     from fmoe.parallel import ParallelSpec
     W = comm.size
@@ -178,16 +206,17 @@ def test_placed_route_equals_the_unplaced_route_bit_for_bit(comm, monkeypatch, k
     def step():
         p = {gr: {k: v.detach().clone().requires_grad_(True) for k, v in d.items()} for gr, d in local.items()}
         xs = x.clone().requires_grad_(True)
-        y, _ = fmoe.moe(p, xs, spec, comm=comm, parallel=ParallelSpec())
+        y, _ = fmoe.moe(p, xs, spec, comm=c, parallel=ParallelSpec())
         (y * cot).sum().backward()
         return [y, xs.grad] + [v.grad for d in p.values() for v in d.values()]
 
+    c = comm if backend == "mpi" else _gloo(comm)
     placed = []
-    real = MPIComm.exchange_rows
-    monkeypatch.setattr(MPIComm, "exchange_rows", lambda self, *a, **kw: placed.append(1) or real(self, *a, **kw))
+    real = type(c).exchange_rows
+    monkeypatch.setattr(type(c), "exchange_rows", lambda self, *a, **kw: placed.append(1) or real(self, *a, **kw))
     a = step()
     assert len(placed) == 4, f"the placed route ran {len(placed)} placed exchanges, not 4"
-    monkeypatch.delattr(MPIComm, "exchange_rows")
+    monkeypatch.delattr(type(c), "exchange_rows")
     b = step()
     for i, (u, v) in enumerate(zip(a, b)):
         assert torch.equal(_bits(u), _bits(v)), f"{kind} cf={cf}: tensor {i} differs in its bits"
