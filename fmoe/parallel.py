@@ -43,6 +43,7 @@ from .comm import compress as _compress
 from .comm import matching
 from .comm.agreement import InconsistentRanksError, agree_across_ranks  # step agreement, re-exported
 from .comm.hierarchical import Hierarchical2DComm
+from .comm.layout import plain
 from .comm.registry import cache_of, calls_of, handle_of
 from .engine import kinds as _kinds
 from .engine import traced as _traced
@@ -372,10 +373,69 @@ def _layout_tokens(layout: Layout, num_tokens: int) -> Tensor:
 
 def _engine_form(experts, params, x: Tensor) -> dict:
     """The kind's :func:`~fmoe.experts.expert_form` and, as ``kw["door"]``, the engine door
-    (:func:`fmoe.engine.traced.door`) that runs these experts on x."""
+    (:func:`fmoe.engine.traced.door`) that runs these experts on x; ``kw["lift"]``: the level of
+    the one torch.func grad level the eager rows plan runs beneath (:class:`_BelowGrad`), else None.
+
+    Where the door is the traced op only because of a single grad level (``torch.func.grad``,
+    ``vjp``; nothing else: no vmap, jvp, second derivative or compile), the received rows take the
+    eager door beneath that level instead: the same plan and kernels, and the placed exchanges
+    and in-order plan that eager mode runs (the op builds its plan inside it and gathers and
+    scatters its rows by index)."""
     kw = expert_form(experts, params)
     d = door(kw["form"], (x, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"]), precision=experts.precision)
-    return {**kw, "door": d}
+    lift = _grad_level() if d == "traced" else None
+    return {**kw, "door": "rows" if lift is not None else d, "lift": lift}
+
+
+def _grad_level() -> Optional[int]:
+    """The level of the call's torch.func transforms where they are exactly one grad level in eager
+    mode (no forward-mode AD), else None."""
+    if torch.compiler.is_compiling() or torch.autograd.forward_ad._current_level >= 0:
+        return None
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    if len(stack) != 1 or stack[0].key() != torch._C._functorch.TransformType.Grad:
+        return None
+    return stack[0].level()
+
+
+class _BelowGrad(torch.autograd.Function):
+    """``run(*tensors)`` (the eager engine: a rows plan through :func:`fmoe.engine.kinds.run`,
+    whose kernels read plain tensors' storage) under one torch.func grad level: torch.func runs
+    this forward beneath the level on the unwrapped tensors, where ``run`` records a plain
+    autograd graph; backward replays that graph beneath the level (``torch.autograd.grad`` for
+    the inputs the level differentiates, ``needs``) and lifts its gradients to the level. First
+    order only (:func:`_grad_level`); ``box``: a one-call :class:`_Box` that hands the graph from
+    forward to setup_context."""
+
+    @staticmethod
+    def forward(box, needs, *tensors):
+        leaves = [None if t is None else t.detach().requires_grad_(n) for t, n in zip(tensors, needs)]
+        with torch.enable_grad():
+            y = box.run(*leaves)
+        box.graph = (y, leaves)
+        return y.detach()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        # (torch.func calls it twice: for the Function it runs beneath the level and for its own)
+        ctx.graph, ctx.level = inputs[0].graph, inputs[0].level
+
+    @staticmethod
+    def backward(ctx, g):
+        (y, leaves), ctx.graph = ctx.graph, None
+        want = [t for t in leaves if t is not None and t.requires_grad]
+        with torch._functorch.pyfunctorch.retrieve_current_functorch_interpreter().lower():
+            got = iter(torch.autograd.grad(y, want, torch._C._functorch._unwrap_for_grad(g, ctx.level)))
+        lift = torch._C._functorch._wrap_for_grad
+        return (None, None, *(lift(next(got), ctx.level) if t is not None and t.requires_grad else None
+                              for t in leaves))
+
+
+class _Box:
+    __slots__ = ("run", "level", "graph")
+
+    def __init__(self, run, level: int):
+        self.run, self.level, self.graph = run, level, None
 
 
 def _received_routing(x: Tensor, mask: Tensor, rows: Optional[Tensor]):
@@ -445,13 +505,25 @@ def _engine_rows(experts, params, x: Tensor, mask: Tensor, save: str, generator,
         bounds.append(bounds[-1] + c)
     weights = (*kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"])
     needs_grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (x, *weights))
-    plan = plan_from_bounds(rows, rows, bounds, flat.shape[0], needs_grad=needs_grad, dtype=flat.dtype,
-                            precision=experts.precision, in_order=in_order)
+    rows = plain(rows)   # (made under a grad level: a wrapper with no storage for the plan's kernels)
+
+    def make_plan():
+        return plan_from_bounds(rows, rows, bounds, flat.shape[0], needs_grad=needs_grad, dtype=flat.dtype,
+                                precision=experts.precision, in_order=in_order)
+
+    n_in = len(kw["w_in"])
     # w_rows None: every gate 1 (the gates act at the source rank's combine), no product by them
     if kw["door"] == "rows":
-        y = _kinds.run(kw["form"], flat, None, plan, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"],
-                       save=save, generator=generator)
+        def run(f, *w):
+            return _kinds.run(kw["form"], f, None, make_plan(), w[:n_in], w[n_in], b_in=w[n_in + 1],
+                              b_out=w[n_in + 2], save=save, generator=generator)
+        if kw["lift"] is None:
+            y = run(flat, *weights)
+        else:
+            ts = (flat, *weights)
+            y = _BelowGrad.apply(_Box(run, kw["lift"]), [t is not None and t.requires_grad for t in ts], *ts)
     else:
+        plan = make_plan()
         mm = _kinds._rows_mm(select(plan, generator=generator), plan, generator)
         y = _kinds.reference(kw["form"], flat, None, plan, kw["w_in"], kw["b_in"], kw["w_out"], kw["b_out"], mm=mm)
     return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -99,10 +99,11 @@ def traced_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("kind,cf", [("ffn", 1.25), ("swiglu", 2.0), ("gpt_oss", 0.0)])
-def test_torch_func_grad_runs_the_traced_op_and_equals_one_process(comm, traced_calls, kind, cf):
-    """Under torch.func.grad each rank's received rows go through the traced op (a routing of
-    k = 1 over the received rows, empty padded rows masked), in plain, data and sharded modes;
-    outputs and expert gradients equal one process."""
+def test_torch_func_grad_runs_the_eager_engine_and_equals_one_process(comm, engine_rows, traced_calls, kind, cf):
+    """Under torch.func.grad (one grad level) each rank's received rows run the eager engine beneath
+    the level (fmoe.parallel._BelowGrad: a rows plan through kinds.run, the traced op not at all),
+    in plain, data and sharded modes; outputs and expert gradients equal one process, and x's
+    gradient equals eager autograd's."""
     W = comm.size
     for E, par in ((2 * W, ParallelSpec()), (2 * W, ParallelSpec(mode="adaptive:0")),
                    (max(1, W // 2), ParallelSpec(mode="model"))):
@@ -115,20 +116,25 @@ def test_torch_func_grad_runs_the_traced_op_and_equals_one_process(comm, traced_
                           dtype=torch.float64)
         local = local_params(spec, full, comm)
 
-        def loss(experts):
-            y, _ = fmoe.moe({**local, "experts": experts}, x, spec, comm=comm, parallel=par)
+        def loss(experts, xs):
+            y, _ = fmoe.moe({**local, "experts": experts}, xs, spec, comm=comm, parallel=par)
             return (y * cot).sum(), y
 
         traced_calls.clear()
-        g, yd = torch.func.grad(loss, has_aux=True)(local["experts"])
+        engine_rows.clear()
+        (g, gx), yd = torch.func.grad(loss, argnums=(0, 1), has_aux=True)(local["experts"], x)
         tag = f"{kind} cf={cf} E={E} {par}"
-        assert traced_calls, f"{tag}: the traced op did not run"
+        assert engine_rows and not traced_calls, f"{tag}: engine calls {engine_rows}, traced op calls {traced_calls}"
         yr, gr = reference(spec, full, x, W, par, cot)
         allclose(yd, yr, f"output {tag}")
         summed = {k: comm.all_reduce(v, "sum") for k, v in gr["experts"].items() if v is not None}
         mine = shard_experts(kind, summed, E, comm.rank, W)
         for k in mine:
             allclose(g[k], mine[k], f"grad experts.{k} {tag}")
+        xe = x.clone().requires_grad_(True)
+        ye, _ = fmoe.moe(local, xe, spec, comm=comm, parallel=par)
+        (ye * cot).sum().backward()
+        allclose(gx, xe.grad, f"grad x {tag}")
 
 
 @pytest.mark.parametrize("cf", [1.25, 0.0])
