@@ -10,8 +10,8 @@ each timed as its own call on the routing / plan / rows the layer makes:
   allocations; the kernel's own argument checks excluded) is timed in place;
 * ``checks``: ``moe._check_input`` + ``moe.check_params``;
 * ``route``: ``moe._route`` (router GEMM, scores, top-k, finiteness check, slots, capacity, the
-  Routing and the GShard loss);
-* ``plan``: ``engine.make_plan`` + ``plan.row_weights``;
+  Routing and the GShard loss; where the router's native call runs, the plan's rows too);
+* ``plan``: ``engine.make_plan`` + ``plan.row_weights`` (given the native call's rows where it made them);
 * ``experts``: ``fmoe.experts.routed_experts`` (door, expert form, plan, ``kinds.run``: both GEMMs included);
 * ``gemms`` (packed): the layer's two ``fmoe.quant.packed.grouped_matmul`` calls on rows of the
   plan's shape; ``gemms_check``: their argument validation alone (``packed._check``, where the
@@ -143,9 +143,17 @@ def sections(fmt: str, T: int, grad: bool = False):
         return moe._route(params, x, spec, kind, comm=None, generator=None, noise=None, training=False, alignment=1)
 
     routing = route()[0]
+    # where the router's native call made the plan's rows with the routing (fmoe.routers.route_native),
+    # the plan and experts sections take them as the layer does: put back before each call
+    rows = routing.__dict__.get("_rows")
+
+    def given():
+        if rows is not None:
+            routing.__dict__["_rows"] = rows
+        return routing
 
     def plan():
-        p = _plan.make_plan(routing, needs_grad=False, dtype=torch.float32)
+        p = _plan.make_plan(given(), needs_grad=False, dtype=torch.float32)
         return p.row_weights(routing.weights)
 
     def checks():
@@ -153,7 +161,7 @@ def sections(fmt: str, T: int, grad: bool = False):
         moe.check_params(params, spec)
 
     steps = {"layer": lambda: fmoe.moe(params, x, spec), "checks": checks, "route": route, "plan": plan,
-             "experts": lambda: fmoe.experts.routed_experts(spec.experts, w, x, routing, layout_kind=kind)}
+             "experts": lambda: fmoe.experts.routed_experts(spec.experts, w, x, given(), layout_kind=kind)}
     if fmt != "float32":
         pl = _plan.make_plan(routing, needs_grad=False, dtype=torch.float32)
         a, h = torch.randn(pl.num_rows, M, generator=g), torch.randn(pl.num_rows, I, generator=g)

@@ -216,3 +216,88 @@ def kept_rows(ids: Tensor, slots: Tensor, counts: Tensor, capacity: int, out: Te
         return ext.kept_rows(_int64(ids), _int64(slots), _int64(counts), capacity, out, pairs)
     return int(numba_walks().kept_rows_walk(int64_array(ids), int64_array(slots), int64_array(counts), capacity,
                                             out.numpy(), pairs.numpy()))
+
+
+# --------------------------------------------------------------------------- a small call's routing
+
+# route_rows' normalisations of the k selected scores (the same codes in walks.cpp)
+ROUTE_RAW, ROUTE_TUTEL, ROUTE_SUM = 0, 1, 2
+# route_rows' status codes
+ROUTE_NON_FINITE, ROUTE_ZERO_CAPACITY = 1, 2
+# torch.sum's orders of addition over a contiguous float row of k (walks.cpp torch_row_sum)
+_SUM_SCALAR, _SUM_VECTOR8 = 0, 1
+_SUM_ORDER = None
+
+
+def sum_orders() -> tuple:
+    """(largest k whose sum route_rows adds in torch's order, the order code for 8 <= k): read once
+    from torch.sum itself on rows whose result tells the orders apart (torch picks its reduction
+    kernel by the host's CPU capability, so this is a fact of this process, not of the source).
+    (4, None) where neither known order matches: route_rows then normalises only k <= 4, where
+    every order torch has is the plain left-to-right sum."""
+    global _SUM_ORDER
+    if _SUM_ORDER is None:
+        tiny = 2.0 ** -24
+        # k = 5: four running sums over the columns mod 4 cancel 1 - 1 first and keep the tiny terms; a
+        # left-to-right sum loses them against 1. k = 12: the two known orders of 8 <= k < 16 differ.
+        row5 = [1.0, tiny, tiny, tiny, -1.0]
+        row12 = [1.0, tiny, tiny, tiny, tiny, tiny, tiny, -1.0, tiny, tiny, tiny, tiny]
+        got5, got12 = (float(torch.tensor([r]).sum(dim=-1)) for r in (row5, row12))
+        if got5 != _float_sum_scalar(row5):
+            _SUM_ORDER = (4, None)
+        elif got12 == _float_sum_vector8(row12):
+            _SUM_ORDER = (15, _SUM_VECTOR8)
+        elif got12 == _float_sum_scalar(row12):
+            _SUM_ORDER = (15, _SUM_SCALAR)
+        else:
+            _SUM_ORDER = (7, None)
+    return _SUM_ORDER
+
+
+def _f32(v: float) -> float:
+    return float(np.float32(v))
+
+
+def _float_sum_scalar(v: list) -> float:
+    """walks.cpp's four-running-sums order (float32), for the probe."""
+    k = len(v)
+    rows = k // 4
+    p = []
+    for c in range(4):
+        a = 0.0
+        for i in range(rows):
+            a = _f32(a + v[i * 4 + c])
+        p.append(a)
+    for i in range(rows * 4, k):
+        p[0] = _f32(p[0] + v[i])
+    return _f32(_f32(_f32(p[0] + p[1]) + p[2]) + p[3])
+
+
+def _float_sum_vector8(v: list) -> float:
+    """walks.cpp's 8-float-vector order (float32), for the probe."""
+    acc = 0.0
+    for x in v[8:]:
+        acc = _f32(acc + x)
+    for x in v[:8]:
+        acc = _f32(acc + x)
+    return acc
+
+
+def route_rows_ready(k: int, norm: int) -> bool:
+    """Whether :func:`route_rows` runs k gates normalised by ``norm``: the extension is built and, for a
+    normalisation, k is within the sums it adds in torch's order (:func:`sum_orders`)."""
+    ext = extension()
+    return ext is not None and hasattr(ext, "route_rows") and (norm == ROUTE_RAW or k <= sum_orders()[0])
+
+
+def route_rows(sel: Tensor, logits: Tensor, k: int, norm: int, out_dtype: torch.dtype, by_token: bool,
+               cap_fixed: int, cap_limit: int, align: int, frac: bool):
+    """One small CPU call's top-k, gates, slots, capacity and kept rows (walks.cpp ``route_rows``;
+    call it where :func:`route_rows_ready`).
+
+    sel: contiguous CPU [T, E] float32 (bfloat16/float16 with ``norm`` ROUTE_RAW): the scores top-k
+    selects on; logits: [T, E] the router's logits (ROUTE_NON_FINITE where one is NaN or Inf).
+    Returns walks.cpp's tuple (status, ids, gates, slots, counts, tokens, pairs, offsets, dropped,
+    row gates, bounds, capacity, frac)."""
+    order = sum_orders()[1] if norm != ROUTE_RAW and k >= 8 else _SUM_SCALAR
+    return _EXT.route_rows(sel, logits, k, norm, order, out_dtype, by_token, cap_fixed, cap_limit, align, frac)

@@ -55,7 +55,7 @@ def _host_ints(t: Tensor) -> bool:
             and not torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is None)
 
 
-def gshard_loss(scores: Tensor, top1_ids: Tensor) -> Tensor:
+def gshard_loss(scores: Tensor, top1_ids: Optional[Tensor], *, fraction: Optional[Tensor] = None) -> Tensor:
     """GShard balance loss with top-1 ids only (Tutel quirk §15.4):
 
         l = E * sum_e mean_t(scores[t, e]) * frac1_e
@@ -63,11 +63,15 @@ def gshard_loss(scores: Tensor, top1_ids: Tensor) -> Tensor:
     Args:
         scores: [T, E] (noisy) softmax scores.
         top1_ids: int [T], the slot-0 expert of every token.
+        fraction: frac1 [E] in scores' dtype, where already counted (fmoe.routers.route_native: the same
+            counts over T, one division), instead of ``top1_ids``.
     Returns:
         scalar; 1.0 for uniform scores with a balanced top-1 assignment.
     """
     E = scores.shape[1]
-    return E * (scores.mean(0) * _fraction_routed(top1_ids, E, scores.dtype)).sum()
+    if fraction is None:
+        fraction = _fraction_routed(top1_ids, E, scores.dtype)
+    return E * (scores.mean(0) * fraction).sum()
 
 
 def switch_loss(scores: Tensor, top1_ids: Tensor) -> Tensor:

@@ -27,6 +27,7 @@ from .layout import LAYOUTS
 from .losses import gshard_loss, load_importance_loss
 from .ops.orders import COMBINES
 from .routers import GateSpec, RouterOutput, init_router
+from .routers import native_applies, route_native
 from .routers import route as _router_route
 from .routing import Routing, _capacity_factor, capacity_for
 
@@ -381,6 +382,7 @@ def route(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator=None, 
     kind = spec.layout_kind(1 if comm is None else comm.size)
     routing, out, l_aux = _route(params, x, spec, kind, comm=comm, generator=generator, noise=noise,
                                  training=training, alignment=alignment)
+    routing.__dict__.pop("_rows", None)   # route_native's rows are for the plan of a moe call only
     return routing, l_aux
 
 
@@ -419,15 +421,25 @@ def _route(params, x, spec: MoESpec, kind: str, *, comm, generator, noise, train
         elif comm is None or comm.size == 1:   # expert parallel ranks agree on the max load
             capacity = capacity_for(gs.static_capacity_factor, num_tokens=T, num_experts=spec.num_experts, k=k,
                                     max_load=T, alignment=spec.alignment if alignment is None else alignment)
-    routing, out = _router_route(params["gate"], x, gs, num_experts=spec.num_experts,
-                                 normalize=spec.normalize_gate, batch_prioritized=spec.batch_prioritized,
-                                 training=training, generator=generator, noise=noise,
-                                 alignment=spec.alignment if alignment is None else alignment, comm=comm,
-                                 capacity=capacity)
+    align = spec.alignment if alignment is None else alignment
+    native = None
+    if (capacity is None and noise is None and not spec.batch_prioritized and (comm is None or comm.size == 1)
+            and native_applies(params["gate"], x, gs, training)):
+        # a small eager call: top-k, gates, slots and the plan's rows in one native call, the same values
+        native = route_native(params["gate"], x, gs, num_experts=spec.num_experts, normalize=spec.normalize_gate,
+                              alignment=align, fraction=spec.balance_loss and spec.is_gshard_loss)
+    fraction = None
+    if native is not None:
+        routing, out, fraction = native
+    else:
+        routing, out = _router_route(params["gate"], x, gs, num_experts=spec.num_experts,
+                                     normalize=spec.normalize_gate, batch_prioritized=spec.batch_prioritized,
+                                     training=training, generator=generator, noise=noise, alignment=align,
+                                     comm=comm, capacity=capacity)
     if gs.type == "expert_choice" or not spec.balance_loss:  # expert choice: balanced by construction
         l_aux = out.scores.new_zeros(())
     elif spec.is_gshard_loss:
-        l_aux = gshard_loss(out.scores, routing.expert_ids[0])
+        l_aux = gshard_loss(out.scores, None if fraction is not None else routing.expert_ids[0], fraction=fraction)
     else:
         l_aux = load_importance_loss(out.logits, out.noisy_logits, gs.k, gs.gate_noise)
     return routing, out, l_aux
@@ -554,6 +566,7 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
                               prescore=not spec.is_postscore, order=spec.combine, save=spec.save,
                               generator=generator)
         dropped = routing.num_dropped()
+    routing.__dict__.pop("_rows", None)   # route_native's rows, where no rows plan took them
     if x.dim() != 2 or torch.compiler.is_compiling():
         # (eager [T, M]: no reshape, a dispatched op. Traced it costs nothing, and dynamo cannot set an
         # attribute on the traced expert op's own output, which fmoe.nn does: y.l_aux)

@@ -61,7 +61,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from .routing import Routing, _group_max, _routing_of, _top_k, check_finite
+from . import _slots
+from .routing import Routing, _capacity_factor, _group_max, _routing_of, _top_k, _trusted_routing, capacity_bound
+from .routing import capacity_for, check_finite
 
 __all__ = [
     "ROUTER_TYPES", "GATE_TYPES", "SCORE_FNS", "GateSpec", "RouterOutput",
@@ -759,6 +761,112 @@ def _expert_choice_routing(out: RouterOutput, num_experts: int, *, alignment: in
         cap = capacity
     counts = (out.expert_ids >= 0).sum(dim=1)
     return Routing(out.expert_ids, out.slots, out.weights, counts, int(cap), int(num_experts))
+
+
+# --------------------------------------------------------------------------- one native call
+
+# Routers whose selection, gates and rows one native call makes (route_native); calls up to this
+# many tokens (decode and small batches: their host work is the call's; prefill keeps the torch ops).
+_NATIVE_TYPES = ("top", "cosine_top", "qwen", "mixtral", "gpt_oss")
+NATIVE_MAX_TOKENS = 64
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def native_applies(params: dict, x: Tensor, spec: GateSpec, training: bool) -> bool:
+    """Whether :func:`route_native` may run this call: eager (no torch.compile, no torch.func
+    transform), nothing that needs a gradient from the router, CPU tokens [T, M] with 0 < T <=
+    NATIVE_MAX_TOKENS, a router of ``_NATIVE_TYPES`` and no training noise or jitter."""
+    if spec.type not in _NATIVE_TYPES or (training and (spec.gate_noise > 0 or spec.jitter_eps > 0)):
+        return False
+    if type(x) is not Tensor or x.device.type != "cpu" or x.dim() != 2 or not 0 < x.shape[0] <= NATIVE_MAX_TOKENS:
+        return False
+    if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(isinstance(v, Tensor) and v.requires_grad
+                                                           for v in params.values())):
+        return False
+    return True
+
+
+def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, normalize: bool, alignment: int,
+                 fraction: bool):
+    """:func:`route` of one small eager CPU call (:func:`native_applies`, one process, no batch
+    priority, computed capacity) with its top-k, gates, slots, capacity and kept rows made by one
+    native call (fmoe/ops/csrc/walks.cpp ``route_rows``), or None where it does not apply (the
+    extension not built, k past the gate sums it adds in torch's order, half-precision Tutel
+    scores to normalise): then :func:`route` runs.
+
+    The logits and scores are the torch ops of :func:`route` (the router GEMM, the softmax); the
+    selection is torch.topk's algorithm with its tie order, the normalisation torch.sum's order of
+    additions and one IEEE division, so ids, gates, slots and counts equal :func:`route`'s bit for
+    bit (tests/test_native_route.py). gpt_oss's softmax over the k selected logits stays a torch op.
+
+    Returns:
+        (routing, router output, fraction): fraction is the float32 [E] share of tokens whose slot-0
+        expert is e (the GShard loss's) where ``fraction`` and the scores are float32, else None.
+        The routing carries its kept rows for the plan of the same call (:func:`fmoe.engine.plan.make_plan`
+        takes them once; :func:`fmoe.moe.moe` drops them before returning).
+    """
+    t, E, T = spec.type, num_experts, x.shape[0]
+    k = min(spec.k, E) if t in ("top", "cosine_top") else spec.k
+    if k > E or (t == "gpt_oss" and not normalize) or isinstance(alignment, bool) or not isinstance(alignment, int) \
+            or alignment < 1:
+        return None   # route raises its own error
+    if t in ("top", "cosine_top"):
+        dt = torch.float32 if spec.fp32_gate else x.dtype
+        norm = _slots.ROUTE_TUTEL if normalize and k > 1 else _slots.ROUTE_RAW
+        if dt not in _NATIVE_DTYPES or (norm != _slots.ROUTE_RAW and dt != torch.float32):
+            return None
+    elif x.dtype not in _NATIVE_DTYPES:
+        return None
+    else:
+        norm = _slots.ROUTE_SUM if normalize and t != "gpt_oss" else _slots.ROUTE_RAW
+    if not _slots.route_rows_ready(k, norm):
+        return None
+    _check_x(x)
+    check_router_params(params, spec, E, x.shape[1])
+    cf = _capacity_factor(spec.static_capacity_factor)
+    try:
+        cap_fixed = capacity_for(cf, num_tokens=T, num_experts=E, k=k, alignment=alignment) if cf > 0 else -1
+    except ValueError:
+        return None   # route raises it, after its own checks of the logits
+    cap_limit = k * int(-cf * -(-T // E)) if cf < 0 else -1
+    align = 1 if cf > 0 else (alignment if alignment <= 256 else -(-alignment // 128) * 128)
+    by_token, noisy = False, None
+    if t in ("top", "cosine_top"):
+        logits = (cosine_gate if t == "cosine_top" else linear_gate)(params, x, fp32=spec.fp32_gate)
+        scores = sel = scores_from_logits(logits, spec.score_fn)
+        noisy, out_dtype = logits, scores.dtype
+    elif t == "gpt_oss":
+        wg, bias = params["wg"], params["bias"]
+        w = wg if wg.dtype == x.dtype else wg.to(x.dtype)
+        logits = sel = F.linear(x, w, None if bias is None else (bias if bias.dtype == x.dtype else bias.to(x.dtype)))
+        out_dtype, by_token = logits.dtype, True
+    else:   # qwen, mixtral: dt logits, an fp32 softmax, fp32 gates (qwen's cast to dt)
+        wg = params["wg"]
+        logits = F.linear(x, wg if wg.dtype == x.dtype else wg.to(x.dtype))
+        if t == "qwen":
+            scores = sel = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        else:
+            scores = sel = torch.softmax(logits.float(), dim=-1)
+        out_dtype = logits.dtype if t == "qwen" else torch.float32
+    frac = fraction and (t == "gpt_oss" or sel.dtype == torch.float32)   # the scores the loss reads are float32
+    res = _slots.route_rows(sel, logits, k, norm, out_dtype, by_token, cap_fixed, cap_limit, align, frac)
+    status, ids, gates, slots, counts, tokens, pairs, offsets, dropped, row_gates, bounds, C, share = res
+    if status == _slots.ROUTE_NON_FINITE:
+        _check_logits(logits)   # raises, naming the rows
+    if status == _slots.ROUTE_ZERO_CAPACITY or C > capacity_bound(k, T):
+        capacity_for(cf, num_tokens=T, num_experts=E, k=k, max_load=int(counts.max()) if status == 0 else 1,
+                     alignment=alignment)   # raises the torch path's error
+    if status:
+        raise AssertionError(f"route_rows status {status} raised no error")
+    if t == "gpt_oss":
+        gates = torch.softmax(gates, dim=-1, dtype=gates.dtype).t().contiguous()   # [T, k] -> [k, T]
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    routing = _trusted_routing(ids, slots, gates, counts, C, E, shapes=False)
+    # the kept rows for this call's plan (taken once by make_plan; not part of the Routing's value)
+    routing.__dict__["_rows"] = (tokens, pairs, bounds, dropped, offsets, row_gates)
+    return routing, RouterOutput(ids, gates, logits, scores, noisy, type=t), share
 
 
 def route(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, normalize: bool = True,

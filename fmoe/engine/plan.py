@@ -135,6 +135,9 @@ class ExpertPlan:
     def row_weights(self, weights: Tensor) -> Tensor:
         """The gate weight of each row: [N] from the routing's [k, T] ``weights`` (a device
         plan's dead rows 0, and no gradient through them)."""
+        given = self.__dict__.get("_row_gates")
+        if given is not None and given[0] is weights and not weights.requires_grad:
+            return given[1]   # route_native gathered them with the rows
         w = weights.reshape(-1).index_select(0, self.pairs)
         return w if self.bounds is not None else w.masked_fill(self.dead, 0)
 
@@ -351,6 +354,15 @@ def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precisi
     if layout is not None:
         return LayoutPlan(routing, layout, dtype, precision)
     ids = routing.expert_ids
+    # the kept rows that fmoe.routers.route_native made with the routing, taken once (a CPU routing)
+    given = routing.__dict__.pop("_rows", None)
+    if given is not None and not device_rows:
+        tokens, pairs, bounds, dropped, offsets, row_gates = given
+        plan = ExpertPlan(tokens, pairs, offsets, bounds, routing.num_tokens, dropped,
+                          phase_of(needs_grad, bounds[-1], len(set(bounds)) - 1), dtype, precision, routing.k)
+        if row_gates is not None:
+            plan.__dict__["_row_gates"] = (routing.weights, row_gates)
+        return plan
     if device_rows or (device_rows is None and device_rows_by_default(ids.device, dtype, precision)):
         return device_plan(ids, routing.slots, routing.num_experts, routing.capacity, needs_grad=needs_grad,
                            dtype=dtype, precision=precision)

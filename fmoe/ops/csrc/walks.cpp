@@ -5,13 +5,29 @@
 // twins, the fallback where this is not built. Both are serial running counts, O(k*T), and
 // integer-exact: equal to the twins and to the pure-torch references by construction.
 //
+// A third, route_rows, is a small no-grad CPU call's whole routing after the router's scores: top-k,
+// the gates' normalisation, slots, capacity and the kept rows, in one call (fmoe.routers.route_native).
+// Its arithmetic is torch's, operation for operation: the same selection and tie order as
+// torch.topk on the CPU, the same order of additions as torch.sum over the k gates (the caller
+// names which, fmoe/_slots.py probes it) and one IEEE division; so its gates equal the torch
+// path's bit for bit.
+//
 // The Python front (fmoe/_slots.py) converts the arguments (int64, contiguous, CPU) and turns
 // the status codes into errors; the checks here are the backstop that keeps a caller who skips
 // it from reading or writing outside a buffer.
 #include <torch/extension.h>
 
+#include <ATen/EmptyTensor.h>
+#include <ATen/OpMathType.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -138,6 +154,206 @@ int64_t kept_rows(const at::Tensor& ids, const at::Tensor& slots, const at::Tens
   return N;
 }
 
+// --------------------------------------------------------------------------- route_rows
+
+// torch.topk's queue element on the CPU: (value in the accumulate type, index); for float
+// and the half types the accumulate type is double or float, either exact for the value.
+using Elem = std::pair<double, int64_t>;
+
+// torch.topk(largest=True)'s order: NaN first, then greater values. Not a total order on ties,
+// so the tie order is the algorithm's: top_k_row runs torch's algorithm (the same libstdc++
+// heap, nth_element and sort on the same sequence), which picks the same indices in the same order.
+struct Greater {
+  bool operator()(const Elem& a, const Elem& b) const {
+    return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
+  }
+};
+
+template <typename scalar_t>
+inline double widen(scalar_t v) {
+  return static_cast<double>(static_cast<at::opmath_type<scalar_t>>(v));
+}
+
+// The k largest of row[0:E] into q[0:k] (sorted: largest first), as torch.topk(sorted=True)
+// on the CPU: std::partial_sort for k * 64 <= E, else nth_element and a sort of the first k - 1.
+template <typename scalar_t>
+void top_k_row(const scalar_t* row, int64_t E, int64_t k, std::vector<Elem>& q) {
+  const Greater comp;
+  q.resize(E);
+  for (int64_t j = 0; j < E; ++j) q[j] = Elem(widen(row[j]), j);
+  if (k * 64 <= E) {
+    std::partial_sort(q.begin(), q.begin() + k, q.end(), comp);
+  } else {
+    std::nth_element(q.begin(), q.begin() + k - 1, q.end(), comp);
+    std::sort(q.begin(), q.begin() + k - 1, comp);
+  }
+}
+
+// The sum of v[0:k] in the order torch.sum(dim=-1) adds a contiguous float row of k (its
+// cascade sum, aten/native/cpu/SumKernel.cpp). kSumScalar: k below the vector width, four
+// running sums over the columns mod 4, the tail added to the first, then the four added in
+// order. kSumVector8: 8 <= k < 16 with 8-float vectors, the tail k - 8 added first, then the
+// 8 lanes in order. (The +0.0f steps are torch's empty partial sums: they turn a -0 into +0.)
+constexpr int64_t kSumScalar = 0, kSumVector8 = 1;
+
+float torch_row_sum(const float* v, int64_t k, int64_t order) {
+  if (order == kSumVector8 && k >= 8) {
+    float acc = 0.0f;
+    for (int64_t i = 8; i < k; ++i) acc += v[i];
+    for (int64_t i = 0; i < 8; ++i) acc += ((((0.0f + v[i]) + 0.0f) + 0.0f) + 0.0f);
+    return acc;
+  }
+  const int64_t rows = k / 4;
+  float p[4];
+  for (int64_t c = 0; c < 4; ++c) {
+    float a = 0.0f;
+    for (int64_t i = 0; i < rows; ++i) a += v[i * 4 + c];
+    p[c] = ((a + 0.0f) + 0.0f) + 0.0f;
+  }
+  for (int64_t i = rows * 4; i < k; ++i) p[0] += v[i];
+  return ((p[0] + p[1]) + p[2]) + p[3];
+}
+
+template <typename scalar_t>
+bool all_finite(const scalar_t* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(widen(v[i]))) return false;
+  return true;
+}
+
+// The gates' normalisation (fmoe/_slots.py ROUTE_NORMS): kRaw keeps the selected scores;
+// kTutel divides by max(sum, float eps) (Tutel's); kSum by the sum (qwen, mixtral).
+constexpr int64_t kRaw = 0, kTutel = 1, kSum = 2;
+// route_rows' status codes (fmoe/_slots.py ROUTE_ERRORS)
+constexpr int64_t kNonFinite = 1, kZeroCapacity = 2;
+
+template <typename out_t>
+void write_gates(const std::vector<Elem>& q, int64_t k, int64_t norm, int64_t order, int64_t t, int64_t T,
+                 bool by_token, out_t* w) {
+  float v[64];
+  for (int64_t j = 0; j < k; ++j) v[j] = static_cast<float>(q[j].first);
+  if (norm != kRaw) {
+    float d = torch_row_sum(v, k, order);
+    if (norm == kTutel) d = std::max(d, FLT_EPSILON);
+    for (int64_t j = 0; j < k; ++j) v[j] = v[j] / d;
+  }
+  for (int64_t j = 0; j < k; ++j) w[by_token ? t * k + j : j * T + t] = static_cast<out_t>(v[j]);
+}
+
+// One small call's routing from its scores. sel: [T, E] the values top-k selects on (float32,
+// bfloat16 or float16; kRaw only for the half types); logits: [T, E] the router's logits (checked
+// finite first). k <= min(E, 64). norm, order: as above. out_dtype: the gates' dtype (each gate
+// computed in float, then rounded to it once, as a torch cast does). by_token: gates [T, k] (a softmax over them follows) instead
+// of [k, T]. cap_fixed >= 0: the capacity (padded mode); else the largest load, capped at cap_limit
+// when >= 0 (capped dropless), rounded up to align. frac: also the fraction of tokens whose slot-0
+// expert is e (float32 [E], the GShard loss's).
+//
+// Returns (status, ids [k, T], gates, slots [k, T], counts [E], tokens [N], pairs [N], offsets
+// [E + 1], dropped [], row gates [N] (undefined for by_token), bounds (a tuple of E + 1 ints),
+// capacity, frac [E] or undefined). status kNonFinite: a logit is NaN or Inf (nothing else is
+// valid); kZeroCapacity: a capped capacity of 0 would drop every pair.
+py::tuple route_rows(const at::Tensor& sel, const at::Tensor& logits, int64_t k, int64_t norm, int64_t order,
+                     at::ScalarType out_dtype, bool by_token, int64_t cap_fixed, int64_t cap_limit, int64_t align,
+                     bool frac) {
+  TORCH_CHECK(sel.device().is_cpu() && logits.device().is_cpu(), "fmoe route_rows: CPU tensors only");
+  TORCH_CHECK(sel.dim() == 2 && sel.is_contiguous() && logits.sizes() == sel.sizes() && logits.is_contiguous(),
+              "fmoe route_rows: sel and logits must be contiguous [T, E] of one shape, got ", sel.sizes(), " and ",
+              logits.sizes());
+  const int64_t T = sel.size(0), E = sel.size(1);
+  TORCH_CHECK(k >= 1 && k <= E && k <= 64, "fmoe route_rows: k must be in [1, min(E, 64)], got ", k, " for E=", E);
+  TORCH_CHECK(norm == kRaw || (sel.scalar_type() == at::kFloat && (k < 8 || (order == kSumVector8 && k < 16))),
+              "fmoe route_rows: normalised gates need float32 scores and k < 8 (or k < 16 with 8-float sums)");
+  const auto st = sel.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
+              "fmoe route_rows: sel must be float32, bfloat16 or float16, got ", st);
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
+              "fmoe route_rows: out_dtype must be float32, bfloat16 or float16, got ", out_dtype);
+  TORCH_CHECK(align >= 1, "fmoe route_rows: align must be >= 1, got ", align);
+  const auto none = py::none();
+  bool finite = true;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "route_rows_logits",
+                                  [&] { finite = all_finite(logits.data_ptr<scalar_t>(), T * E); });
+  if (!finite) return py::make_tuple(kNonFinite, none, none, none, none, none, none, none, none, none, none, 0, none);
+  const at::ScalarType gate_dtype = out_dtype;
+  at::Tensor ids = at::detail::empty_cpu({k, T}, at::kLong);
+  at::Tensor gates = at::detail::empty_cpu(by_token ? std::vector<int64_t>{T, k} : std::vector<int64_t>{k, T},
+                                           gate_dtype);
+  at::Tensor slots = at::detail::empty_cpu({k, T}, at::kLong);
+  at::Tensor counts = at::detail::empty_cpu({E}, at::kLong);
+  int64_t* id = ids.data_ptr<int64_t>();
+  int64_t* sl = slots.data_ptr<int64_t>();
+  int64_t* cnt = counts.data_ptr<int64_t>();
+  std::fill(cnt, cnt + E, 0);
+  std::vector<Elem> q;
+  q.reserve(E);
+  for (int64_t t = 0; t < T; ++t) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, sel.scalar_type(), "route_rows_topk",
+                                    [&] { top_k_row(sel.data_ptr<scalar_t>() + t * E, E, k, q); });
+    for (int64_t j = 0; j < k; ++j) id[j * T + t] = q[j].second;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_dtype, "route_rows_gates", [&] {
+      write_gates(q, k, norm, order, t, T, by_token, gates.data_ptr<scalar_t>());
+    });
+  }
+  // slot-major slots (spec section 6): j outer, tokens inner, one counter per expert
+  for (int64_t p = 0; p < k * T; ++p) sl[p] = cnt[id[p]]++;
+  int64_t C = cap_fixed;
+  if (C < 0) {
+    C = E ? *std::max_element(cnt, cnt + E) : 0;
+    if (cap_limit >= 0) {
+      if (cap_limit == 0 && C > 0) {
+        return py::make_tuple(kZeroCapacity, none, none, none, none, none, none, none, none, none, none, 0, none);
+      }
+      C = std::min(C, cap_limit);
+    }
+  }
+  C = (C + align - 1) / align * align;
+  at::Tensor offsets = at::detail::empty_cpu({E + 1}, at::kLong);
+  int64_t* b = offsets.data_ptr<int64_t>();
+  py::tuple bounds(E + 1);
+  b[0] = 0;
+  bounds[0] = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    b[e + 1] = b[e] + std::min(cnt[e], C);
+    bounds[e + 1] = b[e + 1];
+  }
+  const int64_t N = b[E];
+  at::Tensor tokens = at::detail::empty_cpu({N}, at::kLong);
+  at::Tensor pairs = at::detail::empty_cpu({N}, at::kLong);
+  at::Tensor dropped = at::detail::empty_cpu({}, at::kLong);
+  at::Tensor row_gates = by_token ? at::Tensor() : at::detail::empty_cpu({N}, gate_dtype);
+  int64_t* tok = tokens.data_ptr<int64_t>();
+  int64_t* pr = pairs.data_ptr<int64_t>();
+  int64_t lost = 0;
+  for (int64_t p = 0; p < k * T; ++p) {
+    if (sl[p] >= C) {
+      ++lost;
+      continue;
+    }
+    const int64_t r = b[id[p]] + sl[p];
+    pr[r] = p;
+    tok[r] = p % T;
+  }
+  *dropped.data_ptr<int64_t>() = lost;
+  if (!by_token) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_dtype, "route_rows_rows", [&] {
+      const scalar_t* g = gates.data_ptr<scalar_t>();
+      scalar_t* rg = row_gates.data_ptr<scalar_t>();
+      for (int64_t r = 0; r < N; ++r) rg[r] = g[pr[r]];
+    });
+  }
+  at::Tensor fraction;
+  if (frac) {   // numpy's bincount / T in float32, as fmoe.losses computes it: exact counts, one division
+    fraction = at::detail::empty_cpu({E}, at::kFloat);
+    float* f = fraction.data_ptr<float>();
+    std::fill(f, f + E, 0.0f);
+    for (int64_t t = 0; t < T; ++t) f[id[t]] += 1.0f;
+    for (int64_t e = 0; e < E; ++e) f[e] = f[e] / static_cast<float>(T);
+  }
+  return py::make_tuple(0, ids, gates, slots, counts, tokens, pairs, offsets, dropped,
+                        by_token ? py::object(none) : py::cast(row_gates), bounds, C,
+                        frac ? py::cast(fraction) : py::object(none));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -147,4 +363,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kept_rows", &kept_rows, "the kept pairs sorted by (expert, slot) into out and pairs; N or an error code",
         py::arg("ids"), py::arg("slots"), py::arg("counts"), py::arg("capacity"), py::arg("out"), py::arg("pairs"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("route_rows", &route_rows, "a small call's routing and kept rows from its scores (see route_rows above)",
+        py::arg("sel"), py::arg("logits"), py::arg("k"), py::arg("norm"), py::arg("order"), py::arg("out_dtype"),
+        py::arg("by_token"), py::arg("cap_fixed"), py::arg("cap_limit"), py::arg("align"), py::arg("frac"));
 }

@@ -1,0 +1,177 @@
+"""A small eager no-grad CPU call's routing in one native call (fmoe.routers.route_native,
+walks.cpp route_rows) against the torch path (fmoe.routers.route): the same ids, slots, counts,
+capacity and gates bit for bit (the selection is torch.topk's algorithm with its tie order, the
+normalisation torch.sum's order of additions and one division), the same plan rows, the same layer
+output and balance loss; NaN logits raise the torch path's error."""
+import dataclasses
+
+import pytest
+import torch
+
+import fmoe
+from fmoe import _slots
+from fmoe.engine import plan as _plan
+from fmoe.losses import gshard_loss
+from fmoe.routers import GateSpec, init_router, native_applies, route, route_native
+
+pytestmark = pytest.mark.skipif(_slots.extension() is None, reason="the C++ routing walks are not built")
+
+M = 24
+
+
+def _gate(kind, k, E, cf, dtype=torch.float32, ties=False, seed=0, **kw):
+    spec = GateSpec(type=kind, k=k, capacity_factor=cf, **kw)
+    g = torch.Generator().manual_seed(seed)
+    params = init_router(spec, E, M, generator=g, dtype=dtype if kind != "top" else torch.float32)
+    if ties and kind == "cosine_top":   # twin columns of the similarity matrix
+        params["sim_matrix"] = params["sim_matrix"][:, : E // 2].repeat(1, 2)
+    elif ties:   # every expert has a twin with the same weights: equal logits, equal scores
+        params["wg"] = params["wg"][: E // 2].repeat(2, 1)
+        if "bias" in params:
+            params["bias"] = params["bias"][: E // 2].repeat(2)
+    return spec, params, g
+
+
+def _pair(spec, params, x, E, normalize=True, alignment=1):
+    ref, ref_out = route(params, x, spec, num_experts=E, normalize=normalize, alignment=alignment)
+    got = route_native(params, x, spec, num_experts=E, normalize=normalize, alignment=alignment, fraction=True)
+    assert got is not None, "route_native did not run"
+    return ref, ref_out, got
+
+
+def _assert_same(ref, ref_out, got):
+    routing, out, frac = got
+    for name in ("expert_ids", "slots", "counts"):
+        assert torch.equal(getattr(routing, name), getattr(ref, name)), name
+    assert routing.weights.dtype == ref.weights.dtype
+    assert torch.equal(routing.weights, ref.weights), (routing.weights - ref.weights).abs().max()
+    assert routing.capacity == ref.capacity
+    assert torch.equal(out.logits, ref_out.logits) and torch.equal(out.scores, ref_out.scores)
+    # the plan's rows, taken from the native call, against the walk over the torch routing
+    p = _plan.make_plan(routing, needs_grad=False, dtype=torch.float32)
+    q = _plan.make_plan(ref, needs_grad=False, dtype=torch.float32)
+    assert "_rows" not in routing.__dict__   # taken once
+    assert p.bounds == q.bounds and torch.equal(p.offsets, q.offsets)
+    assert torch.equal(p.tokens, q.tokens) and torch.equal(p.pairs, q.pairs) and int(p.dropped) == int(q.dropped)
+    assert p.phase == q.phase
+    assert torch.equal(p.row_weights(routing.weights), q.row_weights(ref.weights))
+    if frac is not None:
+        assert torch.equal(gshard_loss(ref_out.scores, ref.expert_ids[0]), gshard_loss(out.scores, None, fraction=frac))
+
+
+CASES = [("top", {}), ("top", {"score_fn": "sigmoid"}), ("cosine_top", {}), ("qwen", {}), ("mixtral", {}),
+         ("gpt_oss", {})]
+
+
+@pytest.mark.parametrize("kind,kw", CASES, ids=[c[0] + "-" + "-".join(c[1].values()) for c in CASES])
+@pytest.mark.parametrize("cf", [0.0, 1.25, -1.0])
+def test_native_route_equals_torch_route(kind, kw, cf):
+    E = 16
+    for T in (1, 3, 16, 64):
+        for k in (1, 2, 6):
+            for ties in (False, True):
+                spec, params, g = _gate(kind, k, E, cf, ties=ties, seed=T * 10 + k, **kw)
+                x = torch.randn(T, M, generator=g)
+                if ties:   # integer logits too: equal scores across experts of one token
+                    x = x.round()
+                with torch.no_grad():
+                    _assert_same(*_pair(spec, params, x, E))
+
+
+@pytest.mark.parametrize("kind", ["top", "qwen", "mixtral"])
+def test_native_route_unnormalised_and_wide_k(kind):
+    # k past the four running sums (8 <= k < 16 adds in torch's vector order), E where top-k is a
+    # partial sort (k * 64 <= E) and where it is nth_element, normalize off
+    for E, k, T in ((64, 1, 5), (128, 2, 9), (64, 8, 16), (32, 10, 7), (64, 15, 3)):
+        for normalize in (True, False):
+            for ties in (False, True):
+                spec, params, g = _gate(kind, k, E, 0.0, ties=ties, seed=E + k)
+                x = torch.randn(T, M, generator=g)
+                x = x.round() if ties else x
+                with torch.no_grad():
+                    _assert_same(*_pair(spec, params, x, E, normalize=normalize))
+
+
+@pytest.mark.parametrize("kind", ["qwen", "gpt_oss", "mixtral"])
+def test_native_route_bfloat16(kind):
+    # half-precision logits: gpt_oss selects on bf16 logits (many ties), qwen casts its gates to bf16
+    for T, k in ((1, 4), (16, 2), (64, 6)):
+        spec, params, g = _gate(kind, k, 32, 0.0, dtype=torch.bfloat16, seed=T)
+        x = torch.randn(T, M, generator=g).to(torch.bfloat16)
+        with torch.no_grad():
+            _assert_same(*_pair(spec, params, x, 32))
+
+
+def test_native_route_alignment_and_drops():
+    spec, params, g = _gate("top", 2, 8, 1.25)
+    x = torch.randn(16, M, generator=g)
+    with torch.no_grad():
+        ref, ref_out, got = _pair(spec, params, x, 8, alignment=4)
+        _assert_same(ref, ref_out, got)
+        spec0 = dataclasses.replace(spec, capacity_factor=0.0)
+        _assert_same(*_pair(spec0, params, x, 8, alignment=300))
+    assert int(ref.num_dropped()) > 0   # the padded capacity drops pairs here: the rows skip them
+
+
+def test_native_route_topk_ties_as_torch():
+    # the selection alone on rows of few distinct values, against torch.topk's indices and order
+    g = torch.Generator().manual_seed(3)
+    for E, k in ((64, 1), (128, 2), (256, 4), (64, 6), (16, 15)):
+        for dt in (torch.float32, torch.bfloat16):
+            v = torch.randint(0, 3, (40, E), generator=g).to(dt)
+            res = _slots.route_rows(v, v, k, _slots.ROUTE_RAW, dt, True, -1, -1, 1, False)
+            vals, ids = torch.topk(v, k, dim=-1)
+            assert res[0] == 0 and torch.equal(res[1], ids.t()) and torch.equal(res[2], vals)
+
+
+def test_native_route_sums_as_torch():
+    # the normalisation's sum in torch.sum's order for every k it takes (exact division after it)
+    g = torch.Generator().manual_seed(4)
+    top = _slots.sum_orders()[0]
+    for k in range(1, top + 1):
+        s = torch.rand(200, 32, generator=g) * torch.exp(torch.randn(200, 32, generator=g) * 4)
+        res = _slots.route_rows(s, s, k, _slots.ROUTE_SUM, torch.float32, False, -1, -1, 1, False)
+        vals = torch.topk(s, k, dim=-1)[0]
+        assert torch.equal(res[2], (vals / vals.sum(dim=-1, keepdim=True)).t()), k
+
+
+def test_native_route_layer_equals_replayed_torch_routing():
+    # the whole layer: moe() on the native route against moe() replaying the torch route's routing
+    spec = fmoe.MoESpec(model_dim=M, num_experts=8, gate=GateSpec(k=2, capacity_factor=0.0),
+                        experts=fmoe.ExpertSpec(type="swiglu", hidden_size=16))
+    params = fmoe.init_params(spec, generator=torch.Generator().manual_seed(5))
+    for T in (1, 4, 16):
+        x = torch.randn(T, M, generator=torch.Generator().manual_seed(T))
+        with torch.no_grad():
+            y, aux = fmoe.moe(params, x, spec)
+            ref, ref_out = route(params["gate"], x, spec.gate, num_experts=8)
+            y_ref, _ = fmoe.moe(params, x, spec, routing=ref)
+        assert torch.equal(y, y_ref)
+        assert torch.equal(aux.l_aux, gshard_loss(ref_out.scores, ref.expert_ids[0]))
+        assert torch.equal(aux.routing.expert_ids, ref.expert_ids) and torch.equal(aux.routing.weights, ref.weights)
+        assert "_rows" not in aux.routing.__dict__
+        assert int(aux.dropped) == 0 and aux.capacity == ref.capacity
+
+
+def test_native_route_nan_logits_raise_torch_error():
+    for kind in ("top", "qwen", "gpt_oss"):
+        spec, params, g = _gate(kind, 2, 8, 0.0)
+        x = torch.randn(3, M, generator=g)
+        x[1, 4] = float("nan")
+        with torch.no_grad(), pytest.raises(ValueError, match=r"router logits \[T, E\] holds non-finite values \(NaN\) "
+                                            r"in 1 of 3 rows"):
+            route_native(params, x, spec, num_experts=8, normalize=True, alignment=1, fraction=False)
+
+
+def test_native_route_applies_only_to_small_eager_no_grad_calls():
+    spec, params, g = _gate("top", 2, 8, 0.0)
+    x = torch.randn(4, M, generator=g)
+    assert native_applies(params, x, spec, False)   # no parameter requires grad
+    params["wg"].requires_grad_()
+    assert not native_applies(params, x, spec, False)
+    with torch.no_grad():
+        assert native_applies(params, x, spec, False)
+        assert not native_applies(params, torch.randn(65, M), spec, False)   # past NATIVE_MAX_TOKENS
+        assert not native_applies(params, x, GateSpec(type="sinkhorn", k=2), False)
+        assert not native_applies(params, x, GateSpec(k=2, gate_noise=1.0), True)
+        assert torch.func.vmap(lambda xx: torch.tensor(native_applies(params, xx, spec, False)))(x[None]).item() is False
