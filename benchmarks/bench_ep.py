@@ -11,10 +11,11 @@ interleaved round by round (forward + backward, one torch thread per rank, the s
 time):
 
 * ``mpi``: expert parallel over MPIComm;
-* ``gloo``: expert parallel over TorchDistComm (gloo, initialised inside this job);
-* ``func``: ``mpi`` under ``torch.func.grad``, where the received rows run the engine's traced
-  op (the route compiled and transformed calls take; the staged kernel over placeholder layouts
-  before);
+* ``gloo``: expert parallel over TorchDistComm (gloo, initialised inside this job), on the same
+  placed route as ``mpi`` (:meth:`fmoe.comm.TorchDistComm.exchange_rows`);
+* ``func``: ``mpi`` under ``torch.func.grad``, where the received rows run the eager engine
+  beneath the grad level (:class:`fmoe.parallel._BelowGrad`: the placed exchanges and in-order
+  plan of ``mpi``; the engine's traced op before);
 * ``local``: the one-process baseline;
 * ``mpi_unplaced`` (with ``--unplaced``): ``mpi`` with MPIComm's ``exchange_rows`` hidden, so the
   step takes the route before it (rows received source-major, the engine's output zero-filled and

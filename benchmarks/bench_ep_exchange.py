@@ -9,7 +9,8 @@ then :func:`fmoe.comm.all_to_all_v`). Top-k routing of random logits, rows sorte
 ragged layout, nothing dropped), one torch thread per rank; the two are timed interleaved in a
 shuffled order each round (the slowest rank's time) and checked equal bit for bit first. With
 ``--gloo`` the same over TorchDistComm (gloo), which gathers into a pooled buffer and then exchanges.
-On MPIComm also the placed route's exchanges (:meth:`mpi_backend.MPIComm.exchange_rows`):
+Also the placed route's exchanges (:meth:`mpi_backend.MPIComm.exchange_rows`; gloo's
+:meth:`fmoe.comm.TorchDistComm.exchange_rows` gathers, exchanges and places through its buffers):
 ``placed``, rows from x landing in expert order (:class:`fmoe.parallel._SendPlaced`), against
 ``from_x``; ``back_from_sorted``, expert outputs in expert order sent back from where they lie
 (:class:`fmoe.parallel._Exchange`), against ``back``, the plain exchange of source-major rows.

@@ -105,18 +105,28 @@ def test_gloo_rows_sent_in_runs_and_received_in_place(comm):
     ("repeat", "place must send each received row to its own result row"),
     ("range", r"place must lie in \[0, 2W\)"),
     ("length", "place must hold one destination per received row"),
-    ("dtype", "place must be a contiguous int64 CPU vector")])
-def test_bad_place_raises_on_every_rank(comm, bad, match):
-    """Rank 0 passes the bad place; every rank raises it (the peers do not wait for data)."""
+    ("dtype", "place must be a contiguous int64 CPU vector"),
+    ("rows", r"rows must lie in \[0, 2W\)")])
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_bad_place_raises_on_every_rank(comm, bad, match, backend):
+    """Rank 0 passes a bad place (or rows); every rank raises it (the peers do not wait for data), on
+    MPIComm and on gloo; the communicator then still exchanges."""
     W = comm.size
+    c = comm if backend == "mpi" else _gloo(comm)
     x = torch.zeros(2 * W, 2)
     place = torch.arange(2 * W)
+    rows = None
     if comm.rank == 0:
-        place = {"repeat": torch.zeros(2 * W, dtype=torch.int64), "range": place + 1,
-                 "length": place[:-1].contiguous(), "dtype": place.to(torch.int32)}[bad]
+        if bad == "rows":
+            rows = torch.arange(2 * W) + 1
+        else:
+            place = {"repeat": torch.zeros(2 * W, dtype=torch.int64), "range": place + 1,
+                     "length": place[:-1].contiguous(), "dtype": place.to(torch.int32)}[bad]
     with pytest.raises(ValueError, match=match.replace("2W", str(2 * W))) as err:
-        comm.exchange_rows(x, [2] * W, [2] * W, place=place)
+        c.exchange_rows(x, [2] * W, [2] * W, rows=rows, place=place)
     assert comm.rank == 0 or "invalid arguments on rank(s) 0" in str(err.value)
+    x = torch.arange(4.0 * W).view(2 * W, 2) + comm.rank
+    assert torch.equal(c.exchange_rows(x, [2] * W, [2] * W), comm.all_to_all_v(x, [2] * W, [2] * W))
 
 
 def test_the_op_refuses_a_communicator_without_the_method(comm):
