@@ -220,8 +220,10 @@ def kept_rows(ids: Tensor, slots: Tensor, counts: Tensor, capacity: int, out: Te
 
 # --------------------------------------------------------------------------- a small call's routing
 
-# route_rows' normalisations of the k selected scores (the same codes in walks.cpp)
-ROUTE_RAW, ROUTE_TUTEL, ROUTE_SUM = 0, 1, 2
+# route_rows' normalisations of the k selected scores (the same codes in walks.cpp): raw, Tutel's
+# (sum clamped at eps), the sum (qwen, mixtral), DeepSeek's (sum + 1e-20, then x scale), x scale only
+ROUTE_RAW, ROUTE_TUTEL, ROUTE_SUM, ROUTE_DEEPSEEK, ROUTE_SCALE = 0, 1, 2, 3, 4
+_NO_CHOICE = torch.empty(0)
 # route_rows' status codes
 ROUTE_NON_FINITE, ROUTE_ZERO_CAPACITY = 1, 2
 # torch.sum's orders of addition over a contiguous float row of k (walks.cpp torch_row_sum)
@@ -287,17 +289,22 @@ def route_rows_ready(k: int, norm: int) -> bool:
     """Whether :func:`route_rows` runs k gates normalised by ``norm``: the extension is built and, for a
     normalisation, k is within the sums it adds in torch's order (:func:`sum_orders`)."""
     ext = extension()
-    return ext is not None and hasattr(ext, "route_rows") and (norm == ROUTE_RAW or k <= sum_orders()[0])
+    return (ext is not None and hasattr(ext, "route_rows")
+            and (norm in (ROUTE_RAW, ROUTE_SCALE) or k <= sum_orders()[0]))
 
 
 def route_rows(sel: Tensor, logits: Tensor, k: int, norm: int, out_dtype: torch.dtype, by_token: bool,
-               cap_fixed: int, cap_limit: int, align: int, frac: bool):
+               cap_fixed: int, cap_limit: int, align: int, frac: bool, choice: Optional[Tensor] = None,
+               n_group: int = 1, topk_group: int = 1, scale: float = 1.0):
     """One small CPU call's top-k, gates, slots, capacity and kept rows (walks.cpp ``route_rows``;
     call it where :func:`route_rows_ready`).
 
     sel: contiguous CPU [T, E] float32 (bfloat16/float16 with ``norm`` ROUTE_RAW): the scores top-k
     selects on; logits: [T, E] the router's logits (ROUTE_NON_FINITE where one is NaN or Inf).
+    choice (DeepSeek): float32 [T, E] that selection runs on instead, limited to the topk_group best
+    of n_group groups, the gates then read from ``sel``; scale: ROUTE_DEEPSEEK/ROUTE_SCALE's factor.
     Returns walks.cpp's tuple (status, ids, gates, slots, counts, tokens, pairs, offsets, dropped,
     row gates, bounds, capacity, frac)."""
-    order = sum_orders()[1] if norm != ROUTE_RAW and k >= 8 else _SUM_SCALAR
-    return _EXT.route_rows(sel, logits, k, norm, order, out_dtype, by_token, cap_fixed, cap_limit, align, frac)
+    order = sum_orders()[1] if norm not in (ROUTE_RAW, ROUTE_SCALE) and k >= 8 else _SUM_SCALAR
+    return _EXT.route_rows(sel, logits, k, norm, order, out_dtype, by_token, cap_fixed, cap_limit, align, frac,
+                           _NO_CHOICE if choice is None else choice, n_group, topk_group, scale)

@@ -767,7 +767,7 @@ def _expert_choice_routing(out: RouterOutput, num_experts: int, *, alignment: in
 
 # Routers whose selection, gates and rows one native call makes (route_native); calls up to this
 # many tokens (decode and small batches: their host work is the call's; prefill keeps the torch ops).
-_NATIVE_TYPES = ("top", "cosine_top", "qwen", "mixtral", "gpt_oss")
+_NATIVE_TYPES = ("top", "cosine_top", "qwen", "mixtral", "gpt_oss", "deepseek")
 NATIVE_MAX_TOKENS = 64
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -799,7 +799,9 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
     The logits and scores are the torch ops of :func:`route` (the router GEMM, the softmax); the
     selection is torch.topk's algorithm with its tie order, the normalisation torch.sum's order of
     additions and one IEEE division, so ids, gates, slots and counts equal :func:`route`'s bit for
-    bit (tests/test_native_route.py). gpt_oss's softmax over the k selected logits stays a torch op.
+    bit (tests/test_native_route.py). gpt_oss's softmax over the k selected logits stays a torch op;
+    deepseek's sigmoid and bias add are torch ops, its group-limited selection, normalisation and
+    scaling native (torch's float ops with its Python scalars rounded to float).
 
     Returns:
         (routing, router output, fraction): fraction is the float32 [E] share of tokens whose slot-0
@@ -819,6 +821,11 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
             return None
     elif x.dtype not in _NATIVE_DTYPES:
         return None
+    elif t == "deepseek":
+        G = spec.n_group
+        if E % G or E // G < 2 or k > E // G * spec.topk_group:
+            return None
+        norm = _slots.ROUTE_DEEPSEEK if normalize else _slots.ROUTE_SCALE
     else:
         norm = _slots.ROUTE_SUM if normalize and t != "gpt_oss" else _slots.ROUTE_RAW
     if not _slots.route_rows_ready(k, norm):
@@ -832,7 +839,7 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
         return None   # route raises it, after its own checks of the logits
     cap_limit = k * int(-cf * -(-T // E)) if cf < 0 else -1
     align = 1 if cf > 0 else (alignment if alignment <= 256 else -(-alignment // 128) * 128)
-    by_token, noisy = False, None
+    by_token, noisy, choice = False, None, None
     if t in ("top", "cosine_top"):
         logits = (cosine_gate if t == "cosine_top" else linear_gate)(params, x, fp32=spec.fp32_gate)
         scores = sel = scores_from_logits(logits, spec.score_fn)
@@ -842,6 +849,13 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
         w = wg if wg.dtype == x.dtype else wg.to(x.dtype)
         logits = sel = F.linear(x, w, None if bias is None else (bias if bias.dtype == x.dtype else bias.to(x.dtype)))
         out_dtype, by_token = logits.dtype, True
+    elif t == "deepseek":   # fp32 logits and sigmoid scores; the bias for selection only
+        wg, bias = params["wg"], params.get("correction_bias")
+        f32 = torch.float32
+        logits = F.linear(x if x.dtype == f32 else x.to(f32), wg if wg.dtype == f32 else wg.to(f32))
+        scores = sel = logits.sigmoid()
+        choice = scores if bias is None else scores + (bias if bias.dtype == f32 else bias.to(f32))
+        out_dtype = f32
     else:   # qwen, mixtral: dt logits, an fp32 softmax, fp32 gates (qwen's cast to dt)
         wg = params["wg"]
         logits = F.linear(x, wg if wg.dtype == x.dtype else wg.to(x.dtype))
@@ -851,7 +865,8 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
             scores = sel = torch.softmax(logits.float(), dim=-1)
         out_dtype = logits.dtype if t == "qwen" else torch.float32
     frac = fraction and (t == "gpt_oss" or sel.dtype == torch.float32)   # the scores the loss reads are float32
-    res = _slots.route_rows(sel, logits, k, norm, out_dtype, by_token, cap_fixed, cap_limit, align, frac)
+    res = _slots.route_rows(sel, logits, k, norm, out_dtype, by_token, cap_fixed, cap_limit, align, frac, choice,
+                            spec.n_group, spec.topk_group, spec.routed_scaling_factor)
     status, ids, gates, slots, counts, tokens, pairs, offsets, dropped, row_gates, bounds, C, share = res
     if status == _slots.ROUTE_NON_FINITE:
         _check_logits(logits)   # raises, naming the rows

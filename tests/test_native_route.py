@@ -23,6 +23,10 @@ def _gate(kind, k, E, cf, dtype=torch.float32, ties=False, seed=0, **kw):
     spec = GateSpec(type=kind, k=k, capacity_factor=cf, **kw)
     g = torch.Generator().manual_seed(seed)
     params = init_router(spec, E, M, generator=g, dtype=dtype if kind != "top" else torch.float32)
+    if kind == "deepseek":   # a non-zero correction bias: selection and gates read different values
+        params["correction_bias"] = torch.randn(E, generator=g) * 0.1
+        if ties:
+            params["correction_bias"] = params["correction_bias"][: E // 2].repeat(2)
     if ties and kind == "cosine_top":   # twin columns of the similarity matrix
         params["sim_matrix"] = params["sim_matrix"][:, : E // 2].repeat(1, 2)
     elif ties:   # every expert has a twin with the same weights: equal logits, equal scores
@@ -60,10 +64,10 @@ def _assert_same(ref, ref_out, got):
 
 
 CASES = [("top", {}), ("top", {"score_fn": "sigmoid"}), ("cosine_top", {}), ("qwen", {}), ("mixtral", {}),
-         ("gpt_oss", {})]
+         ("gpt_oss", {}), ("deepseek", {}), ("deepseek", {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5})]
 
 
-@pytest.mark.parametrize("kind,kw", CASES, ids=[c[0] + "-" + "-".join(c[1].values()) for c in CASES])
+@pytest.mark.parametrize("kind,kw", CASES, ids=[c[0] + "-" + "-".join(map(str, c[1].values())) for c in CASES])
 @pytest.mark.parametrize("cf", [0.0, 1.25, -1.0])
 def test_native_route_equals_torch_route(kind, kw, cf):
     E = 16
@@ -78,7 +82,7 @@ def test_native_route_equals_torch_route(kind, kw, cf):
                     _assert_same(*_pair(spec, params, x, E))
 
 
-@pytest.mark.parametrize("kind", ["top", "qwen", "mixtral"])
+@pytest.mark.parametrize("kind", ["top", "qwen", "mixtral", "deepseek"])
 def test_native_route_unnormalised_and_wide_k(kind):
     # k past the four running sums (8 <= k < 16 adds in torch's vector order), E where top-k is a
     # partial sort (k * 64 <= E) and where it is nth_element, normalize off
@@ -92,7 +96,7 @@ def test_native_route_unnormalised_and_wide_k(kind):
                     _assert_same(*_pair(spec, params, x, E, normalize=normalize))
 
 
-@pytest.mark.parametrize("kind", ["qwen", "gpt_oss", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen", "gpt_oss", "mixtral", "deepseek"])
 def test_native_route_bfloat16(kind):
     # half-precision logits: gpt_oss selects on bf16 logits (many ties), qwen casts its gates to bf16
     for T, k in ((1, 4), (16, 2), (64, 6)):
@@ -154,7 +158,7 @@ def test_native_route_layer_equals_replayed_torch_routing():
 
 
 def test_native_route_nan_logits_raise_torch_error():
-    for kind in ("top", "qwen", "gpt_oss"):
+    for kind in ("top", "qwen", "gpt_oss", "deepseek"):
         spec, params, g = _gate(kind, 2, 8, 0.0)
         x = torch.randn(3, M, generator=g)
         x[1, 4] = float("nan")

@@ -174,10 +174,10 @@ inline double widen(scalar_t v) {
   return static_cast<double>(static_cast<at::opmath_type<scalar_t>>(v));
 }
 
-// The k largest of row[0:E] into q[0:k] (sorted: largest first), as torch.topk(sorted=True)
-// on the CPU: std::partial_sort for k * 64 <= E, else nth_element and a sort of the first k - 1.
+// The k largest of row[0:E] into q[0:k], as torch.topk on the CPU: std::partial_sort for
+// k * 64 <= E (largest first), else nth_element, then (sorted) a sort of the first k - 1.
 template <typename scalar_t>
-void top_k_row(const scalar_t* row, int64_t E, int64_t k, std::vector<Elem>& q) {
+void top_k_row(const scalar_t* row, int64_t E, int64_t k, std::vector<Elem>& q, bool sorted = true) {
   const Greater comp;
   q.resize(E);
   for (int64_t j = 0; j < E; ++j) q[j] = Elem(widen(row[j]), j);
@@ -185,7 +185,7 @@ void top_k_row(const scalar_t* row, int64_t E, int64_t k, std::vector<Elem>& q) 
     std::partial_sort(q.begin(), q.begin() + k, q.end(), comp);
   } else {
     std::nth_element(q.begin(), q.begin() + k - 1, q.end(), comp);
-    std::sort(q.begin(), q.begin() + k - 1, comp);
+    if (sorted) std::sort(q.begin(), q.begin() + k - 1, comp);
   }
 }
 
@@ -221,22 +221,25 @@ bool all_finite(const scalar_t* v, int64_t n) {
   return true;
 }
 
-// The gates' normalisation (fmoe/_slots.py ROUTE_NORMS): kRaw keeps the selected scores;
-// kTutel divides by max(sum, float eps) (Tutel's); kSum by the sum (qwen, mixtral).
-constexpr int64_t kRaw = 0, kTutel = 1, kSum = 2;
+// The gates' normalisation (fmoe/_slots.py ROUTE_*): kRaw keeps the selected scores; kTutel
+// divides by max(sum, float eps) (Tutel's); kSum by the sum (qwen, mixtral); kDeepseek by
+// (sum + float(1e-20)), then multiplies by float(scale); kScale only multiplies (DeepSeek's
+// unnormalised gates): torch's float ops with its Python scalars rounded to float.
+constexpr int64_t kRaw = 0, kTutel = 1, kSum = 2, kDeepseek = 3, kScale = 4;
 // route_rows' status codes (fmoe/_slots.py ROUTE_ERRORS)
 constexpr int64_t kNonFinite = 1, kZeroCapacity = 2;
 
 template <typename out_t>
-void write_gates(const std::vector<Elem>& q, int64_t k, int64_t norm, int64_t order, int64_t t, int64_t T,
+void write_gates(float* v, int64_t k, int64_t norm, int64_t order, float scale, int64_t t, int64_t T,
                  bool by_token, out_t* w) {
-  float v[64];
-  for (int64_t j = 0; j < k; ++j) v[j] = static_cast<float>(q[j].first);
-  if (norm != kRaw) {
+  if (norm == kTutel || norm == kSum || norm == kDeepseek) {
     float d = torch_row_sum(v, k, order);
     if (norm == kTutel) d = std::max(d, FLT_EPSILON);
+    if (norm == kDeepseek) d = d + static_cast<float>(1e-20);
     for (int64_t j = 0; j < k; ++j) v[j] = v[j] / d;
   }
+  if (norm == kDeepseek || norm == kScale)
+    for (int64_t j = 0; j < k; ++j) v[j] = v[j] * scale;
   for (int64_t j = 0; j < k; ++j) w[by_token ? t * k + j : j * T + t] = static_cast<out_t>(v[j]);
 }
 
@@ -246,22 +249,47 @@ void write_gates(const std::vector<Elem>& q, int64_t k, int64_t norm, int64_t or
 // computed in float, then rounded to it once, as a torch cast does). by_token: gates [T, k] (a softmax over them follows) instead
 // of [k, T]. cap_fixed >= 0: the capacity (padded mode); else the largest load, capped at cap_limit
 // when >= 0 (capped dropless), rounded up to align. frac: also the fraction of tokens whose slot-0
-// expert is e (float32 [E], the GShard loss's).
+// expert is e (float32 [E], the GShard loss's). choice (DeepSeek; empty otherwise): float32 [T, E]
+// selected on with n_group / topk_group groups (deepseek_row), the gates then read from sel; scale:
+// kDeepseek and kScale's factor.
 //
 // Returns (status, ids [k, T], gates, slots [k, T], counts [E], tokens [N], pairs [N], offsets
 // [E + 1], dropped [], row gates [N] (undefined for by_token), bounds (a tuple of E + 1 ints),
 // capacity, frac [E] or undefined). status kNonFinite: a logit is NaN or Inf (nothing else is
 // valid); kZeroCapacity: a capped capacity of 0 would drop every pair.
+// DeepSeek's group-limited selection of one token (fmoe.routers._deepseek) into q[0:k]: a group's
+// score is the sum of its two largest choice values (torch.topk(2) and a sum of two), the
+// topk_group best groups are kept (torch.topk(sorted=False): only which), every other expert's
+// choice is -inf, and the k best of that row are taken as torch.topk(sorted=False) orders them.
+void deepseek_row(const float* choice, int64_t E, int64_t k, int64_t n_group, int64_t topk_group,
+                  std::vector<Elem>& q, std::vector<float>& masked) {
+  const int64_t G = E / n_group;
+  std::vector<float> group(n_group);
+  for (int64_t g = 0; g < n_group; ++g) {
+    top_k_row(choice + g * G, G, 2, q);
+    const float two[2] = {static_cast<float>(q[0].first), static_cast<float>(q[1].first)};
+    group[g] = torch_row_sum(two, 2, kSumScalar);
+  }
+  top_k_row(group.data(), n_group, topk_group, q, false);
+  masked.assign(E, -INFINITY);
+  for (int64_t i = 0; i < topk_group; ++i) {
+    const int64_t g = q[i].second;
+    std::copy(choice + g * G, choice + (g + 1) * G, masked.begin() + g * G);
+  }
+  top_k_row(masked.data(), E, k, q, false);
+}
+
 py::tuple route_rows(const at::Tensor& sel, const at::Tensor& logits, int64_t k, int64_t norm, int64_t order,
                      at::ScalarType out_dtype, bool by_token, int64_t cap_fixed, int64_t cap_limit, int64_t align,
-                     bool frac) {
+                     bool frac, const at::Tensor& choice, int64_t n_group, int64_t topk_group, double scale) {
   TORCH_CHECK(sel.device().is_cpu() && logits.device().is_cpu(), "fmoe route_rows: CPU tensors only");
   TORCH_CHECK(sel.dim() == 2 && sel.is_contiguous() && logits.sizes() == sel.sizes() && logits.is_contiguous(),
               "fmoe route_rows: sel and logits must be contiguous [T, E] of one shape, got ", sel.sizes(), " and ",
               logits.sizes());
   const int64_t T = sel.size(0), E = sel.size(1);
   TORCH_CHECK(k >= 1 && k <= E && k <= 64, "fmoe route_rows: k must be in [1, min(E, 64)], got ", k, " for E=", E);
-  TORCH_CHECK(norm == kRaw || (sel.scalar_type() == at::kFloat && (k < 8 || (order == kSumVector8 && k < 16))),
+  TORCH_CHECK(norm == kRaw || norm == kScale
+                  || (sel.scalar_type() == at::kFloat && (k < 8 || (order == kSumVector8 && k < 16))),
               "fmoe route_rows: normalised gates need float32 scores and k < 8 (or k < 16 with 8-float sums)");
   const auto st = sel.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
@@ -269,6 +297,12 @@ py::tuple route_rows(const at::Tensor& sel, const at::Tensor& logits, int64_t k,
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
               "fmoe route_rows: out_dtype must be float32, bfloat16 or float16, got ", out_dtype);
   TORCH_CHECK(align >= 1, "fmoe route_rows: align must be >= 1, got ", align);
+  const bool grouped = choice.numel() > 0;
+  TORCH_CHECK(!grouped || (choice.sizes() == sel.sizes() && choice.is_contiguous() && choice.scalar_type() == at::kFloat
+                           && st == at::kFloat && n_group >= 1 && E % n_group == 0 && E / n_group >= 2
+                           && topk_group >= 1 && topk_group <= n_group && k <= E / n_group * topk_group),
+              "fmoe route_rows: a group-limited choice must be float32 [T, E] like sel, with n_group dividing E into "
+              "groups of >= 2 and k <= E / n_group * topk_group");
   const auto none = py::none();
   bool finite = true;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "route_rows_logits",
@@ -286,12 +320,21 @@ py::tuple route_rows(const at::Tensor& sel, const at::Tensor& logits, int64_t k,
   std::fill(cnt, cnt + E, 0);
   std::vector<Elem> q;
   q.reserve(E);
+  std::vector<float> masked;
+  float v[64];
   for (int64_t t = 0; t < T; ++t) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, sel.scalar_type(), "route_rows_topk",
-                                    [&] { top_k_row(sel.data_ptr<scalar_t>() + t * E, E, k, q); });
+    if (grouped) {   // selected on the choice, gated by the scores
+      deepseek_row(choice.data_ptr<float>() + t * E, E, k, n_group, topk_group, q, masked);
+      const float* score = sel.data_ptr<float>() + t * E;
+      for (int64_t j = 0; j < k; ++j) v[j] = score[q[j].second];
+    } else {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, sel.scalar_type(), "route_rows_topk",
+                                      [&] { top_k_row(sel.data_ptr<scalar_t>() + t * E, E, k, q); });
+      for (int64_t j = 0; j < k; ++j) v[j] = static_cast<float>(q[j].first);
+    }
     for (int64_t j = 0; j < k; ++j) id[j * T + t] = q[j].second;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_dtype, "route_rows_gates", [&] {
-      write_gates(q, k, norm, order, t, T, by_token, gates.data_ptr<scalar_t>());
+      write_gates(v, k, norm, order, static_cast<float>(scale), t, T, by_token, gates.data_ptr<scalar_t>());
     });
   }
   // slot-major slots (spec section 6): j outer, tokens inner, one counter per expert
@@ -365,5 +408,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("route_rows", &route_rows, "a small call's routing and kept rows from its scores (see route_rows above)",
         py::arg("sel"), py::arg("logits"), py::arg("k"), py::arg("norm"), py::arg("order"), py::arg("out_dtype"),
-        py::arg("by_token"), py::arg("cap_fixed"), py::arg("cap_limit"), py::arg("align"), py::arg("frac"));
+        py::arg("by_token"), py::arg("cap_fixed"), py::arg("cap_limit"), py::arg("align"), py::arg("frac"),
+        py::arg("choice"), py::arg("n_group"), py::arg("topk_group"), py::arg("scale"));
 }
