@@ -204,6 +204,51 @@ def test_vmapped_gate_sweep_runs_the_op_and_equals_the_loop(kind, cf, kw, op_cal
         assert int(dropped[i]) == int(d)
 
 
+def test_vmapped_fold_in_token_blocks_equals_the_loop(monkeypatch):
+    """The sweep's fold runs its rows in blocks of key tokens (traced._BLOCK_BYTES of transient
+    buffers each): at one token a block, on every fold layout (shared x, batched x, batched
+    expert weights, both), blocks with no kept pair, and grad of a vmapped sweep through the
+    blocks, each element's output equals its own call's, as in one block."""
+    blocks = []
+    real = traced.plan_from_bounds
+    monkeypatch.setattr(traced, "plan_from_bounds", lambda *a, **k: blocks.append(1) or real(*a, **k))
+    monkeypatch.setattr(traced, "_BLOCK_BYTES", 1)   # every key token its own block
+    spec = _spec("gated_ffn", 0.25, k=1, has_fc1_bias=True, has_fc2_bias=True)
+    p = _params(spec)
+    x = torch.randn(24, M, generator=torch.Generator().manual_seed(21), dtype=torch.float64)
+    wgs = torch.randn(2, E, M, generator=torch.Generator().manual_seed(22), dtype=torch.float64)
+    one = lambda wg: fmoe.moe({"gate": {"wg": wg}, "experts": p["experts"]}, x, spec)[0]  # noqa: E731
+    ys = torch.func.vmap(one)(wgs)
+    # capacity 1/4 keeps a quarter of each setting's tokens: some token is dropped by both, an empty block
+    assert (ys == 0).all(-1).all(0).any() and len(blocks) > 1
+    for i, wg in enumerate(wgs):
+        torch.testing.assert_close(ys[i], one(wg), rtol=0, atol=1e-14)
+    spec = _spec("swiglu", 1.0)
+    p = _params(spec)
+    xs = torch.randn(3, 20, M, generator=torch.Generator().manual_seed(23), dtype=torch.float64)
+    f = lambda x_: fmoe.moe(p, x_, spec)[0]  # noqa: E731
+    torch.testing.assert_close(torch.func.vmap(f)(xs), torch.stack([f(x_) for x_ in xs]), rtol=0, atol=1e-14)
+    ensembles = [{kk: v * (1 + 0.25 * i) for kk, v in p["experts"].items()} for i in range(3)]
+    stacked = {kk: torch.stack([q[kk] for q in ensembles]) for kk in ensembles[0]}
+    g = lambda ex, x_: fmoe.moe({"gate": p["gate"], "experts": ex}, x_, spec)[0]  # noqa: E731
+    for i, y in enumerate(torch.func.vmap(g, in_dims=(0, None))(stacked, xs[0])):
+        torch.testing.assert_close(y, g(ensembles[i], xs[0]), rtol=0, atol=1e-14)
+    for i, y in enumerate(torch.func.vmap(g)(stacked, xs)):
+        torch.testing.assert_close(y, g(ensembles[i], xs[i]), rtol=0, atol=1e-14)
+    wgs = torch.randn(3, E, M, generator=torch.Generator().manual_seed(24), dtype=torch.float64)
+
+    def swept(ex):
+        h = lambda wg: fmoe.moe({"gate": {"wg": wg}, "experts": ex}, xs[0], spec)[0].square().sum()  # noqa: E731
+        return torch.func.vmap(h)(wgs).sum()
+
+    def looped(ex):
+        return sum(fmoe.moe({"gate": {"wg": wg}, "experts": ex}, xs[0], spec)[0].square().sum() for wg in wgs)
+
+    got, want = torch.func.grad(swept)(p["experts"]), torch.func.grad(looped)(p["experts"])
+    for kk in want:
+        torch.testing.assert_close(got[kk], want[kk], rtol=1e-10, atol=1e-12)
+
+
 def test_vmap_over_tokens_and_over_expert_weights_equals_the_loop(op_calls):
     """Batched tokens fold into more tokens, batched expert weights (an ensemble) into more
     experts: one op call either way, equal to the loop."""

@@ -337,25 +337,38 @@ def _expert_rows_vmap(info, in_dims, x, gates, expert_ids, slots, counts, capaci
     return [y], [dim]
 
 
+# Bytes of one block's transient buffers in the vmapped sweep's fold (its rows' projections and
+# products, [rows, H] and [rows, O], and its bags' sums): below glibc's mmap threshold (which
+# rises to a freed block's size, up to 32 MiB on 64-bit), so each block reuses the heap pages
+# the one before it freed, where one [U, O] buffer of a large sweep is fresh pages every call
+# (their first touch cost the fold 0.1x of the N calls' time), and a block's rows stay in cache
+# from its GEMMs to its bags. Blocks are token ranges, so every expert's weights are read once
+# per block: few large blocks, not many small ones.
+_BLOCK_BYTES = 16 << 20
+
+
 def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: int, w_in, w_out, b_in, b_out,
                   statics: tuple) -> tuple[Tensor, int]:
     """(y, its batch dim): the vmapped forward over the pairs any element keeps, each multiplied
-    once; y [T, B, O] where x is shared, else [B, T, O].
+    once; y [T, B, O] (batch dim 1) where each key token is B elements' token, else [B, T, O].
 
     Each kept pair of element b is the key (expert e', token t') of the folded call (e' = b*E + e
-    where the weights are batched, t' = b*T + t where x is); one bool mask over the keys marks
-    those any element keeps, and its set positions, in order, are the rows sorted by expert then
-    token (no sort). The experts run once over these rows into y_u [U, O] (no gate: each row is
-    its own token's), and each element's token sums its kept rows of y_u with its gates, in
-    ascending expert order, in one embedding bag. Where an enclosing grad level differentiates
-    the call (grad of a vmapped sweep), the rows run through the op, whose autograd that level
-    records; otherwise straight through the kernel table (the rows gathered by the kernel, no
-    [U, M] copy, no zeroed [U, O] buffer to scatter into)."""
+    where the weights are batched, t' = b*T + t where x is and the weights are shared); one bool
+    mask over the keys marks those any element keeps: the U rows to multiply. The key tokens are
+    cut into blocks of about :data:`_BLOCK_BYTES` of transient buffers; within a block, the mask's
+    set positions in order are its rows sorted by expert then token (no sort). The experts run
+    over a block's rows into y_b [U_b, O] (no gate: each row is its own token's), and each bag (a
+    key token's element) sums its kept rows of y_b with its gates, in ascending expert order, in
+    one embedding bag: a bag's pairs all lie in its token's block, so each block writes its
+    bags' final rows of y. Where an enclosing grad level differentiates the call (grad of a
+    vmapped sweep), the rows run through the op, whose autograd that level records; otherwise
+    straight through the kernel table (the rows gathered by the kernel, no [U, M] copy, no zeroed
+    [U, O] buffer to scatter into)."""
     dx, dg, di, ds, _, _, dwi, dwo, dbi, dbo = dims
     form, in_t, out_t, act, alpha, limit, order = statics
     # [B, T, k]: a token's pairs side by side
     ids, sl, g = (_batched(t, d, B).transpose(1, 2) for t, d in ((expert_ids, di), (slots, ds), (gates, dg)))
-    T = ids.shape[1]
+    T, dev = ids.shape[1], ids.device
     xs = x.movedim(dx, 0).reshape(B * T, x.shape[-1]) if dx is not None else x
     weights, w_dims = (*w_in, w_out, b_in, b_out), (*dwi, dwo, dbi, dbo)
     E = w_out.shape[1 if dwo == 0 else 0]   # w_out [E, ., .], its batch dim at dwo
@@ -368,52 +381,85 @@ def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: in
     ids, by_expert = ids.sort(dim=2)
     g = g.gather(2, by_expert)
     kept = (sl.gather(2, by_expert) < capacity) & (ids >= 0)
-    elem = torch.arange(B, device=ids.device).view(B, 1, 1)
-    tok = torch.arange(T, device=ids.device).view(1, T, 1)
-    # keys e' * T_key + t: with batched weights, t is the token within its element (e' names the
+    elem = torch.arange(B, device=dev).view(B, 1, 1)
+    tok = torch.arange(T, device=dev).view(1, T, 1)
+    # keys e' * T_key + t': with batched weights, t' is the token within its element (e' names the
     # element), so the mask is [B*E, T] rather than [B*E, B*T]
     T_key = B * T if (dx is not None and not per_weights) else T
     key = (ids + E * elem if per_weights else ids) * T_key + (tok + T * elem if T_key != T else tok)
     n_keys = E_all * T_key
     key = torch.where(kept, key, n_keys)   # dropped and masked pairs: one spare key past the end
-    mask = torch.zeros(n_keys + 1, dtype=torch.bool, device=ids.device)
+    mask = torch.zeros(n_keys + 1, dtype=torch.bool, device=dev)
     mask[key.reshape(-1)] = True
-    rows_key = mask[:n_keys].nonzero().squeeze(1)   # [U] sorted: by expert, then token
-    U = rows_key.numel()
-    row_of = torch.empty(n_keys + 1, dtype=torch.int64, device=ids.device)
-    row_of[rows_key] = torch.arange(U, device=ids.device)
-    expert_u = rows_key // T_key
-    tokens = rows_key % T_key
-    if dx is not None and per_weights:   # the element's own tokens
-        tokens = tokens + (expert_u // E) * T
-    bounds = [0, *torch.bincount(expert_u, minlength=E_all).cumsum(0).tolist()]
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (xs, g, *weights)):
-        # the op's own autograd, one token per row: its output rows are the rows' outputs
-        y_u = torch.ops.fmoe.expert_rows(xs.index_select(0, tokens), g.new_ones(1, U), expert_u.view(1, U),
-                                         (torch.arange(U, device=ids.device) - expert_u.new_tensor(bounds[:-1])
-                                          [expert_u]).view(1, U),
-                                         torch.tensor(bounds, device=ids.device).diff(), U, w_in, w_out, b_in, b_out,
-                                         form, in_t, out_t, act, alpha, limit, order, False, False)[0]
-    else:
-        plan = plan_from_bounds(tokens, rows_key, bounds, xs.shape[0], needs_grad=False, dtype=xs.dtype)
-        fs, w_in_s, w_out_s = kinds.as_stored(_form(form, in_t, out_t, act, alpha, limit), tuple(w_in), w_out)
-        kern = select(plan, kinds._matrix_bytes(w_out_s))
-        z = kinds._projections(kern, fs, xs, plan, w_in_s, b_in)
-        y_u = kern.mm(fs.hidden_(*z), w_out_s, plan, transposed=fs.out_transposed, bias=b_out)
-    # y[b, t] = the sum over its kept pairs, in ascending expert order, of gate * row output: one
-    # embedding bag per (element, token), its kept rows only (no [B*T, O] term per pair). Where
-    # the elements share x the bags run token by token: a token's bags read the same rows of y_u
-    # one after another (a third less time than element by element, which streams all of y_u
-    # once per element); y is then [T, B, O], its batch dim 1
-    shared_x = dx is None
-    if shared_x:
+    # blocks of Tb key tokens: the mask [E', T_key] as [blocks, E', Tb], whose set positions come
+    # by block, then expert, then token
+    row_bytes = xs.element_size() * (w_out.shape[1 if out_t else 2] + sum(w.shape[1 if in_t else 2] for w in w_in))
+    U = int(mask[:n_keys].sum())
+    Tb = -(-T_key // max(1, min(T_key, -(-U * row_bytes // _BLOCK_BYTES))))
+    n_blocks = -(-T_key // Tb)
+    blocked = mask.new_zeros(E_all, n_blocks * Tb)
+    blocked[:, :T_key] = mask[:n_keys].view(E_all, T_key)
+    blk, expert_u, tb = blocked.view(E_all, n_blocks, Tb).transpose(0, 1).nonzero().unbind(1)
+    tok_u = blk * Tb + tb
+    row_of = torch.empty(n_keys + 1, dtype=torch.int64, device=dev)
+    row_of[expert_u * T_key + tok_u] = torch.arange(U, device=dev)
+    tokens = tok_u + (expert_u // E) * T if (dx is not None and per_weights) else tok_u   # rows of xs
+    bounds = [0, *torch.bincount(blk * E_all + expert_u, minlength=n_blocks * E_all).cumsum(0).tolist()]
+    # bags: [T_key, B] (a key token's elements side by side) where the key tokens are the
+    # elements' shared tokens, else [B * T] = [T_key, 1]; a block's bags are one slice of y
+    per_key = B if T_key == T else 1
+    if per_key > 1:
         kept, key, g = (t.transpose(0, 1) for t in (kept, key, g))
     sel = kept.reshape(-1).nonzero().squeeze(1)
     per_bag = kept.sum(-1).reshape(-1)
-    y = F.embedding_bag(row_of.index_select(0, key.reshape(-1).index_select(0, sel)), y_u,
-                        per_bag.cumsum(0) - per_bag, mode="sum",
-                        per_sample_weights=g.reshape(-1).index_select(0, sel).to(y_u.dtype))
-    return (y.view(T, B, -1), 1) if shared_x else (y.view(B, T, -1), 0)
+    first = torch.zeros(per_bag.numel() + 1, dtype=torch.int64, device=dev)   # each bag's first pair
+    torch.cumsum(per_bag, 0, out=first[1:])
+    bag_cut = [min(b * Tb, T_key) * per_key for b in range(n_blocks + 1)]
+    pair_cut = first[bag_cut].tolist()
+    rows = row_of.index_select(0, key.reshape(-1).index_select(0, sel))
+    w_pair = g.reshape(-1).index_select(0, sel)
+    differentiable = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (xs, g, *weights))
+    if not differentiable:
+        fs, w_in_s, w_out_s = kinds.as_stored(_form(form, in_t, out_t, act, alpha, limit), tuple(w_in), w_out)
+        y = xs.new_empty((T_key * per_key, w_out.shape[1 if out_t else 2]))
+    parts = []
+    for b in range(n_blocks):
+        r0, r1 = bounds[b * E_all], bounds[(b + 1) * E_all]
+        p0, p1 = pair_cut[b], pair_cut[b + 1]
+        eb = [r - r0 for r in bounds[b * E_all:(b + 1) * E_all + 1]]
+        if r1 == r0:   # no kept pair in this block: its bags are empty
+            if differentiable:
+                parts.append(xs.new_zeros((bag_cut[b + 1] - bag_cut[b], w_out.shape[1 if out_t else 2])))
+            else:
+                y[bag_cut[b]:bag_cut[b + 1]].zero_()
+            continue
+        if differentiable:
+            # the op's own autograd, one token per row: its output rows are the rows' outputs
+            e_b = expert_u[r0:r1] - b * E_all
+            y_b = torch.ops.fmoe.expert_rows(
+                xs.index_select(0, tokens[r0:r1]), g.new_ones(1, r1 - r0), e_b.view(1, -1),
+                (torch.arange(r1 - r0, device=dev) - e_b.new_tensor(eb[:-1])[e_b]).view(1, -1),
+                torch.tensor(eb, device=dev).diff(), r1 - r0, w_in, w_out, b_in, b_out,
+                form, in_t, out_t, act, alpha, limit, order, False, False)[0]
+        else:
+            plan = plan_from_bounds(tokens[r0:r1], torch.arange(r0, r1, device=dev), eb, xs.shape[0],
+                                    needs_grad=False, dtype=xs.dtype)
+            kern = select(plan, kinds._matrix_bytes(w_out_s))
+            z = kinds._projections(kern, fs, xs, plan, w_in_s, b_in)
+            y_b = kern.mm(fs.hidden_(*z), w_out_s, plan, transposed=fs.out_transposed, bias=b_out)
+            del z
+        # y[bag] = the sum over its kept pairs, in ascending expert order, of gate * row output
+        # (no [bags, O] term per pair); a key token's bags read the same rows one after another
+        part = F.embedding_bag(rows[p0:p1] - r0, y_b, first[bag_cut[b]:bag_cut[b + 1]] - p0, mode="sum",
+                               per_sample_weights=w_pair[p0:p1].to(y_b.dtype))
+        if differentiable:
+            parts.append(part)
+        else:
+            y[bag_cut[b]:bag_cut[b + 1]] = part
+        del y_b, part
+    if differentiable:
+        y = torch.cat(parts)
+    return (y.view(T, B, -1), 1) if per_key > 1 else (y.view(B, T, -1), 0)
 
 
 torch.library.register_vmap("fmoe::expert_rows", _expert_rows_vmap)
