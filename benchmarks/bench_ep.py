@@ -2,7 +2,7 @@
 
     mpiexec -n 2 python -m benchmarks.bench_ep [--reps 7] [--kinds ffn,swiglu] [--cfs 1.25,0] [--json out.json]
     mpiexec -n 2 python -m benchmarks.bench_ep --kinds ffn --cfs 1.25 --profile 5 [--profile_variant gloo]
-    mpiexec -n 2 python -m benchmarks.bench_ep --variants mpi --unplaced    # the placed route's A/B
+    mpiexec -n 2 python -m benchmarks.bench_ep --variants mpi,gloo,func --before    # A/B of each route
 
 Each rank holds E/W experts and receives about k*T rows; the baseline runs fmoe.moe on one
 process with E/W experts and the same T tokens per rank (the same expert GEMMs, no exchange),
@@ -17,9 +17,15 @@ time):
   beneath the grad level (:class:`fmoe.parallel._BelowGrad`: the placed exchanges and in-order
   plan of ``mpi``; the engine's traced op before);
 * ``local``: the one-process baseline;
-* ``mpi_unplaced`` (with ``--unplaced``): ``mpi`` with MPIComm's ``exchange_rows`` hidden, so the
-  step takes the route before it (rows received source-major, the engine's output zero-filled and
-  scattered by a permuted index): an A/B of that change within one process, round by round.
+With ``--before``, each timed variant also runs as it ran before its route changed, interleaved
+with it (an A/B within one process, round by round: the ratio of each round's pair, whose median
+moves far less than either time on a shared host):
+
+* ``mpi_before``, ``gloo_before``: ``exchange_rows`` hidden from the communicator (MPIComm,
+  TorchDistComm), so the step takes the unplaced route (rows received source-major, gathered by
+  the engine's kernels by a permuted index, its output zero-filled and scattered);
+* ``func_before``: ``func`` with the received rows on the traced op (the engine's custom op, its
+  plan built inside it, rows gathered and scattered by index) and the unplaced exchanges.
 
 Rank 0 prints the medians and the ratios to ``local``, and the same for each variant's best round
 (on a shared host the best round is the one least disturbed by other processes; a median of a
@@ -36,6 +42,8 @@ import time
 import torch
 
 import fmoe
+from fmoe import parallel as _parallel
+from fmoe.comm import TorchDistComm
 from fmoe.parallel import ParallelSpec, shard_experts
 from mpi_backend import MPIComm
 
@@ -62,15 +70,17 @@ def _step(params, x, spec, comm=None, parallel=None):
     y.square().mean().backward()
 
 
-def _unplaced(step):
-    """``step`` with ``MPIComm.exchange_rows`` hidden from :mod:`fmoe.parallel` (its route before)."""
+def _before(step, cls):
+    """``step`` with ``cls.exchange_rows`` hidden from :mod:`fmoe.parallel` and the eager engine kept
+    from running beneath a grad level (:func:`fmoe.parallel._grad_level`): the route before."""
     def run():
-        real = MPIComm.exchange_rows
-        del MPIComm.exchange_rows
+        real, level = cls.exchange_rows, _parallel._grad_level
+        del cls.exchange_rows
+        _parallel._grad_level = lambda: None
         try:
             step()
         finally:
-            MPIComm.exchange_rows = real
+            cls.exchange_rows, _parallel._grad_level = real, level
     return run
 
 
@@ -104,8 +114,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile", type=int, default=0,
                     help="instead of timing: N steps of one variant (--profile_variant) under torch.profiler (first "
                          "kind and cf); rank 0 prints the ops by self CPU time")
-    ap.add_argument("--profile_variant", default="mpi", choices=("mpi", "gloo", "func", "local", "mpi_unplaced"))
-    ap.add_argument("--unplaced", action="store_true", help="also time mpi_unplaced (see the module docstring)")
+    ap.add_argument("--profile_variant", default="mpi", choices=("mpi", "gloo", "func", "local", "mpi_before",
+                                                                  "gloo_before", "func_before"))
+    ap.add_argument("--before", action="store_true", help="also time each variant's route before (see the module "
+                                                           "docstring), round by round")
     ap.add_argument("--variants", default="mpi,gloo,func", help="which of mpi, gloo, func to time (with local)")
     a = ap.parse_args(argv)
     comm = bench_comm.ep_world()
@@ -127,10 +139,12 @@ def main(argv=None) -> dict:
                         "gloo": lambda: _step(local, x, spec, gloo, ParallelSpec()),
                         "func": lambda: _func_step(local, x, spec, comm, ParallelSpec()),
                         "local": lambda: _step(one, x, one_spec)}
-            variants["mpi_unplaced"] = _unplaced(variants["mpi"])
+            for n, cls in (("mpi", MPIComm), ("gloo", TorchDistComm), ("func", MPIComm)):
+                variants[f"{n}_before"] = _before(variants[n], cls)
             if a.profile:
                 return _profile(comm, variants[a.profile_variant], a.profile)
-            timed = a.variants.split(",") + (["mpi_unplaced"] if a.unplaced else [])
+            timed = a.variants.split(",")
+            timed += [f"{n}_before" for n in timed] if a.before else []
             variants = {n: f for n, f in variants.items() if n in timed or n == "local"}
             times = {n: [] for n in variants}
             for rep in range(a.reps + 1):   # round 0 warms up
@@ -149,17 +163,18 @@ def main(argv=None) -> dict:
                    **{f"{n}_over_local": med[n] / med["local"] for n in others},
                    **{f"{n}_best_ms": v * 1e3 for n, v in best.items()},
                    **{f"{n}_best_over_local": best[n] / best["local"] for n in others}}
-            if "mpi_unplaced" in times and "mpi" in times:   # paired round by round: the A/B
-                row["mpi_over_unplaced_per_round"] = statistics.median(
-                    u / v for u, v in zip(times["mpi"], times["mpi_unplaced"]))
+            pairs = [n for n in times if f"{n}_before" in times]
+            for n in pairs:   # paired round by round: the A/B
+                row[f"{n}_over_before_per_round"] = statistics.median(
+                    u / v for u, v in zip(times[n], times[f"{n}_before"]))
             results.append(row)
             if comm.rank == 0:
                 print(f"{kind:9s} cf={cf:<5} local {row['local_ms']:8.1f} ms | " + " | ".join(
                     f"{n} {row[f'{n}_ms']:8.1f} ms ({row[f'{n}_over_local']:.2f}x)" for n in others)
                     + f" || best: local {row['local_best_ms']:.1f} ms, " + ", ".join(
                     f"{n} {row[f'{n}_best_over_local']:.2f}x" for n in others)
-                    + (f" || mpi / mpi_unplaced per round {row['mpi_over_unplaced_per_round']:.3f}"
-                       if "mpi_over_unplaced_per_round" in row else ""), flush=True)
+                    + "".join(f" || {n} / {n}_before per round {row[f'{n}_over_before_per_round']:.3f}"
+                              for n in pairs), flush=True)
     out = {"ranks": W, "threads_per_rank": 1, "T_per_rank": T, "E": E, "M": M, "H": H, "k": k, "reps": a.reps,
            "load": os.getloadavg(), "rows": results}
     if comm.rank == 0 and a.json:
