@@ -382,15 +382,20 @@ def _engine_form(experts, params, x: Tensor) -> dict:
     and in-order plan that eager mode runs (the op builds its plan inside it and gathers and
     scatters its rows by index)."""
     kw = expert_form(experts, params)
-    d = door(kw["form"], (x, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"]), precision=experts.precision)
-    lift = _grad_level() if d == "traced" else None
+    ts = (x, *kw["w_in"], kw["w_out"], kw["b_in"], kw["b_out"])
+    d = door(kw["form"], ts, precision=experts.precision)
+    lift = _grad_level(ts) if d == "traced" else None
     return {**kw, "door": "rows" if lift is not None else d, "lift": lift}
 
 
-def _grad_level() -> Optional[int]:
+def _grad_level(tensors: tuple = ()) -> Optional[int]:
     """The level of the call's torch.func transforms where they are exactly one grad level in eager
-    mode (no forward-mode AD), else None."""
+    mode (no forward-mode AD) and no tensor of ``tensors`` asks for a gradient outside it (a plain
+    tensor that requires grad), else None."""
     if torch.compiler.is_compiling() or torch.autograd.forward_ad._current_level >= 0:
+        return None
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    if any(isinstance(t, Tensor) and t.requires_grad and not wrapped(t) for t in tensors):
         return None
     stack = torch._C._functorch.get_interpreter_stack() or []
     if len(stack) != 1 or stack[0].key() != torch._C._functorch.TransformType.Grad:
