@@ -474,8 +474,8 @@ def _engine_rows(experts, params, x: Tensor, mask: Tensor, save: str, generator,
                  rows: Optional[Tensor] = None) -> Tensor:
     """This rank's experts on the filled rows of a received buffer, through the engine: a rows
     plan in eager mode and beneath a single torch.func grad level (:class:`_BelowGrad`), the
-    traced op (the same plan built inside it) under torch.compile and vmap; where neither runs (forward-mode AD, a second derivative, an activation or a
-    recipe the op does not take) the same plan through :func:`fmoe.engine.kinds.reference`, plain
+    traced op (the same plan built inside it) under torch.compile and vmap; where neither runs
+    (forward-mode AD, a second derivative, an activation or a recipe the op does not take) the same plan through :func:`fmoe.engine.kinds.reference`, plain
     autograd over per-expert GEMMs. Custom experts take the padded buffer whole (Tutel's contract).
 
     Args:

@@ -187,6 +187,10 @@ class TorchDistComm(matching.ControlExchange):
             err = place_error(place, sum(recv))
         if err is None and x.device.type != "cpu":
             err = ValueError(f"exchange_rows moves CPU tensors only, got a tensor on {x.device}")
+        if err is None and send[self.rank] != recv[self.rank]:
+            err = ValueError(f"exchange_rows: this rank sends itself {send[self.rank]} rows but receives "
+                             f"{recv[self.rank]} from itself (send_counts[{self.rank}] must equal recv_counts"
+                             f"[{self.rank}])")
         mine = torch.tensor(send + recv, dtype=torch.int64)
         inline = err is None and matching.fits(mine)
         call, ctrl = self._begin("all_to_all_v", x, error=err, payload=mine if inline else None)
@@ -220,8 +224,8 @@ class TorchDistComm(matching.ControlExchange):
             rbuf, sbuf, output_split_sizes=peer_recv, input_split_sizes=peer_send, group=self.group,
             async_op=True))
         if ns:   # this rank's own rows, while the peers' are in flight
-            move_rows(x[s0:s0 + ns] if rows is None else x, None if rows is None else rows[s0:s0 + ns],
-                      None if place is None else place[r0:r0 + nr], out[r0:r0 + nr] if place is None else out)
+            own = (x[s0:s0 + ns], None) if rows is None else (x, rows[s0:s0 + ns])
+            move_rows(*own, *((None, out[r0:r0 + nr]) if place is None else (place[r0:r0 + nr], out)))
         self._do(f"all_to_all_v #{call}", work.wait)
         if place is not None:
             move_rows(rbuf, None, torch.cat([place[:r0], place[r0 + nr:]]), out)
