@@ -1,7 +1,7 @@
 """torch.compile and torch.func against eager mode, one process, interleaved.
 
     python -m benchmarks.bench_compile [--reps 7] [--kinds ffn,swiglu] [--cfs 1.25,0] [--sweep 8] [--per_example 4]
-        [--json out.json]
+        [--threads 0] [--json out.json]
 
 Per (kind, capacity factor), a training step (forward + backward of ``fmoe.moe``):
 
@@ -13,7 +13,10 @@ Per (kind, capacity factor), a training step (forward + backward of ``fmoe.moe``
 
 And a sweep of N gate matrices: one ``vmap`` over them (forward: the custom op's vmap rule, one
 folded call that multiplies each kept (token, expert) pair once) against N eager calls, and the
-same vmap with ``MoESpec(plan='layout')`` (the staged kernel, the route vmapped calls took before).
+same vmap with ``MoESpec(plan='layout')`` (the staged kernel, the route vmapped calls took before);
+beside each median wall time, the median process CPU time (a steadier ratio on a shared host)
+and minor page faults (first touches of fresh pages) per call, and each variant's peak memory
+above the resting set (:func:`benchmarks.bench_common.measure_peak`, after the timings).
 And with ``--per_example B``, per-example gradients of a training loss over B token batches:
 ``vmap(grad)`` (the op's training fold: shared weights stay E experts, the weight gradients
 per (expert, element)) against B eager gradient calls, and the same vmap on the layout plan.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import time
 
@@ -31,6 +35,7 @@ import torch
 from torch.func import vmap
 
 import fmoe
+from benchmarks.bench_common import MIB, measure_peak
 
 KINDS = ("ffn", "gated_ffn", "swiglu", "gpt_oss")
 
@@ -70,8 +75,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--sweep", type=int, default=8, help="gate settings in the vmapped sweep (0: none)")
     ap.add_argument("--per_example", type=int, default=0, help="B: per-example gradients over B batches (0: none)")
     ap.add_argument("--per_example_kind", default="swiglu")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     T, M, H, E, k = a.tokens, a.model_dim, a.hidden, a.experts, a.k
     x = torch.randn(T, M, generator=torch.Generator().manual_seed(1))
     rows = []
@@ -113,14 +121,20 @@ def main(argv=None) -> dict:
     return out
 
 
-def _interleaved(fns: dict, reps: int) -> dict:
-    """Median seconds of each function, every round running each once (after one warm-up each)."""
+def _interleaved(fns: dict, reps: int, stats: dict = None) -> dict:
+    """Median seconds of each function, every round running each once (after one warm-up each);
+    ``stats``, where given, gets each function's median CPU seconds and minor page faults."""
     for f in fns.values():
         f()
-    ts = {n: [] for n in fns}
+    ts, cpu, faults = ({n: [] for n in fns} for _ in range(3))
     for _ in range(reps):
         for n, f in fns.items():
+            c0, f0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             ts[n].append(_timed(f))
+            cpu[n].append(time.process_time() - c0)
+            faults[n].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    if stats is not None:
+        stats.update({n: {"cpu_s": statistics.median(cpu[n]), "minflt": statistics.median(faults[n])} for n in fns})
     return {n: statistics.median(v) for n, v in ts.items()}
 
 
@@ -159,14 +173,24 @@ def _sweep(a, x) -> dict:
     one_layout = lambda wg: fmoe.moe({"gate": {"wg": wg}, "experts": p["experts"]}, x, spec_layout)[0]  # noqa: E731
     fns = {"vmap": lambda: vmap(one)(wgs), "vmap_layout": lambda: vmap(one_layout)(wgs),
            "loop": lambda: [one(wg) for wg in wgs]}
+    stats = {}
     with torch.no_grad():
-        med = _interleaved(fns, a.reps)
-    sweep = {"N": a.sweep, **{f"{n}_ms": v * 1e3 for n, v in med.items()}}
-    sweep["vmap_over_loop"] = sweep["vmap_ms"] / sweep["loop_ms"]
-    sweep["vmap_layout_over_loop"] = sweep["vmap_layout_ms"] / sweep["loop_ms"]
-    print(f"sweep of {a.sweep} gate settings (ffn cf=1.25, forward): vmap {sweep['vmap_ms']:.1f} ms "
-          f"({sweep['vmap_over_loop']:.2f}x), vmap on the layout plan {sweep['vmap_layout_ms']:.1f} ms "
-          f"({sweep['vmap_layout_over_loop']:.2f}x), {a.sweep} eager calls {sweep['loop_ms']:.1f} ms", flush=True)
+        med = _interleaved(fns, a.reps, stats)
+        peak = {n: measure_peak(f, lambda: None)["above_rest_bytes"] for n, f in fns.items()}
+    sweep = {"N": a.sweep, **{f"{n}_ms": v * 1e3 for n, v in med.items()},
+             **{f"{n}_cpu_ms": st["cpu_s"] * 1e3 for n, st in stats.items()},
+             **{f"{n}_minflt": st["minflt"] for n, st in stats.items()},
+             **{f"{n}_peak_mib": None if v is None else v / MIB for n, v in peak.items()}}
+    for v in ("vmap", "vmap_layout"):
+        sweep[f"{v}_over_loop"] = sweep[f"{v}_ms"] / sweep["loop_ms"]
+        sweep[f"{v}_cpu_over_loop"] = sweep[f"{v}_cpu_ms"] / sweep["loop_cpu_ms"]
+    mib = lambda n: "?" if sweep[f"{n}_peak_mib"] is None else f"{sweep[f'{n}_peak_mib']:.0f}"  # noqa: E731
+    print(f"sweep of {a.sweep} gate settings (ffn cf=1.25, forward, {torch.get_num_threads()} threads): vmap "
+          f"{sweep['vmap_ms']:.1f} ms ({sweep['vmap_over_loop']:.2f}x; CPU {sweep['vmap_cpu_over_loop']:.2f}x), "
+          f"vmap on the layout plan {sweep['vmap_layout_ms']:.1f} ms ({sweep['vmap_layout_over_loop']:.2f}x), "
+          f"{a.sweep} eager calls {sweep['loop_ms']:.1f} ms | minor faults per call: vmap {sweep['vmap_minflt']:.0f}, "
+          f"loop {sweep['loop_minflt']:.0f} | peak above rest: vmap {mib('vmap')} MiB, layout {mib('vmap_layout')} "
+          f"MiB, loop {mib('loop')} MiB", flush=True)
     return sweep
 
 

@@ -393,9 +393,12 @@ def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: in
     mask[key.reshape(-1)] = True
     # blocks of Tb key tokens: the mask [E', T_key] as [blocks, E', Tb], whose set positions come
     # by block, then expert, then token
-    row_bytes = xs.element_size() * (w_out.shape[1 if out_t else 2] + sum(w.shape[1 if in_t else 2] for w in w_in))
+    O = w_out.shape[1 if out_t else 2]
+    per_key = B if T_key == T else 1   # bags (elements) per key token
     U = int(mask[:n_keys].sum())
-    Tb = -(-T_key // max(1, min(T_key, -(-U * row_bytes // _BLOCK_BYTES))))
+    # a block's share of the rows' projections and products and of the bags' sums
+    need = xs.element_size() * (U * (O + sum(w.shape[1 if in_t else 2] for w in w_in)) + T_key * per_key * O)
+    Tb = -(-T_key // max(1, min(T_key, -(-need // _BLOCK_BYTES))))
     n_blocks = -(-T_key // Tb)
     blocked = mask.new_zeros(E_all, n_blocks * Tb)
     blocked[:, :T_key] = mask[:n_keys].view(E_all, T_key)
@@ -407,7 +410,6 @@ def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: in
     bounds = [0, *torch.bincount(blk * E_all + expert_u, minlength=n_blocks * E_all).cumsum(0).tolist()]
     # bags: [T_key, B] (a key token's elements side by side) where the key tokens are the
     # elements' shared tokens, else [B * T] = [T_key, 1]; a block's bags are one slice of y
-    per_key = B if T_key == T else 1
     if per_key > 1:
         kept, key, g = (t.transpose(0, 1) for t in (kept, key, g))
     sel = kept.reshape(-1).nonzero().squeeze(1)
@@ -421,7 +423,7 @@ def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: in
     differentiable = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (xs, g, *weights))
     if not differentiable:
         fs, w_in_s, w_out_s = kinds.as_stored(_form(form, in_t, out_t, act, alpha, limit), tuple(w_in), w_out)
-        y = xs.new_empty((T_key * per_key, w_out.shape[1 if out_t else 2]))
+        y = xs.new_empty((T_key * per_key, O))
     parts = []
     for b in range(n_blocks):
         r0, r1 = bounds[b * E_all], bounds[(b + 1) * E_all]
@@ -429,7 +431,7 @@ def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: in
         eb = [r - r0 for r in bounds[b * E_all:(b + 1) * E_all + 1]]
         if r1 == r0:   # no kept pair in this block: its bags are empty
             if differentiable:
-                parts.append(xs.new_zeros((bag_cut[b + 1] - bag_cut[b], w_out.shape[1 if out_t else 2])))
+                parts.append(xs.new_zeros((bag_cut[b + 1] - bag_cut[b], O)))
             else:
                 y[bag_cut[b]:bag_cut[b + 1]].zero_()
             continue
