@@ -338,13 +338,13 @@ def _expert_rows_vmap(info, in_dims, x, gates, expert_ids, slots, counts, capaci
 
 
 # Bytes of one block's transient buffers in the vmapped sweep's fold (its rows' projections and
-# products, [rows, H] and [rows, O], and its bags' sums): below glibc's mmap threshold (which
-# rises to a freed block's size, up to 32 MiB on 64-bit), so each block reuses the heap pages
-# the one before it freed, where one [U, O] buffer of a large sweep is fresh pages every call
-# (their first touch cost the fold 0.1x of the N calls' time), and a block's rows stay in cache
-# from its GEMMs to its bags. Blocks are token ranges, so every expert's weights are read once
-# per block: few large blocks, not many small ones.
-_BLOCK_BYTES = 16 << 20
+# products, [rows, H] and [rows, O], and its bags' sums), each below glibc's largest mmap
+# threshold (a threshold that rises to a freed buffer's size, up to 32 MiB on 64-bit): each block
+# reuses the heap pages the one before it freed, where one [U, O] buffer of a large sweep is
+# fresh pages every call, whose first touch cost the fold about 0.1x of the N calls' time.
+# Blocks are token ranges and each reads every busy expert's weights: few large blocks (the
+# per-expert GEMMs of small blocks are short and re-read the weights).
+_BLOCK_BYTES = 32 << 20
 
 
 def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: int, w_in, w_out, b_in, b_out,
