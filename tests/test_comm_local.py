@@ -56,3 +56,30 @@ def test_fingerprint_is_process_independent():
     a = _fingerprint({"s": ExpertSpec(hidden_size=4, activation=F.gelu), "k": 2})
     assert a == _fingerprint({"s": ExpertSpec(hidden_size=4, activation=F.gelu), "k": 2})
     assert a != _fingerprint({"s": ExpertSpec(hidden_size=4, activation=F.relu), "k": 2})
+
+
+@pytest.mark.parametrize("rows_kind", ["none", "runs", "scattered"])
+@pytest.mark.parametrize("place_kind", ["none", "runs", "scattered"])
+def test_move_rows_equals_index_ops(rows_kind, place_kind):
+    """fmoe.comm.layout.move_rows (the communicators' row copies: block copies per run where there are
+    few runs, one gather / placement where there are many) equals out[place] = x[rows]."""
+    from fmoe.comm.layout import MAX_RUNS, move_rows
+    g = torch.Generator().manual_seed(5)
+    n = 3 * MAX_RUNS   # rows moved: "runs" has n/40 runs (few), "scattered" about n (many)
+
+    def index(kind, size):   # n entries in [0, size): None, shuffled blocks of 40, or scattered
+        if kind == "none":
+            return None
+        if kind == "scattered":
+            return torch.randperm(size, generator=g)[:n].contiguous()
+        starts = torch.arange(0, size, 40)[torch.randperm(-(-size // 40), generator=g)]
+        return torch.cat([torch.arange(b, min(b + 40, size)) for b in starts.tolist()])[:n].contiguous()
+
+    x = torch.randn(2 * n, 5, generator=g)
+    rows, place = index(rows_kind, 2 * n), index(place_kind, n)
+    src = x[:n] if rows is None else x
+    picked = src if rows is None else src.index_select(0, rows)
+    want = picked.clone() if place is None else torch.empty(n, 5).index_copy_(0, place, picked)
+    got = torch.full((n, 5), float("nan"))
+    move_rows(src, rows, place, got)
+    assert torch.equal(got, want)
