@@ -4,6 +4,10 @@ of :func:`fmoe.routing.assign_slots`) and its inverse, the kept pairs listed by 
 
     assign_slots_fast(expert_ids, num_experts, order, impl="auto") -> (slots, counts) or None
     kept_rows(ids, slots, counts, capacity, out, pairs, impl="auto") -> N or a KEPT_ROWS_ERRORS key
+    route_rows(sel, logits, k, norm, ...) -> a small call's top-k, gates, slots, capacity and rows
+
+``route_rows`` (:func:`fmoe.routers.route_native`'s one native call) has no numba twin: where the
+extension is not built the router's torch ops run.
 
 Two integer-exact twins run them: the C++ extension ``fmoe_walks`` (fmoe/ops/csrc/walks.cpp, built
 by ``python -m fmoe build`` beside the grouped GEMMs) and the numba walks of :mod:`fmoe._slots_numba`,

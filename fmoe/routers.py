@@ -47,6 +47,9 @@ Expert choice builds its Routing directly (see :func:`route`).
 
 Everything is pure torch (topk, gather, scatter, comparisons), composes with ``torch.func``
 (grad through the gate weights, vmap over stacked gate parameters) and never mutates an input.
+A small eager no-grad CPU call (decode) may run :func:`route_native` instead: the same torch ops
+up to the scores, then top-k, gates, slots, capacity and the plan's rows in one native call, equal
+bit for bit to :func:`route` (used by :func:`fmoe.moe`).
 Randomness (Tutel gate noise, Mixtral jitter) takes an explicit generator or noise tensor.
 """
 from __future__ import annotations
@@ -811,9 +814,9 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
     """
     t, E, T = spec.type, num_experts, x.shape[0]
     k = min(spec.k, E) if t in ("top", "cosine_top") else spec.k
-    if k > E or (t == "gpt_oss" and not normalize) or isinstance(alignment, bool) or not isinstance(alignment, int) \
-            or alignment < 1:
-        return None   # route raises its own error
+    if k > E or k > 64 or (t == "gpt_oss" and not normalize) or isinstance(alignment, bool) \
+            or not isinstance(alignment, int) or alignment < 1:
+        return None   # route raises its own error (or, k > 64, runs the torch ops)
     if t in ("top", "cosine_top"):
         dt = torch.float32 if spec.fp32_gate else x.dtype
         norm = _slots.ROUTE_TUTEL if normalize and k > 1 else _slots.ROUTE_RAW
@@ -865,7 +868,8 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
             scores = sel = torch.softmax(logits.float(), dim=-1)
         out_dtype = logits.dtype if t == "qwen" else torch.float32
     frac = fraction and (t == "gpt_oss" or sel.dtype == torch.float32)   # the scores the loss reads are float32
-    res = _slots.route_rows(sel, logits, k, norm, out_dtype, by_token, cap_fixed, cap_limit, align, frac, choice,
+    # (matmul and softmax outputs are contiguous: contiguous() returns them as they are)
+    res = _slots.route_rows(sel.contiguous(), logits.contiguous(), k, norm, out_dtype, by_token, cap_fixed, cap_limit, align, frac, choice,
                             spec.n_group, spec.topk_group, spec.routed_scaling_factor)
     status, ids, gates, slots, counts, tokens, pairs, offsets, dropped, row_gates, bounds, C, share = res
     if status == _slots.ROUTE_NON_FINITE:
