@@ -337,14 +337,16 @@ def _expert_rows_vmap(info, in_dims, x, gates, expert_ids, slots, counts, capaci
     return [y], [dim]
 
 
-# Bytes of one block's transient buffers in the vmapped sweep's fold (its rows' projections and
-# products, [rows, H] and [rows, O], and its bags' sums), each below glibc's largest mmap
-# threshold (a threshold that rises to a freed buffer's size, up to 32 MiB on 64-bit): each block
-# reuses the heap pages the one before it freed, where one [U, O] buffer of a large sweep is
-# fresh pages every call, whose first touch cost the fold about 0.1x of the N calls' time.
-# Blocks are token ranges and each reads every busy expert's weights: few large blocks (the
-# per-expert GEMMs of small blocks are short and re-read the weights).
-_BLOCK_BYTES = 32 << 20
+# Bytes of the largest transient buffer of one block of the vmapped sweep's fold (its rows'
+# products [rows, O], their projections [rows, H], its bags' sums [bags, O]): below glibc's
+# largest mmap threshold (a threshold that rises to a freed buffer's size, up to 32 MiB on
+# 64-bit; a margin for blocks' uneven rows), so each block reuses the heap pages the one before
+# it freed, where one [U, O] buffer of a large sweep is fresh pages every call (their first
+# touch cost the fold about 0.1x of the N calls' time). Blocks are token ranges, each running
+# every busy expert's GEMMs over its rows: the fewest blocks that fit (short per-expert GEMMs
+# re-read the weights, and each GEMM is a parallel region whose threads meet, which costs most
+# on an oversubscribed host).
+_BLOCK_BYTES = 24 << 20
 
 
 def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: int, w_in, w_out, b_in, b_out,
@@ -396,8 +398,8 @@ def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: in
     O = w_out.shape[1 if out_t else 2]
     per_key = B if T_key == T else 1   # bags (elements) per key token
     U = int(mask[:n_keys].sum())
-    # a block's share of the rows' projections and products and of the bags' sums
-    need = xs.element_size() * (U * (O + sum(w.shape[1 if in_t else 2] for w in w_in)) + T_key * per_key * O)
+    # the largest of the rows' products, their projections and the bags' sums, over all blocks
+    need = xs.element_size() * max(U * O, U * sum(w.shape[1 if in_t else 2] for w in w_in), T_key * per_key * O)
     Tb = -(-T_key // max(1, min(T_key, -(-need // _BLOCK_BYTES))))
     n_blocks = -(-T_key // Tb)
     blocked = mask.new_zeros(E_all, n_blocks * Tb)
