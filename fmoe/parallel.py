@@ -390,17 +390,25 @@ def _engine_form(experts, params, x: Tensor) -> dict:
 
 def _grad_level(tensors: tuple = ()) -> Optional[int]:
     """The level of the call's torch.func transforms where they are exactly one grad level in eager
-    mode (no forward-mode AD) and no tensor of ``tensors`` asks for a gradient outside it (a plain
-    tensor that requires grad), else None."""
+    mode (no forward-mode AD) and no tensor of ``tensors`` asks for a gradient outside it, else None.
+    A tensor asks where it or the value beneath its wrapper requires grad: a plain x that requires
+    grad reaches the received rows through the exchange, which wraps them at the level."""
     if torch.compiler.is_compiling() or torch.autograd.forward_ad._current_level >= 0:
         return None
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    if any(isinstance(t, Tensor) and t.requires_grad and not wrapped(t) for t in tensors):
+    if any(isinstance(t, Tensor) and _outer_grad(t) for t in tensors):
         return None
     stack = torch._C._functorch.get_interpreter_stack() or []
     if len(stack) != 1 or stack[0].key() != torch._C._functorch.TransformType.Grad:
         return None
     return stack[0].level()
+
+
+def _outer_grad(t: Tensor) -> bool:
+    """Whether autograd outside every torch.func level wants t's gradient (the innermost value
+    beneath t's functorch wrappers requires grad)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t.requires_grad
 
 
 class _BelowGrad(torch.autograd.Function):

@@ -138,6 +138,43 @@ def test_torch_func_grad_runs_the_eager_engine_and_equals_one_process(comm, engi
 
 
 @pytest.mark.parametrize("cf", [1.25, 0.0])
+def test_torch_func_grad_with_a_plain_input_requiring_grad_keeps_the_traced_op(comm, engine_rows, traced_calls, cf):
+    """A plain (unwrapped) x that requires grad outside the torch.func grad level wants a gradient
+    from the outer autograd too, which the eager engine beneath the level would not record: the
+    received rows keep the traced op (fmoe.parallel._grad_level). The level's expert gradients
+    equal one process's, and x's gradient through the returned output equals eager autograd's."""
+    W = comm.size
+    E = 2 * W
+    spec = make_spec(E, 2, cf, expert_type="swiglu")
+    full = full_params(spec)
+    x = local_batch(comm.rank)
+    cot = torch.randn(x.shape[0], spec.output_dim, generator=torch.Generator().manual_seed(11 + comm.rank),
+                      dtype=torch.float64)
+    local = local_params(spec, full, comm)
+    xp = x.clone().requires_grad_(True)
+
+    def loss(experts):
+        y, _ = fmoe.moe({**local, "experts": experts}, xp, spec, comm=comm)
+        return (y * cot).sum(), y
+
+    traced_calls.clear()
+    engine_rows.clear()
+    g, yd = torch.func.grad(loss, has_aux=True)(local["experts"])
+    assert traced_calls, "the traced op did not run beneath a grad level with a plain input requiring grad"
+    yr, gr = reference(spec, full, x, W, ParallelSpec(), cot)
+    allclose(yd, yr, f"output cf={cf}")
+    summed = {k: comm.all_reduce(v, "sum") for k, v in gr["experts"].items() if v is not None}
+    mine = shard_experts("swiglu", summed, E, comm.rank, W)
+    for k in mine:
+        allclose(g[k], mine[k], f"grad experts.{k} cf={cf}")
+    (yd * cot).sum().backward()
+    xe = x.clone().requires_grad_(True)
+    ye, _ = fmoe.moe(local, xe, spec, comm=comm)
+    (ye * cot).sum().backward()
+    allclose(xp.grad, xe.grad, f"grad x (outer autograd) cf={cf}")
+
+
+@pytest.mark.parametrize("cf", [1.25, 0.0])
 def test_forward_mode_ad_runs_the_plan_reference_and_equals_one_process(comm, cf, monkeypatch):
     """torch.func.jvp (which the traced op does not serve): each rank's received rows through the
     plan's per-expert reference under plain autograd; the tangent equals one process's, whose
