@@ -363,7 +363,7 @@ def apply_experts(spec: ExpertSpec, params, x: Tensor, gemm: Optional[GroupedGem
 
 def routed_experts(spec: ExpertSpec, params, x: Tensor, routing, *, layout_kind: str = "padded",
                    order: str = "fmoe", prescore: bool = False, plan: str = "auto", save: str = "projections",
-                   generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+                   generator: Optional[torch.Generator] = None, rows=None) -> tuple[Tensor, Tensor]:
     """The routed experts of one process on tokens x [T, M]: the engine over a rows plan where
     it applies (``plan`` 'auto'; custom experts with ``takes_plan`` always), else over a layout
     plan of ``layout_kind`` (dispatch, the layout kernel, combine).
@@ -374,6 +374,8 @@ def routed_experts(spec: ExpertSpec, params, x: Tensor, routing, *, layout_kind:
         order: the combine order (:data:`fmoe.ops.orders.COMBINES`). prescore: gates scale the
             experts' inputs. plan: :attr:`fmoe.MoESpec.plan`. save: :attr:`fmoe.MoESpec.save`.
         generator: the quantized-training recipe's stochastic rounding.
+        rows: the routing's :class:`~fmoe.routing.KeptRows` where the native route made them with
+            it (a rows plan then takes them instead of walking the routing), else None.
     Returns:
         (y [T, O] in x's dtype, pairs dropped int64 []).
     """
@@ -398,8 +400,11 @@ def routed_experts(spec: ExpertSpec, params, x: Tensor, routing, *, layout_kind:
     needs_grad = torch.is_grad_enabled() and (kw is None or any(t is not None and t.requires_grad for t in ts))
     rows_plan = _plan.make_plan(routing, needs_grad=needs_grad, dtype=x.dtype,
                                 precision=None if kw is None else spec.precision,
-                                layout=None if door == "rows" else make_layout(routing, layout_kind))
-    w_rows = rows_plan.row_weights(routing.weights)
+                                layout=None if door == "rows" else make_layout(routing, layout_kind), rows=rows)
+    if door == "rows" and rows is not None and rows.row_gates is not None and not routing.weights.requires_grad:
+        w_rows = rows.row_gates   # the native route gathered them with the rows
+    else:
+        w_rows = rows_plan.row_weights(routing.weights)
     if kw is None:
         y = _kinds.run_custom(spec.fn, params, x, w_rows, rows_plan, order=order, prescore=prescore)
     else:

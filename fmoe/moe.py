@@ -29,7 +29,7 @@ from .ops.orders import COMBINES
 from .routers import GateSpec, RouterOutput, init_router
 from .routers import native_applies, route_native
 from .routers import route as _router_route
-from .routing import Routing, _capacity_factor, capacity_for
+from .routing import KeptRows, Routing, _capacity_factor, capacity_for
 
 __all__ = ["GateSpec", "MoESpec", "MoEAux", "init_params", "moe", "check_params", "route"]
 
@@ -380,9 +380,8 @@ def route(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator=None, 
 
     ``alignment`` overrides ``spec.alignment`` (expert parallel needs C % (s*d) == 0)."""
     kind = spec.layout_kind(1 if comm is None else comm.size)
-    routing, out, l_aux = _route(params, x, spec, kind, comm=comm, generator=generator, noise=noise,
-                                 training=training, alignment=alignment)
-    routing.__dict__.pop("_rows", None)   # route_native's rows are for the plan of a moe call only
+    routing, out, l_aux, _ = _route(params, x, spec, kind, comm=comm, generator=generator, noise=noise,
+                                    training=training, alignment=alignment)
     return routing, l_aux
 
 
@@ -404,7 +403,8 @@ def _under_vmap(x: Tensor, gate_params) -> bool:
 
 
 def _route(params, x, spec: MoESpec, kind: str, *, comm, generator, noise, training, alignment
-           ) -> tuple[Routing, RouterOutput, Tensor]:
+           ) -> tuple[Routing, RouterOutput, Tensor, Optional[KeptRows]]:
+    """(routing, router output, l_aux, the routing's kept rows where the native route made them)."""
     gs = spec.gate
     capacity = None
     if (gs.type != "expert_choice" and (torch.compiler.is_compiling() or _under_vmap(x, params["gate"]))
@@ -428,9 +428,9 @@ def _route(params, x, spec: MoESpec, kind: str, *, comm, generator, noise, train
         # a small eager call: top-k, gates, slots and the plan's rows in one native call, the same values
         native = route_native(params["gate"], x, gs, num_experts=spec.num_experts, normalize=spec.normalize_gate,
                               alignment=align, fraction=spec.balance_loss and spec.is_gshard_loss)
-    fraction = None
+    fraction = rows = None
     if native is not None:
-        routing, out, fraction = native
+        routing, out, fraction, rows = native
     else:
         routing, out = _router_route(params["gate"], x, gs, num_experts=spec.num_experts,
                                      normalize=spec.normalize_gate, batch_prioritized=spec.batch_prioritized,
@@ -442,7 +442,7 @@ def _route(params, x, spec: MoESpec, kind: str, *, comm, generator, noise, train
         l_aux = gshard_loss(out.scores, None if fraction is not None else routing.expert_ids[0], fraction=fraction)
     else:
         l_aux = load_importance_loss(out.logits, out.noisy_logits, gs.k, gs.gate_noise)
-    return routing, out, l_aux
+    return routing, out, l_aux, rows
 
 
 def _check_input(x, spec: MoESpec) -> None:
@@ -541,10 +541,10 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     kind = spec.layout_kind(comm.size, parallel.overlap_degree if comm.size > 1 else 1)
     # (x itself where it is [T, M] already: a reshape to its own shape is still a dispatched op)
     tokens = x if x.dim() == 2 else x.reshape(-1, spec.model_dim)
-    out = None
+    out = rows = None
     if routing is None:
-        routing, out, l_aux = _route(params, tokens, spec, kind, comm=comm, generator=generator, noise=noise,
-                                     training=training, alignment=alignment)
+        routing, out, l_aux, rows = _route(params, tokens, spec, kind, comm=comm, generator=generator,
+                                           noise=noise, training=training, alignment=alignment)
     else:   # the injected routing was checked above (_check_replay), before any collective
         l_aux = x.new_zeros(())
     seen = tokens if out is None or out.tokens is None else out.tokens  # Mixtral jitter: experts see it too
@@ -555,7 +555,7 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
     if comm.size == 1:
         y, dropped = routed_experts(spec.experts, params["experts"], compute, routing, layout_kind=kind,
                                     order=spec.combine, prescore=not spec.is_postscore, plan=spec.plan,
-                                    save=spec.save, generator=generator)
+                                    save=spec.save, generator=generator, rows=rows)
     elif spec.experts.takes_plan:
         raise ValueError("custom experts with takes_plan=True run on one process; use takes_plan=False (padded "
                          "[E, C, M] buffers) with expert parallelism")
@@ -566,7 +566,6 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
                               prescore=not spec.is_postscore, order=spec.combine, save=spec.save,
                               generator=generator)
         dropped = routing.num_dropped()
-    routing.__dict__.pop("_rows", None)   # route_native's rows, where no rows plan took them
     if x.dim() != 2 or torch.compiler.is_compiling():
         # (eager [T, M]: no reshape, a dispatched op. Traced it costs nothing, and dynamo cannot set an
         # attribute on the traced expert op's own output, which fmoe.nn does: y.l_aux)

@@ -66,7 +66,7 @@ from torch.utils import _pytree as pytree
 
 from . import _slots
 from .routing import Routing, _capacity_factor, _group_max, _routing_of, _top_k, _trusted_routing, capacity_bound
-from .routing import capacity_for, check_finite
+from .routing import KeptRows, capacity_for, check_finite
 
 __all__ = [
     "ROUTER_TYPES", "GATE_TYPES", "SCORE_FNS", "GateSpec", "RouterOutput",
@@ -807,10 +807,9 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
     scaling native (torch's float ops with its Python scalars rounded to float).
 
     Returns:
-        (routing, router output, fraction): fraction is the float32 [E] share of tokens whose slot-0
-        expert is e (the GShard loss's) where ``fraction`` and the scores are float32, else None.
-        The routing carries its kept rows for the plan of the same call (:func:`fmoe.engine.plan.make_plan`
-        takes them once; :func:`fmoe.moe.moe` drops them before returning).
+        (routing, router output, fraction, rows): fraction is the float32 [E] share of tokens whose
+        slot-0 expert is e (the GShard loss's) where ``fraction`` and the scores are float32, else
+        None; rows: the routing's :class:`~fmoe.routing.KeptRows` for the plan of the same call.
     """
     t, E, T = spec.type, num_experts, x.shape[0]
     k = min(spec.k, E) if t in ("top", "cosine_top") else spec.k
@@ -883,9 +882,8 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
         gates = torch.softmax(gates, dim=-1, dtype=gates.dtype).t().contiguous()   # [T, k] -> [k, T]
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
     routing = _trusted_routing(ids, slots, gates, counts, C, E, shapes=False)
-    # the kept rows for this call's plan (taken once by make_plan; not part of the Routing's value)
-    routing.__dict__["_rows"] = (tokens, pairs, bounds, dropped, offsets, row_gates)
-    return routing, RouterOutput(ids, gates, logits, scores, noisy, type=t), share
+    rows = KeptRows(tokens, pairs, tuple(bounds), dropped, offsets, row_gates)
+    return routing, RouterOutput(ids, gates, logits, scores, noisy, type=t), share, rows
 
 
 def route(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, normalize: bool = True,

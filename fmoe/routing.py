@@ -132,6 +132,27 @@ class Routing:
             raise type(e)(f"Routing.load({os.fspath(path)!r}): {e}") from None
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class KeptRows:
+    """A CPU routing's kept pairs sorted by expert, made with it in one native call
+    (:func:`fmoe.routers.route_native`), for the rows plan of the same call
+    (:func:`fmoe.engine.plan.make_plan`'s ``rows``); not part of the Routing's value.
+
+    Attributes:
+        tokens: int64 [N] token of each row. pairs: int64 [N] flat pair index ``j * T + t``.
+        bounds: the E + 1 row offsets as host ints. dropped: int64 [] pairs over capacity.
+        offsets: int64 [E + 1] the same offsets. row_gates: [N] each row's gate weight in the
+            routing's weight dtype, or None where the gates are made after the call (gpt_oss).
+    """
+
+    tokens: Tensor
+    pairs: Tensor
+    bounds: tuple
+    dropped: Tensor
+    offsets: Tensor
+    row_gates: Optional[Tensor]
+
+
 def _routing_to_dict(r: Routing) -> dict:
     return {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
 

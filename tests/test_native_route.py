@@ -44,7 +44,7 @@ def _pair(spec, params, x, E, normalize=True, alignment=1):
 
 
 def _assert_same(ref, ref_out, got):
-    routing, out, frac = got
+    routing, out, frac, rows = got
     for name in ("expert_ids", "slots", "counts"):
         assert torch.equal(getattr(routing, name), getattr(ref, name)), name
     assert routing.weights.dtype == ref.weights.dtype
@@ -52,13 +52,15 @@ def _assert_same(ref, ref_out, got):
     assert routing.capacity == ref.capacity
     assert torch.equal(out.logits, ref_out.logits) and torch.equal(out.scores, ref_out.scores)
     # the plan's rows, taken from the native call, against the walk over the torch routing
-    p = _plan.make_plan(routing, needs_grad=False, dtype=torch.float32)
+    p = _plan.make_plan(routing, needs_grad=False, dtype=torch.float32, rows=rows)
     q = _plan.make_plan(ref, needs_grad=False, dtype=torch.float32)
-    assert "_rows" not in routing.__dict__   # taken once
+    assert p.tokens is rows.tokens   # the plan took the native rows rather than walking the routing
     assert p.bounds == q.bounds and torch.equal(p.offsets, q.offsets)
     assert torch.equal(p.tokens, q.tokens) and torch.equal(p.pairs, q.pairs) and int(p.dropped) == int(q.dropped)
     assert p.phase == q.phase
     assert torch.equal(p.row_weights(routing.weights), q.row_weights(ref.weights))
+    if rows.row_gates is not None:
+        assert torch.equal(rows.row_gates, q.row_weights(ref.weights))
     if frac is not None:
         assert torch.equal(gshard_loss(ref_out.scores, ref.expert_ids[0]), gshard_loss(out.scores, None, fraction=frac))
 
@@ -153,7 +155,6 @@ def test_native_route_layer_equals_replayed_torch_routing():
         assert torch.equal(y, y_ref)
         assert torch.equal(aux.l_aux, gshard_loss(ref_out.scores, ref.expert_ids[0]))
         assert torch.equal(aux.routing.expert_ids, ref.expert_ids) and torch.equal(aux.routing.weights, ref.weights)
-        assert "_rows" not in aux.routing.__dict__
         assert int(aux.dropped) == 0 and aux.capacity == ref.capacity
 
 

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from .. import _slots
 from ..layout import Layout
-from ..routing import Routing
+from ..routing import KeptRows, Routing
 
 __all__ = ["PHASES", "DECODE_ROWS", "ExpertPlan", "LayoutPlan", "make_plan", "plan_from_bounds", "device_plan"]
 
@@ -135,9 +135,6 @@ class ExpertPlan:
     def row_weights(self, weights: Tensor) -> Tensor:
         """The gate weight of each row: [N] from the routing's [k, T] ``weights`` (a device
         plan's dead rows 0, and no gradient through them)."""
-        given = self.__dict__.get("_row_gates")
-        if given is not None and given[0] is weights and not weights.requires_grad:
-            return given[1]   # route_native gathered them with the rows
         w = weights.reshape(-1).index_select(0, self.pairs)
         return w if self.bounds is not None else w.masked_fill(self.dead, 0)
 
@@ -332,7 +329,8 @@ def plan_from_bounds(tokens: Tensor, pairs: Tensor, bounds, num_tokens: int, *, 
 
 
 def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precision=None,
-              layout: Optional[Layout] = None, device_rows: Optional[bool] = None) -> Union[ExpertPlan, LayoutPlan]:
+              layout: Optional[Layout] = None, device_rows: Optional[bool] = None,
+              rows: Optional[KeptRows] = None) -> Union[ExpertPlan, LayoutPlan]:
     """The plan of ``routing``: its kept pairs sorted by expert (one host sync; off the CPU a
     device rows plan, no host sync), or with ``layout`` a layout plan (no host sync: the layout
     kernels over the layout's buffers).
@@ -346,6 +344,8 @@ def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precisi
         device_rows: True for a device rows plan (:func:`device_plan`) on any device, False
             for host bounds; None: a device plan off the CPU where the table's grouped kernel
             runs the call (dtype in :data:`GROUPED_DTYPES`, no ``precision``).
+        rows: the routing's :class:`~fmoe.routing.KeptRows`, made with it by the native route:
+            a host-bounds plan takes them instead of walking the routing.
     Raises:
         ValueError for a routing whose counts disagree with its slots (a hand-made one).
     """
@@ -354,15 +354,10 @@ def make_plan(routing: Routing, *, needs_grad: bool, dtype: torch.dtype, precisi
     if layout is not None:
         return LayoutPlan(routing, layout, dtype, precision)
     ids = routing.expert_ids
-    # the kept rows that fmoe.routers.route_native made with the routing, taken once (a CPU routing)
-    given = routing.__dict__.pop("_rows", None)
-    if given is not None and not device_rows:
-        tokens, pairs, bounds, dropped, offsets, row_gates = given
-        plan = ExpertPlan(tokens, pairs, offsets, bounds, routing.num_tokens, dropped,
-                          phase_of(needs_grad, bounds[-1], len(set(bounds)) - 1), dtype, precision, routing.k)
-        if row_gates is not None:
-            plan.__dict__["_row_gates"] = (routing.weights, row_gates)
-        return plan
+    if rows is not None and not device_rows:
+        b = rows.bounds
+        return ExpertPlan(rows.tokens, rows.pairs, rows.offsets, b, routing.num_tokens, rows.dropped,
+                          phase_of(needs_grad, b[-1], len(set(b)) - 1), dtype, precision, routing.k)
     if device_rows or (device_rows is None and device_rows_by_default(ids.device, dtype, precision)):
         return device_plan(ids, routing.slots, routing.num_experts, routing.capacity, needs_grad=needs_grad,
                            dtype=dtype, precision=precision)
