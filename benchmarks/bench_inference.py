@@ -309,6 +309,9 @@ def model_suite(arch: str = "gpt_oss", size: str = "small", repeats: int = 3, ro
     runs = {"fmoe": [], "transformers": []}
     with tempfile.TemporaryDirectory(prefix="fmoe-bench-inference-") as path:
         G.write_checkpoint(path, arch, size)
+        # flush the new file before the timed processes map it: reads of a fresh file's pages still
+        # under writeback ran 10-25 % slower (fmoe maps the packed experts; transformers copies them)
+        os.sync()
         res["checkpoint_bytes"] = os.path.getsize(os.path.join(path, "model.safetensors"))
         for rnd in range(rounds):
             for variant in (("fmoe", "transformers") if rnd % 2 == 0 else ("transformers", "fmoe")):
