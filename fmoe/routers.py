@@ -610,11 +610,14 @@ def expert_choice_capacity(capacity_factor: float, k: int, num_tokens: int, num_
     return min(C, num_tokens)
 
 
+# Non-finite x (or router weights) give non-finite logits; top-k would then pick experts for a NaN
+# row (an error for some k / normalize settings, a NaN output row for the others).
+_LOGITS = ("router logits [T, E]", "the router's input x or its parameters hold NaN/Inf. Find where it comes from "
+           "upstream, or clean x (torch.nan_to_num) before the layer")
+
+
 def _check_logits(logits: Tensor) -> None:
-    # Non-finite x (or router weights) give non-finite logits; top-k would then pick experts for a
-    # NaN row (an error for some k / normalize settings, a NaN output row for the others).
-    check_finite(logits, "router logits [T, E]", "the router's input x or its parameters hold NaN/Inf. Find "
-                 "where it comes from upstream, or clean x (torch.nan_to_num) before the layer")
+    check_finite(logits, *_LOGITS)
 
 
 def _tutel_logits(spec, params, x, training, generator, noise):
@@ -872,7 +875,7 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
                             spec.n_group, spec.topk_group, spec.routed_scaling_factor)
     status, ids, gates, slots, counts, tokens, pairs, offsets, dropped, row_gates, bounds, C, share = res
     if status == _slots.ROUTE_NON_FINITE:
-        _check_logits(logits)   # raises, naming the rows
+        check_finite(logits, *_LOGITS)   # raises, naming the rows
     if status == _slots.ROUTE_ZERO_CAPACITY or C > capacity_bound(k, T):
         capacity_for(cf, num_tokens=T, num_experts=E, k=k, max_load=int(counts.max()) if status == 0 else 1,
                      alignment=alignment)   # raises the torch path's error
