@@ -141,13 +141,13 @@ class TorchDistComm(matching.ControlExchange):
             raise AssertionError("unreachable: _begin re-raises")  # pragma: no cover
         return front_to_concat(self.exchange(front), concat_axis)
 
-    @raw_collective
-    def all_to_all_v(self, x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> Tensor:
-        send, recv, err = a2av_counts(x, send_counts, recv_counts, self.size)
+    def _begin_v(self, x: Tensor, send: list, recv: list, err) -> int:
+        """Begin an all-to-all-v (raising ``err`` on every rank); in checked mode the ranks' counts
+        must pair up: recv[u] on rank w == send[w] on rank u. Returns the call's number."""
         mine = torch.tensor(send + recv, dtype=torch.int64)
         inline = err is None and matching.fits(mine)
         call, ctrl = self._begin("all_to_all_v", x, error=err, payload=mine if inline else None)
-        if ctrl is not None:  # checked: the counts must pair up (recv[u] on w == send[w] on u)
+        if ctrl is not None:
             if inline:
                 table = matching.payload_of(ctrl, mine)
             else:
@@ -155,6 +155,12 @@ class TorchDistComm(matching.ControlExchange):
                 self._do(f"all_to_all_v #{call} (counts)",
                          lambda: _all_gather_tensor(table, mine, group=self.group))
             matching.check_counts(table.reshape(self.size, 2 * self.size), call)
+        return call
+
+    @raw_collective
+    def all_to_all_v(self, x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> Tensor:
+        send, recv, err = a2av_counts(x, send_counts, recv_counts, self.size)
+        call = self._begin_v(x, send, recv, err)
         x = x.contiguous()
         out = recv_buffer(self, (sum(recv),) + tuple(x.shape[1:]), x.dtype, x.device)   # CPU: reused
         self._do(f"all_to_all_v #{call}", lambda: dist.all_to_all_single(
@@ -191,17 +197,7 @@ class TorchDistComm(matching.ControlExchange):
             err = ValueError(f"exchange_rows: this rank sends itself {send[self.rank]} rows but receives "
                              f"{recv[self.rank]} from itself (send_counts[{self.rank}] must equal recv_counts"
                              f"[{self.rank}])")
-        mine = torch.tensor(send + recv, dtype=torch.int64)
-        inline = err is None and matching.fits(mine)
-        call, ctrl = self._begin("all_to_all_v", x, error=err, payload=mine if inline else None)
-        if ctrl is not None:  # checked: the counts must pair up (recv[u] on w == send[w] on u)
-            if inline:
-                table = matching.payload_of(ctrl, mine)
-            else:
-                table = torch.empty(self.size * 2 * self.size, dtype=torch.int64)
-                self._do(f"all_to_all_v #{call} (counts)",
-                         lambda: _all_gather_tensor(table, mine, group=self.group))
-            matching.check_counts(table.reshape(self.size, 2 * self.size), call)
+        call = self._begin_v(x, send, recv, err)
         x = x.contiguous()
         tail = tuple(x.shape[1:])
         out = recv_buffer(self, (sum(recv),) + tail, x.dtype)   # reused: no fresh pages to fault
