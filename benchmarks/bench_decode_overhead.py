@@ -142,26 +142,23 @@ def sections(fmt: str, T: int, grad: bool = False):
     def route():
         return moe._route(params, x, spec, kind, comm=None, generator=None, noise=None, training=False, alignment=1)
 
-    routing = route()[0]
     # where the router's native call made the plan's rows with the routing (fmoe.routers.route_native),
-    # the plan and experts sections take them as the layer does: put back before each call
-    rows = routing.__dict__.get("_rows")
-
-    def given():
-        if rows is not None:
-            routing.__dict__["_rows"] = rows
-        return routing
+    # the plan and experts sections take them as the layer does
+    # (a tree from before the native route, under --compare, returns three and takes no rows)
+    routed = route()
+    routing, rows = routed[0], (routed[3] if len(routed) > 3 else None)
+    given = {} if rows is None else {"rows": rows}
 
     def plan():
-        p = _plan.make_plan(given(), needs_grad=False, dtype=torch.float32)
-        return p.row_weights(routing.weights)
+        p = _plan.make_plan(routing, needs_grad=False, dtype=torch.float32, **given)
+        return rows.row_gates if rows is not None and rows.row_gates is not None else p.row_weights(routing.weights)
 
     def checks():
         moe._check_input(x, spec)
         moe.check_params(params, spec)
 
     steps = {"layer": lambda: fmoe.moe(params, x, spec), "checks": checks, "route": route, "plan": plan,
-             "experts": lambda: fmoe.experts.routed_experts(spec.experts, w, x, given(), layout_kind=kind)}
+             "experts": lambda: fmoe.experts.routed_experts(spec.experts, w, x, routing, layout_kind=kind, **given)}
     if fmt != "float32":
         pl = _plan.make_plan(routing, needs_grad=False, dtype=torch.float32)
         a, h = torch.randn(pl.num_rows, M, generator=g), torch.randn(pl.num_rows, I, generator=g)
