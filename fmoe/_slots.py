@@ -289,11 +289,17 @@ def _float_sum_vector8(v: list) -> float:
     return acc
 
 
+# route_rows selects as torch 2.13's CPU topk does (partial_sort / nth_element, whose tie order is
+# the algorithm's); other torch versions may select ties otherwise, so they keep the torch ops.
+TOPK_AS_TORCH = torch.__version__.split("+")[0].startswith("2.13.")
+
+
 def route_rows_ready(k: int, norm: int) -> bool:
-    """Whether :func:`route_rows` runs k gates normalised by ``norm``: the extension is built and, for a
-    normalisation, k is within the sums it adds in torch's order (:func:`sum_orders`)."""
+    """Whether :func:`route_rows` runs k gates normalised by ``norm``: the extension is built, torch is
+    the version whose top-k it repeats (:data:`TOPK_AS_TORCH`) and, for a normalisation, k is within
+    the sums it adds in torch's order (:func:`sum_orders`)."""
     ext = extension()
-    return (ext is not None and hasattr(ext, "route_rows")
+    return (TOPK_AS_TORCH and ext is not None and hasattr(ext, "route_rows")
             and (norm in (ROUTE_RAW, ROUTE_SCALE) or k <= sum_orders()[0]))
 
 

@@ -14,7 +14,9 @@ from fmoe.engine import plan as _plan
 from fmoe.losses import gshard_loss
 from fmoe.routers import GateSpec, init_router, native_applies, route, route_native
 
-pytestmark = pytest.mark.skipif(_slots.extension() is None, reason="the C++ routing walks are not built")
+pytestmark = pytest.mark.skipif(_slots.extension() is None or not _slots.TOPK_AS_TORCH,
+                                reason="the C++ routing walks are not built, or torch is not the version whose "
+                                       "top-k they repeat (the torch ops run instead)")
 
 M = 24
 
@@ -180,3 +182,18 @@ def test_native_route_applies_only_to_small_eager_no_grad_calls():
         assert not native_applies(params, x, GateSpec(type="sinkhorn", k=2), False)
         assert not native_applies(params, x, GateSpec(k=2, gate_noise=1.0), True)
         assert torch.func.vmap(lambda xx: torch.tensor(native_applies(params, xx, spec, False)))(x[None]).item() is False
+
+
+def test_native_route_steps_aside_on_a_torch_whose_topk_it_does_not_repeat(monkeypatch):
+    # another torch version may order ties otherwise: the torch ops run, with the same layer output
+    spec = fmoe.MoESpec(model_dim=M, num_experts=8, gate=GateSpec(k=2, capacity_factor=0.0),
+                        experts=fmoe.ExpertSpec(type="swiglu", hidden_size=16))
+    params = fmoe.init_params(spec, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(4, M, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        y_native, _ = fmoe.moe(params, x, spec)
+        monkeypatch.setattr(_slots, "TOPK_AS_TORCH", False)
+        assert route_native(params["gate"], x, spec.gate, num_experts=8, normalize=True, alignment=1,
+                            fraction=False) is None
+        y_torch, _ = fmoe.moe(params, x, spec)
+    assert torch.equal(y_native, y_torch)
