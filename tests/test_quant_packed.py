@@ -159,8 +159,9 @@ def test_bad_arguments_name_themselves():
 
 
 def test_moe_runs_packed_weights_in_one_call_per_projection(monkeypatch):
-    # fmoe.moe on the engine (rows plan) and on the staged ragged layout: one grouped_matmul per
-    # projection, and the layer equals the same layer over the dequantized (float) weights
+    # fmoe.moe on the engine (rows plan: no grad, fp32, so the whole stage is one expert_stage
+    # call, kinds.fused_stage) and on the staged ragged layout (one grouped_matmul per
+    # projection), and the layer equals the same layer over the dequantized (float) weights
     import dataclasses
 
     import fmoe
@@ -171,13 +172,15 @@ def test_moe_runs_packed_weights_in_one_call_per_projection(monkeypatch):
     float_ex = {k: Q.dequantize(v) for k, v in packed_ex.items()}
     x = torch.randn(24, 64, generator=torch.Generator().manual_seed(1))
     calls = []
-    real = packed.grouped_matmul
-    monkeypatch.setattr(packed, "grouped_matmul", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    real, real_stage = packed.grouped_matmul, packed.expert_stage
+    monkeypatch.setattr(packed, "grouped_matmul", lambda *a, **k: (calls.append("mm"), real(*a, **k))[1])
+    monkeypatch.setattr(packed, "expert_stage", lambda *a, **k: (calls.append("stage"), real_stage(*a, **k))[1])
     want, _ = fmoe.moe(dict(params, experts=float_ex), x, spec)
-    for s in (spec, dataclasses.replace(spec, plan="layout")):
+    for s, one_call in ((spec, ["stage"]), (dataclasses.replace(spec, plan="layout"), ["mm", "mm"])):
         calls.clear()
-        y, _ = fmoe.moe(dict(params, experts=packed_ex), x, s)
-        assert len(calls) == 2, s.plan
+        with torch.no_grad():
+            y, _ = fmoe.moe(dict(params, experts=packed_ex), x, s)
+        assert calls == one_call, s.plan
         torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
 
 

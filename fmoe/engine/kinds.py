@@ -122,6 +122,52 @@ def packed_rows(plan: Union[ExpertPlan, LayoutPlan], w_in: tuple, w_out) -> bool
     return not isinstance(plan, LayoutPlan) and not all(isinstance(w, Tensor) for w in (*w_in, w_out))
 
 
+_STAGE_ACTS = {F.relu: "relu", torch.relu: "relu", F.silu: "silu"}   # ffn's activations the fused stage runs
+
+
+def fused_stage(form: ExpertForm, x: Tensor, w_rows: Optional[Tensor], plan: ExpertPlan, w_in: tuple, w_out,
+                b_in: Optional[Tensor], b_out: Optional[Tensor]) -> Optional[str]:
+    """Whether a packed rows call (:func:`packed_rows`) runs as ONE native call
+    (:func:`fmoe.quant.packed.expert_stage`: gather, both GEMMs, the activation and the combine):
+    its activation key if so, else None (the composition of :func:`reference` over the packed
+    GEMMs). The one place that decides. It takes an eager CPU call in fp32 with every weight
+    packed, a host plan of gathered rows (not expert parallel's in-order rows or gate-free
+    rows), no quantized-training recipe, nothing that needs a gradient, fp32 gates and biases,
+    and a kind whose elementwise step it computes (gpt_oss; glu with SiLU; ffn with ReLU or
+    SiLU); every combine order (fp32 'fmoe' and 'eager' are the same operations; 'grouped'
+    sums in pair order). Its output equals that composition's bit for bit (tests/test_packed_fused.py)."""
+    if (x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1 or w_rows is None
+            or w_rows.dtype != torch.float32 or plan.bounds is None or plan.in_order or plan.precision is not None):
+        return None
+    if form.form == "gpt_oss":
+        act = "gpt_oss" if len(w_in) == 1 else None
+    elif form.form == "glu":
+        act = "glu" if form.activation is F.silu else None
+    else:
+        act = _STAGE_ACTS.get(form.activation)
+    if act is None or any(isinstance(w, Tensor) or w.device.type != "cpu" for w in (*w_in, w_out)):
+        return None
+    if any(b is not None and (b.dtype != torch.float32 or not b.is_contiguous()) for b in (b_in, b_out)):
+        return None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_rows, b_in, b_out)):
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    from ..quant import packed   # optional: low-precision weights
+    return act if packed.AVAILABLE else None
+
+
+def run_fused(act: str, form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out,
+              b_in: Optional[Tensor], b_out: Optional[Tensor], order: str, *, isa: str = "auto",
+              buffers: tuple = ()) -> Tensor:
+    """y [T, O] fp32: the packed expert stage in one native call (``act`` from :func:`fused_stage`;
+    ``isa`` and ``buffers`` as :func:`fmoe.quant.packed.expert_stage` takes them)."""
+    from ..quant import packed   # optional: low-precision weights
+    return packed.expert_stage(x, plan.tokens, plan.offsets, w_rows, w_in, w_out, act=act, b_in=b_in, b_out=b_out,
+                               pairs=plan.pairs if order == "grouped" else None, alpha=form.alpha,
+                               limit=form.limit, isa=isa, buffers=buffers)
+
+
 def rows_orders(plan: Union[ExpertPlan, LayoutPlan], w_in: tuple, w_out) -> tuple:
     """The combine orders ``run`` takes for this plan and these weights: every order of
     :data:`LAYOUT_ORDERS` on a layout plan and with packed weights (:func:`packed_rows`),
@@ -593,6 +639,9 @@ def run(form: ExpertForm, x: Tensor, w_rows: Optional[Tensor], plan: Union[Exper
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts):
             return _ExpertOp.apply(kern, form, plan, order, save, *ts)
         return forward(kern, form, x, w_rows, plan, w_in, b_in, w_out, b_out, order)[0]
+    act = fused_stage(form, x, w_rows, plan, w_in, w_out, b_in, b_out) if packed else None
+    if act is not None:   # the whole packed stage in one native call, the same bits
+        return run_fused(act, form, x, w_rows, plan, w_in, w_out, b_in, b_out, order)
     return reference(form, x, w_rows, plan, w_in, b_in, w_out, b_out, order, mm=_rows_mm(kern, plan, generator))
 
 

@@ -34,7 +34,7 @@ from torch import Tensor
 from . import _codecs as C
 from .tensor import FP4_FORMATS, QuantizedTensor, dequantize
 
-__all__ = ["AVAILABLE", "DENSE_FROM", "ISAS", "grouped_matmul", "grouped_matmul_reference", "best_isa", "has_int8_path",
+__all__ = ["AVAILABLE", "DENSE_FROM", "ISAS", "STAGE_ACTS", "expert_stage", "grouped_matmul", "grouped_matmul_reference", "best_isa", "has_int8_path",
            "status", "build", "build_command", "library_path"]
 
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
@@ -278,6 +278,96 @@ def grouped_matmul(a: Tensor, w: QuantizedTensor, offsets: Tensor, *, isa: str =
         return _run(a, w, offsets, isa, impl, activations)
     meta = (w.fmt, w.shape, w.block, tuple(_bounds(offsets, a.shape[0])), isa, impl, activations)
     return _GroupedMatmul.apply(a, offsets, w.data, w.scales, w.global_scale, meta)
+
+
+# --------------------------------------------------------------------------- the fused expert stage
+
+# The elementwise steps the fused stage runs (fmoe.engine.kinds.ExpertForm.hidden's): ffn's relu
+# and silu, glu's silu(g) * u (g, u: the halves of one fused in-projection, or two), GPT-OSS's
+# clamped SwiGLU (gate/up in alternate rows).
+STAGE_ACTS = {"relu": 0, "silu": 1, "glu": 2, "gpt_oss": 3}
+
+
+def _weight_operands(w: QuantizedTensor):
+    """(data, scales, table, gscale or an empty tensor, (fp4, bn, bk)) as the fused stage reads
+    them: the stored tensors themselves (one-byte dtypes are read as bytes), no view or copy."""
+    fmt = w.fmt
+    if fmt in FP4_FORMATS:
+        gs = w.global_scale
+        if gs is not None and not (gs.dtype == torch.float32 and gs.is_contiguous()):
+            gs = gs.float().contiguous()
+        return (w.data, w.scales, C.E8M0_TABLE if fmt == "mxfp4" else C.E4M3_TABLE,
+                _NO_GSCALE if gs is None else gs, (1, 1, w.block[1]))
+    if fmt == "mxfp8":
+        return w.data, w.scales, C.E8M0_TABLE, _NO_GSCALE, (0, 1, 32)
+    return w.data, w.scales, C.E8M0_TABLE, _NO_GSCALE, (0, *w.block)
+
+
+_NO_GSCALE = torch.empty(0)
+# The vector width of torch's elementwise kernels in this process (its CPU capability): the fused
+# stage computes exp on it, so that its activation is torch's, bit for bit.
+_EXP_ISA = {"AVX512": ISAS["avx512"], "AVX2": ISAS["avx2"]}.get(torch.backends.cpu.get_cpu_capability(),
+                                                                  ISAS["portable"])
+
+
+def expert_stage(x: Tensor, tokens: Tensor, offsets: Tensor, gates, w_in: tuple, w_out: QuantizedTensor, *,
+                 act: str, b_in=None, b_out=None, pairs=None, alpha: float = 1.702, limit: float = 7.0,
+                 isa: str = "auto", buffers: tuple = ()) -> Tensor:
+    """A rows plan's whole expert stage over packed weights in ONE native call (forward only).
+
+        x_r = x[tokens];  z_i = x_r @ dequant(w_in[i]).T per expert;  z_0 += b_in[e]
+        h = act(z);  y_r = h @ dequant(w_out).T per expert (+ b_out[e]);  y[t] += gate_r * y_r
+
+    Args:
+        x: float32 [T, M] (unit column stride), CPU. tokens: int64 [N], each row's token, rows
+            sorted by expert; offsets: int64 [E + 1] (expert e's rows offsets[e]:offsets[e + 1]).
+        gates: float32 [N] or None (every gate 1: no product).
+        w_in: one QuantizedTensor [E, H', M] (ffn: H' = H; glu: gate rows then up rows, H' = 2H;
+            gpt_oss: gate/up in alternate rows, H' = 2H) or, for glu, two [E, H, M] (gate, up).
+        w_out: QuantizedTensor [E, O, H]. b_in: float32 [E, H'] (added to the first in-projection)
+            or None; b_out: float32 [E, O] or None.
+        act: a key of :data:`STAGE_ACTS`. alpha, limit: GPT-OSS's constants.
+        pairs: None (a token's rows summed in row order: ascending expert, the 'fmoe' and fp32
+            'eager' orders) or int64 [N], each row's pair index j * T + t (summed in ascending
+            pair order: transformers' 'grouped' order).
+        isa: as :func:`grouped_matmul`'s. buffers: () or float32 [N, H'] per in-projection and
+            [N, H] for h, which the call computes in (tests read z and h from them).
+    Returns:
+        y float32 [T, O]; a token with no row is 0.
+
+    Equality with the unfused composition (:func:`fmoe.engine.kinds.reference` over
+    :func:`grouped_matmul`, fp32): the gather, both GEMMs (the same kernel call on the same
+    operands and thread count), the bias adds, the gate products and the sums (each one float
+    rounding, in the same order) are bit for bit. The activation's float operations are torch's,
+    in its order; exp is torch's own where this torch exports it (Sleef's u10 expf on the
+    vectorized loop's pieces, std::exp on its scalar tails, split as TensorIterator splits
+    them), which makes h bit for bit as well -- the tests check this. Where a torch build or
+    thread split differs, each exp is still within 1 ulp of exp, so h is within 4 ulp (relative
+    4 * 2^-23 * |h| plus the clamp-free terms) and y within the GEMM's K-term bound on that
+    difference; the tests' bound for that case is stated there.
+    """
+    if not AVAILABLE:
+        raise RuntimeError(f"expert_stage: {status()}")
+    if act not in STAGE_ACTS:
+        raise ValueError(f"expert_stage: act must be one of {tuple(STAGE_ACTS)}, got {act!r}")
+    if isa not in ISAS:
+        raise ValueError(f"expert_stage: isa must be one of {tuple(ISAS)}, got {isa!r}")
+    ws = (*w_in, w_out)
+    if not all(isinstance(w, QuantizedTensor) and w.device.type == "cpu" for w in ws):
+        raise TypeError("expert_stage: every weight must be a CPU QuantizedTensor, got "
+                        f"{[type(w).__name__ for w in ws]}")
+    if not isinstance(x, Tensor) or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise TypeError(f"expert_stage: x must be a float32 CPU tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    ops = [_weight_operands(w) for w in ws]
+    if not all(t.is_contiguous() for op in ops for t in op[:2]):
+        raise ValueError("expert_stage: the packed weights' data and scales must be contiguous")
+    if isa not in ("auto", "portable") and ISAS[isa] > ISAS[best_isa()]:
+        raise ValueError(f"expert_stage: isa={isa!r} is not supported by this CPU (widest: {best_isa()!r}); "
+                         f"pass isa='auto'")
+    return _EXT.packed_expert_stage(x, tokens, offsets, gates, pairs, [op[0] for op in ops], [op[1] for op in ops],
+                                    [op[2] for op in ops], [op[3] for op in ops], [v for op in ops for v in op[4]],
+                                    C.E4M3_TABLE, b_in, b_out, STAGE_ACTS[act], alpha, limit, ISAS[isa],
+                                    DENSE_FROM, _EXP_ISA, list(buffers))
 
 
 _try_load()

@@ -1145,49 +1145,36 @@ void prefetch_start(const Params& p, const Job& j) {
   }
 }
 
-// out [R, N] float32 (written); see the file comment for the operands. Returns the ISA run.
-int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const at::Tensor& data,
-                          const at::Tensor& scales, const at::Tensor& table, const at::Tensor& e4m3,
-                          const c10::optional<at::Tensor>& gscale, bool fp4, int64_t bn, int64_t bk,
-                          at::Tensor& out, int64_t isa, int64_t dense_from, bool act_int8,
-                          const c10::optional<at::Tensor>& a_bf16, bool blas) {
-  TORCH_CHECK_VALUE(a.scalar_type() == at::kFloat && a.dim() == 2 && a.is_contiguous(), "a must be contiguous float32 [R, K]");
-  TORCH_CHECK_VALUE(data.scalar_type() == at::kByte && data.dim() == 3 && data.is_contiguous(),
-                    "data must be contiguous uint8 [E, N, K']");
-  const int64_t R = a.size(0), K = a.size(1), E = data.size(0), N = data.size(1);
+// One packed weight's operands (fmoe/quant/packed.py's _operands), checked against the reduction
+// length K: every field of Params but the activations and the output. Byte tensors may come in
+// any one-byte dtype (uint8, float8_*: their bits are read), scales as bytes or float32.
+Params weight_params(int64_t K, const at::Tensor& data, const at::Tensor& scales, const at::Tensor& table,
+                     const at::Tensor& e4m3, const c10::optional<at::Tensor>& gscale, bool fp4, int64_t bn,
+                     int64_t bk, bool blas) {
+  TORCH_CHECK_VALUE(data.element_size() == 1 && data.dim() == 3 && data.is_contiguous(),
+                    "data must be contiguous one-byte [E, N, K']");
+  const int64_t E = data.size(0), N = data.size(1);
   TORCH_CHECK_VALUE(data.size(2) == (fp4 ? K / 2 : K) && (!fp4 || K % 2 == 0), "data's last dim does not match K = ", K);
   TORCH_CHECK_VALUE(bn >= 1 && bk >= 1 && (!fp4 || (bn == 1 && K % bk == 0 && bk % 2 == 0)), "bad scale block");
   TORCH_CHECK_VALUE(scales.dim() == 3 && scales.is_contiguous() && scales.size(0) == E &&
                         scales.size(1) == (N + bn - 1) / bn && scales.size(2) == (K + bk - 1) / bk,
                     "scales must be contiguous [E, ceil(N/bn), ceil(K/bk)]");
-  const bool byte_scales = scales.scalar_type() == at::kByte;
-  TORCH_CHECK_VALUE(byte_scales || scales.scalar_type() == at::kFloat, "scales must be uint8 or float32");
+  const bool byte_scales = scales.element_size() == 1;
+  TORCH_CHECK_VALUE(byte_scales || scales.scalar_type() == at::kFloat, "scales must be one-byte or float32");
   TORCH_CHECK_VALUE(table.scalar_type() == at::kFloat && table.numel() == 256 && table.is_contiguous(), "table must be float32 [256]");
   TORCH_CHECK_VALUE(e4m3.scalar_type() == at::kFloat && e4m3.numel() == 256 && e4m3.is_contiguous(), "e4m3 must be float32 [256]");
   TORCH_CHECK_VALUE(!fp4 || byte_scales, "fp4 weights take byte scales");
   if (gscale.has_value())
     TORCH_CHECK_VALUE(gscale->scalar_type() == at::kFloat && gscale->numel() == E && gscale->is_contiguous(),
                       "gscale must be contiguous float32 [E]");
-  TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == R && out.size(1) == N &&
-                        out.is_contiguous(), "out must be contiguous float32 [R, N]");
-  TORCH_CHECK_VALUE(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.size(0) == E + 1 &&
-                        offsets.is_contiguous(), "offsets must be contiguous int64 [E + 1]");
-  if (a_bf16.has_value())
-    TORCH_CHECK_VALUE(a_bf16->scalar_type() == at::kBFloat16 && a_bf16->dim() == 2 && a_bf16->size(0) == R &&
-                          a_bf16->size(1) == K && a_bf16->is_contiguous(), "a_bf16 must be contiguous bfloat16 [R, K]");
-  const int64_t* o = offsets.const_data_ptr<int64_t>();
-  TORCH_CHECK_VALUE(o[0] == 0 && o[E] == R, "offsets must start at 0 and end at R = ", R);
-  for (int64_t e = 0; e < E; ++e) TORCH_CHECK_VALUE(o[e] <= o[e + 1], "offsets must be non-decreasing");
-
   Params p{};
-  p.a = a.const_data_ptr<float>();
   p.K = K;
   p.N = N;
-  p.data = data.const_data_ptr<uint8_t>();
+  p.data = static_cast<const uint8_t*>(data.const_data_ptr());
   p.data_end = p.data + data.numel();
   p.d_r = data.size(2);
   p.d_e = N * p.d_r;
-  p.sb = byte_scales ? scales.const_data_ptr<uint8_t>() : nullptr;
+  p.sb = byte_scales ? static_cast<const uint8_t*>(scales.const_data_ptr()) : nullptr;
   p.sf = byte_scales ? nullptr : scales.const_data_ptr<float>();
   p.s_r = scales.size(2);
   p.s_e = scales.size(1) * p.s_r;
@@ -1196,14 +1183,33 @@ int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const 
   p.table = table.const_data_ptr<float>();
   p.e4m3 = e4m3.const_data_ptr<float>();
   p.gscale = gscale.has_value() ? gscale->const_data_ptr<float>() : nullptr;
-  p.out = out.data_ptr<float>();
   p.fp4 = fp4;
   p.e8m0 = byte_scales && e8m0_table(p.table);
   p.blas = blas;
   const int64_t pf_rows = std::max(kPrefetchRows, (kPrefetchBytes + p.d_r - 1) / std::max<int64_t>(p.d_r, 1));
   p.pf = pf_rows * p.d_r;
   p.pf_s = pf_rows * p.s_r;
+  return p;
+}
 
+// The offsets [E + 1] as a pointer, checked (0 first, never decreasing, R last) before any reader.
+const int64_t* checked_offsets(const at::Tensor& offsets, int64_t E, int64_t R) {
+  TORCH_CHECK_VALUE(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.size(0) == E + 1 &&
+                        offsets.is_contiguous(), "offsets must be contiguous int64 [E + 1]");
+  const int64_t* o = offsets.const_data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(o[0] == 0 && o[E] == R, "offsets must start at 0 and end at R = ", R);
+  for (int64_t e = 0; e < E; ++e) TORCH_CHECK_VALUE(o[e] <= o[e + 1], "offsets must be non-decreasing");
+  return o;
+}
+
+// out [R, N] float32 = a [R, K] (contiguous float32) times the weights of p (weight_params) for
+// the rows o[e] .. o[e + 1] of every expert e (o: checked_offsets). Returns the ISA run.
+int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E, int64_t isa, int64_t dense_from,
+                    bool act_int8, const c10::optional<at::Tensor>& a_bf16, const at::Tensor& out) {
+  const int64_t R = a.size(0), K = p.K, N = p.N, bk = p.bk;
+  const bool fp4 = p.fp4, byte_scales = p.sb != nullptr;
+  p.a = a.const_data_ptr<float>();
+  p.out = out.data_ptr<float>();
   const int best = best_isa();
   TORCH_CHECK_VALUE(isa >= 0 && isa <= 3, "isa must be 0 (auto), 1 (portable), 2 (avx2) or 3 (avx512), got ", isa);
   TORCH_CHECK_VALUE(isa <= best, "isa ", isa, " is not supported by this CPU (best: ", best, ")");
@@ -1271,6 +1277,316 @@ int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const 
   return run;
 }
 
+
+// out [R, N] float32 (written); see the file comment for the operands. Returns the ISA run.
+int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const at::Tensor& data,
+                          const at::Tensor& scales, const at::Tensor& table, const at::Tensor& e4m3,
+                          const c10::optional<at::Tensor>& gscale, bool fp4, int64_t bn, int64_t bk,
+                          at::Tensor& out, int64_t isa, int64_t dense_from, bool act_int8,
+                          const c10::optional<at::Tensor>& a_bf16, bool blas) {
+  TORCH_CHECK_VALUE(a.scalar_type() == at::kFloat && a.dim() == 2 && a.is_contiguous(), "a must be contiguous float32 [R, K]");
+  const int64_t R = a.size(0), K = a.size(1);
+  Params p = weight_params(K, data, scales, table, e4m3, gscale, fp4, bn, bk, blas);
+  const int64_t E = data.size(0);
+  TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == R && out.size(1) == p.N &&
+                        out.is_contiguous(), "out must be contiguous float32 [R, N]");
+  if (a_bf16.has_value())
+    TORCH_CHECK_VALUE(a_bf16->scalar_type() == at::kBFloat16 && a_bf16->dim() == 2 && a_bf16->size(0) == R &&
+                          a_bf16->size(1) == K && a_bf16->is_contiguous(), "a_bf16 must be contiguous bfloat16 [R, K]");
+  const int64_t* o = checked_offsets(offsets, E, R);
+  return grouped_run(p, a, o, E, isa, dense_from, act_int8, a_bf16, out);
+}
+
+// ------------------------------------------------------------------ the whole expert stage (fused)
+//
+// packed_expert_stage: a rows plan's expert stage in one call, for the fp32 composition that
+// fmoe/engine/kinds.py's reference() runs over the packed GEMMs (fmoe/quant/packed.py's
+// expert_stage states the contract). Every step computes what the unfused ops compute:
+//   gather   x_r = x[tokens]                           (copies: index_select's values)
+//   GEMM 1   z_i = grouped_run(x_r, w_in[i])            (the same call on the same operands)
+//   bias     z_0 += b_in[expert]                        (one fp32 add per element)
+//   act      h = relu(z) | silu(z) | silu(g) * u | GPT-OSS's clamped SwiGLU (below)
+//   GEMM 2   y_r = grouped_run(h, w_out)
+//   combine  y[t] += (y_r[r] + b_out[e]) * gate[r], rows in plan order or (grouped) ascending pair
+// The combine's products and sums are plain float operations in a function without an FMA
+// target, so they round as torch's mul and index_add_ (one rounding each, the rows' order).
+
+// exp on 16 / 8 lanes as torch's Vectorized<float>::exp computes it (Sleef's u10 functions,
+// exported by the x86 torch wheels' libtorch_cpu); weak: null where a torch build lacks them,
+// and then every lane takes std::exp.
+extern "C" __attribute__((weak)) __m512 Sleef_expf16_u10(__m512);
+extern "C" __attribute__((weak)) __m256 Sleef_expf8_u10(__m256);
+
+enum StageAct { kActRelu = 0, kActSilu = 1, kActGlu = 2, kActGptOss = 3 };
+
+FMOE_AVX512 void exp_neg_avx512(const float* v, float* e, int64_t n) {
+  int64_t i = 0;
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (; i + 32 <= n; i += 32) {
+    _mm512_storeu_ps(e + i, Sleef_expf16_u10(_mm512_xor_ps(_mm512_loadu_ps(v + i), sign)));
+    _mm512_storeu_ps(e + i + 16, Sleef_expf16_u10(_mm512_xor_ps(_mm512_loadu_ps(v + i + 16), sign)));
+  }
+  for (; i < n; ++i) e[i] = std::exp(-v[i]);
+}
+
+FMOE_AVX2 void exp_neg_avx2(const float* v, float* e, int64_t n) {
+  int64_t i = 0;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (; i + 16 <= n; i += 16) {
+    _mm256_storeu_ps(e + i, Sleef_expf8_u10(_mm256_xor_ps(_mm256_loadu_ps(v + i), sign)));
+    _mm256_storeu_ps(e + i + 8, Sleef_expf8_u10(_mm256_xor_ps(_mm256_loadu_ps(v + i + 8), sign)));
+  }
+  for (; i < n; ++i) e[i] = std::exp(-v[i]);
+}
+
+// e[i] = exp(-v[i]) over one piece that torch's elementwise loop would run as one inner loop:
+// whole pairs of vectors through Sleef (the vectorized loop), the rest through std::exp (its
+// scalar tail). vec: kAvx512 16 lanes, kAvx2 8, else scalar only.
+void exp_neg_piece(const float* v, float* e, int64_t n, int vec) {
+  if (vec == kAvx512) return exp_neg_avx512(v, e, n);
+  if (vec == kAvx2) return exp_neg_avx2(v, e, n);
+  for (int64_t i = 0; i < n; ++i) e[i] = std::exp(-v[i]);
+}
+
+// The pieces of [0, total) that torch's TensorIterator hands its vectorized loop for an
+// elementwise op over `total` elements in rows of `row` (row == total: one contiguous run):
+// below the grain (32768) or on one thread one range, else at::parallel_for's split into
+// ceil(total / nthreads')-sized thread ranges; each range cut at row ends. f(begin, end).
+template <typename F>
+void torch_pieces(int64_t total, int64_t row, F f) {
+  constexpr int64_t kGrain = 32768;
+  int64_t nt = at::get_num_threads();
+  if (total < kGrain || nt == 1) nt = 1;
+  nt = std::max<int64_t>(1, std::min(nt, (total + kGrain - 1) / kGrain));
+  const int64_t chunk = (total + nt - 1) / nt;
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t * chunk, end = std::min(total, b + chunk);
+      for (int64_t i = b; i < end;) {
+        const int64_t j = std::min(end, (i / row + 1) * row);
+        f(i, j);
+        i = j;
+      }
+    }
+  });
+}
+
+// The elementwise step, h [N, H] from z (see packed_expert_stage), each operation the one torch
+// runs in ExpertForm.hidden, in the same order, on float32:
+//   relu   h = z < 0 ? 0 : z                        (clamp_min's max(0, z): NaN and -0.0 kept)
+//   silu   h = z / (1 + exp(-z))
+//   glu    h = silu(g) * u                          (g, u: halves of z [N, 2H], or z0 and z1)
+//   gpt    g' = min(g, limit), u' = clamp(u, -limit, limit) (NaN kept), t = g' * alpha,
+//          h = (u' + 1) * (g' * (1 / (1 + exp(-t))))  (g, u: alternate columns of z)
+// exp(-v) is computed in the pieces torch's loops would use (torch_pieces, exp_neg_piece), on
+// torch's vector width (vec: its CPU capability).
+void stage_activation(int act, const float* z0, const float* z1, float* h, float* tmp, int64_t N, int64_t H,
+                      float alpha, float limit, int vec) {
+  const int64_t total = N * H;
+  if (act == kActRelu) {
+    at::parallel_for(0, total, 16384, [&](int64_t b, int64_t end) {
+      for (int64_t i = b; i < end; ++i) h[i] = z0[i] < 0.0f ? 0.0f : z0[i];
+    });
+    return;
+  }
+  if (act == kActSilu || (act == kActGlu && z1 != nullptr)) {   // contiguous [N, H] inputs
+    torch_pieces(total, total, [&](int64_t b, int64_t end) {
+      exp_neg_piece(z0 + b, tmp + b, end - b, vec);
+      for (int64_t i = b; i < end; ++i) h[i] = z0[i] / (1.0f + tmp[i]);
+      if (z1 != nullptr)
+        for (int64_t i = b; i < end; ++i) h[i] = h[i] * z1[i];
+    });
+    return;
+  }
+  if (act == kActGlu) {   // g, u: the halves of each row of z [N, 2H] (strided views, rows of H)
+    torch_pieces(total, H, [&](int64_t b, int64_t end) {
+      const int64_t r = b / H, c0 = b - r * H, n = end - b;
+      const float* g = z0 + r * 2 * H + c0;
+      const float* u = g + H;
+      exp_neg_piece(g, tmp + b, n, vec);
+      for (int64_t i = 0; i < n; ++i) h[b + i] = g[i] / (1.0f + tmp[b + i]) * u[i];
+    });
+    return;
+  }
+  // GPT-OSS: the clamps and t over the whole [N, H] (exact operations: any order), then exp(-t)
+  // in the pieces of torch's sigmoid over the contiguous t [N, H]
+  float* t = h;   // t, then h, in place (each element read before it is written)
+  at::parallel_for(0, total, 16384, [&](int64_t b, int64_t end) {
+    for (int64_t i = b; i < end; ++i) {
+      const float g = z0[2 * i];
+      t[i] = (limit < g ? limit : g) * alpha;
+    }
+  });
+  torch_pieces(total, total, [&](int64_t b, int64_t end) {
+    exp_neg_piece(t + b, tmp + b, end - b, vec);
+    for (int64_t i = b; i < end; ++i) {
+      float g = z0[2 * i], u = z0[2 * i + 1];
+      g = limit < g ? limit : g;
+      u = -limit > u ? -limit : u;
+      u = limit < u ? limit : u;
+      h[i] = (u + 1.0f) * (g * (1.0f / (1.0f + tmp[i])));
+    }
+  });
+}
+
+// y [T, O] = 0, then for each row r in `order` (plan order, or by ascending pair):
+// y[tokens[r]] += (y_r[r] + b_out[e(r)]) * gates[r] (bias and gate where given), split over
+// column blocks, each element's terms in that order.
+void stage_combine(const float* yr, const int64_t* tokens, const int64_t* order, const int64_t* row_expert,
+                   const float* gates, const float* b_out, float* y, int64_t T, int64_t N, int64_t O) {
+  at::parallel_for(0, O, 256, [&](int64_t c0, int64_t c1) {
+    for (int64_t t = 0; t < T; ++t) std::fill(y + t * O + c0, y + t * O + c1, 0.0f);
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t r = order != nullptr ? order[i] : i;
+      const float* src = yr + r * O;
+      float* dst = y + tokens[r] * O;
+      const float* b = b_out != nullptr ? b_out + row_expert[r] * O : nullptr;
+      const float w = gates != nullptr ? gates[r] : 1.0f;
+      for (int64_t c = c0; c < c1; ++c) {
+        float v = src[c];
+        if (b != nullptr) v = v + b[c];
+        if (gates != nullptr) v = v * w;
+        dst[c] = dst[c] + v;
+      }
+    }
+  });
+}
+
+at::Tensor stage_buffer(const std::vector<at::Tensor>& given, size_t i, int64_t rows, int64_t cols) {
+  if (given.empty()) return at::empty({rows, cols}, at::kFloat);
+  const at::Tensor& b = given.at(i);
+  TORCH_CHECK_VALUE(b.scalar_type() == at::kFloat && b.dim() == 2 && b.size(0) == rows && b.size(1) == cols &&
+                        b.is_contiguous(), "buffer ", i, " must be contiguous float32 [", rows, ", ", cols, "]");
+  return b;
+}
+
+// See fmoe/quant/packed.py's expert_stage. Weights: data/scales/tables/gscales/meta (fp4, bn, bk)
+// per weight, the in-projection(s) first and the out-projection last (gscales: an empty tensor
+// for none). buffers: empty, or [z_0, (z_1,) h] to compute in (tests read them).
+at::Tensor packed_expert_stage(const at::Tensor& x, const at::Tensor& tokens, const at::Tensor& offsets,
+                               const c10::optional<at::Tensor>& gates, const c10::optional<at::Tensor>& pairs,
+                               const std::vector<at::Tensor>& data, const std::vector<at::Tensor>& scales,
+                               const std::vector<at::Tensor>& tables, const std::vector<at::Tensor>& gscales,
+                               const std::vector<int64_t>& meta, const at::Tensor& e4m3,
+                               const c10::optional<at::Tensor>& b_in, const c10::optional<at::Tensor>& b_out,
+                               int64_t act, double alpha, double limit, int64_t isa, int64_t dense_from,
+                               int64_t exp_isa, const std::vector<at::Tensor>& buffers) {
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.stride(0) >= x.size(1),
+                    "x must be float32 [T, M] with unit column stride");
+  TORCH_CHECK_VALUE(act >= kActRelu && act <= kActGptOss, "act must be 0 (relu), 1 (silu), 2 (glu), 3 (gpt_oss)");
+  const size_t nw = data.size();
+  const size_t n_in = nw - 1;
+  TORCH_CHECK_VALUE((nw == 2 || (nw == 3 && act == kActGlu)) && scales.size() == nw && tables.size() == nw &&
+                        gscales.size() == nw && meta.size() == 3 * nw,
+                    "one in-projection (two for glu) and one out-projection, each with data, scales, table, gscale "
+                    "and (fp4, bn, bk)");
+  const int64_t T = x.size(0), M = x.size(1);
+  TORCH_CHECK_VALUE(tokens.scalar_type() == at::kLong && tokens.dim() == 1 && tokens.is_contiguous(),
+                    "tokens must be contiguous int64 [N]");
+  const int64_t N = tokens.size(0);
+  // a fused gate/up in-projection (glu with one in-weight, gpt_oss) has 2H rows, H of each
+  const bool fused_in = (act == kActGlu && nw == 2) || act == kActGptOss;
+  std::vector<Params> ps;
+  int64_t H = 0;
+  for (size_t i = 0; i < nw; ++i) {
+    const at::Tensor& gs = gscales[i];
+    const c10::optional<at::Tensor> g = gs.numel() > 0 ? c10::optional<at::Tensor>(gs) : c10::nullopt;
+    ps.push_back(weight_params(i < n_in ? M : H, data[i], scales[i], tables[i], e4m3, g, meta[3 * i] != 0,
+                               meta[3 * i + 1], meta[3 * i + 2], true));
+    if (i == 0) {
+      H = fused_in ? ps[0].N / 2 : ps[0].N;
+      TORCH_CHECK_VALUE(!fused_in || ps[0].N % 2 == 0, "a fused gate/up in-projection needs an even number of rows, "
+                        "got ", ps[0].N);
+    }
+  }
+  const int64_t E = data[0].size(0), O = ps[n_in].N;
+  for (size_t i = 1; i < nw; ++i) TORCH_CHECK_VALUE(data[i].size(0) == E, "every weight must have E = ", E, " experts");
+  if (nw == 3) TORCH_CHECK_VALUE(ps[1].N == H, "gate and up projections must have the same rows");
+  const int64_t* o = checked_offsets(offsets, E, N);
+  const int64_t* tok = tokens.const_data_ptr<int64_t>();
+  for (int64_t r = 0; r < N; ++r) TORCH_CHECK_VALUE(tok[r] >= 0 && tok[r] < T, "tokens must lie in [0, T = ", T, ")");
+  const float* gw = nullptr;
+  if (gates.has_value()) {
+    TORCH_CHECK_VALUE(gates->scalar_type() == at::kFloat && gates->dim() == 1 && gates->size(0) == N &&
+                          gates->is_contiguous(), "gates must be contiguous float32 [N]");
+    gw = gates->const_data_ptr<float>();
+  }
+  std::vector<int64_t> order;
+  if (pairs.has_value()) {
+    TORCH_CHECK_VALUE(pairs->scalar_type() == at::kLong && pairs->dim() == 1 && pairs->size(0) == N &&
+                          pairs->is_contiguous(), "pairs must be contiguous int64 [N]");
+    const int64_t* pr = pairs->const_data_ptr<int64_t>();
+    order.resize(N);
+    for (int64_t r = 0; r < N; ++r) order[r] = r;
+    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return pr[a] < pr[b] || (pr[a] == pr[b] && a < b); });
+  }
+  const float* bi = nullptr;
+  const float* bo = nullptr;
+  if (b_in.has_value()) {
+    TORCH_CHECK_VALUE(b_in->scalar_type() == at::kFloat && b_in->dim() == 2 && b_in->size(0) == E &&
+                          b_in->size(1) == ps[0].N && b_in->is_contiguous(),
+                      "b_in must be contiguous float32 [E, ", ps[0].N, "]");
+    bi = b_in->const_data_ptr<float>();
+  }
+  if (b_out.has_value()) {
+    TORCH_CHECK_VALUE(b_out->scalar_type() == at::kFloat && b_out->dim() == 2 && b_out->size(0) == E &&
+                          b_out->size(1) == O && b_out->is_contiguous(), "b_out must be contiguous float32 [E, ", O, "]");
+    bo = b_out->const_data_ptr<float>();
+  }
+  TORCH_CHECK_VALUE(buffers.empty() || buffers.size() == n_in + 1, "buffers: none, or z per in-projection and h");
+  const int best = best_isa();
+  TORCH_CHECK_VALUE(isa >= 0 && isa <= best, "isa ", isa, " is not supported by this CPU (best: ", best, ")");
+  // exp's vector width is torch's (its CPU capability, exp_isa), not the GEMMs' isa: h is then
+  // what torch's silu / sigmoid compute here, whichever GEMM path runs
+  TORCH_CHECK_VALUE(exp_isa >= kPortable && exp_isa <= best, "exp_isa ", exp_isa, " is not supported by this CPU");
+  const int exp_vec = (exp_isa == kAvx512 && Sleef_expf16_u10 != nullptr) ? kAvx512
+                      : (exp_isa == kAvx2 && Sleef_expf8_u10 != nullptr) ? kAvx2 : kPortable;
+
+  // the expert of each row (biases): from the offsets, no search
+  std::vector<int64_t> row_expert;
+  if (bi != nullptr || bo != nullptr) {
+    row_expert.resize(N);
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t r = o[e]; r < o[e + 1]; ++r) row_expert[r] = e;
+  }
+  at::Tensor xr = at::empty({N, M}, at::kFloat);
+  {
+    const float* xp = x.const_data_ptr<float>();
+    float* dst = xr.data_ptr<float>();
+    const int64_t ld = x.stride(0);
+    at::parallel_for(0, N, 8, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) std::memcpy(dst + r * M, xp + tok[r] * ld, M * sizeof(float));
+    });
+  }
+  const c10::optional<at::Tensor> none;
+  std::vector<at::Tensor> z;
+  for (size_t i = 0; i < n_in; ++i) {
+    z.push_back(stage_buffer(buffers, i, N, ps[i].N));
+    grouped_run(ps[i], xr, o, E, isa, dense_from, false, none, z[i]);
+  }
+  if (bi != nullptr) {
+    float* zp = z[0].data_ptr<float>();
+    const int64_t w = ps[0].N;
+    at::parallel_for(0, N, 8, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* b = bi + row_expert[r] * w;
+        for (int64_t c = 0; c < w; ++c) zp[r * w + c] = zp[r * w + c] + b[c];
+      }
+    });
+  }
+  at::Tensor h = stage_buffer(buffers, n_in, N, H);
+  at::Tensor tmp = at::empty({N * H}, at::kFloat);
+  stage_activation(static_cast<int>(act), z[0].const_data_ptr<float>(), nw == 3 ? z[1].const_data_ptr<float>() : nullptr,
+                   h.data_ptr<float>(), tmp.data_ptr<float>(), N, H, static_cast<float>(alpha), static_cast<float>(limit),
+                   exp_vec);
+  at::Tensor yr = at::empty({N, O}, at::kFloat);
+  grouped_run(ps[n_in], h, o, E, isa, dense_from, false, none, yr);
+  at::Tensor y = at::empty({T, O}, at::kFloat);
+  stage_combine(yr.const_data_ptr<float>(), tok, order.empty() ? nullptr : order.data(),
+                row_expert.empty() ? nullptr : row_expert.data(), gw, bo, y.data_ptr<float>(), T, N, O);
+  return y;
+}
+
 int64_t packed_best_isa() { return best_isa(); }
 bool packed_has_vnni() { return has_vnni(); }
 
@@ -1279,6 +1595,8 @@ bool packed_has_vnni() { return has_vnni(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_grouped_mm", &packed_grouped_mm, "grouped GEMM over packed expert weights (see packed_gemm.cpp)");
+  m.def("packed_expert_stage", &packed_expert_stage,
+        "a rows plan's whole expert stage over packed weights (see packed_gemm.cpp and fmoe.quant.packed.expert_stage)");
   m.def("has_vnni", &packed_has_vnni, "whether the int8-activation (AVX-512 VNNI) FP4 path runs here");
   m.def("best_isa", &packed_best_isa, "the widest ISA path this CPU runs: 1 portable, 2 AVX2, 3 AVX-512");
 }
