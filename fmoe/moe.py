@@ -31,8 +31,6 @@ from .routers import native_applies, route_native
 from .routers import route as _router_route
 from .routing import KeptRows, Routing, _capacity_factor, capacity_for
 
-__all__ = ["GateSpec", "MoESpec", "MoEAux", "init_params", "moe", "check_params", "route"]
-
 SHARED = ("swiglu", "gated_swiglu")
 PLANS = ("auto", "layout")
 
@@ -428,9 +426,9 @@ def _route(params, x, spec: MoESpec, kind: str, *, comm, generator, noise, train
         # a small eager call: top-k, gates, slots and the plan's rows in one native call, the same values
         native = route_native(params["gate"], x, gs, num_experts=spec.num_experts, normalize=spec.normalize_gate,
                               alignment=align, fraction=spec.balance_loss and spec.is_gshard_loss)
-    fraction = rows = None
+    loss = rows = None
     if native is not None:
-        routing, out, fraction, rows = native
+        routing, out, loss, rows = native   # loss: the GShard loss route_native made, or None
     else:
         routing, out = _router_route(params["gate"], x, gs, num_experts=spec.num_experts,
                                      normalize=spec.normalize_gate, batch_prioritized=spec.batch_prioritized,
@@ -439,7 +437,7 @@ def _route(params, x, spec: MoESpec, kind: str, *, comm, generator, noise, train
     if gs.type == "expert_choice" or not spec.balance_loss:  # expert choice: balanced by construction
         l_aux = out.scores.new_zeros(())
     elif spec.is_gshard_loss:
-        l_aux = gshard_loss(out.scores, None if fraction is not None else routing.expert_ids[0], fraction=fraction)
+        l_aux = gshard_loss(out.scores, routing.expert_ids[0]) if loss is None else loss
     else:
         l_aux = load_importance_loss(out.logits, out.noisy_logits, gs.k, gs.gate_noise)
     return routing, out, l_aux, rows

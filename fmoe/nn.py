@@ -26,7 +26,7 @@ from .comm.launch import launched_world
 from .experts import EXPERT_PARAMS, ExpertSpec
 from .moe import GateSpec, MoEAux, MoESpec, init_params, moe
 
-__all__ = ["MoELayer", "moe_layer", "check_not_silently_local"]
+__all__ = ["MoELayer", "moe_layer"]
 
 _GATE_KEYS = {"type", "k", "capacity_factor", "gate_noise", "fp32_gate", "proj_dim", "init_t", "score_fn"}
 _EXPERT_KEYS = {"type", "num_experts_per_device", "count_per_node", "hidden_size_per_expert", "activation_fn",

@@ -40,6 +40,5 @@ def __getattr__(name):
 
 __all__ = ["Communicator", "LocalComm", "TorchDistComm", "Hierarchical2DComm", "resolve",
            "all_to_all", "all_gather", "reduce_scatter", "all_to_all_v",
-           "from_env", "abort", "abort_on_error", "install_excepthook", "get_logger",
-           "handle_of", "forget", "InconsistentRanksError", "StepMismatchError", "CollectiveMismatchError",
+           "from_env", "abort", "abort_on_error", "InconsistentRanksError", "StepMismatchError", "CollectiveMismatchError",
            "MoEMesh", "mesh", "mesh_comm", "mesh_from_comm"]

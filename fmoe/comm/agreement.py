@@ -44,8 +44,6 @@ import torch
 
 from . import registry
 
-__all__ = ["InconsistentRanksError", "StepMismatchError", "CollectiveMismatchError", "agree_across_ranks",
-           "end_of_job_check"]
 
 MAGIC = 0x664D6F4541475245  # "fMoEAGRE"
 FIELDS = 24                 # field slots in the record; more fields are folded into the last slot

@@ -6,7 +6,6 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 import torch
 from torch import Tensor
 
-__all__ = ["Communicator", "LocalComm", "resolve"]
 
 REDUCE_OPS = ("sum", "max", "min")
 

@@ -27,8 +27,6 @@ from .buffers import recv_buffer
 from .layout import a2a_out_shape, norm_axis
 from .registry import handle_of, lookup
 
-__all__ = ["all_to_all", "all_gather", "reduce_scatter", "all_to_all_v"]
-
 
 def _fresh(out: Tensor, x: Tensor) -> Tensor:
     # custom ops may not return an alias of an input; size-1 communicators do.

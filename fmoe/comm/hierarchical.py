@@ -12,8 +12,6 @@ from torch import Tensor
 
 from .layout import chunks_to_front, front_to_concat, norm_axis
 
-__all__ = ["Hierarchical2DComm"]
-
 
 class Hierarchical2DComm:
     """Wrap a communicator so its all-to-all runs in two levels.

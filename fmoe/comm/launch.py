@@ -15,7 +15,6 @@ from typing import Optional
 
 from .base import LocalComm
 
-__all__ = ["from_env", "launched_world", "abort", "abort_on_error", "install_excepthook", "get_logger"]
 
 KINDS = ("auto", "mpi", "torch", "local")
 

@@ -15,8 +15,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["plain", "raw_collective", "norm_axis", "chunks_to_front", "front_to_concat", "gathered_to_axis", "a2a_out_shape"]
-
 
 def plain(t: Tensor) -> Tensor:
     """The underlying tensor of a torch.func-wrapped one (GradTrackingTensor, BatchedTensor, ...).

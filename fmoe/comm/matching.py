@@ -45,7 +45,6 @@ from torch import Tensor
 from . import agreement
 from .agreement import CollectiveMismatchError, InconsistentRanksError, StepMismatchError, _h64
 
-__all__ = ["CHECKS", "CollectiveMismatchError"]   # the control-record protocol is fmoe.comm's own; users meet its modes and its error
 
 MAGIC = 0x664D6F45434F4C4C  # "fMoECOLL"
 HEADER = 16

@@ -19,7 +19,6 @@ import threading
 import weakref
 from typing import Optional
 
-__all__ = ["handle_of", "forget"]   # the rest is the communicators' bookkeeping; fmoe.comm re-exports these two
 
 _lock = threading.Lock()
 _next = itertools.count(1)

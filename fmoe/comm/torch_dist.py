@@ -19,7 +19,6 @@ from .layout import (a2a_front, a2av_counts, front_to_concat, gathered_to_axis, 
                      raw_collective, rows_error)
 from .registry import forget_all, mark_closed
 
-__all__ = ["TorchDistComm"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch >= 2.13 deprecates all_gather_into_tensor (a FutureWarning on every rank, every job) for

@@ -24,8 +24,6 @@ from ..layout import Layout
 from .plan import ExpertPlan, LayoutPlan
 from .table import Kernel, select
 
-__all__ = ["GroupedGemm", "grouped_mm"]
-
 
 class _GroupedMM(torch.autograd.Function):
     @staticmethod

@@ -45,7 +45,6 @@ from .. import _slots
 from ..layout import Layout
 from ..routing import KeptRows, Routing
 
-__all__ = ["PHASES", "DECODE_ROWS", "ExpertPlan", "LayoutPlan", "make_plan", "plan_from_bounds", "device_plan"]
 
 PHASES = ("train", "prefill", "decode")
 TRACED = "traced"   # the phase of a layout plan

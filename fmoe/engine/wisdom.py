@@ -32,7 +32,6 @@ from typing import Optional
 
 import torch
 
-__all__ = ["CANDIDATES", "path", "lookup", "record", "load", "forget"]
 
 # table key (device, phase, dtype) -> the kernels that compete for it, the default first
 CANDIDATES = {("cpu", "decode", torch.float32): ("cpu-native", "cpu-numba-rows"),

@@ -20,9 +20,9 @@ from .loader import load_moe_block
 from .patch import FmoeMoEBlock, patch
 
 __all__ = [
-    "ARCHS", "ALIASES", "arch_module", "canonical_arch", "config_from_hf", "moe_block",
+    "ARCHS", "arch_module", "config_from_hf", "moe_block",
     "load_moe_block", "patch", "FmoeMoEBlock", "BlockAux",
     "Qwen3MoeBlockConfig", "Qwen2MoeBlockConfig", "DeepseekV3BlockConfig", "GptOssBlockConfig",
     "MixtralBlockConfig",
-    "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss", "mixtral", "experts", "common",
+    "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss", "mixtral",
 ]

@@ -47,8 +47,6 @@ from ..moe import MoESpec, moe
 from ..routers import GateSpec
 from ..routing import Routing
 
-__all__ = ["BlockAux", "COMBINES", "ACTIVATIONS", "activation", "cfg_get", "text_config", "block_spec", "run_block",
-           "check_tokens", "experts_from_module", "mlp_from_module"]
 
 COMBINES = ("eager", "grouped")
 

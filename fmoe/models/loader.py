@@ -36,7 +36,6 @@ from torch import Tensor
 
 from .registry import arch_module, canonical_arch, config_from_hf
 
-__all__ = ["load_moe_block", "read_tensors", "layer_prefixes"]
 
 _PROGRESS_BYTES = 256 << 20   # show a progress bar above this much to read
 

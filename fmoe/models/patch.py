@@ -25,7 +25,6 @@ from torch import nn
 from .common import COMBINES, text_config
 from .registry import arch_module, canonical_arch, config_from_hf
 
-__all__ = ["FmoeMoEBlock", "patch", "combine_for", "BLOCK_CLASSES", "BACKEND_COMBINES"]
 
 # transformers 5.24 MoE block class name -> adapter (spec architectures.md §0).
 BLOCK_CLASSES = {

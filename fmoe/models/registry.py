@@ -7,7 +7,6 @@ from typing import Any
 from . import deepseek_v3, gpt_oss, mixtral, qwen2_moe, qwen3_moe
 from .common import cfg_get, text_config
 
-__all__ = ["ARCHS", "ALIASES", "canonical_arch", "arch_module", "config_from_hf", "moe_block"]
 
 ARCHS: dict[str, ModuleType] = {
     "qwen3_moe": qwen3_moe,

@@ -24,8 +24,6 @@ from .primitives import combine_raw, dispatch_raw, gate_grad_raw
 from . import numba_cpu  # registers the numba kernels as the ops' CPU implementation
 from . import cuda  # registers the native kernels as the ops' CUDA implementation
 
-__all__ = ["dispatch", "combine", "gate_grad", "reference", "numba_cpu", "dispatch_raw", "combine_raw", "gate_grad_raw"]
-
 
 def _check_tokens(name: str, x: Tensor, routing: Routing) -> None:
     if not isinstance(routing, Routing):

@@ -23,7 +23,6 @@ from torch import Tensor
 from .. import _native
 from . import reference
 
-__all__ = ["dispatch", "combine", "native_ready"]
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 

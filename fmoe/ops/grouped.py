@@ -25,8 +25,6 @@ from ..layout import Layout
 from . import ragged as _ragged
 from .memory_order import grad_in_storage_order, weight_grad
 
-__all__ = ["padded_mm", "layout_mm", "layout_wgrad", "layout_bias"]
-
 
 class _StorageOrderBmm(torch.autograd.Function):
     """``torch.bmm(x, w)`` for w [E, K, N] a transposed view of contiguous [E, N, K] storage

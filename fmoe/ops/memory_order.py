@@ -16,8 +16,6 @@ from torch import Tensor
 
 from .primitives import PLAIN_TENSORS
 
-__all__ = ["stored_transposed", "grad_in_storage_order", "weight_grad"]
-
 
 def stored_transposed(w: Tensor) -> bool:
     """w [..., a, b] is a transposed view (last two dims) of a contiguous [..., b, a] tensor."""

@@ -75,9 +75,6 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["AVAILABLE", "status", "build", "library_path", "calibrate",
-           "gather_mm", "mm_scatter", "gather_wgrad",
-           "gather_mm_reference", "mm_scatter_reference", "gather_wgrad_reference"]
 
 # The defaults of thresholds() where this machine never ran `python -m fmoe warmup --calibrate`.
 # Experts run side by side when the busy ones hold fewer rows each, on average, than

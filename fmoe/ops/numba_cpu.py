@@ -32,8 +32,6 @@ from torch import Tensor
 from . import primitives, reference, tuning
 from .memory_order import stored_transposed
 
-__all__ = ["dispatch", "combine", "gate_grad", "few_rows_mm", "disabled", "warmup",
-           "threading_layer", "NATIVE_DTYPES"]
 
 NATIVE_DTYPES = (torch.float32, torch.float64)
 _WIDENED = (torch.float16, torch.bfloat16)

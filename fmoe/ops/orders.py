@@ -22,7 +22,6 @@ from ..routing import Routing
 from . import combine as _combine
 from .reference import compute_dtype as _compute_dtype
 
-__all__ = ["COMBINES", "eager_combine", "grouped_combine", "combine_in_order"]
 
 COMBINES = ("fmoe", "eager", "grouped")
 

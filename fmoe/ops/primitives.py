@@ -31,8 +31,6 @@ from torch.utils import _python_dispatch
 
 from . import reference
 
-__all__ = ["dispatch_raw", "combine_raw", "gate_grad_raw"]
-
 
 # --------------------------------------------------------------------------- custom ops
 

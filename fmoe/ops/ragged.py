@@ -55,7 +55,6 @@ from torch import Tensor
 from . import native as _native
 from .memory_order import grad_in_storage_order, weight_grad
 
-__all__ = ["ragged_mm", "ragged_wgrad", "ragged_mm_reference", "ragged_wgrad_reference"]
 
 # --------------------------------------------------------------------------- references
 

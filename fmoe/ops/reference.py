@@ -16,8 +16,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["dispatch", "combine", "gate_grad", "compute_dtype"]
-
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulation dtype for data of ``dtype``."""

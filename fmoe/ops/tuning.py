@@ -17,8 +17,6 @@ cache on the kernel's own file.
 """
 from __future__ import annotations
 
-__all__ = ["RAGGED_SERIAL_BYTES", "NUMBA_SERIAL_ELEMENTS"]
-
 
 # fmoe.ops.numba_cpu.few_rows_mm: below this many weight bytes the serial numba twin runs.
 # Chosen so that a TBB region's start (~50 us, see NUMBA_SERIAL_ELEMENTS) stays under about
