@@ -305,7 +305,8 @@ def route_rows_ready(k: int, norm: int) -> bool:
 
 def route_rows(sel: Tensor, logits: Tensor, k: int, norm: int, out_dtype: torch.dtype, by_token: bool,
                cap_fixed: int, cap_limit: int, align: int, frac: bool, choice: Optional[Tensor] = None,
-               n_group: int = 1, topk_group: int = 1, scale: float = 1.0):
+               n_group: int = 1, topk_group: int = 1, scale: float = 1.0, loss_scores: Optional[Tensor] = None,
+               loss_width: int = 0, order: Optional[int] = None):
     """One small CPU call's top-k, gates, slots, capacity and kept rows (walks.cpp ``route_rows``;
     call it where :func:`route_rows_ready`).
 
@@ -313,8 +314,84 @@ def route_rows(sel: Tensor, logits: Tensor, k: int, norm: int, out_dtype: torch.
     selects on; logits: [T, E] the router's logits (ROUTE_NON_FINITE where one is NaN or Inf).
     choice (DeepSeek): float32 [T, E] that selection runs on instead, limited to the topk_group best
     of n_group groups, the gates then read from ``sel``; scale: ROUTE_DEEPSEEK/ROUTE_SCALE's factor.
+    frac with loss_width (:func:`loss_width` of [T, E], > 0): the GShard loss of ``loss_scores``
+    (contiguous float32 [T, E]) and that fraction, a 0-dim float32 tensor, in the fraction's place.
+    order: :func:`sum_order` of (k, norm), where the caller has it.
     Returns walks.cpp's tuple (status, ids, gates, slots, counts, tokens, pairs, offsets, dropped,
-    row gates, bounds, capacity, frac)."""
-    order = sum_orders()[1] if norm not in (ROUTE_RAW, ROUTE_SCALE) and k >= 8 else _SUM_SCALAR
+    row gates, bounds, capacity, frac or loss)."""
+    if order is None:
+        order = sum_order(k, norm)
     return _EXT.route_rows(sel, logits, k, norm, order, out_dtype, by_token, cap_fixed, cap_limit, align, frac,
-                           _NO_CHOICE if choice is None else choice, n_group, topk_group, scale)
+                           _NO_CHOICE if choice is None else choice, n_group, topk_group, scale,
+                           _NO_CHOICE if loss_scores is None else loss_scores, loss_width)
+
+
+def sum_order(k: int, norm: int) -> int:
+    """The order code route_rows adds k gates in under ``norm`` (:func:`sum_orders`)."""
+    return sum_orders()[1] if norm not in (ROUTE_RAW, ROUTE_SCALE) and k >= 8 else _SUM_SCALAR
+
+
+# The GShard loss's [T, E] mean and [E] sum (walks.cpp torch_gshard_loss) in the orders of torch's
+# float reductions at a vector width W: the widths torch's CPU kernels use, and the shapes checked
+# (below torch's grain size, 32768 elements, its reductions run on one thread whatever the thread
+# count: one order per shape).
+_LOSS_WIDTHS = (8, 16)
+_LOSS_MAX_ELEMENTS = 32767
+_LOSS_PROBES = 8
+_LOSS_WIDTH: dict = {}   # (T, E) -> W, or 0 where no width gives torch's ops
+
+
+def loss_width(T: int, E: int) -> int:
+    """The vector width W at which walks.cpp's GShard loss of float32 scores [T, E] equals
+    :func:`fmoe.losses.gshard_loss`'s torch ops bit for bit in this process, or 0 (the torch ops run).
+
+    Read once per shape from torch itself (torch picks its reduction kernels by the host's CPU
+    capability, so the order of additions is a fact of this process, not of the source): on
+    _LOSS_PROBES sets of mixed-sign values whose sums round at almost every addition, torch's
+    s.mean(0) (each column), v.sum() and the loss must equal W's. One random set leaves two orders of
+    the [E] sum equal about one time in four (measured), so a wrong order passes all of them about
+    once in 4^8 shapes. E < 2 and T * E past the one-thread bound run the torch ops."""
+    w = _LOSS_WIDTH.get((T, E))
+    if w is None:
+        w = _LOSS_WIDTH[(T, E)] = _check_loss_width(T, E)
+    return w
+
+
+def _probe_values(shape, g: torch.Generator) -> Tensor:
+    # mantissas in [1, 2), exponents in [-12, 12], random signs: sums that round, cancellations
+    v = (1 + torch.rand(shape, generator=g)) * torch.exp2(torch.randint(-12, 13, shape, generator=g).float())
+    return v * (torch.randint(0, 2, shape, generator=g) * 2 - 1).float()
+
+
+def _check_loss_width(T: int, E: int) -> int:
+    ext = extension()
+    if ext is None or not hasattr(ext, "gshard_loss") or E < 2 or T < 1 or T * E > _LOSS_MAX_ELEMENTS:
+        return 0
+    from .losses import gshard_loss
+    g = torch.Generator().manual_seed(T * 1000003 + E)
+    # plain eager ops on fresh tensors, whatever grad mode or transform the calling layer runs under
+    with torch.no_grad(), torch._C._DisableFuncTorch():
+        probes = []
+        for _ in range(_LOSS_PROBES):
+            s, v, f = _probe_values((T, E), g), _probe_values((E,), g), _probe_values((E,), g).abs()
+            probes.append((s, v, f, s.mean(0), v.sum(), gshard_loss(s, None, fraction=f)))
+        for w in _LOSS_WIDTHS:
+            if all(torch.equal(ext.mean0(s, w), m) and torch.equal(ext.vector_sum(v, w), total)
+                   and torch.equal(ext.gshard_loss(s, f, w), loss) for s, v, f, m, total, loss in probes):
+                return w
+    return 0
+    from .losses import gshard_loss
+    g = torch.Generator().manual_seed(T * 1000003 + E)
+    probes = []
+    # plain eager ops on fresh tensors, whatever transform or grad mode the calling layer runs under
+    with torch.no_grad(), torch._C._DisableFuncTorch():
+        for signed in (False, True):
+            s = torch.rand(T, E, generator=g) * torch.exp2(torch.randint(-30, 31, (T, E), generator=g).float())
+            if signed:
+                s = s * (torch.randint(0, 2, (T, E), generator=g) * 2 - 1).float()
+            f = torch.rand(E, generator=g) * torch.exp2(torch.randint(-20, 21, (E,), generator=g).float())
+            probes.append((s, f, gshard_loss(s, None, fraction=f)))
+        for w in _LOSS_WIDTHS:
+            if all(torch.equal(ext.gshard_loss(s, f, w), ref) for s, f, ref in probes):
+                return w
+    return 0

@@ -67,6 +67,7 @@ from torch.utils import _pytree as pytree
 from . import _slots
 from .routing import Routing, _capacity_factor, _group_max, _routing_of, _top_k, _trusted_routing, capacity_bound
 from .routing import KeptRows, capacity_for, check_finite
+from .losses import gshard_loss
 
 __all__ = [
     "ROUTER_TYPES", "GATE_TYPES", "SCORE_FNS", "GateSpec", "RouterOutput",
@@ -810,41 +811,34 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
     scaling native (torch's float ops with its Python scalars rounded to float).
 
     Returns:
-        (routing, router output, fraction, rows): fraction is the float32 [E] share of tokens whose
-        slot-0 expert is e (the GShard loss's) where ``fraction`` and the scores are float32, else
-        None; rows: the routing's :class:`~fmoe.routing.KeptRows` for the plan of the same call.
+        (routing, router output, l_aux, rows): l_aux is the GShard loss
+        (:func:`fmoe.losses.gshard_loss` of the scores and the slot-0 experts, a 0-dim float32
+        tensor) where ``fraction`` and the scores are float32, else None; the native call makes it
+        in torch's orders of additions where :func:`fmoe._slots.loss_width` vouches for them, else
+        the torch ops do from its counts. rows: the routing's :class:`~fmoe.routing.KeptRows` for
+        the plan of the same call.
     """
-    t, E, T = spec.type, num_experts, x.shape[0]
-    k = min(spec.k, E) if t in ("top", "cosine_top") else spec.k
-    if k > E or k > 64 or (t == "gpt_oss" and not normalize) or isinstance(alignment, bool) \
-            or not isinstance(alignment, int) or alignment < 1:
-        return None   # route raises its own error (or, k > 64, runs the torch ops)
-    if t in ("top", "cosine_top"):
-        dt = torch.float32 if spec.fp32_gate else x.dtype
-        norm = _slots.ROUTE_TUTEL if normalize and k > 1 else _slots.ROUTE_RAW
-        if dt not in _NATIVE_DTYPES or (norm != _slots.ROUTE_RAW and dt != torch.float32):
-            return None
-    elif x.dtype not in _NATIVE_DTYPES:
-        return None
-    elif t == "deepseek":
-        G = spec.n_group
-        if E % G or E // G < 2 or k > E // G * spec.topk_group:
-            return None
-        norm = _slots.ROUTE_DEEPSEEK if normalize else _slots.ROUTE_SCALE
-    else:
-        norm = _slots.ROUTE_SUM if normalize and t != "gpt_oss" else _slots.ROUTE_RAW
-    if not _slots.route_rows_ready(k, norm):
-        return None
-    _check_x(x)
-    check_router_params(params, spec, E, x.shape[1])
-    cf = _capacity_factor(spec.static_capacity_factor)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or not _slots.TOPK_AS_TORCH:
+        return None   # route raises its own error (or, another torch's top-k, runs the torch ops)
+    key = (spec, num_experts, x.shape, x.dtype, normalize, alignment, fraction)
     try:
-        cap_fixed = capacity_for(cf, num_tokens=T, num_experts=E, k=k, alignment=alignment) if cf > 0 else -1
-    except ValueError:
-        return None   # route raises it, after its own checks of the logits
-    cap_limit = k * int(-cf * -(-T // E)) if cf < 0 else -1
-    align = 1 if cf > 0 else (alignment if alignment <= 256 else -(-alignment // 128) * 128)
-    by_token, noisy, choice = False, None, None
+        st = _NATIVE_STATICS.get(key)
+    except TypeError:   # an unhashable field (a bad capacity factor): the checks below raise
+        st = key = None
+    if st is None:
+        st = _native_statics(params, x, spec, num_experts, normalize, alignment, fraction)
+        if st is None:
+            return None
+        if key is not None:
+            if len(_NATIVE_STATICS) >= _NATIVE_STATICS_MAX:
+                _NATIVE_STATICS.clear()
+            _NATIVE_STATICS[key] = st
+    k, norm, order, cap_fixed, cap_limit, align, bound, frac, width = st
+    t, E = spec.type, num_experts
+    if not _router_params_fit(params, t, E, x.shape[1]):
+        check_router_params(params, spec, E, x.shape[1])   # raises, naming the key or shape
+    by_token, noisy, choice, loss_scores = False, None, None, None
+    # (matmul, softmax and sigmoid outputs are contiguous, as route_rows checks)
     if t in ("top", "cosine_top"):
         logits = (cosine_gate if t == "cosine_top" else linear_gate)(params, x, fp32=spec.fp32_gate)
         scores = sel = scores_from_logits(logits, spec.score_fn)
@@ -854,6 +848,7 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
         w = wg if wg.dtype == x.dtype else wg.to(x.dtype)
         logits = sel = F.linear(x, w, None if bias is None else (bias if bias.dtype == x.dtype else bias.to(x.dtype)))
         out_dtype, by_token = logits.dtype, True
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
     elif t == "deepseek":   # fp32 logits and sigmoid scores; the bias for selection only
         wg, bias = params["wg"], params.get("correction_bias")
         f32 = torch.float32
@@ -869,24 +864,103 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
         else:
             scores = sel = torch.softmax(logits.float(), dim=-1)
         out_dtype = logits.dtype if t == "qwen" else torch.float32
-    frac = fraction and (t == "gpt_oss" or sel.dtype == torch.float32)   # the scores the loss reads are float32
-    # (matmul and softmax outputs are contiguous: contiguous() returns them as they are)
-    res = _slots.route_rows(sel.contiguous(), logits.contiguous(), k, norm, out_dtype, by_token, cap_fixed, cap_limit, align, frac, choice,
-                            spec.n_group, spec.topk_group, spec.routed_scaling_factor)
+    if width:
+        loss_scores = scores
+    res = _slots.route_rows(sel, logits, k, norm, out_dtype, by_token, cap_fixed, cap_limit, align, frac, choice,
+                            spec.n_group, spec.topk_group, spec.routed_scaling_factor, loss_scores, width, order)
     status, ids, gates, slots, counts, tokens, pairs, offsets, dropped, row_gates, bounds, C, share = res
-    if status == _slots.ROUTE_NON_FINITE:
-        check_finite(logits, *_LOGITS)   # raises, naming the rows
-    if status == _slots.ROUTE_ZERO_CAPACITY or C > capacity_bound(k, T):
-        capacity_for(cf, num_tokens=T, num_experts=E, k=k, max_load=int(counts.max()) if status == 0 else 1,
-                     alignment=alignment)   # raises the torch path's error
-    if status:
-        raise AssertionError(f"route_rows status {status} raised no error")
+    if status or C > bound:
+        _native_error(status, logits, spec, k, x.shape[0], E, alignment, counts)
     if t == "gpt_oss":
         gates = torch.softmax(gates, dim=-1, dtype=gates.dtype).t().contiguous()   # [T, k] -> [k, T]
-        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if frac and not width:   # the torch ops from the native counts
+        share = gshard_loss(scores, None, fraction=share)
     routing = _trusted_routing(ids, slots, gates, counts, C, E, shapes=False)
-    rows = KeptRows(tokens, pairs, tuple(bounds), dropped, offsets, row_gates)
-    return routing, RouterOutput(ids, gates, logits, scores, noisy, type=t), share, rows
+    rows = object.__new__(KeptRows)   # (frozen dataclasses' __init__ costs microseconds; the fields are right)
+    rows.__dict__.update(tokens=tokens, pairs=pairs, bounds=bounds, dropped=dropped, offsets=offsets,
+                         row_gates=row_gates)
+    out = object.__new__(RouterOutput)
+    out.__dict__.update(expert_ids=ids, weights=gates, logits=logits, scores=scores, noisy_logits=noisy,
+                        importance=None, slots=None, tokens=None, capacity=None, type=t)
+    return routing, out, share, rows
+
+
+# route_native's statics for a (spec, E, x's shape and dtype, normalize, alignment, fraction): what its
+# checks and capacity formulas give, which no tensor value changes. A process routes a few shapes
+# (decode: T = 1..NATIVE_MAX_TOKENS per layer spec); cleared past _NATIVE_STATICS_MAX keys.
+_NATIVE_STATICS: dict = {}
+_NATIVE_STATICS_MAX = 4096
+
+
+def _native_statics(params, x, spec: GateSpec, E: int, normalize, alignment: int, fraction):
+    """(k, norm, order, cap_fixed, cap_limit, align, capacity bound, frac, loss width) of
+    :func:`route_native`, or None
+    where it does not apply; raises the torch path's errors for a bad x, spec or parameters."""
+    t, T = spec.type, x.shape[0]
+    k = min(spec.k, E) if t in ("top", "cosine_top") else spec.k
+    if k > E or k > 64 or (t == "gpt_oss" and not normalize):
+        return None   # route raises its own error (or, k > 64, runs the torch ops)
+    if t in ("top", "cosine_top"):
+        dt = torch.float32 if spec.fp32_gate else x.dtype
+        norm = _slots.ROUTE_TUTEL if normalize and k > 1 else _slots.ROUTE_RAW
+        if dt not in _NATIVE_DTYPES or (norm != _slots.ROUTE_RAW and dt != torch.float32):
+            return None
+        loss32 = dt == torch.float32   # the scores are dt
+    elif x.dtype not in _NATIVE_DTYPES:
+        return None
+    elif t == "deepseek":
+        G = spec.n_group
+        if E % G or E // G < 2 or k > E // G * spec.topk_group:
+            return None
+        norm = _slots.ROUTE_DEEPSEEK if normalize else _slots.ROUTE_SCALE
+        loss32 = True
+    else:
+        norm = _slots.ROUTE_SUM if normalize and t != "gpt_oss" else _slots.ROUTE_RAW
+        loss32 = True   # fp32 softmax or sigmoid scores
+    if not _slots.route_rows_ready(k, norm):
+        return None
+    _check_x(x)
+    check_router_params(params, spec, E, x.shape[1])
+    cf = _capacity_factor(spec.static_capacity_factor)
+    try:
+        cap_fixed = capacity_for(cf, num_tokens=T, num_experts=E, k=k, alignment=alignment) if cf > 0 else -1
+    except ValueError:
+        return None   # route raises it, after its own checks of the logits
+    cap_limit = k * int(-cf * -(-T // E)) if cf < 0 else -1
+    align = 1 if cf > 0 else (alignment if alignment <= 256 else -(-alignment // 128) * 128)
+    frac = bool(fraction) and loss32   # the scores the loss reads are float32
+    width = _slots.loss_width(T, E) if frac else 0
+    return k, norm, _slots.sum_order(k, norm), cap_fixed, cap_limit, align, capacity_bound(k, T), frac, width
+
+
+def _router_params_fit(params, t: str, E: int, M: int) -> bool:
+    """Whether :func:`check_router_params` passes params (cosine_top: not checked here, False)."""
+    if type(params) is not dict or t == "cosine_top":
+        return False
+    wg = params.get("wg")
+    if not isinstance(wg, Tensor) or wg.shape != (E, M):
+        return False
+    if t == "gpt_oss":
+        if "bias" not in params:
+            return False
+        b = params["bias"]
+    elif t == "deepseek":
+        b = params.get("correction_bias")
+    else:
+        return True
+    return b is None or (isinstance(b, Tensor) and b.shape == (E,))
+
+
+def _native_error(status: int, logits: Tensor, spec: GateSpec, k: int, T: int, E: int, alignment: int,
+                  counts) -> None:
+    """Raise the torch path's error for route_rows' status or a capacity past the bound."""
+    if status == _slots.ROUTE_NON_FINITE:
+        check_finite(logits, *_LOGITS)   # raises, naming the rows
+    cf = _capacity_factor(spec.static_capacity_factor)
+    capacity_for(cf, num_tokens=T, num_experts=E, k=k, max_load=int(counts.max()) if status == 0 else 1,
+                 alignment=alignment)   # raises the torch path's error
+    if status:
+        raise AssertionError(f"route_rows status {status} raised no error")
 
 
 def route(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, normalize: bool = True,

@@ -46,7 +46,7 @@ def _pair(spec, params, x, E, normalize=True, alignment=1):
 
 
 def _assert_same(ref, ref_out, got):
-    routing, out, frac, rows = got
+    routing, out, loss, rows = got
     for name in ("expert_ids", "slots", "counts"):
         assert torch.equal(getattr(routing, name), getattr(ref, name)), name
     assert routing.weights.dtype == ref.weights.dtype
@@ -63,8 +63,11 @@ def _assert_same(ref, ref_out, got):
     assert torch.equal(p.row_weights(routing.weights), q.row_weights(ref.weights))
     if rows.row_gates is not None:
         assert torch.equal(rows.row_gates, q.row_weights(ref.weights))
-    if frac is not None:
-        assert torch.equal(gshard_loss(ref_out.scores, ref.expert_ids[0]), gshard_loss(out.scores, None, fraction=frac))
+    # the GShard loss (route_native asked for it): wherever the scores are float32, bit for bit
+    assert (loss is None) == (out.scores.dtype != torch.float32)
+    if loss is not None:
+        assert loss.dtype == torch.float32 and loss.dim() == 0
+        assert torch.equal(loss, gshard_loss(ref_out.scores, ref.expert_ids[0]))
 
 
 CASES = [("top", {}), ("top", {"score_fn": "sigmoid"}), ("cosine_top", {}), ("qwen", {}), ("mixtral", {}),
@@ -197,3 +200,108 @@ def test_native_route_steps_aside_on_a_torch_whose_topk_it_does_not_repeat(monke
                             fraction=False) is None
         y_torch, _ = fmoe.moe(params, x, spec)
     assert torch.equal(y_native, y_torch)
+
+
+# --------------------------------------------------------------------------- the GShard loss in the native call
+
+LOSS_T = (1, 2, 3, 7, 16, 33, 64)
+LOSS_E = (8, 60, 64, 128, 257)
+
+
+def _loss_cases(T, E, g):
+    """(name, float32 scores [T, E], fraction [E]): softmax scores and adversarial ones."""
+    ids = torch.randint(0, E, (T,), generator=g)
+    frac = torch.bincount(ids, minlength=E).float() / T
+    wide = torch.rand(E, generator=g) * torch.exp2(torch.randint(-20, 21, (E,), generator=g).float())
+    yield "softmax", torch.softmax(torch.randn(T, E, generator=g) * 3, dim=-1), frac
+    yield "equal", torch.randint(0, 3, (T, E), generator=g).float() / 4, frac   # many equal values
+    yield "uniform", torch.full((T, E), 1.0 / E), frac
+    yield "tiny", torch.rand(T, E, generator=g) * 2.0 ** -100, wide
+    yield "huge", torch.rand(T, E, generator=g) * 2.0 ** 100, frac
+    yield "mixed", torch.rand(T, E, generator=g) * torch.exp2(torch.randint(-40, 41, (T, E), generator=g).float()), wide
+    signs = torch.randint(0, 2, (T, E), generator=g).float() * 2 - 1
+    yield "signed", signs * torch.rand(T, E, generator=g) * torch.exp2(torch.randint(-12, 13, (T, E), generator=g).float()), wide
+
+
+def _check_losses(shapes_t=LOSS_T, shapes_e=LOSS_E):
+    ext = _slots.extension()
+    g = torch.Generator().manual_seed(11)
+    for T in shapes_t:
+        for E in shapes_e:
+            w = _slots.loss_width(T, E)
+            assert w in _slots._LOSS_WIDTHS, (T, E, w)
+            for name, s, f in _loss_cases(T, E, g):
+                ref = gshard_loss(s, None, fraction=f)
+                got = ext.gshard_loss(s, f, w)
+                assert got.dtype == torch.float32 and got.dim() == 0
+                assert torch.equal(got, ref), (T, E, name, got.item(), ref.item())
+            # route_rows' loss from its own slot-0 counts, against the torch ops on its ids
+            s = torch.softmax(torch.randn(T, E, generator=g), dim=-1)
+            res = _slots.route_rows(s, s, 2, _slots.ROUTE_SUM, torch.float32, False, -1, -1, 1, True,
+                                    loss_scores=s, loss_width=w)
+            assert res[0] == 0 and torch.equal(res[12], gshard_loss(s, res[1][0])), (T, E)
+
+
+def test_native_loss_equals_torch_ops():
+    _check_losses()
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_native_loss_equals_torch_ops_on_other_cpu_capabilities(capability):
+    # torch picks its reduction kernels by the CPU capability: the orders loss_width finds there
+    import os
+    import subprocess
+    import sys
+    code = ("import torch, tests.test_native_route as t; "
+            "assert torch.backends.cpu.get_cpu_capability() == %r, torch.backends.cpu.get_cpu_capability(); "
+            "t._check_losses(); print('ok')" % capability.upper())
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_loss_width_refuses_an_order_torch_does_not_use(monkeypatch):
+    # only the width whose orders torch's ops give passes the check; with it struck out, none does
+    T, E = 33, 60
+    w = _slots.loss_width(T, E)
+    g = torch.Generator().manual_seed(12)
+    s, f = torch.rand(T, E, generator=g), torch.rand(E, generator=g)
+    other = [v for v in _slots._LOSS_WIDTHS if v != w]
+    assert other and not torch.equal(_slots.extension().mean0(s, other[0]), s.mean(0))   # the orders differ
+    monkeypatch.setattr(_slots, "_LOSS_WIDTHS", tuple(other))
+    assert _slots._check_loss_width(T, E) == 0
+    assert _slots._check_loss_width(1, 1) == 0 and _slots._check_loss_width(64, 512) == 0   # E < 2, past one thread
+
+
+def test_native_route_loss_falls_back_to_torch_ops(monkeypatch):
+    # where no width is vouched for, route_native's loss comes from the torch ops on its counts
+    from fmoe import routers
+    spec, params, g = _gate("top", 2, 16, 0.0)
+    x = torch.randn(5, M, generator=g)
+    monkeypatch.setattr(_slots, "_LOSS_WIDTH", {(5, 16): 0})
+    monkeypatch.setattr(routers, "_NATIVE_STATICS", {})
+    with torch.no_grad():
+        ref, ref_out, got = _pair(spec, params, x, 16)
+        _assert_same(ref, ref_out, got)
+    assert routers._NATIVE_STATICS and all(st[-1] == 0 for st in routers._NATIVE_STATICS.values())
+
+
+def test_native_route_checks_params_on_every_call():
+    # the statics are cached per (spec, E, x's shape): parameters are checked on every call
+    for kind, bad, msg in (("top", {"wg": torch.zeros(16, M + 1)}, r"gate.wg must be \[E, M\] = \[16, 24\]"),
+                           ("qwen", {}, r"qwen router needs 'wg'"),
+                           ("gpt_oss", "nobias", r"gpt_oss router needs 'bias' \[E\]"),
+                           ("deepseek", "badbias", r"gate.correction_bias must be \[E\] = \[16\]")):
+        spec, params, g = _gate(kind, 2, 16, 0.0)
+        x = torch.randn(3, M, generator=g)
+        with torch.no_grad():
+            assert route_native(params, x, spec, num_experts=16, normalize=True, alignment=1, fraction=True)
+            if bad == "nobias":
+                bad = {"wg": params["wg"]}
+            elif bad == "badbias":
+                bad = {"wg": params["wg"], "correction_bias": torch.zeros(15)}
+            with pytest.raises(ValueError, match=msg):
+                route_native(bad, x, spec, num_experts=16, normalize=True, alignment=1, fraction=True)
+            with pytest.raises(ValueError, match="router params must be a dict"):
+                route_native([params], x, spec, num_experts=16, normalize=True, alignment=1, fraction=True)

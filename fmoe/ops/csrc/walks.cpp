@@ -214,6 +214,81 @@ float torch_row_sum(const float* v, int64_t k, int64_t order) {
   return ((p[0] + p[1]) + p[2]) + p[3];
 }
 
+// The GShard loss's reductions in torch's orders (aten/native/cpu/SumKernel.cpp, float accumulators):
+// cascade_sum is multi_row_sum's four-level cascade over n values (level 0 adds 2^p values in order,
+// then flushes into level 1, which flushes on every 2^(2p)-th value, ...), p = max(4, ceil_log2(n) / 4);
+// ilp4_sum is row_sum: four interleaved cascades over the positions mod 4, the tail into the first,
+// then the four added in order. Which one a column or a vector lane gets depends on the shape and
+// on W, the float vector width torch's kernels run with in this process (fmoe/_slots.py loss_width
+// reads it, and checks these orders against torch's ops for each shape before route_rows uses them).
+inline int64_t ceil_log2(int64_t n) {
+  if (n <= 2) return 1;
+  int64_t b = 0;
+  for (uint64_t v = static_cast<uint64_t>(n - 1); v; v >>= 1) ++b;
+  return b;
+}
+
+template <typename Load>
+float cascade_sum(const Load& load, int64_t n) {
+  const int64_t p = std::max<int64_t>(4, ceil_log2(n) / 4), step = int64_t(1) << p, mask = step - 1;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t i = 0;
+  while (i + step <= n) {
+    for (int64_t j = 0; j < step; ++j, ++i) acc[0] += load(i);
+    for (int64_t l = 1; l < 4; ++l) {
+      acc[l] += acc[l - 1];
+      acc[l - 1] = 0.0f;
+      if (i & (mask << (l * p))) break;
+    }
+  }
+  for (; i < n; ++i) acc[0] += load(i);
+  for (int64_t l = 1; l < 4; ++l) acc[0] += acc[l];
+  return acc[0];
+}
+
+template <typename Load>
+float ilp4_sum(const Load& load, int64_t n) {
+  const int64_t rows = n / 4;
+  float part[4];
+  for (int64_t c = 0; c < 4; ++c) part[c] = cascade_sum([&](int64_t i) { return load(i * 4 + c); }, rows);
+  for (int64_t i = rows * 4; i < n; ++i) part[0] += load(i);
+  return ((part[0] + part[1]) + part[2]) + part[3];
+}
+
+// torch.sum of a contiguous float vector v[0:n] (vectorized_inner_sum for n >= W: each lane's
+// ilp4_sum over the n / W vectors, added in lane order after the tail; else scalar_inner_sum), then
+// added to the zero-filled output as torch stores it.
+float torch_vector_sum(const float* v, int64_t n, int64_t W) {
+  float r;
+  if (n >= W) {
+    const int64_t nv = n / W;
+    r = 0.0f;
+    for (int64_t i = nv * W; i < n; ++i) r += v[i];
+    for (int64_t l = 0; l < W; ++l) r += ilp4_sum([&](int64_t i) { return v[i * W + l]; }, nv);
+  } else {
+    r = ilp4_sum([&](int64_t i) { return v[i]; }, n);
+  }
+  return 0.0f + r;
+}
+
+// l = E * sum_e(mean_t(s[t, e]) * frac[e]) as gshard_loss's torch ops on float32 s [T, E] (E >= 2):
+// mean(0) is a sum over dim 0 (vectorized_outer_sum for E >= W: columns in whole groups of 4 vectors
+// take cascade_sum, the rest ilp4_sum; scalar_outer_sum below W: groups of 4 columns, the rest
+// ilp4_sum), stored onto zeros, then divided by float(T); the product's torch.sum; float(E) times it.
+void torch_mean0(const float* s, int64_t T, int64_t E, int64_t W, float* mean) {
+  const int64_t grouped = E >= W ? E / (4 * W) * (4 * W) : E / 4 * 4;
+  for (int64_t e = 0; e < E; ++e) {
+    const auto col = [&](int64_t t) { return s[t * E + e]; };
+    mean[e] = (0.0f + (e < grouped ? cascade_sum(col, T) : ilp4_sum(col, T))) / static_cast<float>(T);
+  }
+}
+
+float torch_gshard_loss(const float* s, const float* frac, int64_t T, int64_t E, int64_t W, float* buf) {
+  torch_mean0(s, T, E, W, buf);
+  for (int64_t e = 0; e < E; ++e) buf[e] = buf[e] * frac[e];
+  return static_cast<float>(E) * torch_vector_sum(buf, E, W);
+}
+
 template <typename scalar_t>
 bool all_finite(const scalar_t* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i)
@@ -281,7 +356,8 @@ void deepseek_row(const float* choice, int64_t E, int64_t k, int64_t n_group, in
 
 py::tuple route_rows(const at::Tensor& sel, const at::Tensor& logits, int64_t k, int64_t norm, int64_t order,
                      at::ScalarType out_dtype, bool by_token, int64_t cap_fixed, int64_t cap_limit, int64_t align,
-                     bool frac, const at::Tensor& choice, int64_t n_group, int64_t topk_group, double scale) {
+                     bool frac, const at::Tensor& choice, int64_t n_group, int64_t topk_group, double scale,
+                     const at::Tensor& loss_scores, int64_t loss_width) {
   TORCH_CHECK(sel.device().is_cpu() && logits.device().is_cpu(), "fmoe route_rows: CPU tensors only");
   TORCH_CHECK(sel.dim() == 2 && sel.is_contiguous() && logits.sizes() == sel.sizes() && logits.is_contiguous(),
               "fmoe route_rows: sel and logits must be contiguous [T, E] of one shape, got ", sel.sizes(), " and ",
@@ -303,6 +379,10 @@ py::tuple route_rows(const at::Tensor& sel, const at::Tensor& logits, int64_t k,
                            && topk_group >= 1 && topk_group <= n_group && k <= E / n_group * topk_group),
               "fmoe route_rows: a group-limited choice must be float32 [T, E] like sel, with n_group dividing E into "
               "groups of >= 2 and k <= E / n_group * topk_group");
+  const bool loss = frac && loss_width > 0;
+  TORCH_CHECK(!loss || (E >= 2 && loss_scores.sizes() == sel.sizes() && loss_scores.is_contiguous()
+                        && loss_scores.scalar_type() == at::kFloat && loss_scores.device().is_cpu()),
+              "fmoe route_rows: the loss's scores must be contiguous float32 [T, E] like sel, with E >= 2");
   const auto none = py::none();
   bool finite = true;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "route_rows_logits",
@@ -384,17 +464,64 @@ py::tuple route_rows(const at::Tensor& sel, const at::Tensor& logits, int64_t k,
       for (int64_t r = 0; r < N; ++r) rg[r] = g[pr[r]];
     });
   }
-  at::Tensor fraction;
-  if (frac) {   // numpy's bincount / T in float32, as fmoe.losses computes it: exact counts, one division
-    fraction = at::detail::empty_cpu({E}, at::kFloat);
+  // frac: numpy's bincount / T in float32, as fmoe.losses computes it (exact counts, one division);
+  // with loss_width, the GShard loss made from it (torch_gshard_loss) in its place
+  py::object share = none;
+  if (frac) {
+    at::Tensor fraction = at::detail::empty_cpu({E}, at::kFloat);
     float* f = fraction.data_ptr<float>();
     std::fill(f, f + E, 0.0f);
     for (int64_t t = 0; t < T; ++t) f[id[t]] += 1.0f;
     for (int64_t e = 0; e < E; ++e) f[e] = f[e] / static_cast<float>(T);
+    if (loss) {
+      std::vector<float> buf(E);
+      at::Tensor l = at::detail::empty_cpu({}, at::kFloat);
+      *l.data_ptr<float>() = torch_gshard_loss(loss_scores.data_ptr<float>(), f, T, E, loss_width, buf.data());
+      share = py::cast(l);
+    } else {
+      share = py::cast(fraction);
+    }
   }
   return py::make_tuple(0, ids, gates, slots, counts, tokens, pairs, offsets, dropped,
-                        by_token ? py::object(none) : py::cast(row_gates), bounds, C,
-                        frac ? py::cast(fraction) : py::object(none));
+                        by_token ? py::object(none) : py::cast(row_gates), bounds, C, share);
+}
+
+// gshard_loss's torch ops on float32 scores [T, E] and fraction [E] in W's orders (torch_gshard_loss):
+// a 0-dim float32 tensor. For fmoe/_slots.py loss_width's check against torch and for the tests.
+at::Tensor gshard_loss(const at::Tensor& scores, const at::Tensor& fraction, int64_t width) {
+  TORCH_CHECK(scores.device().is_cpu() && scores.dim() == 2 && scores.is_contiguous()
+                  && scores.scalar_type() == at::kFloat && scores.size(1) >= 2,
+              "fmoe gshard_loss: scores must be contiguous float32 [T, E] on the CPU with E >= 2, got ", scores.sizes());
+  TORCH_CHECK(fraction.device().is_cpu() && fraction.dim() == 1 && fraction.is_contiguous()
+                  && fraction.scalar_type() == at::kFloat && fraction.size(0) == scores.size(1),
+              "fmoe gshard_loss: fraction must be contiguous float32 [E] on the CPU");
+  TORCH_CHECK(width >= 1, "fmoe gshard_loss: width must be >= 1, got ", width);
+  const int64_t T = scores.size(0), E = scores.size(1);
+  std::vector<float> buf(E);
+  at::Tensor l = at::detail::empty_cpu({}, at::kFloat);
+  *l.data_ptr<float>() = torch_gshard_loss(scores.data_ptr<float>(), fraction.data_ptr<float>(), T, E, width,
+                                           buf.data());
+  return l;
+}
+
+// The loss's two reductions alone, for loss_width's check: s.mean(0) of float32 [T, E] and v.sum() of
+// float32 [n], in W's orders.
+at::Tensor mean0(const at::Tensor& s, int64_t width) {
+  TORCH_CHECK(s.device().is_cpu() && s.dim() == 2 && s.is_contiguous() && s.scalar_type() == at::kFloat
+                  && s.size(1) >= 2 && width >= 1,
+              "fmoe mean0: s must be contiguous float32 [T, E] on the CPU with E >= 2, width >= 1");
+  at::Tensor m = at::detail::empty_cpu({s.size(1)}, at::kFloat);
+  torch_mean0(s.data_ptr<float>(), s.size(0), s.size(1), width, m.data_ptr<float>());
+  return m;
+}
+
+at::Tensor vector_sum(const at::Tensor& v, int64_t width) {
+  TORCH_CHECK(v.device().is_cpu() && v.dim() == 1 && v.is_contiguous() && v.scalar_type() == at::kFloat
+                  && width >= 1,
+              "fmoe vector_sum: v must be contiguous float32 [n] on the CPU, width >= 1");
+  at::Tensor r = at::detail::empty_cpu({}, at::kFloat);
+  *r.data_ptr<float>() = torch_vector_sum(v.data_ptr<float>(), v.size(0), width);
+  return r;
 }
 
 }  // namespace
@@ -409,5 +536,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("route_rows", &route_rows, "a small call's routing and kept rows from its scores (see route_rows above)",
         py::arg("sel"), py::arg("logits"), py::arg("k"), py::arg("norm"), py::arg("order"), py::arg("out_dtype"),
         py::arg("by_token"), py::arg("cap_fixed"), py::arg("cap_limit"), py::arg("align"), py::arg("frac"),
-        py::arg("choice"), py::arg("n_group"), py::arg("topk_group"), py::arg("scale"));
+        py::arg("choice"), py::arg("n_group"), py::arg("topk_group"), py::arg("scale"), py::arg("loss_scores"),
+        py::arg("loss_width"));
+  m.def("gshard_loss", &gshard_loss, "gshard_loss's torch ops in the orders of vector width W (see above)",
+        py::arg("scores"), py::arg("fraction"), py::arg("width"), py::call_guard<py::gil_scoped_release>());
+  m.def("mean0", &mean0, "s.mean(0) in the orders of vector width W", py::arg("s"), py::arg("width"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("vector_sum", &vector_sum, "v.sum() in the orders of vector width W", py::arg("v"), py::arg("width"),
+        py::call_guard<py::gil_scoped_release>());
 }
