@@ -330,7 +330,8 @@ void write_gates(float* v, int64_t k, int64_t norm, int64_t order, float scale, 
 //
 // Returns (status, ids [k, T], gates, slots [k, T], counts [E], tokens [N], pairs [N], offsets
 // [E + 1], dropped [], row gates [N] (undefined for by_token), bounds (a tuple of E + 1 ints),
-// capacity, frac [E] or undefined). status kNonFinite: a logit is NaN or Inf (nothing else is
+// capacity, frac [E] or undefined; with loss_width > 0 the GShard loss of loss_scores [T, E] and frac,
+// a 0-dim float32 tensor, in frac's place: torch_gshard_loss). status kNonFinite: a logit is NaN or Inf (nothing else is
 // valid); kZeroCapacity: a capped capacity of 0 would drop every pair.
 // DeepSeek's group-limited selection of one token (fmoe.routers._deepseek) into q[0:k]: a group's
 // score is the sum of its two largest choice values (torch.topk(2) and a sum of two), the
