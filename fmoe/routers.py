@@ -785,7 +785,7 @@ def native_applies(params: dict, x: Tensor, spec: GateSpec, training: bool) -> b
     NATIVE_MAX_TOKENS, a router of ``_NATIVE_TYPES`` and no training noise or jitter."""
     if spec.type not in _NATIVE_TYPES or (training and (spec.gate_noise > 0 or spec.jitter_eps > 0)):
         return False
-    if type(x) is not Tensor or x.device.type != "cpu" or x.dim() != 2 or not 0 < x.shape[0] <= NATIVE_MAX_TOKENS:
+    if type(x) is not Tensor or not x.is_cpu or x.dim() != 2 or not 0 < x.shape[0] <= NATIVE_MAX_TOKENS:
         return False
     if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
         return False
@@ -820,19 +820,19 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
     """
     if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or not _slots.TOPK_AS_TORCH:
         return None   # route raises its own error (or, another torch's top-k, runs the torch ops)
-    key = (spec, num_experts, x.shape, x.dtype, normalize, alignment, fraction)
-    try:
-        st = _NATIVE_STATICS.get(key)
-    except TypeError:   # an unhashable field (a bad capacity factor): the checks below raise
-        st = key = None
+    # the spec by identity (hashing a GateSpec hashes its 14 fields): the entry holds it, so its id is not reused
+    entry = _NATIVE_STATICS.get(id(spec))
+    key = (num_experts, x.shape, x.dtype, normalize, alignment, fraction)
+    st = entry[1].get(key) if entry is not None and entry[0] is spec else None
     if st is None:
         st = _native_statics(params, x, spec, num_experts, normalize, alignment, fraction)
         if st is None:
             return None
-        if key is not None:
+        if entry is None or entry[0] is not spec:
             if len(_NATIVE_STATICS) >= _NATIVE_STATICS_MAX:
                 _NATIVE_STATICS.clear()
-            _NATIVE_STATICS[key] = st
+            entry = _NATIVE_STATICS[id(spec)] = (spec, {})
+        entry[1][key] = st
     k, norm, order, cap_fixed, cap_limit, align, bound, frac, width = st
     t, E = spec.type, num_experts
     if not _router_params_fit(params, t, E, x.shape[1]):
@@ -840,8 +840,11 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
     by_token, noisy, choice, loss_scores = False, None, None, None
     # (matmul, softmax and sigmoid outputs are contiguous, as route_rows checks)
     if t in ("top", "cosine_top"):
-        logits = (cosine_gate if t == "cosine_top" else linear_gate)(params, x, fp32=spec.fp32_gate)
-        scores = sel = scores_from_logits(logits, spec.score_fn)
+        if t == "top" and x.dtype == params["wg"].dtype and (x.dtype == torch.float32 or not spec.fp32_gate):
+            logits = F.linear(x, params["wg"])   # linear_gate's x @ wg.t() in one call: the same mm
+        else:
+            logits = (cosine_gate if t == "cosine_top" else linear_gate)(params, x, fp32=spec.fp32_gate)
+        scores = sel = torch.softmax(logits, dim=-1) if spec.score_fn == "softmax" else torch.sigmoid(logits)
         noisy, out_dtype = logits, scores.dtype
     elif t == "gpt_oss":
         wg, bias = params["wg"], params["bias"]
@@ -886,10 +889,11 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
 
 
 # route_native's statics for a (spec, E, x's shape and dtype, normalize, alignment, fraction): what its
-# checks and capacity formulas give, which no tensor value changes. A process routes a few shapes
-# (decode: T = 1..NATIVE_MAX_TOKENS per layer spec); cleared past _NATIVE_STATICS_MAX keys.
+# checks and capacity formulas give, which no tensor value changes. {id(spec): (spec, {(E, x.shape,
+# x.dtype, normalize, alignment, fraction): statics})}: a process routes a few specs and shapes (decode:
+# T = 1..NATIVE_MAX_TOKENS per layer spec); cleared past _NATIVE_STATICS_MAX specs.
 _NATIVE_STATICS: dict = {}
-_NATIVE_STATICS_MAX = 4096
+_NATIVE_STATICS_MAX = 256
 
 
 def _native_statics(params, x, spec: GateSpec, E: int, normalize, alignment: int, fraction):
