@@ -4,7 +4,9 @@ Each implementation runs in a fresh process (the first call is what a process pa
 the extension, or importing numba and loading its compiled walks from numba's cache), then warm
 medians of the two walks at decode and training shapes: ``assign_slots`` (fmoe.routing.assign_slots'
 CPU path, wrapper included) and ``kept_rows`` (make_plan's CPU walk, wrapper included), and the
-process's resident memory at the end (numba's LLVM is the difference).
+process's resident memory at the end (numba's LLVM is the difference). The C++ process also times
+``route_rows`` (fmoe.routers.route_native's one call: top-k, gates, slots, rows) at decode shapes, alone
+and with the GShard loss made in the same call, against the loss's four torch ops it replaces.
 
 Run: ``python -m benchmarks.bench_walks [--repeats N] [--json PATH]``. Medians; the host is shared.
 """
@@ -20,6 +22,42 @@ import time
 
 # (k, T, E): decode (gpt-oss small / the issue's layer at 1 and 16 tokens), prefill, training
 SHAPES = [(4, 1, 32), (6, 16, 64), (4, 512, 32), (8, 8192, 64)]
+# route_rows' (k, T, E): the issue's layer at 1, 4, 16 and 64 tokens
+ROUTE_SHAPES = [(6, 1, 64), (6, 4, 64), (6, 16, 64), (6, 64, 64)]
+
+
+def _median_us(fn, repeats: int, n: int) -> float:
+    ts = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        ts.append((time.perf_counter() - t0) / n)
+    return statistics.median(ts[1:]) * 1e6
+
+
+def route_child(repeats: int) -> dict:
+    """route_rows warm, without and with the loss, and the loss's torch ops (C++ process only)."""
+    import torch
+    from fmoe import _slots
+    from fmoe.losses import gshard_loss
+    if not _slots.route_rows_ready(6, _slots.ROUTE_TUTEL):
+        return {}
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for k, T, E in ROUTE_SHAPES:
+        s = torch.softmax(torch.randn(T, E, generator=g), dim=-1)
+        w = _slots.loss_width(T, E)
+        frac = _slots.route_rows(s, s, k, _slots.ROUTE_TUTEL, torch.float32, False, -1, -1, 1, True)[12]
+        out[f"k={k},T={T},E={E}"] = {
+            "route_rows_us": _median_us(lambda: _slots.route_rows(s, s, k, _slots.ROUTE_TUTEL, torch.float32, False,
+                                                                  -1, -1, 1, False), repeats, 1000),
+            "route_rows_loss_us": _median_us(lambda: _slots.route_rows(s, s, k, _slots.ROUTE_TUTEL, torch.float32,
+                                                                       False, -1, -1, 1, True, loss_scores=s,
+                                                                       loss_width=w), repeats, 1000),
+            "torch_loss_us": _median_us(lambda: gshard_loss(s, None, fraction=frac), repeats, 1000),
+            "loss_width": w}
+    return out
 
 
 def child(impl: str, repeats: int) -> dict:
@@ -65,6 +103,8 @@ def child(impl: str, repeats: int) -> dict:
         for line in f:
             if line.startswith(("VmRSS:", "RssAnon:", "RssFile:")):
                 out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    if impl == "native":   # after the resident memory is read; route_rows has no numba twin
+        out["route"] = route_child(repeats)
     return out
 
 
@@ -86,6 +126,9 @@ def run(repeats: int = 7, rounds: int = 3, log=print) -> dict:
         m["numba_at_end"] = any(r["numba_at_end"] for r in rs)
         m["shapes"] = {s: {key: statistics.median(r["shapes"][s][key] for r in rs) for key in rs[0]["shapes"][s]}
                        for s in rs[0]["shapes"]}
+        if impl == "native" and rs[0].get("route"):
+            m["route"] = {s: {key: statistics.median(r["route"][s][key] for r in rs) for key in rs[0]["route"][s]}
+                          for s in rs[0]["route"]}
         res["median"][impl] = m
     return res
 
@@ -105,6 +148,14 @@ def tables(res: dict) -> list[str]:
         n = med["numba"]["shapes"][s]
         lines.append(f"| {s} | {r['assign_slots_us']:.1f} | {n['assign_slots_us']:.1f} | {r['kept_rows_us']:.1f} | "
                      f"{n['kept_rows_us']:.1f} |")
+    route = med["native"].get("route")
+    if route:
+        lines += ["", "route_rows (C++ only; warm; gates normalised, dropless; + loss: the GShard loss in the same call, "
+                  "W = the vector width whose orders it adds in)", "",
+                  "| k, T, E | route_rows us | + GShard loss us | the loss's 4 torch ops us | W |", "|---|---|---|---|---|"]
+        for s, r in route.items():
+            lines.append(f"| {s} | {r['route_rows_us']:.1f} | {r['route_rows_loss_us']:.1f} | "
+                         f"{r['torch_loss_us']:.1f} | {r['loss_width']:.0f} |")
     return lines
 
 
