@@ -55,7 +55,7 @@ from . import _io
 from .experts import EXPERT_PARAMS
 
 __all__ = ["gather", "scatter", "gather_files", "scatter_files", "state_dict_from_params",
-           "params_from_state_dict", "attach_metadata", "read_metadata", "verify", "CheckpointError", "main"]
+           "params_from_state_dict", "attach_metadata", "read_metadata", "verify", "CheckpointError"]
 
 MARKER = "_num_global_experts"
 META = "fmoe.checkpoint"

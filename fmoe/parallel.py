@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 from .comm.collectives import all_gather, all_to_all, all_to_all_v
 from .comm import compress as _compress
 from .comm import matching
-from .comm.agreement import InconsistentRanksError, agree_across_ranks  # step agreement, re-exported
+from .comm.agreement import InconsistentRanksError, agree_across_ranks
 from .comm.hierarchical import Hierarchical2DComm
 from .comm.layout import plain
 from .comm.registry import cache_of, calls_of, handle_of
@@ -57,8 +57,7 @@ from .routing import _trusted_routing, check_finite
 from .ops import check_dispatch_input, combine_raw, dispatch
 from .ops.orders import combine_in_order
 
-__all__ = ["ParallelSpec", "sharding", "shard_experts", "capacity_alignment", "expert_stage", "expert_parallel",
-           "check_expert_layout", "agree_across_ranks", "InconsistentRanksError"]
+__all__ = ["ParallelSpec", "sharding", "shard_experts", "capacity_alignment", "expert_stage", "expert_parallel"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -118,7 +118,7 @@ def test_off_makes_no_agreement_exchange(comm):
     raw = Counting(comm.mpi_comm)
     c = MPIComm(raw, timeout=60, checks="off")
     end_of_job_check(c)
-    from fmoe.parallel import agree_across_ranks
+    from fmoe.comm.agreement import agree_across_ranks
     agree_across_ranks(c, {"k": c.rank})  # would disagree: not checked
     assert raw.n == 0
     with pytest.raises(ValueError, match="local"):  # local checks still raise, on this rank

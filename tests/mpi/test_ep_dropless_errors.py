@@ -8,7 +8,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 import fmoe
-from fmoe.parallel import InconsistentRanksError, shard_experts
+from fmoe.comm import InconsistentRanksError
+from fmoe.parallel import shard_experts
 from _helpers import M, allclose, full_params, local_batch, local_params, make_spec
 
 
