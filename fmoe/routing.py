@@ -409,10 +409,13 @@ def assign_slots(expert_ids: Tensor, num_experts: int, *, order: Optional[Tensor
                  ) -> tuple[Tensor, Tensor]:
     """Slot-major location assignment (§6); same contract as :func:`assign_slots_torch`.
 
-    On CPU this runs the O(k*T) counter walk (:mod:`fmoe._slots`: C++, numba where not built); under vmap,
-    while compiling and off CPU it is the pure-torch version.
+    On CPU this runs the O(k*T) counter walk (:mod:`fmoe._slots`: C++, numba where not built), under
+    one vmap level without ``order`` one walk over the batch (:mod:`fmoe._slots_vmap`); while
+    compiling, off CPU and otherwise under vmap it is the pure-torch version.
     """
     fast = _slots.assign_slots_fast(expert_ids, num_experts, order)
+    if fast is None and order is None:
+        fast = _slots_vmap.assign_slots_batched(expert_ids, num_experts)
     if fast is not None:
         return fast
     return assign_slots_torch(expert_ids, num_experts, order=order)

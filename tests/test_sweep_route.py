@@ -103,3 +103,18 @@ def test_vmapped_walk_refuses_an_expert_id_out_of_range():
         torch.func.vmap(lambda i: fmoe.make_routing(i, torch.ones(i.shape), E, 1.0).slots)(ids)
     with pytest.raises(IndexError, match=f"expert id is >= num_experts={E}"):
         fmoe.make_routing(ids[1], torch.ones(ids[1].shape), E, 1.0)
+
+
+def test_public_assign_slots_under_vmap_takes_the_walk(walks):
+    """fmoe.routing.assign_slots (the ablation sweep's masked route calls it under vmap): one walk
+    over the batch, each element's slots and counts its own; with an order, the torch reference."""
+    from fmoe.routing import assign_slots
+    ids = _ids(4, masked=True, seed=3)
+    slots, counts = torch.func.vmap(lambda i: assign_slots(i, E))(ids)
+    assert walks and walks[-1] is not None
+    order = torch.randperm(T, generator=torch.Generator().manual_seed(5))
+    ordered = torch.func.vmap(lambda i: assign_slots(i, E, order=order))(ids)
+    for b in range(4):
+        assert torch.equal(slots[b], assign_slots(ids[b], E)[0]) and torch.equal(counts[b], assign_slots(ids[b], E)[1])
+        want = assign_slots_torch(ids[b], E, order=order)
+        assert torch.equal(ordered[0][b], want[0]) and torch.equal(ordered[1][b], want[1])
