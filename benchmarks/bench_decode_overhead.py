@@ -7,7 +7,10 @@ each timed as its own call on the routing / plan / rows the layer makes:
 * ``layer``: the whole ``fmoe.moe`` call;
 * ``layer_host`` (packed formats): the same call with the packed extension's kernel replaced by a
   fill of its output with zeros, so everything but the C++ GEMM (Python, small torch ops,
-  allocations; the kernel's own argument checks excluded) is timed in place;
+  allocations; the kernel's own argument checks excluded) is timed in place; where the layer
+  takes the fused expert stage (``fmoe.quant.packed.expert_stage``, one native call from the
+  gather to the combine), that call is replaced by a zero [T, O] output, so the stage's C++
+  gather, activation and combine are left out with its GEMMs;
 * ``checks``: ``moe._check_input`` + ``moe.check_params``;
 * ``route``: ``moe._route`` (router GEMM, scores, top-k, finiteness check, slots, capacity, the
   Routing and the GShard loss; where the router's native call runs, the plan's rows too);
@@ -68,6 +71,12 @@ class _NoKernel:
         # silu by two orders of magnitude, and which bytes come back varies between trees)
         args[10].zero_()
         return 0
+
+    @staticmethod
+    def packed_expert_stage(x, tokens, offsets, gates, pairs, data, *args):
+        # the fused stage (fmoe.quant.packed.expert_stage): its zero output [T, O], so the whole
+        # native stage (gather, GEMMs, activation, combine: all C++) is left out of layer_host
+        return x.new_zeros((x.shape[0], data[-1].shape[1]))
 
 
 class _NoFloatKernel(_NoKernel):

@@ -1,6 +1,6 @@
 """The packed expert stage in one native call (fmoe.quant.packed.expert_stage, taken by
 kinds.run where kinds.fused_stage says so) against the unfused composition it replaces:
-kinds.reference over fmoe.quant.packed.grouped_matmul, in fp32.
+kinds.reference over fmoe.quant.packed.grouped_matmul, in fp32 and bf16.
 
 What is equal bit for bit, and why. GEMM 1 and GEMM 2 are the same kernel call on the same
 operands and thread count (z is read from the call's own buffer). The activation makes torch's
@@ -8,7 +8,8 @@ float operations in torch's order, exp through the Sleef functions torch's vecto
 (on the pieces TensorIterator cuts), so h equals ExpertForm.hidden(z) here; the gate products
 and a token's sums are single float roundings in the unfused order. Each step is checked on its
 own (z, h, then y from the stage's own h), then the whole output, for every format, kind,
-ISA path, T, with and without capacity drops, with and without biases.
+ISA path, T, with and without capacity drops, with and without biases; bf16 rows (the
+whole-model path: every op's bf16 rounding) in each combine order.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ M, E, K_SLOTS = 128, 6, 3
 
 
 def _case(typ: str, fmt: str, T: int, *, cf: float = 0.0, bias: bool = True, hidden: int = 128,
-          activation=None, seed: int = 0):
+          activation=None, seed: int = 0, dt: torch.dtype = torch.float32, gate_dt: torch.dtype = None):
     """(form, x, w_rows, plan, w_in, w_out, b_in, b_out) of one packed layer call."""
     spec = fmoe.ExpertSpec(type=typ, hidden_size=hidden, activation=activation)
     mspec = fmoe.MoESpec(model_dim=M, num_experts=E, gate=fmoe.GateSpec(k=K_SLOTS, capacity_factor=cf), experts=spec)
@@ -52,13 +53,14 @@ def _case(typ: str, fmt: str, T: int, *, cf: float = 0.0, bias: bool = True, hid
         experts = {n: Q.quantize(v.transpose(1, 2).contiguous(), fmt) for n, v in ex.items()}
     else:                  # swiglu: out x in already
         experts = {n: Q.quantize(v, fmt) for n, v in ex.items()}
+    experts = {n: v.to(dt) if isinstance(v, torch.Tensor) else v for n, v in experts.items()}
     kw = expert_form(spec, experts)
     # z of the order of 10 so that gpt_oss's clamps at +-7 and silu's saturation both happen
-    x = 8 * torch.randn(T, M, generator=g)
+    x = (8 * torch.randn(T, M, generator=g)).to(dt)
     ids = torch.stack([torch.randperm(E, generator=g)[:K_SLOTS] for _ in range(T)])
-    w = torch.softmax(torch.randn(T, K_SLOTS, generator=g), -1)
+    w = torch.softmax(torch.randn(T, K_SLOTS, generator=g), -1).to(gate_dt or dt)
     r = fmoe.make_routing(ids.t().contiguous(), w.t().contiguous(), E, cf)
-    plan = make_plan(r, needs_grad=False, dtype=torch.float32)
+    plan = make_plan(r, needs_grad=False, dtype=dt)
     return kw["form"], x, plan.row_weights(r.weights), plan, tuple(kw["w_in"]), kw["w_out"], kw["b_in"], kw["b_out"]
 
 
@@ -71,9 +73,11 @@ FORMATS = ["mxfp4", "nvfp4", "fp8_block", "mxfp8", "fp8_row"]
 KINDS = ["swiglu", "gpt_oss", "gated_ffn", "ffn"]
 
 
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("typ", KINDS)
+# every format and kind on the widest path; the narrower paths on the two gated kinds
+_STEP_CASES = [(t, f, i) for t in KINDS for f in FORMATS for i in ISAS if i == _BEST or t in ("swiglu", "gpt_oss")]
+
+
+@pytest.mark.parametrize("typ,fmt,isa", _STEP_CASES)
 def test_stage_equals_the_unfused_composition_step_by_step(typ, fmt, isa):
     for T, cf, bias in ((1, 0.0, True), (3, 1.25, False), (16, 1.25, True), (64, 0.0, True)):
         if (T, cf) == (1, 0.0) and typ in ("swiglu", "gated_ffn") and not bias:
@@ -112,6 +116,33 @@ def test_run_takes_the_stage_in_every_order_with_the_same_bits(typ, fmt, order):
         assert torch.equal(y, want), (T, cf)
 
 
+@pytest.mark.parametrize("order", ["fmoe", "eager", "grouped"])
+@pytest.mark.parametrize("gate_dt", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("typ,fmt", [("gpt_oss", "mxfp4"), ("swiglu", "nvfp4"), ("gated_ffn", "fp8_block"),
+                                     ("ffn", "mxfp8"), ("swiglu", "fp8_row")])
+def test_bf16_rows_in_every_order_equal_the_unfused_composition(typ, fmt, gate_dt, order):
+    # bf16 rows (the whole-model path): each torch op's bf16 rounding, the bf16 GEMM rows where
+    # grouped_matmul hands them to the kernel, and each order's sums and casts (every ISA path in
+    # one order; the orders differ only after GEMM 2)
+    for isa in (ISAS if order == "fmoe" else ["auto"]):
+        for T, cf, bias in ((1, 0.0, True), (5, 1.25, False), (64, 0.0, True)):
+            form, x, w_rows, plan, w_in, w_out, b_in, b_out = _case(typ, fmt, T, cf=cf, bias=bias, dt=torch.bfloat16,
+                                                                    gate_dt=gate_dt)
+            act = kinds.fused_stage(form, x, w_rows, plan, w_in, w_out, b_in, b_out)
+            assert act is not None
+            N = plan.num_rows
+            bufs = tuple(torch.empty(N, w.logical_shape[1]) for w in w_in) + (torch.empty(N, w_out.logical_shape[2]),)
+            y = kinds.run_fused(act, form, x, w_rows, plan, w_in, w_out, b_in, b_out, order, isa=isa, buffers=bufs)
+            z = [packed.grouped_matmul(x.index_select(0, plan.tokens), w, plan.offsets, isa=isa) for w in w_in]
+            if b_in is not None:
+                z[0] = z[0] + b_in.index_select(0, plan.experts)
+            for got, want in zip(bufs, z):
+                assert torch.equal(got, want.float()), (isa, T)
+            assert torch.equal(bufs[-1], form.hidden(*z).float()), (isa, T)
+            want = _unfused(form, x, w_rows, plan, w_in, w_out, b_in, b_out, order, isa)
+            assert y.dtype == torch.bfloat16 and torch.equal(y, want), (isa, T, (y != want).sum())
+
+
 def test_hidden_sizes_off_the_vector_width_and_threads():
     # rows of 80 (nvfp4's 16-blocks): every silu row ends in a scalar tail of torch's loop; and
     # one thread, where TensorIterator never splits
@@ -120,10 +151,10 @@ def test_hidden_sizes_off_the_vector_width_and_threads():
         torch.set_num_threads(threads)
         try:
             for typ in ("swiglu", "gated_ffn", "gpt_oss", "ffn"):
-                for T in (1, 64):
-                    args = _case(typ, "nvfp4", T, hidden=80, activation=F.silu if typ == "ffn" else None)
+                for T, dt in ((1, torch.float32), (64, torch.float32), (64, torch.bfloat16)):
+                    args = _case(typ, "nvfp4", T, hidden=80, activation=F.silu if typ == "ffn" else None, dt=dt)
                     assert torch.equal(kinds.run(*args[:5], args[5], b_in=args[6], b_out=args[7]),
-                                       _unfused(*args, "fmoe", "auto")), (typ, T, threads)
+                                       _unfused(*args, "fmoe", "auto")), (typ, T, dt, threads)
         finally:
             torch.set_num_threads(old)
 
@@ -147,7 +178,8 @@ def test_what_keeps_todays_path():
     assert kinds.fused_stage(form, x, w_rows, plan, w_in, w_out, b_in, b_out) == "glu"
     custom = dataclasses.replace(form, activation=lambda t: F.silu(t) * 2)
     assert kinds.fused_stage(custom, x, w_rows, plan, w_in, w_out, b_in, b_out) is None     # a user's activation
-    assert kinds.fused_stage(form, x.bfloat16(), w_rows, plan, w_in, w_out, b_in, b_out) is None   # bf16 rows
+    assert kinds.fused_stage(form, x.half(), w_rows, plan, w_in, w_out, b_in, b_out) is None   # fp16 rows
+    assert kinds.fused_stage(form, x.bfloat16(), w_rows, plan, w_in, w_out, b_in, b_out) == "glu"   # bf16 rows
     assert kinds.fused_stage(form, x, None, plan, w_in, w_out, b_in, b_out) is None         # gate-free (EP) rows
     assert kinds.fused_stage(form, x.requires_grad_(), w_rows, plan, w_in, w_out, b_in, b_out) is None   # grad
     assert kinds.fused_stage(form, x.detach(), w_rows, plan, w_in, w_out, b_in, b_out) == "glu"
@@ -168,14 +200,20 @@ def test_bad_inputs_raise_before_any_row_is_read():
         packed.expert_stage(x, plan.tokens, bad_offsets, w_rows, w_in, w_out, **kw)
     with pytest.raises(ValueError, match=r"gates must be contiguous float32 \[N\]"):
         packed.expert_stage(x, plan.tokens, plan.offsets, w_rows[:-1], w_in, w_out, **kw)
-    with pytest.raises(ValueError, match=r"b_out must be contiguous float32 \[E, 128\]"):
+    with pytest.raises(ValueError, match=r"b_out must be contiguous \[E, 128\] in x's dtype"):
         packed.expert_stage(x, plan.tokens, plan.offsets, w_rows, w_in, w_out, act="gpt_oss", b_in=b_in,
                             b_out=b_out[:, :64].contiguous())
     with pytest.raises(ValueError, match="data's last dim does not match K = 64"):   # H = 64: w_out's K is 128
         packed.expert_stage(x, plan.tokens, plan.offsets, w_rows, (w_out,), w_out, act="gpt_oss")
     with pytest.raises(ValueError, match="act must be one of"):
         packed.expert_stage(x, plan.tokens, plan.offsets, w_rows, w_in, w_out, act="gelu")
-    with pytest.raises(TypeError, match="x must be a float32 CPU tensor"):
+    with pytest.raises(TypeError, match="x must be a float32 or bfloat16 CPU tensor, got torch.float64"):
         packed.expert_stage(x.double(), plan.tokens, plan.offsets, w_rows, w_in, w_out, **kw)
     with pytest.raises(ValueError, match="pairs must be contiguous int64"):
-        packed.expert_stage(x, plan.tokens, plan.offsets, w_rows, w_in, w_out, pairs=plan.pairs[:1], **kw)
+        packed.expert_stage(x, plan.tokens, plan.offsets, w_rows, w_in, w_out, order="grouped", pairs=plan.pairs[:1],
+                            **kw)
+    with pytest.raises(ValueError, match="order must be one of"):
+        packed.expert_stage(x, plan.tokens, plan.offsets, w_rows, w_in, w_out, order="slots", **kw)
+    with pytest.raises(ValueError, match=r"num_slots \(k\) must be at least a token's rows \(3\), got 2"):
+        packed.expert_stage(x.bfloat16(), plan.tokens, plan.offsets, w_rows, w_in, w_out, act="gpt_oss",
+                            order="eager", num_slots=2)

@@ -132,12 +132,14 @@ def fused_stage(form: ExpertForm, x: Tensor, w_rows: Optional[Tensor], plan: Exp
     its activation key if so, else None (the composition of :func:`reference` over the packed
     GEMMs). The one place that decides. It takes an eager CPU call in fp32 with every weight
     packed, a host plan of gathered rows (not expert parallel's in-order rows or gate-free
-    rows), no quantized-training recipe, nothing that needs a gradient, fp32 gates and biases,
-    and a kind whose elementwise step it computes (gpt_oss; glu with SiLU; ffn with ReLU or
-    SiLU); every combine order (fp32 'fmoe' and 'eager' are the same operations; 'grouped'
-    sums in pair order). Its output equals that composition's bit for bit (tests/test_packed_fused.py)."""
-    if (x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1 or w_rows is None
-            or w_rows.dtype != torch.float32 or plan.bounds is None or plan.in_order or plan.precision is not None):
+    rows), no quantized-training recipe, nothing that needs a gradient, fp32 or bf16 rows (fp32
+    gates, or bf16 beside bf16 rows; biases in the rows' dtype), a kind whose elementwise step it
+    computes (gpt_oss; glu with SiLU; ffn with ReLU or SiLU), and every combine order. Its output
+    equals that composition's bit for bit (tests/test_packed_fused.py)."""
+    dt = x.dtype
+    if ((dt is not torch.float32 and dt is not torch.bfloat16) or x.device.type != "cpu" or x.stride(1) != 1
+            or w_rows is None or (w_rows.dtype is not torch.float32 and w_rows.dtype is not dt)
+            or plan.bounds is None or plan.in_order or plan.precision is not None):
         return None
     if form.form == "gpt_oss":
         act = "gpt_oss" if len(w_in) == 1 else None
@@ -147,7 +149,7 @@ def fused_stage(form: ExpertForm, x: Tensor, w_rows: Optional[Tensor], plan: Exp
         act = _STAGE_ACTS.get(form.activation)
     if act is None or any(isinstance(w, Tensor) or w.device.type != "cpu" for w in (*w_in, w_out)):
         return None
-    if any(b is not None and (b.dtype != torch.float32 or not b.is_contiguous()) for b in (b_in, b_out)):
+    if any(b is not None and (b.dtype is not dt or not b.is_contiguous()) for b in (b_in, b_out)):
         return None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_rows, b_in, b_out)):
         return None
@@ -160,12 +162,16 @@ def fused_stage(form: ExpertForm, x: Tensor, w_rows: Optional[Tensor], plan: Exp
 def run_fused(act: str, form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out,
               b_in: Optional[Tensor], b_out: Optional[Tensor], order: str, *, isa: str = "auto",
               buffers: tuple = ()) -> Tensor:
-    """y [T, O] fp32: the packed expert stage in one native call (``act`` from :func:`fused_stage`;
-    ``isa`` and ``buffers`` as :func:`fmoe.quant.packed.expert_stage` takes them)."""
+    """y [T, O] in x's dtype: the packed expert stage in one native call (``act`` from
+    :func:`fused_stage`; ``isa`` and ``buffers`` as :func:`fmoe.quant.packed.expert_stage` takes them)."""
     from ..quant import packed   # optional: low-precision weights
+    k = 0
+    if order == "eager" and x.dtype is torch.bfloat16:   # the slots of _accumulate's [k, T, O] buffer
+        T, N = plan.num_tokens, plan.num_rows
+        k = plan.num_slots or (int(plan.pairs.max()) // T + 1 if N else 1)
     return packed.expert_stage(x, plan.tokens, plan.offsets, w_rows, w_in, w_out, act=act, b_in=b_in, b_out=b_out,
-                               pairs=plan.pairs if order == "grouped" else None, alpha=form.alpha,
-                               limit=form.limit, isa=isa, buffers=buffers)
+                               order=order, pairs=plan.pairs if order == "grouped" else None, num_slots=k,
+                               alpha=form.alpha, limit=form.limit, isa=isa, buffers=buffers)
 
 
 def rows_orders(plan: Union[ExpertPlan, LayoutPlan], w_in: tuple, w_out) -> tuple:

@@ -286,6 +286,7 @@ def grouped_matmul(a: Tensor, w: QuantizedTensor, offsets: Tensor, *, isa: str =
 # and silu, glu's silu(g) * u (g, u: the halves of one fused in-projection, or two), GPT-OSS's
 # clamped SwiGLU (gate/up in alternate rows).
 STAGE_ACTS = {"relu": 0, "silu": 1, "glu": 2, "gpt_oss": 3}
+_STAGE_ORDERS = {"fmoe": 0, "eager": 1, "grouped": 2}
 
 
 def _weight_operands(w: QuantizedTensor):
@@ -310,64 +311,69 @@ _EXP_ISA = {"AVX512": ISAS["avx512"], "AVX2": ISAS["avx2"]}.get(torch.backends.c
                                                                   ISAS["portable"])
 
 
-def expert_stage(x: Tensor, tokens: Tensor, offsets: Tensor, gates, w_in: tuple, w_out: QuantizedTensor, *,
-                 act: str, b_in=None, b_out=None, pairs=None, alpha: float = 1.702, limit: float = 7.0,
-                 isa: str = "auto", buffers: tuple = ()) -> Tensor:
+def expert_stage(x: Tensor, tokens: Tensor, offsets: Tensor, gates: Tensor, w_in: tuple, w_out: QuantizedTensor, *,
+                 act: str, b_in=None, b_out=None, order: str = "fmoe", pairs=None, num_slots: int = 0,
+                 alpha: float = 1.702, limit: float = 7.0, isa: str = "auto", buffers: tuple = ()) -> Tensor:
     """A rows plan's whole expert stage over packed weights in ONE native call (forward only).
 
         x_r = x[tokens];  z_i = x_r @ dequant(w_in[i]).T per expert;  z_0 += b_in[e]
-        h = act(z);  y_r = h @ dequant(w_out).T per expert (+ b_out[e]);  y[t] += gate_r * y_r
+        h = act(z);  y_r = h @ dequant(w_out).T per expert (+ b_out[e]);  y[t] = sum of gate_r * y_r
 
     Args:
-        x: float32 [T, M] (unit column stride), CPU. tokens: int64 [N], each row's token, rows
-            sorted by expert; offsets: int64 [E + 1] (expert e's rows offsets[e]:offsets[e + 1]).
-        gates: float32 [N] or None (every gate 1: no product).
+        x: float32 or bfloat16 [T, M] (unit column stride), CPU. tokens: int64 [N], each row's
+            token, rows sorted by expert; offsets: int64 [E + 1] (expert e's rows
+            offsets[e]:offsets[e + 1]). gates: [N] float32 (or bfloat16 with bfloat16 x).
         w_in: one QuantizedTensor [E, H', M] (ffn: H' = H; glu: gate rows then up rows, H' = 2H;
             gpt_oss: gate/up in alternate rows, H' = 2H) or, for glu, two [E, H, M] (gate, up).
-        w_out: QuantizedTensor [E, O, H]. b_in: float32 [E, H'] (added to the first in-projection)
-            or None; b_out: float32 [E, O] or None.
+        w_out: QuantizedTensor [E, O, H]. b_in: [E, H'] (added to the first in-projection) or
+            None; b_out: [E, O] or None; both in x's dtype.
         act: a key of :data:`STAGE_ACTS`. alpha, limit: GPT-OSS's constants.
-        pairs: None (a token's rows summed in row order: ascending expert, the 'fmoe' and fp32
-            'eager' orders) or int64 [N], each row's pair index j * T + t (summed in ascending
-            pair order: transformers' 'grouped' order).
+        order: the combine, :func:`fmoe.engine.kinds._accumulate`'s: 'fmoe' (fp32 sum in row
+            order), 'eager' (bf16: each token's running sum in dt over its ``num_slots`` slots;
+            fp32: as 'fmoe') or 'grouped' (fp32 sum in ascending ``pairs`` order: each row's
+            pair index j * T + t, int64 [N]).
         isa: as :func:`grouped_matmul`'s. buffers: () or float32 [N, H'] per in-projection and
             [N, H] for h, which the call computes in (tests read z and h from them).
     Returns:
-        y float32 [T, O]; a token with no row is 0.
+        y [T, O] in x's dtype; a token with no row is 0.
 
     Equality with the unfused composition (:func:`fmoe.engine.kinds.reference` over
-    :func:`grouped_matmul`, fp32): the gather, both GEMMs (the same kernel call on the same
-    operands and thread count), the bias adds, the gate products and the sums (each one float
-    rounding, in the same order) are bit for bit. The activation's float operations are torch's,
-    in its order; exp is torch's own where this torch exports it (Sleef's u10 expf on the
-    vectorized loop's pieces, std::exp on its scalar tails, split as TensorIterator splits
-    them), which makes h bit for bit as well -- the tests check this. Where a torch build or
-    thread split differs, each exp is still within 1 ulp of exp, so h is within 4 ulp (relative
-    4 * 2^-23 * |h| plus the clamp-free terms) and y within the GEMM's K-term bound on that
-    difference; the tests' bound for that case is stated there.
+    :func:`grouped_matmul`): bit for bit. The gather copies; both GEMMs are the same kernel call on
+    the same operands (and thread count); every other step is the torch op's float operation on
+    the same values, in the same order, rounded to bf16 where the op's output is bf16. The
+    activation's exp is torch's own: Sleef's u10 expf (exported by libtorch_cpu) on the lanes of
+    torch's vectorized loop at its CPU capability's width, std::exp on that loop's scalar tails,
+    with the ranges split as TensorIterator splits them over the threads (tests/test_packed_fused.py
+    checks z, h and y separately on every ISA path). Where a torch build lacks those symbols or
+    vectorizes otherwise, each exp still is within 1 ulp, so h is within a few ulp (bf16: a
+    rounding boundary may move one bf16 ulp) and y within the out-projection's rounding of that.
     """
     if not AVAILABLE:
         raise RuntimeError(f"expert_stage: {status()}")
     if act not in STAGE_ACTS:
         raise ValueError(f"expert_stage: act must be one of {tuple(STAGE_ACTS)}, got {act!r}")
+    if order not in _STAGE_ORDERS:
+        raise ValueError(f"expert_stage: order must be one of {tuple(_STAGE_ORDERS)}, got {order!r}")
     if isa not in ISAS:
         raise ValueError(f"expert_stage: isa must be one of {tuple(ISAS)}, got {isa!r}")
     ws = (*w_in, w_out)
     if not all(isinstance(w, QuantizedTensor) and w.device.type == "cpu" for w in ws):
         raise TypeError("expert_stage: every weight must be a CPU QuantizedTensor, got "
                         f"{[type(w).__name__ for w in ws]}")
-    if not isinstance(x, Tensor) or x.dtype != torch.float32 or x.device.type != "cpu":
-        raise TypeError(f"expert_stage: x must be a float32 CPU tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if not isinstance(x, Tensor) or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        raise TypeError(f"expert_stage: x must be a float32 or bfloat16 CPU tensor, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
     ops = [_weight_operands(w) for w in ws]
     if not all(t.is_contiguous() for op in ops for t in op[:2]):
         raise ValueError("expert_stage: the packed weights' data and scales must be contiguous")
     if isa not in ("auto", "portable") and ISAS[isa] > ISAS[best_isa()]:
         raise ValueError(f"expert_stage: isa={isa!r} is not supported by this CPU (widest: {best_isa()!r}); "
                          f"pass isa='auto'")
-    return _EXT.packed_expert_stage(x, tokens, offsets, gates, pairs, [op[0] for op in ops], [op[1] for op in ops],
-                                    [op[2] for op in ops], [op[3] for op in ops], [v for op in ops for v in op[4]],
-                                    C.E4M3_TABLE, b_in, b_out, STAGE_ACTS[act], alpha, limit, ISAS[isa],
-                                    DENSE_FROM, _EXP_ISA, list(buffers))
+    return _EXT.packed_expert_stage(x, tokens, offsets, gates, pairs, _STAGE_ORDERS[order], num_slots,
+                                    [op[0] for op in ops], [op[1] for op in ops], [op[2] for op in ops],
+                                    [op[3] for op in ops], [v for op in ops for v in op[4]], C.E4M3_TABLE, b_in,
+                                    b_out, STAGE_ACTS[act], alpha, limit, ISAS[isa], DENSE_FROM, _EXP_ISA,
+                                    list(buffers))
 
 
 _try_load()

@@ -1299,17 +1299,21 @@ int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const 
 
 // ------------------------------------------------------------------ the whole expert stage (fused)
 //
-// packed_expert_stage: a rows plan's expert stage in one call, for the fp32 composition that
-// fmoe/engine/kinds.py's reference() runs over the packed GEMMs (fmoe/quant/packed.py's
-// expert_stage states the contract). Every step computes what the unfused ops compute:
+// packed_expert_stage: a rows plan's expert stage in one call, for the composition that
+// fmoe/engine/kinds.py's reference() runs over the packed GEMMs, with float32 or bfloat16 rows
+// (fmoe/quant/packed.py's expert_stage states the contract). Every step computes what the
+// unfused torch op computes, in the rows' dtype dt: a bf16 op is its float32 operation on the
+// bf16 values, rounded to bf16 (rd below; fp32 rows: no rounding):
 //   gather   x_r = x[tokens]                           (copies: index_select's values)
-//   GEMM 1   z_i = grouped_run(x_r, w_in[i])            (the same call on the same operands)
-//   bias     z_0 += b_in[expert]                        (one fp32 add per element)
-//   act      h = relu(z) | silu(z) | silu(g) * u | GPT-OSS's clamped SwiGLU (below)
-//   GEMM 2   y_r = grouped_run(h, w_out)
-//   combine  y[t] += (y_r[r] + b_out[e]) * gate[r], rows in plan order or (grouped) ascending pair
-// The combine's products and sums are plain float operations in a function without an FMA
-// target, so they round as torch's mul and index_add_ (one rounding each, the rows' order).
+//   GEMM 1   z_i = rd(grouped_run(x_r, w_in[i]))        (the same call on the same operands)
+//   bias     z_0 = rd(z_0 + b_in[expert])
+//   act      h = relu(z) | silu(z) | silu(g) * u | GPT-OSS's clamped SwiGLU (stage_activation)
+//   GEMM 2   y_r = rd(grouped_run(h, w_out)) (+ b_out[expert], rounded)
+//   combine  y[t] = the sum of gate_r * y_r[r] over t's rows, in the order and dtypes of
+//            kinds._accumulate's 'fmoe', 'eager' and 'grouped' (stage_combine)
+// The float operations sit in functions without an FMA target, so each rounds once, as torch's.
+// Values are held as float32 (a bf16 value is exact in float32); bf16 copies are made where a
+// GEMM reads bf16 rows.
 
 // exp on 16 / 8 lanes as torch's Vectorized<float>::exp computes it (Sleef's u10 functions,
 // exported by the x86 torch wheels' libtorch_cpu); weak: null where a torch build lacks them,
@@ -1318,34 +1322,33 @@ extern "C" __attribute__((weak)) __m512 Sleef_expf16_u10(__m512);
 extern "C" __attribute__((weak)) __m256 Sleef_expf8_u10(__m256);
 
 enum StageAct { kActRelu = 0, kActSilu = 1, kActGlu = 2, kActGptOss = 3 };
+enum StageOrder { kOrderFmoe = 0, kOrderEager = 1, kOrderGrouped = 2 };
+
+// to bf16 and back (round to nearest even, c10::BFloat16's conversion, as torch's casts)
+inline float bf16_round(float v) { return static_cast<float>(c10::BFloat16(v)); }
 
 FMOE_AVX512 void exp_neg_avx512(const float* v, float* e, int64_t n) {
-  int64_t i = 0;
   const __m512 sign = _mm512_set1_ps(-0.0f);
-  for (; i + 32 <= n; i += 32) {
+  for (int64_t i = 0; i < n; i += 16)
     _mm512_storeu_ps(e + i, Sleef_expf16_u10(_mm512_xor_ps(_mm512_loadu_ps(v + i), sign)));
-    _mm512_storeu_ps(e + i + 16, Sleef_expf16_u10(_mm512_xor_ps(_mm512_loadu_ps(v + i + 16), sign)));
-  }
-  for (; i < n; ++i) e[i] = std::exp(-v[i]);
 }
 
 FMOE_AVX2 void exp_neg_avx2(const float* v, float* e, int64_t n) {
-  int64_t i = 0;
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (; i + 16 <= n; i += 16) {
+  for (int64_t i = 0; i < n; i += 8)
     _mm256_storeu_ps(e + i, Sleef_expf8_u10(_mm256_xor_ps(_mm256_loadu_ps(v + i), sign)));
-    _mm256_storeu_ps(e + i + 8, Sleef_expf8_u10(_mm256_xor_ps(_mm256_loadu_ps(v + i + 8), sign)));
-  }
-  for (; i < n; ++i) e[i] = std::exp(-v[i]);
 }
 
-// e[i] = exp(-v[i]) over one piece that torch's elementwise loop would run as one inner loop:
-// whole pairs of vectors through Sleef (the vectorized loop), the rest through std::exp (its
-// scalar tail). vec: kAvx512 16 lanes, kAvx2 8, else scalar only.
-void exp_neg_piece(const float* v, float* e, int64_t n, int vec) {
-  if (vec == kAvx512) return exp_neg_avx512(v, e, n);
-  if (vec == kAvx2) return exp_neg_avx2(v, e, n);
-  for (int64_t i = 0; i < n; ++i) e[i] = std::exp(-v[i]);
+// e[i] = exp(-v[i]) over one piece that torch's elementwise loop runs as one inner loop: its
+// vectorized loop takes whole steps of two vectors of the dtype (fp32: 32 elements on AVX-512,
+// 16 on AVX2; bf16: 64 and 32, each vector widened to two float vectors) through Sleef, the
+// rest its scalar loop, through std::exp. vec: kAvx512, kAvx2, else scalar only.
+void exp_neg_piece(const float* v, float* e, int64_t n, int vec, bool bf16) {
+  const int64_t step = (vec == kAvx512 ? 32 : vec == kAvx2 ? 16 : 0) * (bf16 ? 2 : 1);
+  const int64_t whole = step > 0 ? n / step * step : 0;
+  if (vec == kAvx512) exp_neg_avx512(v, e, whole);
+  else if (vec == kAvx2) exp_neg_avx2(v, e, whole);
+  for (int64_t i = whole; i < n; ++i) e[i] = std::exp(-v[i]);
 }
 
 // The pieces of [0, total) that torch's TensorIterator hands its vectorized loop for an
@@ -1372,83 +1375,119 @@ void torch_pieces(int64_t total, int64_t row, F f) {
 }
 
 // The elementwise step, h [N, H] from z (see packed_expert_stage), each operation the one torch
-// runs in ExpertForm.hidden, in the same order, on float32:
+// runs in ExpertForm.hidden, in the same order (rd: bf16_round for bf16 rows, else nothing):
 //   relu   h = z < 0 ? 0 : z                        (clamp_min's max(0, z): NaN and -0.0 kept)
-//   silu   h = z / (1 + exp(-z))
-//   glu    h = silu(g) * u                          (g, u: halves of z [N, 2H], or z0 and z1)
-//   gpt    g' = min(g, limit), u' = clamp(u, -limit, limit) (NaN kept), t = g' * alpha,
-//          h = (u' + 1) * (g' * (1 / (1 + exp(-t))))  (g, u: alternate columns of z)
+//   silu   h = rd(z / (1 + exp(-z)))
+//   glu    h = rd(silu(g) * u)                      (g, u: halves of z [N, 2H], or z0 and z1)
+//   gpt    g' = rd(min(g, limit)), u' = rd(clamp(u, -limit, limit)) (NaN kept), t = rd(g' * alpha),
+//          h = rd(rd(u' + 1) * rd(g' * rd(1 / (1 + exp(-t)))))  (g, u: alternate columns of z)
 // exp(-v) is computed in the pieces torch's loops would use (torch_pieces, exp_neg_piece), on
-// torch's vector width (vec: its CPU capability).
-void stage_activation(int act, const float* z0, const float* z1, float* h, float* tmp, int64_t N, int64_t H,
-                      float alpha, float limit, int vec) {
+// torch's vector width (vec: its CPU capability). h16: h's bf16 bits too (bf16 rows), or null.
+template <bool BF16>
+void stage_activation(int act, const float* z0, const float* z1, float* h, uint16_t* h16, float* tmp, int64_t N,
+                      int64_t H, float alpha, float limit, int vec) {
+  const auto rd = [](float v) { return BF16 ? bf16_round(v) : v; };
   const int64_t total = N * H;
   if (act == kActRelu) {
     at::parallel_for(0, total, 16384, [&](int64_t b, int64_t end) {
       for (int64_t i = b; i < end; ++i) h[i] = z0[i] < 0.0f ? 0.0f : z0[i];
     });
-    return;
-  }
-  if (act == kActSilu || (act == kActGlu && z1 != nullptr)) {   // contiguous [N, H] inputs
+  } else if (act == kActSilu || (act == kActGlu && z1 != nullptr)) {   // contiguous [N, H] inputs
     torch_pieces(total, total, [&](int64_t b, int64_t end) {
-      exp_neg_piece(z0 + b, tmp + b, end - b, vec);
-      for (int64_t i = b; i < end; ++i) h[i] = z0[i] / (1.0f + tmp[i]);
+      exp_neg_piece(z0 + b, tmp + b, end - b, vec, BF16);
+      for (int64_t i = b; i < end; ++i) h[i] = rd(z0[i] / (1.0f + tmp[i]));
       if (z1 != nullptr)
-        for (int64_t i = b; i < end; ++i) h[i] = h[i] * z1[i];
+        for (int64_t i = b; i < end; ++i) h[i] = rd(h[i] * z1[i]);
     });
-    return;
-  }
-  if (act == kActGlu) {   // g, u: the halves of each row of z [N, 2H] (strided views, rows of H)
+  } else if (act == kActGlu) {   // g, u: the halves of each row of z [N, 2H] (strided views, rows of H)
     torch_pieces(total, H, [&](int64_t b, int64_t end) {
       const int64_t r = b / H, c0 = b - r * H, n = end - b;
       const float* g = z0 + r * 2 * H + c0;
       const float* u = g + H;
-      exp_neg_piece(g, tmp + b, n, vec);
-      for (int64_t i = 0; i < n; ++i) h[b + i] = g[i] / (1.0f + tmp[b + i]) * u[i];
+      exp_neg_piece(g, tmp + b, n, vec, BF16);
+      for (int64_t i = 0; i < n; ++i) h[b + i] = rd(rd(g[i] / (1.0f + tmp[b + i])) * u[i]);
     });
-    return;
+  } else {
+    // GPT-OSS: t over the whole [N, H] first (the clamps are exact, in any order), then exp(-t)
+    // in the pieces of torch's sigmoid over the contiguous t [N, H]; t is written into h and
+    // each element read before h overwrites it
+    const float lim = rd(limit);
+    float* t = h;
+    at::parallel_for(0, total, 16384, [&](int64_t b, int64_t end) {
+      for (int64_t i = b; i < end; ++i) {
+        const float g = z0[2 * i];
+        t[i] = rd((lim < g ? lim : g) * alpha);
+      }
+    });
+    torch_pieces(total, total, [&](int64_t b, int64_t end) {
+      exp_neg_piece(t + b, tmp + b, end - b, vec, BF16);
+      for (int64_t i = b; i < end; ++i) {
+        float g = z0[2 * i], u = z0[2 * i + 1];
+        g = lim < g ? lim : g;
+        u = -lim > u ? -lim : u;
+        u = lim < u ? lim : u;
+        h[i] = rd(rd(u + 1.0f) * rd(g * rd(1.0f / (1.0f + tmp[i]))));
+      }
+    });
   }
-  // GPT-OSS: the clamps and t over the whole [N, H] (exact operations: any order), then exp(-t)
-  // in the pieces of torch's sigmoid over the contiguous t [N, H]
-  float* t = h;   // t, then h, in place (each element read before it is written)
-  at::parallel_for(0, total, 16384, [&](int64_t b, int64_t end) {
-    for (int64_t i = b; i < end; ++i) {
-      const float g = z0[2 * i];
-      t[i] = (limit < g ? limit : g) * alpha;
-    }
-  });
-  torch_pieces(total, total, [&](int64_t b, int64_t end) {
-    exp_neg_piece(t + b, tmp + b, end - b, vec);
-    for (int64_t i = b; i < end; ++i) {
-      float g = z0[2 * i], u = z0[2 * i + 1];
-      g = limit < g ? limit : g;
-      u = -limit > u ? -limit : u;
-      u = limit < u ? limit : u;
-      h[i] = (u + 1.0f) * (g * (1.0f / (1.0f + tmp[i])));
-    }
-  });
+  if (h16 != nullptr)
+    at::parallel_for(0, total, 16384, [&](int64_t b, int64_t end) {
+      for (int64_t i = b; i < end; ++i) h16[i] = c10::BFloat16(h[i]).x;
+    });
 }
 
-// y [T, O] = 0, then for each row r in `order` (plan order, or by ascending pair):
-// y[tokens[r]] += (y_r[r] + b_out[e(r)]) * gates[r] (bias and gate where given), split over
-// column blocks, each element's terms in that order.
-void stage_combine(const float* yr, const int64_t* tokens, const int64_t* order, const int64_t* row_expert,
-                   const float* gates, const float* b_out, float* y, int64_t T, int64_t N, int64_t O) {
+// y [T, O] (float32, or bf16 bits into y16) from y_r [N, O] (values in dt, the out-projection's
+// bias not yet added), kinds._accumulate's orders (rd: bf16_round for bf16 rows):
+//   fmoe     acc = 0 (fp32); rows in plan order: acc += rd(y_r + b) * gate; y = rd(acc)
+//   grouped  the same over the rows in ascending pair (slot-major) order, each product rounded
+//            to bf16 where the gates are bf16 (torch's promotion of dt x dt); y = rd(acc)
+//   eager    per token, its k slots in rank order (its rows in plan order, then +0 for each
+//            missing one): y = s_0, y = rd(y + s_i), s = rd(rd(y_r + b) * gate)
+// fp32 rows: 'eager' is 'fmoe' (no roundings either way). Split over column blocks; each element's
+// terms in that order.
+template <bool BF16>
+void stage_combine(const float* yr, const int64_t* tokens, int order, const int64_t* by_pair, int64_t k,
+                   const int64_t* tok_start, const int64_t* tok_rows, const int64_t* row_expert, const float* gates,
+                   bool gates_bf16, const float* b_out, float* y, uint16_t* y16, int64_t T, int64_t N, int64_t O) {
+  const auto rd = [](float v) { return BF16 ? bf16_round(v) : v; };
   at::parallel_for(0, O, 256, [&](int64_t c0, int64_t c1) {
-    for (int64_t t = 0; t < T; ++t) std::fill(y + t * O + c0, y + t * O + c1, 0.0f);
-    for (int64_t i = 0; i < N; ++i) {
-      const int64_t r = order != nullptr ? order[i] : i;
-      const float* src = yr + r * O;
-      float* dst = y + tokens[r] * O;
-      const float* b = b_out != nullptr ? b_out + row_expert[r] * O : nullptr;
-      const float w = gates != nullptr ? gates[r] : 1.0f;
-      for (int64_t c = c0; c < c1; ++c) {
-        float v = src[c];
-        if (b != nullptr) v = v + b[c];
-        if (gates != nullptr) v = v * w;
-        dst[c] = dst[c] + v;
+    const int64_t w = c1 - c0;
+    std::vector<float> acc(static_cast<size_t>(BF16 ? T * w : 0));
+    float* a = BF16 ? acc.data() : nullptr;
+    const auto term = [&](int64_t r, int64_t c) {
+      float v = yr[r * O + c];
+      if (b_out != nullptr) v = rd(v + b_out[row_expert[r] * O + c]);
+      return v;
+    };
+    if (BF16 && order == kOrderEager) {
+      for (int64_t t = 0; t < T; ++t) {
+        float* dst = a + t * w;
+        const int64_t n = tok_start[t + 1] - tok_start[t];
+        for (int64_t i = 0; i < k; ++i) {
+          const int64_t r = i < n ? tok_rows[tok_start[t] + i] : -1;
+          for (int64_t c = c0; c < c1; ++c) {
+            const float s = r >= 0 ? rd(term(r, c) * gates[r]) : 0.0f;
+            dst[c - c0] = i == 0 ? s : rd(dst[c - c0] + s);
+          }
+        }
+      }
+    } else {
+      for (int64_t t = 0; t < T; ++t) std::fill(BF16 ? a + t * w : y + t * O + c0, BF16 ? a + t * w + w : y + t * O + c1, 0.0f);
+      const bool round_product = BF16 && order == kOrderGrouped && gates_bf16;
+      for (int64_t i = 0; i < N; ++i) {
+        const int64_t r = by_pair != nullptr ? by_pair[i] : i;
+        float* dst = BF16 ? a + tokens[r] * w - c0 : y + tokens[r] * O;
+        const float g = gates[r];
+        for (int64_t c = c0; c < c1; ++c) {
+          float v = term(r, c) * g;
+          if (round_product) v = bf16_round(v);
+          dst[c] = dst[c] + v;
+        }
       }
     }
+    if (BF16)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t c = c0; c < c1; ++c) y16[t * O + c] = c10::BFloat16(a[t * w + c - c0]).x;
   });
 }
 
@@ -1460,20 +1499,56 @@ at::Tensor stage_buffer(const std::vector<at::Tensor>& given, size_t i, int64_t 
   return b;
 }
 
+// v = rd(v) over n floats (bf16 rows: a GEMM's float32 output as grouped_matmul returns it in bf16)
+void round_bf16_inplace(float* v, int64_t n) {
+  at::parallel_for(0, n, 16384, [&](int64_t b, int64_t end) {
+    for (int64_t i = b; i < end; ++i) v[i] = bf16_round(v[i]);
+  });
+}
+
+// A bias's rows added to z [N, W] by expert (rd after each add for bf16 rows); b: float32 or bf16 [E, W].
+void add_bias_rows(float* z, const at::Tensor& b, const int64_t* row_expert, int64_t N, int64_t W, bool bf16) {
+  const bool b16 = b.scalar_type() == at::kBFloat16;
+  const float* bf = b16 ? nullptr : b.const_data_ptr<float>();
+  const c10::BFloat16* bh = b16 ? b.const_data_ptr<c10::BFloat16>() : nullptr;
+  at::parallel_for(0, N, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t o = row_expert[r] * W;
+      for (int64_t c = 0; c < W; ++c) {
+        const float v = z[r * W + c] + (b16 ? static_cast<float>(bh[o + c]) : bf[o + c]);
+        z[r * W + c] = bf16 ? bf16_round(v) : v;
+      }
+    }
+  });
+}
+
+// One GEMM of the stage: out [R, N] float32 from a32 (and its bf16 twin a16 where grouped_matmul
+// hands bf16 rows to the kernel: FP4 or float-scaled weights), rounded to bf16 for bf16 rows.
+void stage_gemm(Params& p, const at::Tensor& a32, const c10::optional<at::Tensor>& a16, const int64_t* o, int64_t E,
+                int64_t isa, int64_t dense_from, const at::Tensor& out) {
+  const bool bf16 = a16.has_value();
+  const c10::optional<at::Tensor> none;
+  grouped_run(p, a32, o, E, isa, dense_from, false, bf16 && (p.fp4 || p.sf != nullptr) ? a16 : none, out);
+  if (bf16) round_bf16_inplace(out.data_ptr<float>(), out.numel());
+}
+
 // See fmoe/quant/packed.py's expert_stage. Weights: data/scales/tables/gscales/meta (fp4, bn, bk)
 // per weight, the in-projection(s) first and the out-projection last (gscales: an empty tensor
-// for none). buffers: empty, or [z_0, (z_1,) h] to compute in (tests read them).
+// for none). buffers: empty, or float32 [z_0, (z_1,) h] to compute in (tests read them).
 at::Tensor packed_expert_stage(const at::Tensor& x, const at::Tensor& tokens, const at::Tensor& offsets,
-                               const c10::optional<at::Tensor>& gates, const c10::optional<at::Tensor>& pairs,
-                               const std::vector<at::Tensor>& data, const std::vector<at::Tensor>& scales,
-                               const std::vector<at::Tensor>& tables, const std::vector<at::Tensor>& gscales,
-                               const std::vector<int64_t>& meta, const at::Tensor& e4m3,
-                               const c10::optional<at::Tensor>& b_in, const c10::optional<at::Tensor>& b_out,
-                               int64_t act, double alpha, double limit, int64_t isa, int64_t dense_from,
-                               int64_t exp_isa, const std::vector<at::Tensor>& buffers) {
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.stride(0) >= x.size(1),
-                    "x must be float32 [T, M] with unit column stride");
+                               const at::Tensor& gates, const c10::optional<at::Tensor>& pairs, int64_t order,
+                               int64_t num_slots, const std::vector<at::Tensor>& data,
+                               const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& tables,
+                               const std::vector<at::Tensor>& gscales, const std::vector<int64_t>& meta,
+                               const at::Tensor& e4m3, const c10::optional<at::Tensor>& b_in,
+                               const c10::optional<at::Tensor>& b_out, int64_t act, double alpha, double limit,
+                               int64_t isa, int64_t dense_from, int64_t exp_isa,
+                               const std::vector<at::Tensor>& buffers) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_VALUE((bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.stride(1) == 1 &&
+                        x.stride(0) >= x.size(1), "x must be float32 or bfloat16 [T, M] with unit column stride");
   TORCH_CHECK_VALUE(act >= kActRelu && act <= kActGptOss, "act must be 0 (relu), 1 (silu), 2 (glu), 3 (gpt_oss)");
+  TORCH_CHECK_VALUE(order >= kOrderFmoe && order <= kOrderGrouped, "order must be 0 (fmoe), 1 (eager), 2 (grouped)");
   const size_t nw = data.size();
   const size_t n_in = nw - 1;
   TORCH_CHECK_VALUE((nw == 2 || (nw == 3 && act == kActGlu)) && scales.size() == nw && tables.size() == nw &&
@@ -1505,34 +1580,52 @@ at::Tensor packed_expert_stage(const at::Tensor& x, const at::Tensor& tokens, co
   const int64_t* o = checked_offsets(offsets, E, N);
   const int64_t* tok = tokens.const_data_ptr<int64_t>();
   for (int64_t r = 0; r < N; ++r) TORCH_CHECK_VALUE(tok[r] >= 0 && tok[r] < T, "tokens must lie in [0, T = ", T, ")");
+  const bool gates_bf16 = gates.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_VALUE((gates.scalar_type() == at::kFloat || (bf16 && gates_bf16)) && gates.dim() == 1 &&
+                        gates.size(0) == N && gates.is_contiguous(),
+                    "gates must be contiguous float32 [N] (or bfloat16 with bfloat16 x)");
+  std::vector<float> gate_values;
   const float* gw = nullptr;
-  if (gates.has_value()) {
-    TORCH_CHECK_VALUE(gates->scalar_type() == at::kFloat && gates->dim() == 1 && gates->size(0) == N &&
-                          gates->is_contiguous(), "gates must be contiguous float32 [N]");
-    gw = gates->const_data_ptr<float>();
+  if (gates_bf16) {
+    const c10::BFloat16* g16 = gates.const_data_ptr<c10::BFloat16>();
+    gate_values.resize(N);
+    for (int64_t r = 0; r < N; ++r) gate_values[r] = static_cast<float>(g16[r]);
+    gw = gate_values.data();
+  } else {
+    gw = gates.const_data_ptr<float>();
   }
-  std::vector<int64_t> order;
-  if (pairs.has_value()) {
-    TORCH_CHECK_VALUE(pairs->scalar_type() == at::kLong && pairs->dim() == 1 && pairs->size(0) == N &&
-                          pairs->is_contiguous(), "pairs must be contiguous int64 [N]");
+  std::vector<int64_t> by_pair;
+  if (order == kOrderGrouped) {
+    TORCH_CHECK_VALUE(pairs.has_value() && pairs->scalar_type() == at::kLong && pairs->dim() == 1 &&
+                          pairs->size(0) == N && pairs->is_contiguous(),
+                      "pairs must be contiguous int64 [N] (the 'grouped' order sums by pair)");
     const int64_t* pr = pairs->const_data_ptr<int64_t>();
-    order.resize(N);
-    for (int64_t r = 0; r < N; ++r) order[r] = r;
-    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return pr[a] < pr[b] || (pr[a] == pr[b] && a < b); });
+    by_pair.resize(N);
+    for (int64_t r = 0; r < N; ++r) by_pair[r] = r;
+    std::sort(by_pair.begin(), by_pair.end(), [&](int64_t a, int64_t b) { return pr[a] < pr[b] || (pr[a] == pr[b] && a < b); });
   }
-  const float* bi = nullptr;
-  const float* bo = nullptr;
-  if (b_in.has_value()) {
-    TORCH_CHECK_VALUE(b_in->scalar_type() == at::kFloat && b_in->dim() == 2 && b_in->size(0) == E &&
-                          b_in->size(1) == ps[0].N && b_in->is_contiguous(),
-                      "b_in must be contiguous float32 [E, ", ps[0].N, "]");
-    bi = b_in->const_data_ptr<float>();
+  // bf16 'eager': each token's rows in plan order (their rank), and k slots per token
+  std::vector<int64_t> tok_start, tok_rows;
+  if (bf16 && order == kOrderEager) {
+    tok_start.assign(T + 1, 0);
+    for (int64_t r = 0; r < N; ++r) ++tok_start[tok[r] + 1];
+    int64_t most = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      most = std::max(most, tok_start[t + 1]);
+      tok_start[t + 1] += tok_start[t];
+    }
+    TORCH_CHECK_VALUE(num_slots >= most, "num_slots (k) must be at least a token's rows (", most, "), got ", num_slots);
+    tok_rows.resize(N);
+    std::vector<int64_t> fill(tok_start.begin(), tok_start.end() - 1);
+    for (int64_t r = 0; r < N; ++r) tok_rows[fill[tok[r]]++] = r;
   }
-  if (b_out.has_value()) {
-    TORCH_CHECK_VALUE(b_out->scalar_type() == at::kFloat && b_out->dim() == 2 && b_out->size(0) == E &&
-                          b_out->size(1) == O && b_out->is_contiguous(), "b_out must be contiguous float32 [E, ", O, "]");
-    bo = b_out->const_data_ptr<float>();
-  }
+  const auto check_bias = [&](const c10::optional<at::Tensor>& b, int64_t W, const char* name) {
+    if (!b.has_value()) return;
+    TORCH_CHECK_VALUE(b->scalar_type() == x.scalar_type() && b->dim() == 2 && b->size(0) == E && b->size(1) == W &&
+                          b->is_contiguous(), name, " must be contiguous [E, ", W, "] in x's dtype");
+  };
+  check_bias(b_in, ps[0].N, "b_in");
+  check_bias(b_out, O, "b_out");
   TORCH_CHECK_VALUE(buffers.empty() || buffers.size() == n_in + 1, "buffers: none, or z per in-projection and h");
   const int best = best_isa();
   TORCH_CHECK_VALUE(isa >= 0 && isa <= best, "isa ", isa, " is not supported by this CPU (best: ", best, ")");
@@ -1544,46 +1637,61 @@ at::Tensor packed_expert_stage(const at::Tensor& x, const at::Tensor& tokens, co
 
   // the expert of each row (biases): from the offsets, no search
   std::vector<int64_t> row_expert;
-  if (bi != nullptr || bo != nullptr) {
+  if (b_in.has_value() || b_out.has_value()) {
     row_expert.resize(N);
     for (int64_t e = 0; e < E; ++e)
       for (int64_t r = o[e]; r < o[e + 1]; ++r) row_expert[r] = e;
   }
+  // the rows of x: float32 (the kernels' a), and for bf16 rows their bf16 bits too
   at::Tensor xr = at::empty({N, M}, at::kFloat);
+  c10::optional<at::Tensor> xr16;
+  if (bf16) xr16 = at::empty({N, M}, at::kBFloat16);
   {
-    const float* xp = x.const_data_ptr<float>();
     float* dst = xr.data_ptr<float>();
     const int64_t ld = x.stride(0);
-    at::parallel_for(0, N, 8, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) std::memcpy(dst + r * M, xp + tok[r] * ld, M * sizeof(float));
-    });
+    if (bf16) {
+      const c10::BFloat16* xp = x.const_data_ptr<c10::BFloat16>();
+      c10::BFloat16* d16 = xr16->data_ptr<c10::BFloat16>();
+      at::parallel_for(0, N, 8, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          std::memcpy(d16 + r * M, xp + tok[r] * ld, M * sizeof(c10::BFloat16));
+          for (int64_t c = 0; c < M; ++c) dst[r * M + c] = static_cast<float>(xp[tok[r] * ld + c]);
+        }
+      });
+    } else {
+      const float* xp = x.const_data_ptr<float>();
+      at::parallel_for(0, N, 8, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) std::memcpy(dst + r * M, xp + tok[r] * ld, M * sizeof(float));
+      });
+    }
   }
-  const c10::optional<at::Tensor> none;
   std::vector<at::Tensor> z;
   for (size_t i = 0; i < n_in; ++i) {
     z.push_back(stage_buffer(buffers, i, N, ps[i].N));
-    grouped_run(ps[i], xr, o, E, isa, dense_from, false, none, z[i]);
+    stage_gemm(ps[i], xr, xr16, o, E, isa, dense_from, z[i]);
   }
-  if (bi != nullptr) {
-    float* zp = z[0].data_ptr<float>();
-    const int64_t w = ps[0].N;
-    at::parallel_for(0, N, 8, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const float* b = bi + row_expert[r] * w;
-        for (int64_t c = 0; c < w; ++c) zp[r * w + c] = zp[r * w + c] + b[c];
-      }
-    });
-  }
+  if (b_in.has_value()) add_bias_rows(z[0].data_ptr<float>(), *b_in, row_expert.data(), N, ps[0].N, bf16);
   at::Tensor h = stage_buffer(buffers, n_in, N, H);
+  c10::optional<at::Tensor> h16;
+  if (bf16) h16 = at::empty({N, H}, at::kBFloat16);
   at::Tensor tmp = at::empty({N * H}, at::kFloat);
-  stage_activation(static_cast<int>(act), z[0].const_data_ptr<float>(), nw == 3 ? z[1].const_data_ptr<float>() : nullptr,
-                   h.data_ptr<float>(), tmp.data_ptr<float>(), N, H, static_cast<float>(alpha), static_cast<float>(limit),
-                   exp_vec);
+  (bf16 ? stage_activation<true> : stage_activation<false>)(
+      static_cast<int>(act), z[0].const_data_ptr<float>(), nw == 3 ? z[1].const_data_ptr<float>() : nullptr,
+      h.data_ptr<float>(), bf16 ? reinterpret_cast<uint16_t*>(h16->data_ptr()) : nullptr, tmp.data_ptr<float>(), N, H,
+      static_cast<float>(alpha), static_cast<float>(limit), exp_vec);
   at::Tensor yr = at::empty({N, O}, at::kFloat);
-  grouped_run(ps[n_in], h, o, E, isa, dense_from, false, none, yr);
-  at::Tensor y = at::empty({T, O}, at::kFloat);
-  stage_combine(yr.const_data_ptr<float>(), tok, order.empty() ? nullptr : order.data(),
-                row_expert.empty() ? nullptr : row_expert.data(), gw, bo, y.data_ptr<float>(), T, N, O);
+  stage_gemm(ps[n_in], h, h16, o, E, isa, dense_from, yr);
+  // the out-projection's bias: added inside the combine (stage_combine's term), as a float32
+  // copy for bf16 (exact)
+  at::Tensor bo32;
+  if (b_out.has_value()) bo32 = bf16 ? b_out->to(at::kFloat) : *b_out;
+  at::Tensor y = at::empty({T, O}, bf16 ? at::kBFloat16 : at::kFloat);
+  (bf16 ? stage_combine<true> : stage_combine<false>)(
+      yr.const_data_ptr<float>(), tok, static_cast<int>(order), by_pair.empty() ? nullptr : by_pair.data(), num_slots,
+      tok_start.empty() ? nullptr : tok_start.data(), tok_rows.empty() ? nullptr : tok_rows.data(),
+      row_expert.empty() ? nullptr : row_expert.data(), gw, gates_bf16,
+      b_out.has_value() ? bo32.const_data_ptr<float>() : nullptr, bf16 ? nullptr : y.data_ptr<float>(),
+      bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr()) : nullptr, T, N, O);
   return y;
 }
 
