@@ -73,10 +73,12 @@ class _NoKernel:
         return 0
 
     @staticmethod
-    def packed_expert_stage(x, tokens, offsets, gates, pairs, data, *args):
-        # the fused stage (fmoe.quant.packed.expert_stage): its zero output [T, O], so the whole
-        # native stage (gather, GEMMs, activation, combine: all C++) is left out of layer_host
-        return x.new_zeros((x.shape[0], data[-1].shape[1]))
+    def packed_expert_stage(*args):
+        # the fused stage (fmoe.quant.packed.expert_stage): its zero output [T, O] in x's dtype
+        # (x: argument 0; the weights' data: the first list argument, the out-projection's last),
+        # so the whole native stage (gather, GEMMs, activation, combine: all C++) is left out
+        data = next(a for a in args if isinstance(a, list))
+        return args[0].new_zeros((args[0].shape[0], data[-1].shape[1]))
 
 
 class _NoFloatKernel(_NoKernel):
