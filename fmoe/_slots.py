@@ -326,6 +326,15 @@ def route_rows(sel: Tensor, logits: Tensor, k: int, norm: int, out_dtype: torch.
                            _NO_CHOICE if loss_scores is None else loss_scores, loss_width)
 
 
+def route_gate(x: Tensor, wg: Tensor, sigmoid: bool, k: int, norm: int, order: int, cap_fixed: int, cap_limit: int,
+               align: int, frac: bool, loss_width: int):
+    """:func:`route_rows` of a linear gate (:func:`fmoe.routers.linear_gate` with x [T, M] and wg [E, M]
+    of one dtype): logits = x @ wg.t() and scores = softmax(logits, -1) (or sigmoid) by the same aten
+    ops, dispatched from the native call, the gates in the scores' dtype, the loss of the scores.
+    Returns (route_rows' tuple, logits, scores)."""
+    return _EXT.route_gate(x, wg, sigmoid, k, norm, order, cap_fixed, cap_limit, align, frac, loss_width)
+
+
 def sum_order(k: int, norm: int) -> int:
     """The order code route_rows adds k gates in under ``norm`` (:func:`sum_orders`)."""
     return sum_orders()[1] if norm not in (ROUTE_RAW, ROUTE_SCALE) and k >= 8 else _SUM_SCALAR

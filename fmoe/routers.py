@@ -833,18 +833,21 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
                 _NATIVE_STATICS.clear()
             entry = _NATIVE_STATICS[id(spec)] = (spec, {})
         entry[1][key] = st
-    k, norm, order, cap_fixed, cap_limit, align, bound, frac, width = st
+    k, norm, order, cap_fixed, cap_limit, align, bound, frac, width, gate_dt = st
     t, E = spec.type, num_experts
     if not _router_params_fit(params, t, E, x.shape[1]):
         check_router_params(params, spec, E, x.shape[1])   # raises, naming the key or shape
+    if gate_dt is not None and params["wg"].dtype == gate_dt:
+        # a linear gate of x's dtype: its logits (linear_gate's mm), scores and routing in one native call that
+        # dispatches the same aten ops
+        res, logits, scores = _slots.route_gate(x, params["wg"], spec.score_fn == "sigmoid", k, norm, order, cap_fixed,
+                                                cap_limit, align, frac, width)
+        return _native_result(res, spec, logits, scores, logits, k, x.shape[0], E, alignment, bound, frac, width)
     by_token, noisy, choice, loss_scores = False, None, None, None
     # (matmul, softmax and sigmoid outputs are contiguous, as route_rows checks)
     if t in ("top", "cosine_top"):
-        if t == "top" and x.dtype == params["wg"].dtype and (x.dtype == torch.float32 or not spec.fp32_gate):
-            logits = F.linear(x, params["wg"])   # linear_gate's x @ wg.t() in one call: the same mm
-        else:
-            logits = (cosine_gate if t == "cosine_top" else linear_gate)(params, x, fp32=spec.fp32_gate)
-        scores = sel = torch.softmax(logits, dim=-1) if spec.score_fn == "softmax" else torch.sigmoid(logits)
+        logits = (cosine_gate if t == "cosine_top" else linear_gate)(params, x, fp32=spec.fp32_gate)
+        scores = sel = scores_from_logits(logits, spec.score_fn)
         noisy, out_dtype = logits, scores.dtype
     elif t == "gpt_oss":
         wg, bias = params["wg"], params["bias"]
@@ -871,9 +874,16 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
         loss_scores = scores
     res = _slots.route_rows(sel, logits, k, norm, out_dtype, by_token, cap_fixed, cap_limit, align, frac, choice,
                             spec.n_group, spec.topk_group, spec.routed_scaling_factor, loss_scores, width, order)
+    return _native_result(res, spec, logits, scores, noisy, k, x.shape[0], E, alignment, bound, frac, width)
+
+
+def _native_result(res, spec: GateSpec, logits: Tensor, scores: Tensor, noisy, k: int, T: int, E: int, alignment: int,
+                   bound: int, frac: bool, width: int):
+    """:func:`route_native`'s result from route_rows' tuple ``res`` (its errors raised as the torch path's)."""
     status, ids, gates, slots, counts, tokens, pairs, offsets, dropped, row_gates, bounds, C, share = res
     if status or C > bound:
-        _native_error(status, logits, spec, k, x.shape[0], E, alignment, counts)
+        _native_error(status, logits, spec, k, T, E, alignment, counts)
+    t = spec.type
     if t == "gpt_oss":
         gates = torch.softmax(gates, dim=-1, dtype=gates.dtype).t().contiguous()   # [T, k] -> [k, T]
     if frac and not width:   # the torch ops from the native counts
@@ -897,8 +907,8 @@ _NATIVE_STATICS_MAX = 256
 
 
 def _native_statics(params, x, spec: GateSpec, E: int, normalize, alignment: int, fraction):
-    """(k, norm, order, cap_fixed, cap_limit, align, capacity bound, frac, loss width) of
-    :func:`route_native`, or None
+    """(k, norm, order, cap_fixed, cap_limit, align, capacity bound, frac, loss width, the gate weight's
+    dtype for :func:`fmoe._slots.route_gate` or None) of :func:`route_native`, or None
     where it does not apply; raises the torch path's errors for a bad x, spec or parameters."""
     t, T = spec.type, x.shape[0]
     k = min(spec.k, E) if t in ("top", "cosine_top") else spec.k
@@ -934,7 +944,10 @@ def _native_statics(params, x, spec: GateSpec, E: int, normalize, alignment: int
     align = 1 if cf > 0 else (alignment if alignment <= 256 else -(-alignment // 128) * 128)
     frac = bool(fraction) and loss32   # the scores the loss reads are float32
     width = _slots.loss_width(T, E) if frac else 0
-    return k, norm, _slots.sum_order(k, norm), cap_fixed, cap_limit, align, capacity_bound(k, T), frac, width
+    # linear_gate computes in x's dtype unless fp32_gate casts it: route_gate takes the gate where nothing is cast
+    gate_dt = x.dtype if t == "top" and (x.dtype == torch.float32 or not spec.fp32_gate) else None
+    return (k, norm, _slots.sum_order(k, norm), cap_fixed, cap_limit, align, capacity_bound(k, T), frac, width,
+            gate_dt)
 
 
 def _router_params_fit(params, t: str, E: int, M: int) -> bool:

@@ -284,7 +284,8 @@ def test_native_route_loss_falls_back_to_torch_ops(monkeypatch):
     with torch.no_grad():
         ref, ref_out, got = _pair(spec, params, x, 16)
         _assert_same(ref, ref_out, got)
-    assert routers._NATIVE_STATICS and all(st[-1] == 0 for _, d in routers._NATIVE_STATICS.values() for st in d.values())
+    # (the statics' ninth entry is the loss width)
+    assert routers._NATIVE_STATICS and all(st[8] == 0 for _, d in routers._NATIVE_STATICS.values() for st in d.values())
 
 
 def test_native_route_checks_params_on_every_call():
@@ -305,3 +306,16 @@ def test_native_route_checks_params_on_every_call():
                 route_native(bad, x, spec, num_experts=16, normalize=True, alignment=1, fraction=True)
             with pytest.raises(ValueError, match="router params must be a dict"):
                 route_native([params], x, spec, num_experts=16, normalize=True, alignment=1, fraction=True)
+
+
+def test_native_route_linear_gate_in_one_call_or_cast():
+    # 'top' whose gate weight has x's dtype runs the gate in the native call (route_gate); a cast (fp32_gate
+    # over bf16 tokens, or a weight of another dtype) runs linear_gate's ops first: the same values either way
+    for fp32_gate, wdt, xdt, k in ((False, torch.bfloat16, torch.bfloat16, 1), (True, torch.float32, torch.bfloat16, 2),
+                                   (False, torch.float32, torch.float32, 2), (True, torch.bfloat16, torch.float32, 2)):
+        spec = GateSpec(type="top", k=k, capacity_factor=0.0, fp32_gate=fp32_gate)
+        g = torch.Generator().manual_seed(k)
+        params = init_router(spec, 16, M, generator=g, dtype=wdt)
+        x = torch.randn(5, M, generator=g).to(xdt)
+        with torch.no_grad():
+            _assert_same(*_pair(spec, params, x, 16))

@@ -374,7 +374,7 @@ py::tuple route_rows(const at::Tensor& sel, const at::Tensor& logits, int64_t k,
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
               "fmoe route_rows: out_dtype must be float32, bfloat16 or float16, got ", out_dtype);
   TORCH_CHECK(align >= 1, "fmoe route_rows: align must be >= 1, got ", align);
-  const bool grouped = choice.numel() > 0;
+  const bool grouped = choice.defined() && choice.numel() > 0;
   TORCH_CHECK(!grouped || (choice.sizes() == sel.sizes() && choice.is_contiguous() && choice.scalar_type() == at::kFloat
                            && st == at::kFloat && n_group >= 1 && E % n_group == 0 && E / n_group >= 2
                            && topk_group >= 1 && topk_group <= n_group && k <= E / n_group * topk_group),
@@ -487,6 +487,24 @@ py::tuple route_rows(const at::Tensor& sel, const at::Tensor& logits, int64_t k,
                         by_token ? py::object(none) : py::cast(row_gates), bounds, C, share);
 }
 
+// route_rows of a linear gate ('top', fmoe.routers.linear_gate with x and wg of one dtype): logits =
+// at::linear(x, wg) (linear_gate's x @ wg.t(): the same mm), scores = softmax(logits, -1) or sigmoid,
+// the gates in the scores' dtype, the loss of the scores; the same aten ops the Python path dispatches,
+// from here (one call from Python instead of three: a decode call's host work). Returns route_rows'
+// tuple, then the logits and scores.
+py::tuple route_gate(const at::Tensor& x, const at::Tensor& wg, bool sigmoid, int64_t k, int64_t norm, int64_t order,
+                     int64_t cap_fixed, int64_t cap_limit, int64_t align, bool frac, int64_t loss_width) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && wg.dim() == 2 && wg.scalar_type() == x.scalar_type()
+                  && wg.size(1) == x.size(1),
+              "fmoe route_gate: x [T, M] and wg [E, M] must be CPU tensors of one dtype, got ", x.sizes(), " and ",
+              wg.sizes());
+  at::Tensor logits = at::linear(x, wg);
+  at::Tensor scores = sigmoid ? at::sigmoid(logits) : at::softmax(logits, -1);
+  py::tuple r = route_rows(scores, logits, k, norm, order, scores.scalar_type(), false, cap_fixed, cap_limit, align,
+                           frac, at::Tensor(), 1, 1, 1.0, scores, loss_width);
+  return py::make_tuple(r, logits, scores);
+}
+
 // gshard_loss's torch ops on float32 scores [T, E] and fraction [E] in W's orders (torch_gshard_loss):
 // a 0-dim float32 tensor. For fmoe/_slots.py loss_width's check against torch and for the tests.
 at::Tensor gshard_loss(const at::Tensor& scores, const at::Tensor& fraction, int64_t width) {
@@ -539,6 +557,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("by_token"), py::arg("cap_fixed"), py::arg("cap_limit"), py::arg("align"), py::arg("frac"),
         py::arg("choice"), py::arg("n_group"), py::arg("topk_group"), py::arg("scale"), py::arg("loss_scores"),
         py::arg("loss_width"));
+  m.def("route_gate", &route_gate, "route_rows of a linear gate's softmax or sigmoid scores (see above)",
+        py::arg("x"), py::arg("wg"), py::arg("sigmoid"), py::arg("k"), py::arg("norm"), py::arg("order"),
+        py::arg("cap_fixed"), py::arg("cap_limit"), py::arg("align"), py::arg("frac"), py::arg("loss_width"));
   m.def("gshard_loss", &gshard_loss, "gshard_loss's torch ops in the orders of vector width W (see above)",
         py::arg("scores"), py::arg("fraction"), py::arg("width"), py::call_guard<py::gil_scoped_release>());
   m.def("mean0", &mean0, "s.mean(0) in the orders of vector width W", py::arg("s"), py::arg("width"),
