@@ -785,7 +785,10 @@ def native_applies(params: dict, x: Tensor, spec: GateSpec, training: bool) -> b
     NATIVE_MAX_TOKENS, a router of ``_NATIVE_TYPES`` and no training noise or jitter."""
     if spec.type not in _NATIVE_TYPES or (training and (spec.gate_noise > 0 or spec.jitter_eps > 0)):
         return False
-    if type(x) is not Tensor or not x.is_cpu or x.dim() != 2 or not 0 < x.shape[0] <= NATIVE_MAX_TOKENS:
+    if type(x) is not Tensor or not x.is_cpu:
+        return False
+    shape = x.shape   # (one call into torch for the rank and T: a cold decode call pays microseconds for each)
+    if len(shape) != 2 or not 0 < shape[0] <= NATIVE_MAX_TOKENS:
         return False
     if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
         return False
@@ -822,7 +825,8 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
         return None   # route raises its own error (or, another torch's top-k, runs the torch ops)
     # the spec by identity (hashing a GateSpec hashes its 14 fields): the entry holds it, so its id is not reused
     entry = _NATIVE_STATICS.get(id(spec))
-    key = (num_experts, x.shape, x.dtype, normalize, alignment, fraction)
+    shape = x.shape
+    key = (num_experts, shape, x.dtype, normalize, alignment, fraction)
     st = entry[1].get(key) if entry is not None and entry[0] is spec else None
     if st is None:
         st = _native_statics(params, x, spec, num_experts, normalize, alignment, fraction)
@@ -835,14 +839,14 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
         entry[1][key] = st
     k, norm, order, cap_fixed, cap_limit, align, bound, frac, width, gate_dt = st
     t, E = spec.type, num_experts
-    if not _router_params_fit(params, t, E, x.shape[1]):
-        check_router_params(params, spec, E, x.shape[1])   # raises, naming the key or shape
+    if not _router_params_fit(params, t, E, shape[1]):
+        check_router_params(params, spec, E, shape[1])   # raises, naming the key or shape
     if gate_dt is not None and params["wg"].dtype == gate_dt:
         # a linear gate of x's dtype: its logits (linear_gate's mm), scores and routing in one native call that
         # dispatches the same aten ops
         res, logits, scores = _slots.route_gate(x, params["wg"], spec.score_fn == "sigmoid", k, norm, order, cap_fixed,
                                                 cap_limit, align, frac, width)
-        return _native_result(res, spec, logits, scores, logits, k, x.shape[0], E, alignment, bound, frac, width)
+        return _native_result(res, spec, logits, scores, logits, k, shape[0], E, alignment, bound, frac, width)
     by_token, noisy, choice, loss_scores = False, None, None, None
     # (matmul, softmax and sigmoid outputs are contiguous, as route_rows checks)
     if t in ("top", "cosine_top"):
@@ -874,7 +878,7 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
         loss_scores = scores
     res = _slots.route_rows(sel, logits, k, norm, out_dtype, by_token, cap_fixed, cap_limit, align, frac, choice,
                             spec.n_group, spec.topk_group, spec.routed_scaling_factor, loss_scores, width, order)
-    return _native_result(res, spec, logits, scores, noisy, k, x.shape[0], E, alignment, bound, frac, width)
+    return _native_result(res, spec, logits, scores, noisy, k, shape[0], E, alignment, bound, frac, width)
 
 
 def _native_result(res, spec: GateSpec, logits: Tensor, scores: Tensor, noisy, k: int, T: int, E: int, alignment: int,
