@@ -367,9 +367,11 @@ def loss_width(T: int, E: int) -> int:
 
 
 def _probe_values(shape, g: torch.Generator) -> Tensor:
-    # mantissas in [1, 2), exponents in [-12, 12], random signs: sums that round, cancellations
-    v = (1 + torch.rand(shape, generator=g)) * torch.exp2(torch.randint(-12, 13, shape, generator=g).float())
-    return v * (torch.randint(0, 2, shape, generator=g) * 2 - 1).float()
+    # mantissas in [1, 2), exponents in [-12, 12], random signs: sums that round, cancellations (float32 CPU
+    # tensors whatever default dtype or device the calling code has set)
+    kw = dict(generator=g, device="cpu")
+    v = (1 + torch.rand(shape, dtype=torch.float32, **kw)) * torch.exp2(torch.randint(-12, 13, shape, **kw).float())
+    return v * (torch.randint(0, 2, shape, **kw) * 2 - 1).float()
 
 
 def _check_loss_width(T: int, E: int) -> int:

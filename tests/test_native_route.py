@@ -319,3 +319,14 @@ def test_native_route_linear_gate_in_one_call_or_cast():
         x = torch.randn(5, M, generator=g).to(xdt)
         with torch.no_grad():
             _assert_same(*_pair(spec, params, x, 16))
+
+
+def test_loss_width_check_ignores_the_callers_defaults():
+    # the check's own tensors are float32 CPU whatever default dtype or device the calling code has set
+    prev = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        with torch.device("meta"):
+            assert _slots._check_loss_width(5, 64) == _slots.loss_width(5, 64) != 0
+    finally:
+        torch.set_default_dtype(prev)
