@@ -63,8 +63,10 @@ def gshard_loss(scores: Tensor, top1_ids: Optional[Tensor], *, fraction: Optiona
     Args:
         scores: [T, E] (noisy) softmax scores.
         top1_ids: int [T], the slot-0 expert of every token.
-        fraction: frac1 [E] in scores' dtype, where already counted (fmoe.routers.route_native: the same
-            counts over T, one division), instead of ``top1_ids``.
+        fraction: frac1 [E] in scores' dtype, where already counted (the same counts over T, one
+            division), instead of ``top1_ids``: fmoe.routers.route_native's counts where no vector width
+            of fmoe._slots.loss_width repeats these ops' orders of additions (elsewhere its native call
+            makes the loss itself, equal to these ops bit for bit).
     Returns:
         scalar; 1.0 for uniform scores with a balanced top-1 assignment.
     """
