@@ -327,12 +327,15 @@ def route_rows(sel: Tensor, logits: Tensor, k: int, norm: int, out_dtype: torch.
 
 
 def route_gate(x: Tensor, wg: Tensor, sigmoid: bool, k: int, norm: int, order: int, cap_fixed: int, cap_limit: int,
-               align: int, frac: bool, loss_width: int):
+               align: int, frac: bool, loss_width: int, bound: int, types: tuple):
     """:func:`route_rows` of a linear gate (:func:`fmoe.routers.linear_gate` with x [T, M] and wg [E, M]
     of one dtype): logits = x @ wg.t() and scores = softmax(logits, -1) (or sigmoid) by the same aten
     ops, dispatched from the native call, the gates in the scores' dtype, the loss of the scores.
-    Returns (route_rows' tuple, logits, scores)."""
-    return _EXT.route_gate(x, wg, sigmoid, k, norm, order, cap_fixed, cap_limit, align, frac, loss_width)
+    types: the classes (Routing, KeptRows, RouterOutput), whose objects the call builds.
+    Returns :func:`fmoe.routers.route_native`'s (routing, router output, frac or loss, rows), or
+    (status, the largest load or 1, logits) where route_rows fails (status 1 or 2) or the capacity
+    passes ``bound`` (status 3)."""
+    return _EXT.route_gate(x, wg, sigmoid, k, norm, order, cap_fixed, cap_limit, align, frac, loss_width, bound, types)
 
 
 def sum_order(k: int, norm: int) -> int:

@@ -842,11 +842,17 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
     if not _router_params_fit(params, t, E, shape[1]):
         check_router_params(params, spec, E, shape[1])   # raises, naming the key or shape
     if gate_dt is not None and params["wg"].dtype == gate_dt:
-        # a linear gate of x's dtype: its logits (linear_gate's mm), scores and routing in one native call that
-        # dispatches the same aten ops
-        res, logits, scores = _slots.route_gate(x, params["wg"], spec.score_fn == "sigmoid", k, norm, order, cap_fixed,
-                                                cap_limit, align, frac, width)
-        return _native_result(res, spec, logits, scores, logits, k, shape[0], E, alignment, bound, frac, width)
+        # a linear gate of x's dtype: its logits (linear_gate's mm), scores, routing and this function's result
+        # in one native call that dispatches the same aten ops
+        res = _slots.route_gate(x, params["wg"], spec.score_fn == "sigmoid", k, norm, order, cap_fixed, cap_limit,
+                                align, frac, width, bound, _RESULT_TYPES)
+        if type(res[0]) is int:
+            status = res[0] if res[0] != _ROUTE_PAST_BOUND else 0
+            _native_error(status, res[2], spec, k, shape[0], E, alignment, res[1])
+            raise AssertionError(f"route_gate status {res[0]} raised no error")
+        if frac and not width:   # the torch ops from the native counts
+            return res[0], res[1], gshard_loss(res[1].scores, None, fraction=res[2]), res[3]
+        return res
     by_token, noisy, choice, loss_scores = False, None, None, None
     # (matmul, softmax and sigmoid outputs are contiguous, as route_rows checks)
     if t in ("top", "cosine_top"):
@@ -886,7 +892,7 @@ def _native_result(res, spec: GateSpec, logits: Tensor, scores: Tensor, noisy, k
     """:func:`route_native`'s result from route_rows' tuple ``res`` (its errors raised as the torch path's)."""
     status, ids, gates, slots, counts, tokens, pairs, offsets, dropped, row_gates, bounds, C, share = res
     if status or C > bound:
-        _native_error(status, logits, spec, k, T, E, alignment, counts)
+        _native_error(status, logits, spec, k, T, E, alignment, int(counts.max()) if status == 0 else 1)
     t = spec.type
     if t == "gpt_oss":
         gates = torch.softmax(gates, dim=-1, dtype=gates.dtype).t().contiguous()   # [T, k] -> [k, T]
@@ -908,6 +914,9 @@ def _native_result(res, spec: GateSpec, logits: Tensor, scores: Tensor, noisy, k
 # T = 1..NATIVE_MAX_TOKENS per layer spec); cleared past _NATIVE_STATICS_MAX specs.
 _NATIVE_STATICS: dict = {}
 _NATIVE_STATICS_MAX = 256
+# the classes walks.cpp route_gate builds route_native's result from, and its status for a capacity past the bound
+_RESULT_TYPES = (Routing, KeptRows, RouterOutput)
+_ROUTE_PAST_BOUND = 3
 
 
 def _native_statics(params, x, spec: GateSpec, E: int, normalize, alignment: int, fraction):
@@ -973,13 +982,12 @@ def _router_params_fit(params, t: str, E: int, M: int) -> bool:
 
 
 def _native_error(status: int, logits: Tensor, spec: GateSpec, k: int, T: int, E: int, alignment: int,
-                  counts) -> None:
+                  max_load: int) -> None:
     """Raise the torch path's error for route_rows' status or a capacity past the bound."""
     if status == _slots.ROUTE_NON_FINITE:
         check_finite(logits, *_LOGITS)   # raises, naming the rows
     cf = _capacity_factor(spec.static_capacity_factor)
-    capacity_for(cf, num_tokens=T, num_experts=E, k=k, max_load=int(counts.max()) if status == 0 else 1,
-                 alignment=alignment)   # raises the torch path's error
+    capacity_for(cf, num_tokens=T, num_experts=E, k=k, max_load=max_load, alignment=alignment)   # the torch path's error
     if status:
         raise AssertionError(f"route_rows status {status} raised no error")
 

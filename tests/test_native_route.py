@@ -330,3 +330,18 @@ def test_loss_width_check_ignores_the_callers_defaults():
             assert _slots._check_loss_width(5, 64) == _slots.loss_width(5, 64) != 0
     finally:
         torch.set_default_dtype(prev)
+
+
+@pytest.mark.parametrize("kind", ["top", "qwen"])
+def test_native_route_capacity_errors_are_the_torch_paths(kind):
+    # a capped capacity of 0 (route_rows' status) and an alignment past the capacity bound (checked after
+    # the call): route_native raises what route raises ('top' through route_gate, qwen through route_rows)
+    for cf, alignment in ((-0.01, 1), (0.0, 10 ** 6)):
+        spec, params, g = _gate(kind, 2, 16, cf)
+        x = torch.randn(5, M, generator=g)
+        with torch.no_grad():
+            with pytest.raises(ValueError) as ref:
+                route(params, x, spec, num_experts=16, alignment=alignment)
+            with pytest.raises(ValueError) as got:
+                route_native(params, x, spec, num_experts=16, normalize=True, alignment=alignment, fraction=True)
+        assert str(got.value) == str(ref.value) and ("capacity is 0" in str(ref.value) or "bound" in str(ref.value))

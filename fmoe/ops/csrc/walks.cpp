@@ -487,13 +487,31 @@ py::tuple route_rows(const at::Tensor& sel, const at::Tensor& logits, int64_t k,
                         by_token ? py::object(none) : py::cast(row_gates), bounds, C, share);
 }
 
+// A Python object of class cls with the given attributes in its __dict__ and no __init__ run (as
+// object.__new__(cls) and __dict__.update in Python: fmoe.routing._trusted_routing's way of building a
+// value that is right by construction).
+py::object bare_object(py::handle cls, std::initializer_list<std::pair<const char*, py::object>> fields) {
+  static const py::tuple no_args;
+  PyObject* o = PyBaseObject_Type.tp_new(reinterpret_cast<PyTypeObject*>(cls.ptr()), no_args.ptr(), nullptr);
+  if (o == nullptr) throw py::error_already_set();
+  py::object obj = py::reinterpret_steal<py::object>(o);
+  py::dict d = obj.attr("__dict__");
+  for (const auto& f : fields) d[f.first] = f.second;
+  return obj;
+}
+
 // route_rows of a linear gate ('top', fmoe.routers.linear_gate with x and wg of one dtype): logits =
 // at::linear(x, wg) (linear_gate's x @ wg.t(): the same mm), scores = softmax(logits, -1) or sigmoid,
 // the gates in the scores' dtype, the loss of the scores; the same aten ops the Python path dispatches,
-// from here (one call from Python instead of three: a decode call's host work). Returns route_rows'
-// tuple, then the logits and scores.
+// from here (one call from Python instead of three: a decode call's host work). types: the classes
+// (Routing, KeptRows, RouterOutput), built here with fields route_rows made (no __init__ runs).
+// Returns fmoe.routers.route_native's (routing, router output, frac or loss, rows); or, where route_rows
+// fails or the capacity passes bound, (status: route_rows' or 3 for the bound, the largest load or 1,
+// logits) for route_native to raise the torch path's error from.
 py::tuple route_gate(const at::Tensor& x, const at::Tensor& wg, bool sigmoid, int64_t k, int64_t norm, int64_t order,
-                     int64_t cap_fixed, int64_t cap_limit, int64_t align, bool frac, int64_t loss_width) {
+                     int64_t cap_fixed, int64_t cap_limit, int64_t align, bool frac, int64_t loss_width, int64_t bound,
+                     const py::tuple& types) {
+  TORCH_CHECK(types.size() == 3, "fmoe route_gate: types must be (Routing, KeptRows, RouterOutput)");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && wg.dim() == 2 && wg.scalar_type() == x.scalar_type()
                   && wg.size(1) == x.size(1),
               "fmoe route_gate: x [T, M] and wg [E, M] must be CPU tensors of one dtype, got ", x.sizes(), " and ",
@@ -502,7 +520,28 @@ py::tuple route_gate(const at::Tensor& x, const at::Tensor& wg, bool sigmoid, in
   at::Tensor scores = sigmoid ? at::sigmoid(logits) : at::softmax(logits, -1);
   py::tuple r = route_rows(scores, logits, k, norm, order, scores.scalar_type(), false, cap_fixed, cap_limit, align,
                            frac, at::Tensor(), 1, 1, 1.0, scores, loss_width);
-  return py::make_tuple(r, logits, scores);
+  const int64_t status = r[0].cast<int64_t>(), C = r[11].cast<int64_t>();
+  if (status != 0 || C > bound) {
+    int64_t load = 1;
+    if (status == 0) {
+      const at::Tensor counts = r[4].cast<at::Tensor>();
+      const int64_t* c = counts.data_ptr<int64_t>();
+      load = counts.numel() ? *std::max_element(c, c + counts.numel()) : 0;
+    }
+    return py::make_tuple(status != 0 ? status : 3, load, logits);
+  }
+  const auto none = py::none();
+  py::object ids = r[1], gates = r[2];
+  py::object routing = bare_object(types[0], {{"expert_ids", ids}, {"slots", r[3]}, {"weights", gates},
+                                              {"counts", r[4]}, {"capacity", r[11]}, {"num_experts", py::int_(wg.size(0))}});
+  py::object rows = bare_object(types[1], {{"tokens", r[5]}, {"pairs", r[6]}, {"bounds", r[10]}, {"dropped", r[8]},
+                                           {"offsets", r[7]}, {"row_gates", r[9]}});
+  py::object lg = py::cast(logits);
+  py::object out = bare_object(types[2], {{"expert_ids", ids}, {"weights", gates}, {"logits", lg},
+                                          {"scores", py::cast(scores)}, {"noisy_logits", lg}, {"importance", none},
+                                          {"slots", none}, {"tokens", none}, {"capacity", none},
+                                          {"type", py::str("top")}});
+  return py::make_tuple(routing, out, r[12], rows);
 }
 
 // gshard_loss's torch ops on float32 scores [T, E] and fraction [E] in W's orders (torch_gshard_loss):
@@ -559,7 +598,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("loss_width"));
   m.def("route_gate", &route_gate, "route_rows of a linear gate's softmax or sigmoid scores (see above)",
         py::arg("x"), py::arg("wg"), py::arg("sigmoid"), py::arg("k"), py::arg("norm"), py::arg("order"),
-        py::arg("cap_fixed"), py::arg("cap_limit"), py::arg("align"), py::arg("frac"), py::arg("loss_width"));
+        py::arg("cap_fixed"), py::arg("cap_limit"), py::arg("align"), py::arg("frac"), py::arg("loss_width"),
+        py::arg("bound"), py::arg("types"));
   m.def("gshard_loss", &gshard_loss, "gshard_loss's torch ops in the orders of vector width W (see above)",
         py::arg("scores"), py::arg("fraction"), py::arg("width"), py::call_guard<py::gil_scoped_release>());
   m.def("mean0", &mean0, "s.mean(0) in the orders of vector width W", py::arg("s"), py::arg("width"),
