@@ -144,14 +144,15 @@ def test_bf16_rows_in_every_order_equal_the_unfused_composition(typ, fmt, gate_d
 
 
 def test_hidden_sizes_off_the_vector_width_and_threads():
-    # rows of 80 (nvfp4's 16-blocks): every silu row ends in a scalar tail of torch's loop; and
-    # one thread, where TensorIterator never splits
+    # rows of 80 (nvfp4's 16-blocks): every silu row ends in a scalar tail of torch's loop; T = 163
+    # (489 rows, 39120 hidden values, past TensorIterator's 32768 grain): on two threads it splits
+    # them at 19560, inside a vector step; and one thread, where it never splits
     for threads in (1, torch.get_num_threads()):
         old = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
             for typ in ("swiglu", "gated_ffn", "gpt_oss", "ffn"):
-                for T, dt in ((1, torch.float32), (64, torch.float32), (64, torch.bfloat16)):
+                for T, dt in ((1, torch.float32), (163, torch.float32), (163, torch.bfloat16)):
                     args = _case(typ, "nvfp4", T, hidden=80, activation=F.silu if typ == "ffn" else None, dt=dt)
                     assert torch.equal(kinds.run(*args[:5], args[5], b_in=args[6], b_out=args[7]),
                                        _unfused(*args, "fmoe", "auto")), (typ, T, dt, threads)
@@ -171,6 +172,18 @@ def test_moe_layer_takes_the_stage_and_keeps_its_output():
         y, _ = fmoe.moe(p, x, spec)
     y_ref, _ = fmoe.moe(p, x.clone().requires_grad_(), spec)
     assert torch.equal(y, y_ref.detach())
+
+
+def test_non_contiguous_packed_weights_are_read_as_their_values():
+    # a QuantizedTensor whose data and scales are strided views (every other expert of a larger
+    # one) runs the stage as the unfused path runs it (which copies them contiguous)
+    form, x, w_rows, plan, w_in, w_out, b_in, b_out = _case("swiglu", "mxfp4", 9)
+    big = Q.quantize(torch.randn(2 * E, 2 * 128, M, generator=torch.Generator().manual_seed(9)), "mxfp4")
+    view = Q.QuantizedTensor(big.data[::2], big.scales[::2], None, "mxfp4", (E, 2 * 128, M), big.block)
+    assert not view.data.is_contiguous()
+    act = kinds.fused_stage(form, x, w_rows, plan, (view,), w_out, b_in, b_out)
+    y = kinds.run_fused(act, form, x, w_rows, plan, (view,), w_out, b_in, b_out, "fmoe")
+    assert torch.equal(y, _unfused(form, x, w_rows, plan, (view,), w_out, b_in, b_out, "fmoe", "auto"))
 
 
 def test_what_keeps_todays_path():

@@ -139,7 +139,8 @@ def fused_stage(form: ExpertForm, x: Tensor, w_rows: Optional[Tensor], plan: Exp
     dt = x.dtype
     if ((dt is not torch.float32 and dt is not torch.bfloat16) or x.device.type != "cpu" or x.stride(1) != 1
             or w_rows is None or (w_rows.dtype is not torch.float32 and w_rows.dtype is not dt)
-            or plan.bounds is None or plan.in_order or plan.precision is not None):
+            or not w_rows.is_contiguous() or plan.bounds is None or plan.in_order or plan.precision is not None
+            or not plan.tokens.is_contiguous()):
         return None
     if form.form == "gpt_oss":
         act = "gpt_oss" if len(w_in) == 1 else None

@@ -291,17 +291,19 @@ _STAGE_ORDERS = {"fmoe": 0, "eager": 1, "grouped": 2}
 
 def _weight_operands(w: QuantizedTensor):
     """(data, scales, table, gscale or an empty tensor, (fp4, bn, bk)) as the fused stage reads
-    them: the stored tensors themselves (one-byte dtypes are read as bytes), no view or copy."""
+    them: the stored tensors themselves (one-byte dtypes are read as bytes; a copy only of a
+    non-contiguous one)."""
     fmt = w.fmt
+    d = w.data if w.data.is_contiguous() else w.data.contiguous()
+    s = w.scales if w.scales.is_contiguous() else w.scales.contiguous()
     if fmt in FP4_FORMATS:
         gs = w.global_scale
         if gs is not None and not (gs.dtype == torch.float32 and gs.is_contiguous()):
             gs = gs.float().contiguous()
-        return (w.data, w.scales, C.E8M0_TABLE if fmt == "mxfp4" else C.E4M3_TABLE,
-                _NO_GSCALE if gs is None else gs, (1, 1, w.block[1]))
+        return d, s, C.E8M0_TABLE if fmt == "mxfp4" else C.E4M3_TABLE, _NO_GSCALE if gs is None else gs, (1, 1, w.block[1])
     if fmt == "mxfp8":
-        return w.data, w.scales, C.E8M0_TABLE, _NO_GSCALE, (0, 1, 32)
-    return w.data, w.scales, C.E8M0_TABLE, _NO_GSCALE, (0, *w.block)
+        return d, s, C.E8M0_TABLE, _NO_GSCALE, (0, 1, 32)
+    return d, s, C.E8M0_TABLE, _NO_GSCALE, (0, *w.block)
 
 
 _NO_GSCALE = torch.empty(0)
@@ -364,8 +366,6 @@ def expert_stage(x: Tensor, tokens: Tensor, offsets: Tensor, gates: Tensor, w_in
         raise TypeError(f"expert_stage: x must be a float32 or bfloat16 CPU tensor, got "
                         f"{getattr(x, 'dtype', type(x).__name__)}")
     ops = [_weight_operands(w) for w in ws]
-    if not all(t.is_contiguous() for op in ops for t in op[:2]):
-        raise ValueError("expert_stage: the packed weights' data and scales must be contiguous")
     if isa not in ("auto", "portable") and ISAS[isa] > ISAS[best_isa()]:
         raise ValueError(f"expert_stage: isa={isa!r} is not supported by this CPU (widest: {best_isa()!r}); "
                          f"pass isa='auto'")

@@ -1450,7 +1450,10 @@ void stage_combine(const float* yr, const int64_t* tokens, int order, const int6
                    const int64_t* tok_start, const int64_t* tok_rows, const int64_t* row_expert, const float* gates,
                    bool gates_bf16, const float* b_out, float* y, uint16_t* y16, int64_t T, int64_t N, int64_t O) {
   const auto rd = [](float v) { return BF16 ? bf16_round(v) : v; };
-  at::parallel_for(0, O, 256, [&](int64_t c0, int64_t c1) {
+  // a decode call's few rows in one block on the calling thread: a parallel region costs more
+  // than the adds (and, on a busy host, waits for a descheduled thread)
+  const int64_t grain = N * O < (int64_t(1) << 16) ? O : 256;
+  at::parallel_for(0, O, grain, [&](int64_t c0, int64_t c1) {
     const int64_t w = c1 - c0;
     std::vector<float> acc(static_cast<size_t>(BF16 ? T * w : 0));
     float* a = BF16 ? acc.data() : nullptr;
@@ -1630,10 +1633,12 @@ at::Tensor packed_expert_stage(const at::Tensor& x, const at::Tensor& tokens, co
   const int best = best_isa();
   TORCH_CHECK_VALUE(isa >= 0 && isa <= best, "isa ", isa, " is not supported by this CPU (best: ", best, ")");
   // exp's vector width is torch's (its CPU capability, exp_isa), not the GEMMs' isa: h is then
-  // what torch's silu / sigmoid compute here, whichever GEMM path runs
-  TORCH_CHECK_VALUE(exp_isa >= kPortable && exp_isa <= best, "exp_isa ", exp_isa, " is not supported by this CPU");
-  const int exp_vec = (exp_isa == kAvx512 && Sleef_expf16_u10 != nullptr) ? kAvx512
-                      : (exp_isa == kAvx2 && Sleef_expf8_u10 != nullptr) ? kAvx2 : kPortable;
+  // what torch's silu / sigmoid compute here, whichever GEMM path runs (never wider than this
+  // CPU runs: a capability this file does not see would take the narrower exp, within 1 ulp)
+  TORCH_CHECK_VALUE(exp_isa >= kPortable && exp_isa <= kAvx512, "exp_isa must be 1, 2 or 3, got ", exp_isa);
+  const int64_t exp_level = std::min<int64_t>(exp_isa, best);
+  const int exp_vec = (exp_level == kAvx512 && Sleef_expf16_u10 != nullptr) ? kAvx512
+                      : (exp_level == kAvx2 && Sleef_expf8_u10 != nullptr) ? kAvx2 : kPortable;
 
   // the expert of each row (biases): from the offsets, no search
   std::vector<int64_t> row_expert;
