@@ -811,7 +811,12 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
     additions and one IEEE division, so ids, gates, slots and counts equal :func:`route`'s bit for
     bit (tests/test_native_route.py). gpt_oss's softmax over the k selected logits stays a torch op;
     deepseek's sigmoid and bias add are torch ops, its group-limited selection, normalisation and
-    scaling native (torch's float ops with its Python scalars rounded to float).
+    scaling native (torch's float ops with its Python scalars rounded to float). A 'top' gate whose
+    weight has x's dtype runs its GEMM and softmax (or sigmoid) inside the native call (walks.cpp
+    ``route_gate``: the same aten ops, dispatched from C++), which also builds the result's objects.
+    Per-call statics (k, capacity formulas, the loss's width) are cached per spec, E, x's shape and
+    dtype, normalize, alignment and fraction; the parameters are checked on every call. Nothing
+    returned carries a gradient: the caller runs it only where none is needed (:func:`native_applies`).
 
     Returns:
         (routing, router output, l_aux, rows): l_aux is the GShard loss
