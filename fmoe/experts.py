@@ -44,9 +44,8 @@ from .engine import plan as _plan
 from .engine import traced as _traced
 from .layout import make_layout
 
-__all__ = ["ExpertSpec", "ParamLayout", "EXPERT_PARAMS", "EXPERT_TYPES", "ffn", "gated_ffn", "swiglu",
-           "gpt_oss", "apply_experts", "routed_experts", "apply_form", "expert_form", "expert_dtype", "init_experts", "expert_matmul", "shard_axes", "swiglu_mlp",
-           "shared_experts"]
+__all__ = ["ExpertSpec", "EXPERT_PARAMS", "EXPERT_TYPES", "ffn", "gated_ffn", "swiglu", "gpt_oss", "apply_experts",
+           "routed_experts", "expert_form", "expert_dtype", "init_experts", "expert_matmul", "shared_experts"]
 
 EXPERT_TYPES = ("ffn", "gated_ffn", "swiglu", "gpt_oss", "custom")
 

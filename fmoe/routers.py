@@ -70,12 +70,10 @@ from .routing import KeptRows, capacity_for, check_finite
 from .losses import gshard_loss
 
 __all__ = [
-    "ROUTER_TYPES", "GATE_TYPES", "SCORE_FNS", "GateSpec", "RouterOutput",
-    "init_router", "check_router_params", "router_forward", "route", "expert_choice_capacity",
+    "ROUTER_TYPES", "GateSpec", "RouterOutput", "init_router", "router_forward", "route", "expert_choice_capacity",
     "sinkhorn_balance",
     # Tutel gates
-    "linear_gate", "cosine_gate", "gate_logits", "add_gate_noise", "scores_from_logits",
-    "init_linear_gate", "init_cosine_gate",
+    "linear_gate", "cosine_gate",
     # architecture routers
     "qwen_topk", "deepseek_topk", "gpt_oss_topk", "mixtral_topk", "mixtral_jitter",
 ]

@@ -28,13 +28,10 @@ __all__ = [
     "Routing",
     "top_k",
     "assign_slots",
-    "assign_slots_torch",
     "capacity_for",
     "make_routing",
     "top_k_routing",
     "validate_routing",
-    "capacity_bound",
-    "MAX_CAPACITY_PER_PAIR",
 ]
 
 
