@@ -160,6 +160,35 @@ def test_hidden_sizes_off_the_vector_width_and_threads():
             torch.set_num_threads(old)
 
 
+_OTHER_CAPABILITY = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import test_packed_fused as t
+assert torch.backends.cpu.get_cpu_capability() == {cap!r}, torch.backends.cpu.get_cpu_capability()
+for typ in ("swiglu", "gpt_oss"):
+    for T, dt in ((163, torch.float32), (163, torch.bfloat16)):
+        args = t._case(typ, "nvfp4", T, hidden=80, dt=dt)
+        got = t.kinds.run(*args[:5], args[5], b_in=args[6], b_out=args[7])
+        assert torch.equal(got, t._unfused(*args, "fmoe", "auto")), (typ, T, dt)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("cap", ["AVX2", "DEFAULT"])
+def test_the_activation_follows_torchs_own_vector_width(cap):
+    # torch run at a narrower CPU capability (ATEN_CPU_CAPABILITY, read at its start: a child
+    # process) vectorizes silu / sigmoid at that width (or not at all); the stage's exp follows it
+    import os
+    import subprocess
+    import sys
+    if cap == "AVX2" and packed.ISAS[_BEST] < packed.ISAS["avx2"]:
+        pytest.skip("this CPU has no AVX2")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=cap.lower())
+    code = _OTHER_CAPABILITY.format(tests=os.path.dirname(os.path.abspath(__file__)), cap=cap)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def test_moe_layer_takes_the_stage_and_keeps_its_output():
     # fmoe.moe under no_grad on packed experts: the default (fused) path against the same call with
     # the stage refused (grad enabled on x, which sends it through today's composition)
