@@ -1,42 +1,10 @@
-"""The vmapped sweep's fold (fmoe.engine.traced._shared_pairs): its bag sums written in place by one
-numba kernel equal F.embedding_bag's, and the huge-page advice on its output touches only whole
-2 MiB pages inside that output's storage."""
+"""The vmapped sweep's fold (fmoe.engine.traced._shared_pairs): the huge-page advice on its output
+touches only whole 2 MiB pages inside that output's fresh storage."""
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.nn.functional as F
 
 from fmoe.engine import traced
-
-
-def _bags(dtype, n_bags=37, R=23, n=19, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    per = torch.randint(0, 5, (n_bags,), generator=g)
-    per[[0, 5, n_bags - 1]] = 0   # empty bags: first, inside, last
-    first = torch.zeros(n_bags + 1, dtype=torch.int64)
-    torch.cumsum(per, 0, out=first[1:])
-    P = int(first[-1])
-    src = torch.randn(R, n, generator=g, dtype=dtype)
-    return src, torch.randint(0, R, (P,), generator=g), first, torch.randn(P, generator=g, dtype=dtype)
-
-
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-14), (torch.float32, 1e-6)])
-def test_bags_into_equals_embedding_bag(dtype, tol):
-    """Each bag the weighted sum of its rows (empty bags zero), written into the given rows of y,
-    on the numba kernel (contiguous out) and on the embedding-bag fallback (a strided out)."""
-    src, rows, first, w = _bags(dtype)
-    want = F.embedding_bag(rows, src, first[:-1], mode="sum", per_sample_weights=w)
-    y = torch.full((first.numel() + 3, src.shape[1]), float("nan"), dtype=dtype)
-    out = y[2:2 + first.numel() - 1]
-    assert traced._bags_into(out, src, rows, first, w) is out
-    torch.testing.assert_close(out, want, rtol=tol, atol=tol)
-    assert (out[[0, 5, -1]] == 0).all() and y[:2].isnan().all() and y[-2:].isnan().all()
-    wide = torch.full((first.numel() - 1, 2 * src.shape[1]), float("nan"), dtype=dtype)
-    strided = wide[:, ::2]
-    traced._bags_into(strided, src, rows, first, w)
-    torch.testing.assert_close(strided, want, rtol=tol, atol=tol)
-    assert wide[:, 1::2].isnan().all()
 
 
 def test_huge_pages_advises_whole_pages_inside_the_storage(monkeypatch):

@@ -32,8 +32,6 @@ import ctypes
 import sys
 from typing import Optional
 
-import numpy as np
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -458,37 +456,16 @@ def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: in
             del z
         # y[bag] = the sum over its kept pairs, in ascending expert order, of gate * row output
         # (no [bags, O] term per pair); a key token's bags read the same rows one after another
+        part = F.embedding_bag(rows[p0:p1] - r0, y_b, first[bag_cut[b]:bag_cut[b + 1]] - p0, mode="sum",
+                               per_sample_weights=w_pair[p0:p1].to(y_b.dtype))
         if differentiable:
-            parts.append(F.embedding_bag(rows[p0:p1] - r0, y_b, first[bag_cut[b]:bag_cut[b + 1]] - p0, mode="sum",
-                                         per_sample_weights=w_pair[p0:p1].to(y_b.dtype)))
+            parts.append(part)
         else:
-            _bags_into(y[bag_cut[b]:bag_cut[b + 1]], y_b, rows[p0:p1] - r0,
-                       first[bag_cut[b]:bag_cut[b + 1] + 1] - p0, w_pair[p0:p1].to(y_b.dtype))
-        del y_b
+            y[bag_cut[b]:bag_cut[b + 1]] = part
+        del y_b, part
     if differentiable:
         y = torch.cat(parts)
     return (y.view(T, B, -1), 1) if per_key > 1 else (y.view(B, T, -1), 0)
-
-
-def _plain(*ts: Tensor) -> bool:
-    return not any(_functorch.is_functorch_wrapped_tensor(t) for t in ts)
-
-
-def _bags_into(out: Tensor, src: Tensor, rows: Tensor, first: Tensor, w: Tensor) -> Tensor:
-    """out [n_bags, n] = each bag's weighted sum of rows of src [R, n]: bag i sums w[p] *
-    src[rows[p]] over its pairs p in [first[i], first[i+1]), in p order (an empty bag: zeros).
-    rows int64 [P] in [0, R), first int64 [n_bags + 1] ascending from 0 to P, w [P] in src's
-    dtype: the fold builds them so. On the CPU (float32/64, plain tensors) one numba kernel
-    writes out in place (:mod:`._bags_numba`); elsewhere ``F.embedding_bag``, copied in."""
-    if (out.device.type == "cpu" and src.dtype in (torch.float32, torch.float64) and out.is_contiguous()
-            and _plain(out, src, rows, first, w)):
-        from .. import _numba
-        from ._bags_numba import weighted_bags
-        v = [np.from_dlpack(t.contiguous()) for t in (src, rows, first, w)]
-        with _numba.kernel_call():
-            weighted_bags(np.from_dlpack(out), *v)
-        return out
-    return out.copy_(F.embedding_bag(rows, src, first[:-1], mode="sum", per_sample_weights=w))
 
 
 _MADV_HUGEPAGE = 14   # linux/mman.h
