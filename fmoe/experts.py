@@ -139,6 +139,12 @@ class ExpertSpec:
         precision: None, a name such as 'fp8_block' / 'mxfp4' / 'nvfp4', or a
             :class:`fmoe.quant.training.TrainPrecision`: run the expert GEMMs of float master
             weights quantized in forward and backward (quantized training).
+        int8_activations: packed MXFP4 / NVFP4 experts at inference multiply the rows rounded to
+            int8 per 32-element block (scale amax / 127) with integer dot products (AVX-512 VNNI),
+            as llama.cpp's Q8 activations: |error| <= |W| @ (d / 2) per row over the blocks'
+            scales d, about 1 % of the layer output (BENCHMARKS.md). Only on the fused packed
+            stage (an eager no-grad CPU call on one process, every expert weight packed FP4 with
+            input widths that are multiples of 128, a VNNI CPU); any other call raises.
     """
 
     type: str = "ffn"
@@ -153,6 +159,7 @@ class ExpertSpec:
     init: Optional[Callable] = None
     precision: Any = None
     takes_plan: bool = False
+    int8_activations: bool = False
 
     def __post_init__(self):
         if self.type == "llama_ffn":  # Tutel's name for the same SwiGLU expert
@@ -167,6 +174,11 @@ class ExpertSpec:
             raise ValueError(f"hidden_size must be a positive int, got {self.hidden_size!r}")
         if self.takes_plan and self.type != "custom":
             raise ValueError(f"takes_plan is for custom experts; {self.type!r} experts run on the engine already")
+        if not isinstance(self.int8_activations, bool):
+            raise TypeError(f"int8_activations must be a bool, got {self.int8_activations!r}")
+        if self.int8_activations and (self.type == "custom" or self.precision is not None):
+            raise ValueError("int8_activations is for built-in experts with packed weights at inference; it does not "
+                             f"combine with type={self.type!r} / precision={self.precision!r}")
         if isinstance(self.precision, str):
             from .quant import training as _qt  # validates the name; keeps the spec hashable
             object.__setattr__(self, "precision", _qt.recipe_from_name(self.precision))
@@ -253,8 +265,10 @@ def _form(spec: "ExpertSpec", in_transposed: bool, out_transposed: bool) -> Expe
     """The :class:`~fmoe.engine.ExpertForm` of a built-in kind: a pure function of the frozen spec
     and the two flags."""
     if spec.type == "gpt_oss":
-        return ExpertForm("gpt_oss", in_transposed, out_transposed, alpha=spec.alpha, limit=spec.limit)
-    return ExpertForm("ffn" if spec.type == "ffn" else "glu", in_transposed, out_transposed, activation=spec.act())
+        return ExpertForm("gpt_oss", in_transposed, out_transposed, alpha=spec.alpha, limit=spec.limit,
+                          int8=spec.int8_activations)
+    return ExpertForm("ffn" if spec.type == "ffn" else "glu", in_transposed, out_transposed, activation=spec.act(),
+                      int8=spec.int8_activations)
 
 
 _cached_form = functools.lru_cache(maxsize=256)(_form)
@@ -391,6 +405,8 @@ def routed_experts(spec: ExpertSpec, params, x: Tensor, routing, *, layout_kind:
                              "use takes_plan=False (padded [E, C, M] buffers) there")
         door = "rows"
     if door == "traced":
+        if spec.int8_activations:
+            raise ValueError(_kinds.int8_refusal("this call is traced (torch.compile or a torch.func transform)"))
         y = _traced.run(kw["form"], x, routing, kw["w_in"], kw["w_out"], b_in=kw["b_in"], b_out=kw["b_out"],
                         order=order, save=save)
         return y, routing.num_dropped()

@@ -523,6 +523,9 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
         if routing is not None:
             _check_replay(routing, x.numel() // spec.model_dim, spec, alignment)
     else:
+        if spec.experts.int8_activations:   # the same spec on every rank: each raises, before any collective
+            from .engine.kinds import int8_refusal
+            raise ValueError(int8_refusal(f"this call is expert parallel over {comm.size} ranks"))
         from . import parallel as _par  # distributed path lives in its own module
         parallel = parallel or _par.ParallelSpec()
 

@@ -231,7 +231,7 @@ def test_int8_activations_within_the_rounding_of_their_blocks(fmt):
 
 def test_int8_activations_refuse_what_they_cannot_run():
     w = Q.quantize(torch.randn(2, 8, 96), "fp8_block")
-    with pytest.raises(ValueError, match="activations='int8' needs mxfp4/nvfp4 weights"):
+    with pytest.raises(ValueError, match=r"int8 activations need MXFP4/NVFP4 weights .* \[\('fp8_block', 96\)\]"):
         packed.grouped_matmul(torch.randn(2, 96), w, _offsets([1, 1]), activations="int8")
     with pytest.raises(ValueError, match="activations must be 'float' or 'int8'"):
         packed.grouped_matmul(torch.randn(2, 96), w, _offsets([1, 1]), activations="int4")

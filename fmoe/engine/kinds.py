@@ -70,6 +70,8 @@ class ExpertForm:
         out_transposed: the out-projection is [E, O, H] rather than [E, H, O].
         activation: the elementwise callable of 'ffn' and 'glu'.
         alpha, limit: GPT-OSS's constants.
+        int8: packed FP4 weights multiply int8-rounded rows (``ExpertSpec.int8_activations``;
+            the fused packed stage only, :func:`fused_stage`).
     """
 
     form: str
@@ -78,6 +80,7 @@ class ExpertForm:
     activation: Callable[[Tensor], Tensor] = F.silu
     alpha: float = 1.702
     limit: float = 7.0
+    int8: bool = False
 
     def __post_init__(self):
         if self.form not in FORMS:
@@ -160,6 +163,13 @@ def fused_stage(form: ExpertForm, x: Tensor, w_rows: Optional[Tensor], plan: Exp
     return act if packed.AVAILABLE else None
 
 
+def int8_refusal(why: str) -> str:
+    """The error of an ``int8_activations`` call that the fused packed stage does not take."""
+    return ("ExpertSpec(int8_activations=True) runs on the fused packed inference stage only: an eager no-grad CPU "
+            "call on one process whose expert weights are all packed (MXFP4 / NVFP4), with gates and a built-in "
+            f"activation (fmoe.engine.kinds.fused_stage); {why}. Use int8_activations=False for this call")
+
+
 def run_fused(act: str, form: ExpertForm, x: Tensor, w_rows: Tensor, plan: ExpertPlan, w_in: tuple, w_out,
               b_in: Optional[Tensor], b_out: Optional[Tensor], order: str, *, isa: str = "auto",
               buffers: tuple = ()) -> Tensor:
@@ -170,7 +180,8 @@ def run_fused(act: str, form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Exper
     if order == "eager" and x.dtype is torch.bfloat16:   # the slots of _accumulate's [k, T, O] buffer
         T, N = plan.num_tokens, plan.num_rows
         k = plan.num_slots or (int(plan.pairs.max()) // T + 1 if N else 1)
-    return packed.expert_stage(x, plan.tokens, plan.offsets, w_rows, w_in, w_out, act=act, b_in=b_in, b_out=b_out,
+    return packed.expert_stage(x, plan.tokens, plan.offsets, w_rows, w_in, w_out, act=act,
+                               activations="int8" if form.int8 else "float", b_in=b_in, b_out=b_out,
                                order=order, pairs=plan.pairs if order == "grouped" else None, num_slots=k,
                                alpha=form.alpha, limit=form.limit, isa=isa, buffers=buffers)
 
@@ -627,6 +638,10 @@ def run(form: ExpertForm, x: Tensor, w_rows: Optional[Tensor], plan: Union[Exper
     if save not in SAVES:
         raise ValueError(f"save must be one of {SAVES}, got {save!r}")
     packed = packed_rows(plan, w_in, w_out)
+    if form.int8 and (isinstance(plan, LayoutPlan) or not packed):
+        raise ValueError(int8_refusal("this call runs on a layout plan (a traced or vmapped call with packed "
+                                      "weights, plan='layout' or pre-scored gates)" if isinstance(plan, LayoutPlan) else
+                                      "this call's expert weights are float tensors"))
     # packed weights without a recipe take the table's packed kernel per projection (_rows_mm)
     float_gemms = isinstance(plan, LayoutPlan) or plan.precision is not None or not packed
     kern = kernel if kernel is not None or not float_gemms else select(plan, _matrix_bytes(w_out), generator=generator)
@@ -649,6 +664,9 @@ def run(form: ExpertForm, x: Tensor, w_rows: Optional[Tensor], plan: Union[Exper
     act = fused_stage(form, x, w_rows, plan, w_in, w_out, b_in, b_out) if packed else None
     if act is not None:   # the whole packed stage in one native call, the same bits
         return run_fused(act, form, x, w_rows, plan, w_in, w_out, b_in, b_out, order)
+    if form.int8:
+        raise ValueError(int8_refusal("this call needs a gradient, has expert parallel's rows, float weights beside "
+                                      "packed ones or a custom activation"))
     return reference(form, x, w_rows, plan, w_in, b_in, w_out, b_out, order, mm=_rows_mm(kern, plan, generator))
 
 

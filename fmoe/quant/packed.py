@@ -209,6 +209,18 @@ def has_int8_path() -> bool:
     return AVAILABLE and bool(_EXT.has_vnni())
 
 
+def check_int8_weights(where: str, ws) -> None:
+    """Raise ValueError unless int8 activations can multiply every packed weight of ``ws`` here:
+    MXFP4 / NVFP4 weights whose K (the rows' width) is a multiple of 128, on an AVX-512 VNNI CPU."""
+    bad = [(w.fmt, w.shape[-1]) for w in ws if w.fmt not in FP4_FORMATS or w.shape[-1] % 128]
+    if bad:
+        raise ValueError(f"{where}: int8 activations need MXFP4/NVFP4 weights whose input width is a multiple of "
+                         f"128; got (format, width) {bad}: use float activations for these weights")
+    if not has_int8_path():
+        raise ValueError(f"{where}: int8 activations need the native packed kernel on an AVX-512 VNNI CPU "
+                         f"({status()}; VNNI: {AVAILABLE and bool(_EXT.has_vnni())}): use float activations here")
+
+
 def _run(a: Tensor, w: QuantizedTensor, offsets: Tensor, isa: str, impl: str, act: str = "float") -> Tensor:
     # the offsets' values are checked by whichever path reads them (the extension checks its own)
     if act == "int8":
@@ -268,10 +280,8 @@ def grouped_matmul(a: Tensor, w: QuantizedTensor, offsets: Tensor, *, isa: str =
                          f"pass isa='auto'")
     if activations not in ("float", "int8"):
         raise ValueError(f"grouped_matmul: activations must be 'float' or 'int8', got {activations!r}")
-    if activations == "int8" and not (has_int8_path() and w.fmt in FP4_FORMATS and a.shape[1] % 128 == 0):
-        raise ValueError(f"grouped_matmul: activations='int8' needs mxfp4/nvfp4 weights (got {w.fmt}), K % 128 == 0 "
-                         f"(got K={a.shape[1]}) and the extension on an AVX-512 VNNI CPU ({status()}); use "
-                         f"activations='float'")
+    if activations == "int8":
+        check_int8_weights("grouped_matmul", (w,))
     if not (a.requires_grad and torch.is_grad_enabled()):
         # nothing to differentiate: skip the autograd.Function (its bookkeeping costs a decode
         # step more than the validation does)
@@ -315,7 +325,8 @@ _EXP_ISA = {"AVX512": ISAS["avx512"], "AVX2": ISAS["avx2"]}.get(torch.backends.c
 
 def expert_stage(x: Tensor, tokens: Tensor, offsets: Tensor, gates: Tensor, w_in: tuple, w_out: QuantizedTensor, *,
                  act: str, b_in=None, b_out=None, order: str = "fmoe", pairs=None, num_slots: int = 0,
-                 alpha: float = 1.702, limit: float = 7.0, isa: str = "auto", buffers: tuple = ()) -> Tensor:
+                 alpha: float = 1.702, limit: float = 7.0, isa: str = "auto", buffers: tuple = (),
+                 activations: str = "float") -> Tensor:
     """A rows plan's whole expert stage over packed weights in ONE native call (forward only).
 
         x_r = x[tokens];  z_i = x_r @ dequant(w_in[i]).T per expert;  z_0 += b_in[e]
@@ -336,6 +347,8 @@ def expert_stage(x: Tensor, tokens: Tensor, offsets: Tensor, gates: Tensor, w_in
             pair index j * T + t, int64 [N]).
         isa: as :func:`grouped_matmul`'s. buffers: () or float32 [N, H'] per in-projection and
             [N, H] for h, which the call computes in (tests read z and h from them).
+        activations: "float", or "int8": both GEMMs as :func:`grouped_matmul`'s
+            ``activations="int8"`` (FP4 weights, M and H multiples of 128, an AVX-512 VNNI CPU).
     Returns:
         y [T, O] in x's dtype; a token with no row is 0.
 
@@ -369,11 +382,15 @@ def expert_stage(x: Tensor, tokens: Tensor, offsets: Tensor, gates: Tensor, w_in
     if isa not in ("auto", "portable") and ISAS[isa] > ISAS[best_isa()]:
         raise ValueError(f"expert_stage: isa={isa!r} is not supported by this CPU (widest: {best_isa()!r}); "
                          f"pass isa='auto'")
+    if activations not in ("float", "int8"):
+        raise ValueError(f"expert_stage: activations must be 'float' or 'int8', got {activations!r}")
+    if activations == "int8":
+        check_int8_weights("expert_stage", ws)
     return _EXT.packed_expert_stage(x, tokens, offsets, gates, pairs, _STAGE_ORDERS[order], num_slots,
                                     [op[0] for op in ops], [op[1] for op in ops], [op[2] for op in ops],
                                     [op[3] for op in ops], [v for op in ops for v in op[4]], C.E4M3_TABLE, b_in,
                                     b_out, STAGE_ACTS[act], alpha, limit, ISAS[isa], DENSE_FROM, _EXP_ISA,
-                                    list(buffers))
+                                    list(buffers), activations == "int8")
 
 
 _try_load()

@@ -1526,12 +1526,13 @@ void add_bias_rows(float* z, const at::Tensor& b, const int64_t* row_expert, int
 }
 
 // One GEMM of the stage: out [R, N] float32 from a32 (and its bf16 twin a16 where grouped_matmul
-// hands bf16 rows to the kernel: FP4 or float-scaled weights), rounded to bf16 for bf16 rows.
+// hands bf16 rows to the kernel: FP4 or float-scaled weights), rounded to bf16 for bf16 rows;
+// act_int8: the rows rounded to int8 per 32-block, as grouped_matmul(activations="int8").
 void stage_gemm(Params& p, const at::Tensor& a32, const c10::optional<at::Tensor>& a16, const int64_t* o, int64_t E,
-                int64_t isa, int64_t dense_from, const at::Tensor& out) {
+                int64_t isa, int64_t dense_from, bool act_int8, const at::Tensor& out) {
   const bool bf16 = a16.has_value();
   const c10::optional<at::Tensor> none;
-  grouped_run(p, a32, o, E, isa, dense_from, false, bf16 && (p.fp4 || p.sf != nullptr) ? a16 : none, out);
+  grouped_run(p, a32, o, E, isa, dense_from, act_int8, bf16 && (p.fp4 || p.sf != nullptr) ? a16 : none, out);
   if (bf16) round_bf16_inplace(out.data_ptr<float>(), out.numel());
 }
 
@@ -1546,7 +1547,7 @@ at::Tensor packed_expert_stage(const at::Tensor& x, const at::Tensor& tokens, co
                                const at::Tensor& e4m3, const c10::optional<at::Tensor>& b_in,
                                const c10::optional<at::Tensor>& b_out, int64_t act, double alpha, double limit,
                                int64_t isa, int64_t dense_from, int64_t exp_isa,
-                               const std::vector<at::Tensor>& buffers) {
+                               const std::vector<at::Tensor>& buffers, bool act_int8) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK_VALUE((bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.stride(1) == 1 &&
                         x.stride(0) >= x.size(1), "x must be float32 or bfloat16 [T, M] with unit column stride");
@@ -1673,7 +1674,7 @@ at::Tensor packed_expert_stage(const at::Tensor& x, const at::Tensor& tokens, co
   std::vector<at::Tensor> z;
   for (size_t i = 0; i < n_in; ++i) {
     z.push_back(stage_buffer(buffers, i, N, ps[i].N));
-    stage_gemm(ps[i], xr, xr16, o, E, isa, dense_from, z[i]);
+    stage_gemm(ps[i], xr, xr16, o, E, isa, dense_from, act_int8, z[i]);
   }
   if (b_in.has_value()) add_bias_rows(z[0].data_ptr<float>(), *b_in, row_expert.data(), N, ps[0].N, bf16);
   at::Tensor h = stage_buffer(buffers, n_in, N, H);
@@ -1685,7 +1686,7 @@ at::Tensor packed_expert_stage(const at::Tensor& x, const at::Tensor& tokens, co
       h.data_ptr<float>(), bf16 ? reinterpret_cast<uint16_t*>(h16->data_ptr()) : nullptr, tmp.data_ptr<float>(), N, H,
       static_cast<float>(alpha), static_cast<float>(limit), exp_vec);
   at::Tensor yr = at::empty({N, O}, at::kFloat);
-  stage_gemm(ps[n_in], h, h16, o, E, isa, dense_from, yr);
+  stage_gemm(ps[n_in], h, h16, o, E, isa, dense_from, act_int8, yr);
   // the out-projection's bias: added inside the combine (stage_combine's term), as a float32
   // copy for bf16 (exact)
   at::Tensor bo32;
