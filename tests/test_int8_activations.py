@@ -133,3 +133,51 @@ def test_int8_activations_spec_checks():
         fmoe.ExpertSpec(type="swiglu", hidden_size=8, int8_activations=1)
     with pytest.raises(ValueError, match="does not combine with"):
         fmoe.ExpertSpec(type="swiglu", hidden_size=8, int8_activations=True, precision="mxfp4")
+
+
+def _gpt_oss_block(H=128, I=128):
+    from fmoe.models import GptOssBlockConfig
+    cfg = GptOssBlockConfig(hidden_size=H, num_experts=E, top_k=2, intermediate_size=I)
+    g = torch.Generator().manual_seed(3)
+    experts = {"gate_up_proj": Q.quantize(torch.randn(E, 2 * I, H, generator=g) * 0.05, "mxfp4"),
+               "gate_up_proj_bias": torch.randn(E, 2 * I, generator=g) * 0.1,
+               "down_proj": Q.quantize(torch.randn(E, H, I, generator=g) * 0.05, "mxfp4"),
+               "down_proj_bias": torch.randn(E, H, generator=g) * 0.1}
+    params = {"router": {"weight": torch.randn(E, H, generator=g), "bias": torch.randn(E, generator=g)},
+              "experts": experts}
+    return cfg, params, torch.randn(3, H, generator=g)
+
+
+@vnni
+def test_architecture_blocks_pass_int8_activations_to_the_experts():
+    from fmoe.models import gpt_oss
+    cfg, params, x = _gpt_oss_block()
+    with torch.no_grad():
+        y8, _ = gpt_oss.moe_block(params, x, cfg, int8_activations=True)
+        yf, _ = gpt_oss.moe_block(params, x, cfg)
+        spec8 = dataclasses.replace(gpt_oss.moe_spec(cfg), experts=dataclasses.replace(gpt_oss.moe_spec(cfg).experts,
+                                                                                        int8_activations=True))
+        ref, _ = fmoe.moe({"gate": {"wg": params["router"]["weight"], "bias": params["router"]["bias"]},
+                           "experts": params["experts"]}, x, spec8)
+    assert torch.equal(y8, ref) and not torch.equal(y8, yf)
+
+
+def test_architecture_blocks_refuse_int8_activations_on_widths_they_cannot_take():
+    from fmoe.models import gpt_oss
+    cfg, params, x = _gpt_oss_block(H=64, I=128)
+    want = (r"int8 activations need MXFP4/NVFP4 weights whose input width is a multiple of 128.*\('mxfp4', 64\)"
+            if packed.has_int8_path() else "AVX-512 VNNI")
+    with torch.no_grad(), pytest.raises(ValueError, match=want):
+        gpt_oss.moe_block(params, x, cfg, int8_activations=True)
+
+
+def test_patch_passes_int8_activations_to_every_block(tmp_path):
+    from fmoe.examples import generate as G
+    path = G.write_checkpoint(str(tmp_path / "gpt_oss"), "gpt_oss", "tiny")
+    model, _ = G.load_patched(path, "gpt_oss", int8_activations=True)
+    blocks = [m for m in model.modules() if type(m).__name__ == "FmoeMoEBlock"]
+    assert blocks and all(b.int8_activations and "int8_activations=True" in b.extra_repr() for b in blocks)
+    # the tiny model's hidden size (64) is no multiple of 128: the first block's call says so
+    want = r"\('mxfp4', 64\)" if packed.has_int8_path() else "AVX-512 VNNI"
+    with pytest.raises(ValueError, match=want):
+        G.greedy(model, torch.tensor([[1, 2, 3]]), 2)

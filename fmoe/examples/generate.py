@@ -177,9 +177,9 @@ def _without_experts(path: str, dtype: torch.dtype):
     return model.eval()
 
 
-def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32):
+def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32, *, int8_activations: bool = False):
     """(model, packed_bytes): transformers' model from `path`, patched with fmoe, every MoE block's
-    experts the checkpoint's packed ones. gpt_oss: the experts are never dequantized
+    experts the checkpoint's packed ones (``int8_activations``: :func:`fmoe.models.patch`'s). gpt_oss: the experts are never dequantized
     (:func:`_without_experts`); deepseek_v3: transformers loads the model (its FP8 shared experts
     dequantized as its own CPU path does) and its dequantized routed experts are freed."""
     import fmoe.models
@@ -190,7 +190,7 @@ def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32):
         model = _without_experts(path, dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    fmoe.models.patch(model)
+    fmoe.models.patch(model, int8_activations=int8_activations)
     packed_bytes = 0
     for i, layer in enumerate(model.model.layers):
         block = layer.mlp
@@ -247,6 +247,9 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--checkpoint", default=None, help="directory to write (default: a temporary one)")
     p.add_argument("--compare", action="store_true", help="also generate with the unpatched model")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="the packed MXFP4 experts multiply int8-rounded rows (ExpertSpec.int8_activations; an "
+                        "AVX-512 VNNI CPU; the gpt_oss checkpoint only: DeepSeek's are FP8)")
     args = p.parse_args(argv)
     tmp = None
     path = args.checkpoint
@@ -257,8 +260,9 @@ def main(argv: Optional[list] = None) -> int:
     write_checkpoint(path, args.arch, args.size)
     print(f"wrote a random {args.arch} checkpoint ({args.size}) to {path} in {time.perf_counter() - t0:.1f} s; "
           f"{os.path.getsize(os.path.join(path, 'model.safetensors')) / 2**20:.0f} MiB")
-    model, nbytes = load_patched(path, args.arch)
-    print(f"patched with fmoe; experts kept packed: {nbytes / 2**20:.1f} MiB")
+    model, nbytes = load_patched(path, args.arch, int8_activations=args.int8_activations)
+    print(f"patched with fmoe; experts kept packed: {nbytes / 2**20:.1f} MiB"
+          + ("; int8 activations" if args.int8_activations else ""))
     from fmoe.quant import packed
     print(packed.status())
     prompt = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])

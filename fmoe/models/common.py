@@ -35,6 +35,7 @@ are ``torch._grouped_mm``, so the bound applies there too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional
 
 import torch
@@ -128,18 +129,29 @@ pytree.register_pytree_node(BlockAux, _aux_flatten, _aux_unflatten, serialized_t
 
 
 def run_block(params: dict, x: Tensor, spec: MoESpec, *, comm=None, training: bool = False,
-              generator: Optional[torch.Generator] = None) -> tuple[Tensor, "BlockAux"]:
+              generator: Optional[torch.Generator] = None, int8_activations: bool = False
+              ) -> tuple[Tensor, "BlockAux"]:
     """One architecture block = :func:`fmoe.moe` with the block's spec; aux in the blocks' form.
 
     Args:
         params: the pipeline pytree ``{"gate": {"wg", ...}, "experts", "shared"?, "shared_gate"?}``.
         x: [..., H] in dt. spec: the block's :class:`fmoe.MoESpec`. comm: expert-parallel
             communicator (None = local). training, generator: Mixtral jitter.
+        int8_activations: the spec's experts with ``int8_activations=True`` (packed FP4 experts
+            at inference; :class:`fmoe.ExpertSpec`).
     Returns:
         y with x's shape and dtype; :class:`BlockAux`.
     """
+    if int8_activations:
+        spec = _int8_spec(spec)
     y, aux = moe(params, x, spec, comm=comm, training=training, generator=generator)
     return y, BlockAux(aux.logits, aux.routing, aux.shared_gate)
+
+
+@functools.lru_cache(maxsize=64)
+def _int8_spec(spec: MoESpec) -> MoESpec:
+    # one spec per block spec, not two dataclasses per call
+    return dataclasses.replace(spec, experts=dataclasses.replace(spec.experts, int8_activations=True))
 
 
 def block_spec(hidden_size: int, num_experts: int, gate: GateSpec, experts: ExpertSpec, *, normalize: bool,

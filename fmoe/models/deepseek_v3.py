@@ -113,8 +113,8 @@ def moe_spec(config: DeepseekV3BlockConfig, combine: str = "eager"):
                       shared="swiglu" if config.n_shared_experts > 0 else None)
 
 
-def moe_block(params: dict, x: Tensor, config: DeepseekV3BlockConfig, *, comm=None, combine: str = "eager"
-              ) -> tuple[Tensor, BlockAux]:
+def moe_block(params: dict, x: Tensor, config: DeepseekV3BlockConfig, *, comm=None, combine: str = "eager",
+              int8_activations: bool = False) -> tuple[Tensor, BlockAux]:
     """DeepSeek-family block: y = experts(x, idx, w) + shared_experts(x).
 
     Args:
@@ -130,7 +130,7 @@ def moe_block(params: dict, x: Tensor, config: DeepseekV3BlockConfig, *, comm=No
          "experts": params["experts"]}
     if config.n_shared_experts > 0:
         p["shared"] = params["shared"]
-    return run_block(p, x, moe_spec(config, combine), comm=comm)
+    return run_block(p, x, moe_spec(config, combine), comm=comm, int8_activations=int8_activations)
 
 def params_from_module(block) -> dict:
     """The fmoe pytree of a transformers ``DeepseekV3MoE`` / ``DeepseekV32MoE`` / ``Glm4MoeMoE`` /

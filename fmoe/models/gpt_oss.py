@@ -67,15 +67,16 @@ def moe_spec(config: GptOssBlockConfig, combine: str = "eager"):
                       normalize=True, combine=combine, layout=config.layout)
 
 
-def moe_block(params: dict, x: Tensor, config: GptOssBlockConfig, *, comm=None, combine: str = "eager"
-              ) -> tuple[Tensor, BlockAux]:
+def moe_block(params: dict, x: Tensor, config: GptOssBlockConfig, *, comm=None, combine: str = "eager",
+              int8_activations: bool = False) -> tuple[Tensor, BlockAux]:
     """GPT-OSS MoE block. Args/returns as :func:`fmoe.models.qwen3_moe.moe_block`; the routing
     weights are dt. transformers' ``GptOssMLP`` also returns the [T, k] weights: they are
     ``aux.topk()[1]``."""
     check_tokens(x, config.hidden_size, "gpt_oss.moe_block")
     r = params["router"]
     return run_block({"gate": {"wg": r["weight"], "bias": r.get("bias")}, "experts": params["experts"]}, x,
-                     moe_spec(config, combine), comm=comm)
+                     moe_spec(config, combine), comm=comm,
+                     int8_activations=int8_activations)
 
 def params_from_module(block) -> dict:
     """The fmoe pytree of a transformers ``GptOssMLP`` with float experts (tensors shared)."""

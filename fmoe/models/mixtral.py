@@ -66,7 +66,8 @@ def moe_spec(config: MixtralBlockConfig, combine: str = "eager"):
 
 
 def moe_block(params: dict, x: Tensor, config: MixtralBlockConfig, *, comm=None, combine: str = "eager",
-              training: bool = False, generator: Optional[torch.Generator] = None) -> tuple[Tensor, BlockAux]:
+              training: bool = False, generator: Optional[torch.Generator] = None,
+              int8_activations: bool = False) -> tuple[Tensor, BlockAux]:
     """Mixtral sparse block.
 
     Args:
@@ -79,7 +80,8 @@ def moe_block(params: dict, x: Tensor, config: MixtralBlockConfig, *, comm=None,
     """
     check_tokens(x, config.hidden_size, "mixtral.moe_block")
     return run_block({"gate": {"wg": params["router"]["weight"]}, "experts": params["experts"]}, x,
-                     moe_spec(config, combine), comm=comm, training=training, generator=generator)
+                     moe_spec(config, combine), comm=comm, training=training, generator=generator,
+                     int8_activations=int8_activations)
 
 def params_from_module(block) -> dict:
     """The fmoe pytree of a transformers ``MixtralSparseMoeBlock`` (tensors shared)."""

@@ -94,20 +94,25 @@ class FmoeMoEBlock(nn.Module):
             where the experts module has no config.
         hf_config: the transformers config whose back-end a block without ``experts.config``
             follows.
+        int8_activations: packed MXFP4 / NVFP4 experts multiply int8-rounded rows
+            (:class:`fmoe.ExpertSpec`'s ``int8_activations``: inference only, an AVX-512 VNNI CPU).
 
     Attributes:
         generator: optional ``torch.Generator`` for Mixtral's training jitter.
     """
 
     def __init__(self, original: nn.Module, arch: str, config: Any, *, combine: Optional[str] = None,
-                 hf_config: Any = None):
+                 hf_config: Any = None, int8_activations: bool = False):
         super().__init__()
+        if not isinstance(int8_activations, bool):
+            raise TypeError(f"int8_activations must be a bool, got {int8_activations!r}")
         if combine is not None and combine not in COMBINES:
             raise ValueError(f"combine must be one of {COMBINES} or None (follow the experts back-end), "
                              f"got {combine!r}")
         self.arch = canonical_arch(arch)
         self.block_config = config
         self.combine = combine
+        self.int8_activations = int8_activations
         self.generator: Optional[torch.Generator] = None
         self.original_class = type(original).__name__
         self._hf_config = hf_config
@@ -142,13 +147,14 @@ class FmoeMoEBlock(nn.Module):
 
     def extra_repr(self) -> str:
         how = repr(self.combine) if self.combine is not None else "follows experts_implementation"
-        return f"fmoe {self.arch} (was {self.original_class}), combine={how}"
+        return (f"fmoe {self.arch} (was {self.original_class}), combine={how}"
+                + (", int8_activations=True" if self.int8_activations else ""))
 
     def forward(self, hidden_states: torch.Tensor):
         params = self._mod.params_from_module(self)
-        kwargs = {}
+        kwargs = {"int8_activations": True} if self.int8_activations else {}
         if self.arch == "mixtral":
-            kwargs = {"training": self.training, "generator": self.generator}
+            kwargs.update(training=self.training, generator=self.generator)
         y, aux = self._mod.moe_block(params, hidden_states, self.block_config, combine=self.current_combine(),
                                      **kwargs)
         self._emit_router_output(hidden_states, aux)
@@ -170,7 +176,8 @@ class FmoeMoEBlock(nn.Module):
             hook(router, (hidden_states.reshape(-1, hidden_states.shape[-1]),), out)
 
 
-def patch(model: nn.Module, *, combine: Optional[str] = None, hf_config: Any = None) -> nn.Module:
+def patch(model: nn.Module, *, combine: Optional[str] = None, hf_config: Any = None,
+          int8_activations: bool = False) -> nn.Module:
     """Replace every supported MoE block of ``model`` in place with an :class:`FmoeMoEBlock`.
 
     Args:
@@ -181,6 +188,8 @@ def patch(model: nn.Module, *, combine: Optional[str] = None, hf_config: Any = N
             patched model reproduces the back-end it has, also after
             ``model.set_experts_implementation(...)``.
         hf_config: the transformers config; default ``model.config``.
+        int8_activations: every patched block's packed MXFP4 / NVFP4 experts multiply int8-rounded
+            rows (:class:`FmoeMoEBlock`; inference only).
     Returns:
         the same ``model`` object.
     Raises:
@@ -209,7 +218,8 @@ def patch(model: nn.Module, *, combine: Optional[str] = None, hf_config: Any = N
         arch = BLOCK_CLASSES[type(m).__name__]
         if arch not in block_cfgs:
             block_cfgs[arch] = config_from_hf(getattr(m, "config", None) or tc, arch)
-        swaps.append((name, FmoeMoEBlock(m, arch, block_cfgs[arch], combine=combine, hf_config=tc)))
+        swaps.append((name, FmoeMoEBlock(m, arch, block_cfgs[arch], combine=combine, hf_config=tc,
+                                         int8_activations=int8_activations)))
     for name, new in swaps:   # every block built (and checked) before the first swap
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

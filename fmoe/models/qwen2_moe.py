@@ -50,8 +50,8 @@ def moe_spec(config: Qwen2MoeBlockConfig, combine: str = "eager"):
                       normalize=config.norm_topk_prob, combine=combine, layout=config.layout, shared="gated_swiglu")
 
 
-def moe_block(params: dict, x: Tensor, config: Qwen2MoeBlockConfig, *, comm=None, combine: str = "eager"
-              ) -> tuple[Tensor, BlockAux]:
+def moe_block(params: dict, x: Tensor, config: Qwen2MoeBlockConfig, *, comm=None, combine: str = "eager",
+              int8_activations: bool = False) -> tuple[Tensor, BlockAux]:
     """Qwen2-MoE block: y = routed(x) + σ(x · w_sgᵀ) · shared(x), every term and the sum in dt.
 
     Args and returns as :func:`fmoe.models.qwen3_moe.moe_block`; ``aux.shared_gate`` is [T, 1].
@@ -59,7 +59,7 @@ def moe_block(params: dict, x: Tensor, config: Qwen2MoeBlockConfig, *, comm=None
     check_tokens(x, config.hidden_size, "qwen2_moe.moe_block")
     p = {"gate": {"wg": params["router"]["weight"]}, "experts": params["experts"], "shared": params["shared"],
          "shared_gate": params["shared_gate"]}
-    return run_block(p, x, moe_spec(config, combine), comm=comm)
+    return run_block(p, x, moe_spec(config, combine), comm=comm, int8_activations=int8_activations)
 
 def params_from_module(block) -> dict:
     """The fmoe pytree of a transformers ``Qwen2MoeSparseMoeBlock`` (tensors shared)."""

@@ -81,8 +81,8 @@ def moe_spec(config: Qwen3MoeBlockConfig, combine: str = "eager"):
                       normalize=config.norm_topk_prob, combine=combine, layout=config.layout)
 
 
-def moe_block(params: dict, x: Tensor, config: Qwen3MoeBlockConfig, *, comm=None, combine: str = "eager"
-              ) -> tuple[Tensor, BlockAux]:
+def moe_block(params: dict, x: Tensor, config: Qwen3MoeBlockConfig, *, comm=None, combine: str = "eager",
+              int8_activations: bool = False) -> tuple[Tensor, BlockAux]:
     """Qwen3-MoE sparse block forward (no residual; input already normalised).
 
     Args:
@@ -91,12 +91,15 @@ def moe_block(params: dict, x: Tensor, config: Qwen3MoeBlockConfig, *, comm=None
         combine: "eager" (transformers' eager loop's order) or "grouped" (one fp32 reduction
             over k: grouped_mm/batched_mm's); what equals transformers bit for bit and what
             agrees within a bound is said in :mod:`fmoe.models.common`.
+        int8_activations: packed MXFP4 / NVFP4 experts at inference multiply int8-rounded rows
+            (:class:`fmoe.ExpertSpec`'s ``int8_activations``; every architecture block takes it).
     Returns:
         y with x's shape and dtype; :class:`BlockAux` (router_logits [T, E] dt, routing).
     """
     check_tokens(x, config.hidden_size, "qwen3_moe.moe_block")
     return run_block({"gate": {"wg": params["router"]["weight"]}, "experts": params["experts"]}, x,
-                     moe_spec(config, combine), comm=comm)
+                     moe_spec(config, combine), comm=comm,
+                     int8_activations=int8_activations)
 
 def params_from_module(block) -> dict:
     """The fmoe pytree of a transformers ``Qwen3MoeSparseMoeBlock`` (tensors shared, not copied)."""
