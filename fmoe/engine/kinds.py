@@ -47,7 +47,6 @@ from .grouped import GroupedGemm
 from .plan import ExpertPlan, LayoutPlan
 from .table import Kernel, select
 
-__all__ = ["FORMS", "ORDERS", "SAVES", "ExpertForm", "run", "run_custom", "reference", "combine_rows"]
 
 FORMS = ("ffn", "glu", "gpt_oss")
 PURE_ACTIVATIONS = frozenset({F.relu, F.gelu, F.silu, F.sigmoid, F.tanh, F.softplus, F.elu, F.leaky_relu, F.mish,

@@ -41,7 +41,6 @@ from ..ops.grouped import layout_bias, layout_mm, layout_wgrad
 from . import wisdom
 from .plan import PHASES, TRACED, ExpertPlan, LayoutPlan, phase_of, plan_from_bounds
 
-__all__ = ["Kernel", "TABLE", "select", "explain", "tune"]
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
