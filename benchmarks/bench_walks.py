@@ -90,13 +90,7 @@ def child(impl: str, repeats: int) -> dict:
         for name, fn in (("assign_slots", lambda: _slots.assign_slots_fast(ids, E, None, impl=impl)),
                          ("kept_rows", lambda: _slots.kept_rows(ids, slots, counts, 1 << 20, o, p, impl=impl))):
             n = max(1, min(1000, 200_000 // (k * T)))   # calls per timing: ~1 ms or more each
-            ts = []
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                ts.append((time.perf_counter() - t0) / n)
-            res[name + "_us"] = statistics.median(ts[1:]) * 1e6
+            res[name + "_us"] = _median_us(fn, repeats, n)
         out["shapes"][f"k={k},T={T},E={E}"] = res
     out["numba_at_end"] = "numba" in sys.modules
     with open("/proc/self/status") as f:
