@@ -16,7 +16,9 @@ folded call that multiplies each kept (token, expert) pair once) against N eager
 same vmap with ``MoESpec(plan='layout')`` (the staged kernel, the route vmapped calls took before);
 beside each median wall time, the median process CPU time (a steadier ratio on a shared host)
 and minor page faults (first touches of fresh pages) per call, and each variant's peak memory
-above the resting set (:func:`benchmarks.bench_common.measure_peak`, after the timings).
+above the resting set (:func:`benchmarks.bench_common.measure_peak`, after the timings); then the
+route alone (``fmoe.route``: gate GEMM, top-k, slot walk, capacity, loss), vmapped against N
+eager routes.
 And with ``--per_example B``, per-example gradients of a training loss over B token batches:
 ``vmap(grad)`` (the op's training fold: shared weights stay E experts, the weight gradients
 per (expert, element)) against B eager gradient calls, and the same vmap on the layout plan.
@@ -173,10 +175,16 @@ def _sweep(a, x) -> dict:
     one_layout = lambda wg: fmoe.moe({"gate": {"wg": wg}, "experts": p["experts"]}, x, spec_layout)[0]  # noqa: E731
     fns = {"vmap": lambda: vmap(one)(wgs), "vmap_layout": lambda: vmap(one_layout)(wgs),
            "loop": lambda: [one(wg) for wg in wgs]}
+
+    def route(wg):   # the route alone (gate GEMM, top-k, slot walk, capacity, loss)
+        r, l_aux = fmoe.route({"gate": {"wg": wg}}, x, spec)
+        return r.slots, r.weights, l_aux
+    routes = {"route_vmap": lambda: vmap(route)(wgs), "route_loop": lambda: [route(wg) for wg in wgs]}
     stats = {}
     with torch.no_grad():
         med = _interleaved(fns, a.reps, stats)
         peak = {n: measure_peak(f, lambda: None)["above_rest_bytes"] for n, f in fns.items()}
+        med.update(_interleaved(routes, a.reps, stats))
     sweep = {"N": a.sweep, **{f"{n}_ms": v * 1e3 for n, v in med.items()},
              **{f"{n}_cpu_ms": st["cpu_s"] * 1e3 for n, st in stats.items()},
              **{f"{n}_minflt": st["minflt"] for n, st in stats.items()},
@@ -184,13 +192,15 @@ def _sweep(a, x) -> dict:
     for v in ("vmap", "vmap_layout"):
         sweep[f"{v}_over_loop"] = sweep[f"{v}_ms"] / sweep["loop_ms"]
         sweep[f"{v}_cpu_over_loop"] = sweep[f"{v}_cpu_ms"] / sweep["loop_cpu_ms"]
+    sweep["route_vmap_over_loop"] = sweep["route_vmap_ms"] / sweep["route_loop_ms"]
     mib = lambda n: "?" if sweep[f"{n}_peak_mib"] is None else f"{sweep[f'{n}_peak_mib']:.0f}"  # noqa: E731
     print(f"sweep of {a.sweep} gate settings (ffn cf=1.25, forward, {torch.get_num_threads()} threads): vmap "
           f"{sweep['vmap_ms']:.1f} ms ({sweep['vmap_over_loop']:.2f}x; CPU {sweep['vmap_cpu_over_loop']:.2f}x), "
           f"vmap on the layout plan {sweep['vmap_layout_ms']:.1f} ms ({sweep['vmap_layout_over_loop']:.2f}x), "
           f"{a.sweep} eager calls {sweep['loop_ms']:.1f} ms | minor faults per call: vmap {sweep['vmap_minflt']:.0f}, "
           f"loop {sweep['loop_minflt']:.0f} | peak above rest: vmap {mib('vmap')} MiB, layout {mib('vmap_layout')} "
-          f"MiB, loop {mib('loop')} MiB", flush=True)
+          f"MiB, loop {mib('loop')} MiB | the route alone: vmapped {sweep['route_vmap_ms']:.1f} ms, {a.sweep} eager "
+          f"routes {sweep['route_loop_ms']:.1f} ms", flush=True)
     return sweep
 
 
