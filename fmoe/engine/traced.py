@@ -46,7 +46,6 @@ from .kinds import ExpertForm
 from .plan import device_plan, device_rows_by_default, kept_rows, plan_from_bounds
 from .table import Kernel, select
 
-__all__ = ["ACTIVATIONS", "DOORS", "door", "run"]
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
                "softplus": F.softplus, "elu": F.elu, "leaky_relu": F.leaky_relu, "mish": F.mish, "selu": F.selu,
