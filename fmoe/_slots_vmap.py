@@ -22,8 +22,6 @@ from torch import Tensor
 
 from . import _slots
 
-__all__ = ["assign_slots_batched"]
-
 
 @torch.library.custom_op("fmoe::assign_slots", mutates_args=())
 def _assign_slots(expert_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
