@@ -66,7 +66,7 @@ from torch.utils import _pytree as pytree
 
 from . import _slots
 from .routing import Routing, _capacity_factor, _group_max, _routing_of, _top_k, _trusted_routing, capacity_bound
-from .routing import KeptRows, capacity_for, check_finite
+from .routing import KeptRows, capacity_for, check_finite, raise_route_error
 from .losses import gshard_loss
 
 __all__ = [
@@ -844,20 +844,52 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
     t, E = spec.type, num_experts
     if not _router_params_fit(params, t, E, shape[1]):
         check_router_params(params, spec, E, shape[1])   # raises, naming the key or shape
-    if gate_dt is not None and params["wg"].dtype == gate_dt:
+    gate = gate_dt is not None and params["wg"].dtype == gate_dt
+    if not gate:   # the torch ops of route() make the logits and scores, before the native call
+        logits, scores, sel, noisy, choice, out_dtype, by_token = _native_scores(params, x, spec)
+    if gate:
         # a linear gate of x's dtype: its logits (linear_gate's mm), scores, routing and this function's result
         # in one native call that dispatches the same aten ops
         res = _slots.route_gate(x, params["wg"], spec.score_fn == "sigmoid", k, norm, order, cap_fixed, cap_limit,
                                 align, frac, width, bound, _RESULT_TYPES)
-        if type(res[0]) is int:
-            status = res[0] if res[0] != _ROUTE_PAST_BOUND else 0
-            _native_error(status, res[2], spec, k, shape[0], E, alignment, res[1])
-            raise AssertionError(f"route_gate status {res[0]} raised no error")
-        if frac and not width:   # the torch ops from the native counts
-            return res[0], res[1], gshard_loss(res[1].scores, None, fraction=res[2]), res[3]
-        return res
-    by_token, noisy, choice, loss_scores = False, None, None, None
-    # (matmul, softmax and sigmoid outputs are contiguous, as route_rows checks)
+        if type(res[0]) is not int:
+            if frac and not width:   # the torch ops from the native counts
+                return res[0], res[1], gshard_loss(res[1].scores, None, fraction=res[2]), res[3]
+            return res
+        status, max_load, logits, past = res[0], res[1], res[2], res[0] == _ROUTE_PAST_BOUND
+    else:
+        res = _slots.route_rows(sel, logits, k, norm, out_dtype, by_token, cap_fixed, cap_limit, align, frac, choice,
+                                spec.n_group, spec.topk_group, spec.routed_scaling_factor, scores if width else None,
+                                width, order)
+        status, ids, gates, slots, counts, tokens, pairs, offsets, dropped, row_gates, bounds, C, share = res
+        past = C > bound
+    if status or past:   # the torch path's error
+        if not gate:
+            max_load = int(counts.max()) if status == 0 else 1
+        raise_route_error(status == _slots.ROUTE_NON_FINITE, logits, _LOGITS, spec.static_capacity_factor, k, shape[0],
+                          E, alignment, max_load)
+        if gate or status:
+            raise AssertionError(f"native route status {status} raised no error")
+    if t == "gpt_oss":
+        gates = torch.softmax(gates, dim=-1, dtype=gates.dtype).t().contiguous()   # [T, k] -> [k, T]
+    if frac and not width:   # the torch ops from the native counts
+        share = gshard_loss(scores, None, fraction=share)
+    routing = _trusted_routing(ids, slots, gates, counts, C, E, shapes=False)
+    rows = object.__new__(KeptRows)   # (frozen dataclasses' __init__ costs microseconds; the fields are right)
+    rows.__dict__.update(tokens=tokens, pairs=pairs, bounds=bounds, dropped=dropped, offsets=offsets,
+                         row_gates=row_gates)
+    out = object.__new__(RouterOutput)
+    out.__dict__.update(expert_ids=ids, weights=gates, logits=logits, scores=scores, noisy_logits=noisy,
+                        importance=None, slots=None, tokens=None, capacity=None, type=t)
+    return routing, out, share, rows
+
+
+def _native_scores(params: dict, x: Tensor, spec: GateSpec) -> tuple:
+    """(logits, scores, the scores top-k reads, noisy logits, deepseek's choice scores, the gates' dtype, whether
+    gpt_oss's softmax over the k follows) of :func:`route_native`: the torch ops of :func:`route`. (Matmul,
+    softmax and sigmoid outputs are contiguous, as route_rows checks.)"""
+    t = spec.type
+    by_token, noisy, choice = False, None, None
     if t in ("top", "cosine_top"):
         logits = (cosine_gate if t == "cosine_top" else linear_gate)(params, x, fp32=spec.fp32_gate)
         scores = sel = scores_from_logits(logits, spec.score_fn)
@@ -883,32 +915,7 @@ def route_native(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, n
         else:
             scores = sel = torch.softmax(logits.float(), dim=-1)
         out_dtype = logits.dtype if t == "qwen" else torch.float32
-    if width:
-        loss_scores = scores
-    res = _slots.route_rows(sel, logits, k, norm, out_dtype, by_token, cap_fixed, cap_limit, align, frac, choice,
-                            spec.n_group, spec.topk_group, spec.routed_scaling_factor, loss_scores, width, order)
-    return _native_result(res, spec, logits, scores, noisy, k, shape[0], E, alignment, bound, frac, width)
-
-
-def _native_result(res, spec: GateSpec, logits: Tensor, scores: Tensor, noisy, k: int, T: int, E: int, alignment: int,
-                   bound: int, frac: bool, width: int):
-    """:func:`route_native`'s result from route_rows' tuple ``res`` (its errors raised as the torch path's)."""
-    status, ids, gates, slots, counts, tokens, pairs, offsets, dropped, row_gates, bounds, C, share = res
-    if status or C > bound:
-        _native_error(status, logits, spec, k, T, E, alignment, int(counts.max()) if status == 0 else 1)
-    t = spec.type
-    if t == "gpt_oss":
-        gates = torch.softmax(gates, dim=-1, dtype=gates.dtype).t().contiguous()   # [T, k] -> [k, T]
-    if frac and not width:   # the torch ops from the native counts
-        share = gshard_loss(scores, None, fraction=share)
-    routing = _trusted_routing(ids, slots, gates, counts, C, E, shapes=False)
-    rows = object.__new__(KeptRows)   # (frozen dataclasses' __init__ costs microseconds; the fields are right)
-    rows.__dict__.update(tokens=tokens, pairs=pairs, bounds=bounds, dropped=dropped, offsets=offsets,
-                         row_gates=row_gates)
-    out = object.__new__(RouterOutput)
-    out.__dict__.update(expert_ids=ids, weights=gates, logits=logits, scores=scores, noisy_logits=noisy,
-                        importance=None, slots=None, tokens=None, capacity=None, type=t)
-    return routing, out, share, rows
+    return logits, scores, sel, noisy, choice, out_dtype, by_token
 
 
 # route_native's statics for a (spec, E, x's shape and dtype, normalize, alignment, fraction): what its
@@ -982,17 +989,6 @@ def _router_params_fit(params, t: str, E: int, M: int) -> bool:
     else:
         return True
     return b is None or (isinstance(b, Tensor) and b.shape == (E,))
-
-
-def _native_error(status: int, logits: Tensor, spec: GateSpec, k: int, T: int, E: int, alignment: int,
-                  max_load: int) -> None:
-    """Raise the torch path's error for route_rows' status or a capacity past the bound."""
-    if status == _slots.ROUTE_NON_FINITE:
-        check_finite(logits, *_LOGITS)   # raises, naming the rows
-    cf = _capacity_factor(spec.static_capacity_factor)
-    capacity_for(cf, num_tokens=T, num_experts=E, k=k, max_load=max_load, alignment=alignment)   # the torch path's error
-    if status:
-        raise AssertionError(f"route_rows status {status} raised no error")
 
 
 def route(params: dict, x: Tensor, spec: GateSpec, *, num_experts: int, normalize: bool = True,

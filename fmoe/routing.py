@@ -462,6 +462,17 @@ def _capacity_factor(capacity_factor) -> float:
     return cf
 
 
+def raise_route_error(non_finite: bool, logits: Tensor, what: tuple, capacity_factor, k: int, num_tokens: int,
+                      num_experts: int, alignment: int, max_load: int) -> None:
+    """Raise the error the torch route raises where a native route stopped: non-finite logits
+    (:func:`check_finite` with ``what``, naming the rows) or a capacity the spec cannot give
+    (:func:`capacity_for`'s message, with the walk's ``max_load``)."""
+    if non_finite:
+        check_finite(logits, *what)
+    capacity_for(_capacity_factor(capacity_factor), num_tokens=num_tokens, num_experts=num_experts, k=k,
+                 max_load=max_load, alignment=alignment)
+
+
 def capacity_for(capacity_factor: float, *, num_tokens: int, num_experts: int, k: int,
                  max_load: Optional[int] = None, alignment: int = 1) -> int:
     """Capacity C from the three capacity-factor modes and alignment (§7).
