@@ -97,9 +97,13 @@ def timed_cold(steps: dict[str, Callable[[], object]], repeats: int, log: Callab
 
 def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), repeats: int = 15,
                  float_bound: bool = True, log: Callable[[str], None] = print) -> dict:
+    import dataclasses
+
     import fmoe
     from fmoe.quant import packed
     spec = _spec()
+    # the same layer with int8 activations (ExpertSpec.int8_activations: FP4 experts, a VNNI CPU)
+    spec8 = dataclasses.replace(spec, experts=dataclasses.replace(spec.experts, int8_activations=True))
     g = torch.Generator().manual_seed(0)
     gate = {"wg": torch.randn(E, M, generator=g) * 0.02}
     fmts = list(formats) + (["float32"] if float_bound else [])
@@ -125,6 +129,7 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
                 steps[f"gemms_{f}"] = (lambda a=a, h=h, o=offs, wf=wf: (packed.grouped_matmul(a, wf["gate_up_proj"], o),
                                                                       packed.grouped_matmul(h, wf["down_proj"], o)))
                 if f in ("mxfp4", "nvfp4") and packed.has_int8_path():   # opt-in int8 activations (VNNI)
+                    steps[f"layer8_{f}"] = (lambda p=params: fmoe.moe(p, x, spec8))
                     steps[f"gemms8_{f}"] = (lambda a=a, h=h, o=offs, wf=wf: (
                         packed.grouped_matmul(a, wf["gate_up_proj"], o, activations="int8"),
                         packed.grouped_matmul(h, wf["down_proj"], o, activations="int8")))
@@ -143,11 +148,15 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
             if f"gemms8_{f}" in t:
                 r["gemms_int8_seconds"] = t[f"gemms8_{f}"]
                 r["gemms_int8_vs_stream"] = t[f"gemms8_{f}"] / bound
+            if f"layer8_{f}" in t:
+                r["layer_int8_seconds"] = t[f"layer8_{f}"]
+                r["layer_int8_vs_stream"] = t[f"layer8_{f}"] / bound
             row["formats"][f] = r
             log(f"  T={T} {f:9s} busy {busy:2d}: layer {r['layer_seconds'] * 1e3:7.2f} ms = "
                 f"{r['layer_vs_stream']:.2f}x stream"
                 + (f", gemms {r['gemms_seconds'] * 1e3:7.2f} ms = {r['gemms_vs_stream']:.2f}x" if "gemms_seconds" in r else "")
                 + (f", int8 act {r['gemms_int8_vs_stream']:.2f}x" if "gemms_int8_seconds" in r else "")
+                + (f", layer int8 act {r['layer_int8_vs_stream']:.2f}x" if "layer_int8_seconds" in r else "")
                 + f"  ({rate:.1f} GB/s stream)")
         res["tokens"][str(T)] = row
     return res
@@ -365,15 +374,17 @@ def tables(res: dict) -> list[str]:
     lines = [f"load average at start {res['loadavg_start'][0]:.1f}, end {res['loadavg_end'][0]:.1f} (2 cores); "
              f"{res.get('threads', torch.get_num_threads())} torch threads", "",
              "| T | busy | format | layer ms | x stream | expert GEMMs ms | x stream | GEMMs, int8 act. ms | x stream "
-             "| stream GB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"] if lay else []
+             "| layer, int8 act. ms | x stream | stream GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"] if lay else []
     for T, row in (lay["tokens"] if lay else {}).items():
         for f, r in row["formats"].items():
             g = f"{r['gemms_seconds'] * 1e3:.2f} | {r['gemms_vs_stream']:.2f}" if "gemms_seconds" in r else " | "
             g8 = (f"{r['gemms_int8_seconds'] * 1e3:.2f} | {r['gemms_int8_vs_stream']:.2f}" if "gemms_int8_seconds" in r
                   else " | ")
+            l8 = (f"{r['layer_int8_seconds'] * 1e3:.2f} | {r['layer_int8_vs_stream']:.2f}" if "layer_int8_seconds" in r
+                  else " | ")
             lines.append(f"| {T} | {row['busy_experts']} | {f} | {r['layer_seconds'] * 1e3:.2f} | "
-                         f"{r['layer_vs_stream']:.2f} | {g} | {g8} | {row['stream_gb_per_s']:.1f} |")
+                         f"{r['layer_vs_stream']:.2f} | {g} | {g8} | {l8} | {row['stream_gb_per_s']:.1f} |")
     pre = res.get("prefill")
     if pre:
         base = pre["seconds"]["float32|float32"]
