@@ -82,3 +82,14 @@ def test_inconsistent_ranks_raise_everywhere(comm, what):
         assert isinstance(err.value, InconsistentRanksError), err.value
     # and the communicator still works afterwards (nobody is stuck half-way)
     assert comm.all_reduce(torch.ones(1), "sum").item() == comm.size
+
+
+def test_int8_activations_refuse_expert_parallel_on_every_rank(comm):
+    """ExpertSpec(int8_activations=True) runs on the fused packed stage of one process: every rank
+    raises the same error before any collective (no hang), and the communicator still works after."""
+    spec = make_spec(comm.size, 2, 0.0)
+    spec = dataclasses.replace(spec, experts=dataclasses.replace(spec.experts, int8_activations=True))
+    p = local_params(spec, full_params(spec), comm)
+    with torch.no_grad(), pytest.raises(ValueError, match=f"this call is expert parallel over {comm.size} ranks"):
+        fmoe.moe(p, local_batch(comm.rank, 8), spec, comm=comm)
+    assert comm.all_reduce(torch.ones(1), "sum").item() == comm.size
