@@ -575,10 +575,7 @@ def _routing_of(expert_ids: Tensor, weights: Tensor, num_experts: int, capacity_
     order = None
     if importance is not None:
         order = torch.argsort(-importance, stable=True)
-    fast = _slots.assign_slots_fast(expert_ids, num_experts, order)
-    if fast is None and order is None:   # under vmap: one native walk over the batch
-        fast = _slots_vmap.assign_slots_batched(expert_ids, num_experts)
-    slots, counts = fast if fast is not None else assign_slots_torch(expert_ids, num_experts, order=order)
+    slots, counts = assign_slots(expert_ids, num_experts, order=order)
     given = capacity is not None
     if not given:
         cf = _capacity_factor(capacity_factor)

@@ -132,7 +132,7 @@ def fused_stage(form: ExpertForm, x: Tensor, w_rows: Optional[Tensor], plan: Exp
     """Whether a packed rows call (:func:`packed_rows`) runs as ONE native call
     (:func:`fmoe.quant.packed.expert_stage`: gather, both GEMMs, the activation and the combine):
     its activation key if so, else None (the composition of :func:`reference` over the packed
-    GEMMs). The one place that decides. It takes an eager CPU call in fp32 with every weight
+    GEMMs). The one place that decides. It takes an eager CPU call with every weight
     packed, a host plan of gathered rows (not expert parallel's in-order rows or gate-free
     rows), no quantized-training recipe, nothing that needs a gradient, fp32 or bf16 rows (fp32
     gates, or bf16 beside bf16 rows; biases in the rows' dtype), a kind whose elementwise step it
@@ -175,10 +175,7 @@ def run_fused(act: str, form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Exper
     """y [T, O] in x's dtype: the packed expert stage in one native call (``act`` from
     :func:`fused_stage`; ``isa`` and ``buffers`` as :func:`fmoe.quant.packed.expert_stage` takes them)."""
     from ..quant import packed   # optional: low-precision weights
-    k = 0
-    if order == "eager" and x.dtype is torch.bfloat16:   # the slots of _accumulate's [k, T, O] buffer
-        T, N = plan.num_tokens, plan.num_rows
-        k = plan.num_slots or (int(plan.pairs.max()) // T + 1 if N else 1)
+    k = _num_slots(plan) if order == "eager" and x.dtype is torch.bfloat16 else 0   # _accumulate's [k, T, O]
     return packed.expert_stage(x, plan.tokens, plan.offsets, w_rows, w_in, w_out, act=act,
                                activations="int8" if form.int8 else "float", b_in=b_in, b_out=b_out,
                                order=order, pairs=plan.pairs if order == "grouped" else None, num_slots=k,
@@ -233,6 +230,11 @@ def _weighted(y_r: Tensor, w_rows: Optional[Tensor], dtype: Optional[torch.dtype
     return y_r if w_rows is None else y_r * w_rows.unsqueeze(1)
 
 
+def _num_slots(plan: ExpertPlan) -> int:
+    """k, the slots a token's rows take: the plan's, else read from its pairs (one host sync)."""
+    return plan.num_slots or (int(plan.pairs.max()) // plan.num_tokens + 1 if plan.pairs.shape[0] else 1)
+
+
 def _accumulate(y_r: Tensor, w_rows: Optional[Tensor], plan: ExpertPlan, order: str, dt: torch.dtype) -> Tensor:
     """y [T, O] in dt: ``y[t] += w_r * y_r`` over the rows in plan (ascending expert) order
     (``w_rows`` None: every gate 1)."""
@@ -264,7 +266,7 @@ def _accumulate(y_r: Tensor, w_rows: Optional[Tensor], plan: ExpertPlan, order: 
     # rows are sorted by expert) in a [k, T, O] buffer, and the k slices are added in order. No
     # Python per expert, no host sync where the plan knows k.
     N = tokens.shape[0]
-    k = plan.num_slots or (int(plan.pairs.max()) // T + 1 if N else 1)
+    k = _num_slots(plan)
     by_token = torch.argsort(tokens, stable=True)
     run = tokens.index_select(0, by_token)
     rank = torch.empty_like(tokens).index_copy_(
