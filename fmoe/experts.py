@@ -415,7 +415,8 @@ def routed_experts(spec: ExpertSpec, params, x: Tensor, routing, *, layout_kind:
     needs_grad = torch.is_grad_enabled() and (kw is None or any(t is not None and t.requires_grad for t in ts))
     rows_plan = _plan.make_plan(routing, needs_grad=needs_grad, dtype=x.dtype,
                                 precision=None if kw is None else spec.precision,
-                                layout=None if door == "rows" else make_layout(routing, layout_kind), rows=rows)
+                                layout=None if door == "rows" else make_layout(routing, layout_kind), rows=rows,
+                                device_rows=False if kw is None else None)   # a custom fn may loop on host bounds
     if door == "rows" and rows is not None and rows.row_gates is not None and not routing.weights.requires_grad:
         w_rows = rows.row_gates   # the native route gathered them with the rows
     else:

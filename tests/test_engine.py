@@ -690,6 +690,30 @@ def test_grouped_mm_gradients_and_custom_plan_errors():
         torch.func.grad(lambda q: fmoe.moe(q, torch.randn(9, 5), bad)[0].sum())(params)
 
 
+def test_custom_experts_take_a_host_plan():
+    # routed_experts makes a custom expert's rows plan with host bounds (fn may loop over experts in
+    # Python); run_custom handed a device rows plan says how to make the one it takes
+    f, x, w_rows, plan, w_in, b_in, w_out, b_out = _direct("split", seed=18)
+    seen = []
+
+    def fn(params, xs, p):
+        seen.append(p.bounds)
+        return engine.grouped_mm(xs, params, p, rows=p.tokens)
+
+    ids, w = fmoe.top_k(torch.rand(x.shape[0], 4, generator=_gen(19), dtype=DT), 2)
+    routing = fmoe.make_routing(ids, w, 4, 0.0)
+    host = engine.make_plan(routing, needs_grad=False, dtype=DT)
+    dev = engine.make_plan(routing, needs_grad=False, dtype=DT, device_rows=True)
+    assert host.bounds is not None and dev.bounds is None
+    y = engine.run_custom(fn, w_in[0], x, host.row_weights(routing.weights), host)
+    assert seen == [host.bounds] and y.shape == (x.shape[0], w_in[0].shape[-1])
+    with pytest.raises(ValueError, match="run_custom: a custom expert takes a rows plan with host bounds; make it "
+                                         "with make_plan\(\.\.\., device_rows=False\)"):
+        engine.run_custom(fn, w_in[0], x, dev.row_weights(routing.weights), dev)
+    want = engine.run_custom(fn, w_in[0], x, dev.on_host().row_weights(routing.weights), dev.on_host())
+    assert torch.equal(y, want)
+
+
 def engine_and_staged(monkeypatch, spec, params, x, hook: str, *, expert_grads: bool = False, seed=None):
     """(y, grads) of ``fmoe.moe`` on the engine and on the staged pipeline (``plan='layout'``), with
     ``fmoe.engine.kinds.<hook>`` spied on to prove the first ran on the engine and the second did not.

@@ -678,12 +678,15 @@ def run_custom(fn: Callable, params, x: Tensor, w_rows: Tensor, plan: Union[Expe
     On a rows plan ``fn(params, x [T, M], plan) -> [N, O]`` (one row per plan row; it may
     multiply through :func:`fmoe.engine.grouped_mm`), gate-weighted and summed here in ``order``.
     On a layout plan ``fn(params, buffers) -> buffers`` over the layout's padded [E, C, M]
-    buffers (Tutel's custom-expert contract), dispatched and combined in ``order``. A device rows
-    plan reaches ``fn`` as its :meth:`~fmoe.engine.ExpertPlan.on_host` (one host sync)."""
+    buffers (Tutel's custom-expert contract), dispatched and combined in ``order``. A rows plan
+    must have host bounds (``fn`` may loop over experts in Python): a device rows plan raises
+    ValueError naming ``make_plan(..., device_rows=False)``, which :func:`fmoe.routed_experts` asks for."""
     if isinstance(plan, ExpertPlan):
         if prescore:
             raise ValueError("pre-scored gates (prescore=True) run on a layout plan (make_plan(..., layout=))")
-        plan, w_rows = _on_host(plan, w_rows)   # fn may read host bounds: a device plan's cost one host sync
+        if plan.bounds is None:
+            raise ValueError("run_custom: a custom expert takes a rows plan with host bounds; make it with "
+                             "make_plan(..., device_rows=False) or take plan.on_host() (one host sync)")
         y_rows = fn(params, x, plan)
         if not isinstance(y_rows, Tensor) or y_rows.dim() != 2 or y_rows.shape[0] != plan.num_rows:
             raise ValueError(f"a custom expert with takes_plan=True must return [N, O] with N={plan.num_rows} (one "
