@@ -6,7 +6,7 @@ import gc
 import math
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -185,6 +185,20 @@ class TorchDistComm(matching.ControlExchange):
         Returns:
             [sum(recv_counts), ...] (a receive buffer of this communicator's pool).
         """
+        return self._start_rows(x, send_counts, recv_counts, rows, place)()
+
+    @raw_collective
+    def exchange_rows_async(self, x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], *,
+                            rows: Optional[Tensor] = None, place: Optional[Tensor] = None) -> Callable[[], Tensor]:
+        """:meth:`exchange_rows` started, not finished: returns ``wait``, and ``wait()`` returns
+        what :meth:`exchange_rows` would have (the same bytes). Between the two this process may
+        compute (gloo moves the bytes on its own threads) and start or finish other exchanges:
+        several may be in flight, finished in any order. Every rank starts its exchanges in the
+        same order (a collective each); x and ``rows`` must not change before ``wait()``.
+        Bad arguments raise here, on every rank, as :meth:`exchange_rows`'."""
+        return self._start_rows(x, send_counts, recv_counts, rows, place)
+
+    def _start_rows(self, x: Tensor, send_counts, recv_counts, rows: Optional[Tensor], place: Optional[Tensor]):
         send, recv, err = a2av_counts(x if rows is None else rows, send_counts, recv_counts, self.size)
         if err is None and rows is not None:
             err = rows_error(x, rows)
@@ -201,7 +215,7 @@ class TorchDistComm(matching.ControlExchange):
         tail = tuple(x.shape[1:])
         out = recv_buffer(self, (sum(recv),) + tail, x.dtype)   # reused: no fresh pages to fault
         if math.prod(tail) == 0:   # (from the shape: every rank skips alike)
-            return out
+            return lambda: out
         me, R = self.rank, out.shape[0]
         ns, nr, s0, r0 = send[me], recv[me], sum(send[:me]), sum(recv[:me])
         peer_send, peer_recv = send[:me] + [0] + send[me + 1:], recv[:me] + [0] + recv[me + 1:]
@@ -221,13 +235,19 @@ class TorchDistComm(matching.ControlExchange):
         if ns:   # this rank's own rows, while the peers' are in flight
             own = (x[s0:s0 + ns], None) if rows is None else (x, rows[s0:s0 + ns])
             move_rows(*own, *((None, out[r0:r0 + nr]) if place is None else (place[r0:r0 + nr], out)))
-        self._do(f"all_to_all_v #{call}", work.wait)
-        if place is not None:
-            move_rows(rbuf, None, torch.cat([place[:r0], place[r0 + nr:]]), out)
-        elif not direct:
-            out[:r0].copy_(rbuf[:r0])
-            out[r0 + nr:].copy_(rbuf[r0:])
-        return out
+
+        def wait() -> Tensor:
+            nonlocal sbuf, rbuf, work
+            if work is not None:
+                self._do(f"all_to_all_v #{call}", work.wait)
+                if place is not None:
+                    move_rows(rbuf, None, torch.cat([place[:r0], place[r0 + nr:]]), out)
+                elif not direct:
+                    out[:r0].copy_(rbuf[:r0])
+                    out[r0 + nr:].copy_(rbuf[r0:])
+                sbuf = rbuf = work = None   # the buffers back to the pool, even while wait is held
+            return out
+        return wait
 
     @raw_collective
     def all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
