@@ -61,6 +61,8 @@ class Kernel:
         static_rows: it takes a device rows plan (``plan.bounds`` None, :func:`fmoe.engine.plan.device_plan`):
             ``mm`` writes zeros into the dead rows (past ``offsets[E]``), ``wgrad`` reads none
             of them, and no host sync. Other kernels get the plan's :meth:`~fmoe.engine.ExpertPlan.on_host`.
+        writes_out: ``mm`` also takes ``out=``, a contiguous [N, n] of a's dtype that it writes and
+            returns (the same bits as a fresh output: a caller reuses one buffer across calls).
     """
 
     name: str
@@ -69,6 +71,7 @@ class Kernel:
     wgrad: Optional[Callable] = dataclasses.field(repr=False)
     scatter: Optional[Callable] = dataclasses.field(repr=False)
     static_rows: bool = False
+    writes_out: bool = False
 
 
 def _native_kernel(impl: str, regime: str = "auto") -> tuple:
@@ -78,11 +81,12 @@ def _native_kernel(impl: str, regime: str = "auto") -> tuple:
     planned = impl == "native"   # a plan's host bounds go straight to the extension, which checks them
 
     def mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None, transposed: bool,
-           bias: Optional[Tensor] = None) -> Tensor:
-        if planned and plan.bounds is not None:
+           bias: Optional[Tensor] = None, out: Optional[Tensor] = None) -> Tensor:
+        if planned and plan.bounds is not None and out is None:
             return native.planned_mm(a, w, plan.offsets, plan.bounds, rows=rows, transposed=transposed, bias=bias,
                                      regime=regime)
-        return native.gather_mm(a, w, plan.offsets, rows=rows, transposed=transposed, bias=bias, impl=impl, **kw)
+        return native.gather_mm(a, w, plan.offsets, rows=rows, transposed=transposed, bias=bias, out=out, impl=impl,
+                                **kw)
 
     def wgrad(a: Tensor, b: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None,
               rows_b: Optional[Tensor] = None) -> Tensor:
@@ -186,9 +190,10 @@ def _entry(device: str, phase: str, dtype: torch.dtype) -> Kernel:
             mm, wg, sc = _native_kernel("native", "auto" if decode else "serial")
             how = ("experts side by side, one thread each, where few rows per expert leave the weight stream "
                    "the bound (native.regime_for)" if decode else "experts one after another, each GEMM threaded")
-            return Kernel("cpu-native", f"C++ grouped GEMM, rows gathered in C++; {how}", mm, wg, sc)
+            return Kernel("cpu-native", f"C++ grouped GEMM, rows gathered in C++; {how}", mm, wg, sc,
+                          writes_out=True)
         return Kernel("cpu-torch", f"per-expert torch.mm from Python ({native.status()})",
-                      *_native_kernel("reference"))
+                      *_native_kernel("reference"), writes_out=True)
     if dtype in (torch.bfloat16, torch.float16, torch.float32) and hasattr(torch, "_grouped_mm"):
         return Kernel("cuda-grouped-mm", "torch._grouped_mm over all experts, products and weight gradients, on a "
                       "device rows plan (no host sync in fmoe; torch's own kernel reads the offsets on the host "

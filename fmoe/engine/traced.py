@@ -427,6 +427,8 @@ def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: in
     if not differentiable:
         fs, w_in_s, w_out_s = kinds.as_stored(_form(form, in_t, out_t, act, alpha, limit), tuple(w_in), w_out)
         y = _huge_pages(xs.new_empty((T_key * per_key, O)))
+        scratch = _BlockScratch(xs, [w.shape[1 if fs.in_transposed else 2] for w in w_in_s], O,
+                                max(bounds[(b + 1) * E_all] - bounds[b * E_all] for b in range(n_blocks)))
     parts = []
     for b in range(n_blocks):
         r0, r1 = bounds[b * E_all], bounds[(b + 1) * E_all]
@@ -449,12 +451,12 @@ def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: in
         else:
             plan = plan_from_bounds(tokens[r0:r1], torch.arange(r0, r1, device=dev), eb, xs.shape[0],
                                     needs_grad=False, dtype=xs.dtype)
-            kern = select(plan, kinds._matrix_bytes(w_out_s))
-            z = kinds._projections(kern, fs, xs, plan, w_in_s, b_in)
-            y_b = kern.mm(fs.hidden_(*z), w_out_s, plan, transposed=fs.out_transposed, bias=b_out)
-            del z
+            y_b = scratch.rows_out(select(plan, kinds._matrix_bytes(w_out_s)), fs, xs, plan, w_in_s, b_in, w_out_s,
+                                   b_out)
         # y[bag] = the sum over its kept pairs, in ascending expert order, of gate * row output
-        # (no [bags, O] term per pair); a key token's bags read the same rows one after another
+        # (no [bags, O] term per pair); a key token's bags read the same rows one after another.
+        # One call a block: at two threads on a busy host every parallel region can wait a time
+        # slice for its second thread (1 MiB chunks, 13 a block, took 10x longer in such a phase)
         part = F.embedding_bag(rows[p0:p1] - r0, y_b, first[bag_cut[b]:bag_cut[b + 1]] - p0, mode="sum",
                                per_sample_weights=w_pair[p0:p1].to(y_b.dtype))
         if differentiable:
@@ -465,6 +467,43 @@ def _shared_pairs(B: int, dims: tuple, x, gates, expert_ids, slots, capacity: in
     if differentiable:
         y = torch.cat(parts)
     return (y.view(T, B, -1), 1) if per_key > 1 else (y.view(B, T, -1), 0)
+
+
+class _BlockScratch:
+    """One buffer for every block of a sweep's fold: each block's projections and row outputs
+    are written into the same memory (the kernels' ``out=``), so only the first block touches
+    fresh pages, and those in huge pages (:func:`_huge_pages`). Why: per-block fresh buffers came
+    back from the allocator as fresh pages each call (glibc trims the heap once more than twice
+    its mmap threshold is free), about 7k minor faults per call at N = 8, T = 2048.
+
+    Args: x (dtype, device), the in-projections' widths, the output width O, and the most rows
+    of any block."""
+
+    def __init__(self, x: Tensor, widths: list, O: int, rows: int):
+        align = max(1, 64 // x.element_size())   # each part starts on a 64-byte boundary, as a fresh tensor
+        self.at, n = [], 0
+        for width in (*widths, O):
+            self.at.append(n)
+            n += -(-rows * width // align) * align
+        self.widths, self.O = widths, O
+        buf = _huge_pages(x.new_empty(n + align))
+        self.buf = buf[(-buf.data_ptr() % 64) // x.element_size():]
+
+    def _part(self, i: int, n: int, width: int) -> Tensor:
+        return self.buf.narrow(0, self.at[i], n * width).view(n, width)
+
+    def rows_out(self, kern: Kernel, f: ExpertForm, x: Tensor, plan, w_in: tuple, b_in, w_out, b_out) -> Tensor:
+        """The block's row outputs [N, O]: :func:`fmoe.engine.kinds._projections`, the activation
+        and the out-projection, each GEMM into this buffer where the kernel writes into one
+        (:attr:`Kernel.writes_out`), with the same bits as fresh outputs."""
+        N = plan.num_rows
+
+        def out(i, width):
+            return {"out": self._part(i, N, width)} if kern.writes_out else {}
+        z = [kern.mm(x, w, plan, rows=plan.tokens, transposed=f.in_transposed, bias=b_in if i == 0 else None,
+                     **out(i, width)) for i, (w, width) in enumerate(zip(w_in, self.widths))]
+        return kern.mm(f.hidden_(*z), w_out, plan, transposed=f.out_transposed, bias=b_out,
+                       **out(len(self.widths), self.O))
 
 
 _MADV_HUGEPAGE = 14   # linux/mman.h
