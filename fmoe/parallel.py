@@ -42,6 +42,7 @@ from .comm.collectives import all_gather, all_to_all, all_to_all_v
 from .comm import compress as _compress
 from .comm import matching
 from .comm.agreement import InconsistentRanksError, agree_across_ranks
+from .comm.buffers import recv_buffer
 from .comm.hierarchical import Hierarchical2DComm
 from .comm.layout import plain
 from .comm.registry import cache_of, calls_of, handle_of
@@ -436,9 +437,13 @@ class _BelowGrad(torch.autograd.Function):
     def backward(ctx, g):
         (y, leaves), ctx.graph = ctx.graph, None
         want = [t for t in leaves if t is not None and t.requires_grad]
-        with torch._functorch.pyfunctorch.retrieve_current_functorch_interpreter().lower():
-            got = iter(torch.autograd.grad(y, want, torch._C._functorch._unwrap_for_grad(g, ctx.level)))
-        lift = torch._C._functorch._wrap_for_grad
+        if torch._C._functorch.get_interpreter_stack():
+            with torch._functorch.pyfunctorch.retrieve_current_functorch_interpreter().lower():
+                got = iter(torch.autograd.grad(y, want, torch._C._functorch._unwrap_for_grad(g, ctx.level)))
+            lift = torch._C._functorch._wrap_for_grad
+        else:   # the function of torch.func.vjp called after its level ended: plain tensors, nothing to lift
+            got = iter(torch.autograd.grad(y, want, g))
+            lift = lambda t, level: t   # noqa: E731
         return (None, None, *(lift(next(got), ctx.level) if t is not None and t.requires_grad else None
                               for t in leaves))
 
@@ -798,7 +803,7 @@ class _GroupRoute:
     Attributes (for group (a, b) of local experts):
         send, recv: per-rank row counts of its exchange.
         rows: int64 [sum(send)]: its rows in this rank's row order (rank-major, sorted by expert):
-            for each destination w, w's experts a..b-1's run.
+            for each destination w, w's experts a..b-1's run, which starts at row ``starts[w]``.
         place: int64 [sum(recv)]: the expert-order row of each source-major received row.
         bounds: host ints [b - a + 1]: its received rows per local expert, cumulated.
     """
@@ -809,7 +814,8 @@ class _GroupRoute:
         starts = (per.sum(1).cumsum(0) - per.sum(1)) + per[:, :a].sum(1)
         self.send = per[:, a:b].sum(1).tolist()
         self.recv = recv_matrix[:, a:b].sum(1).tolist()
-        self.rows = torch.cat([torch.arange(s, s + c) for s, c in zip(starts.tolist(), self.send)])
+        self.starts = starts.tolist()
+        self.rows = torch.cat([torch.arange(s, s + c) for s, c in zip(self.starts, self.send)])
         got = recv_matrix[:, a:b]
         local_id = torch.repeat_interleave(torch.arange(b - a).repeat(W), got.reshape(-1))
         by_expert = torch.argsort(local_id, stable=True)
@@ -839,19 +845,25 @@ class _Pipelined(torch.autograd.Function):
         for a, b in box.groups:
             params.append({k: None if v is None else v[a:b].detach().requires_grad_(v.requires_grad)
                            for k, v in zip(box.keys, values)})
-        started = [comm.exchange_rows_async(x, r.send, r.recv, rows=box.tokens.index_select(0, r.rows),
-                                            place=r.place) for r in routes]
+        def send(i):
+            r = routes[i]
+            return comm.exchange_rows_async(x, r.send, r.recv, rows=box.tokens.index_select(0, r.rows), place=r.place)
+        # One group's rows in flight at a time (started once the previous group's are in): exchanges
+        # started together share the link and finish together, so the first group would wait for all.
+        pending = send(0)
         back, graphs = [], []
-        for (a, b), r, p, wait in zip(box.groups, routes, params, started):
-            got = wait().requires_grad_(x.requires_grad)
+        for i, (r, p) in enumerate(zip(routes, params)):
+            got = pending().requires_grad_(x.requires_grad)
+            pending = send(i + 1) if i + 1 < len(routes) else None
             with torch.enable_grad():
                 y = box.run(got, p, r.bounds)
             graphs.append((y, got, p))
-            back.append(comm.exchange_rows_async(y.detach(), r.recv, r.send, rows=r.place))
-        out = x.new_empty(box.tokens.shape[0], y.shape[1])
-        for r, wait in zip(routes, back):
-            out.index_copy_(0, r.rows, wait())
-        box.graphs = graphs
+            if not back:   # each group's outputs land in their rows of it (a buffer of comm's pool)
+                out = recv_buffer(comm, (box.tokens.shape[0], y.shape[1]), y.dtype)
+            back.append(comm.exchange_rows_async(y.detach(), r.recv, r.send, rows=r.place, out=out, at=r.starts))
+        for wait in back:
+            wait()
+        box.graphs, box.params = graphs, params
         return out
 
     @staticmethod
@@ -866,31 +878,43 @@ class _Pipelined(torch.autograd.Function):
         ctx.graphs = None
         comm, routes = box.comm, box.routes
         g = g.contiguous()
-        started = [comm.exchange_rows_async(g, r.send, r.recv, rows=r.rows, place=r.place) for r in routes]
-        back, grads = [], []
-        for r, (y, got, p), wait in zip(routes, graphs, started):
+        def send(i):
+            r = routes[i]
+            return comm.exchange_rows_async(g, r.send, r.recv, rows=r.rows, place=r.place)
+        pending = send(0)   # (one group's gradient rows in flight at a time, as forward's)
+        back, grads, rows = [], [], None
+        for i, (r, (y, got, p)) in enumerate(zip(routes, graphs)):
             want = [got] * got.requires_grad + [v for v in p.values() if v is not None and v.requires_grad]
-            d = torch.autograd.grad(y, want, wait(), allow_unused=True, materialize_grads=True) if want else ()
-            if got.requires_grad:
-                back.append(comm.exchange_rows_async(d[0], r.recv, r.send, rows=r.place))
+            gy = pending()
+            pending = send(i + 1) if i + 1 < len(routes) else None
+            d = torch.autograd.grad(y, want, gy, allow_unused=True, materialize_grads=True) if want else ()
+            del gy
+            if got.requires_grad:   # the rows' gradients land in their rows of one buffer (comm's pool)
+                if rows is None:
+                    rows = recv_buffer(comm, (box.tokens.shape[0], got.shape[1]), got.dtype)
+                back.append(comm.exchange_rows_async(d[0], r.recv, r.send, rows=r.place, out=rows, at=r.starts))
                 d = d[1:]
             grads.append(iter(d))
-        dx = None
-        if back:
-            rows = g.new_empty(box.tokens.shape[0], graphs[0][1].shape[1])
-            for r, wait in zip(routes, back):
-                rows.index_copy_(0, r.rows, wait())
-            dx = combine_raw(rows, box.positions, None)
-        dvalues = []
+        del graphs
+        dvalues = []   # (while the last group's row gradients travel)
         for k in box.keys:
             parts = [next(it) if p[k] is not None and p[k].requires_grad else None
-                     for (_, _, p), it in zip(graphs, grads)]
-            dvalues.append(None if parts[0] is None else torch.cat(parts))
+                     for p, it in zip(box.params, grads)]
+            if parts[0] is None:
+                dvalues.append(None)
+            else:   # into a buffer of comm's pool: a fresh one's page faults cost more than the copy
+                whole = recv_buffer(comm, (sum(t.shape[0] for t in parts),) + tuple(parts[0].shape[1:]), parts[0].dtype)
+                dvalues.append(torch.cat(parts, out=whole))
+        dx = None
+        if back:
+            for wait in back:
+                wait()
+            dx = combine_raw(rows, box.positions, None)
         return (None, dx, *dvalues)
 
 
 class _PipeBox:
-    __slots__ = ("comm", "routes", "groups", "tokens", "positions", "keys", "run", "graphs")
+    __slots__ = ("comm", "routes", "groups", "tokens", "positions", "keys", "run", "graphs", "params")
 
 
 def _pipelined(experts, expert_params, x: Tensor, layout: Layout, tokens: Tensor, comm, sizes: Tensor,

@@ -137,6 +137,34 @@ def test_torch_func_grad_runs_the_eager_engine_and_equals_one_process(comm, engi
         allclose(gx, xe.grad, f"grad x {tag}")
 
 
+@pytest.mark.parametrize("kind,cf", [("ffn", 1.25), ("swiglu", 0.0)])
+def test_torch_func_vjp_runs_the_eager_engine_and_equals_grad(comm, engine_rows, traced_calls, kind, cf):
+    """torch.func.vjp (one grad level) takes the eager engine beneath the level too, and its function,
+    called after the level has ended (no functorch interpreter left to lower to), gives torch.func.grad's
+    expert and x gradients bit for bit."""
+    W = comm.size
+    spec = make_spec(2 * W, 2, cf, expert_type=kind)
+    full = full_params(spec)
+    x = local_batch(comm.rank)
+    cot = torch.randn(x.shape[0], spec.output_dim, generator=torch.Generator().manual_seed(9 + comm.rank),
+                      dtype=torch.float64)
+    local = local_params(spec, full, comm)
+
+    def f(experts, xs):
+        return fmoe.moe({**local, "experts": experts}, xs, spec, comm=comm)[0]
+
+    traced_calls.clear()
+    y, pull = torch.func.vjp(f, local["experts"], x)
+    gv, gxv = pull(cot)
+    assert engine_rows and not traced_calls, f"engine calls {engine_rows}, traced op calls {traced_calls}"
+    (g, gx), yd = torch.func.grad(lambda e, xs: ((f(e, xs) * cot).sum(), f(e, xs)), argnums=(0, 1),
+                                  has_aux=True)(local["experts"], x)
+    assert torch.equal(y, yd)
+    assert torch.equal(gxv, gx)
+    for k in g:
+        assert torch.equal(gv[k], g[k]), f"grad experts.{k}"
+
+
 @pytest.mark.parametrize("cf", [1.25, 0.0])
 def test_torch_func_grad_with_a_plain_input_requiring_grad_keeps_the_traced_op(comm, engine_rows, traced_calls, cf):
     """A plain (unwrapped) x that requires grad outside the torch.func grad level wants a gradient
