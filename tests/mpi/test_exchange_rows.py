@@ -134,6 +134,61 @@ def test_bad_place_raises_on_every_rank(comm, bad, match, backend):
     assert torch.equal(c.exchange_rows(x, [2] * W, [2] * W), comm.all_to_all_v(x, [2] * W, [2] * W))
 
 
+def test_gloo_exchanges_in_flight_equal_the_blocking_ones(comm):
+    """TorchDistComm.exchange_rows_async: three exchanges started before any is finished and finished
+    in another order give exchange_rows' bytes; with out/at each source's rows land at its offset of
+    a larger result (the rest untouched), received in place or (blocks apart) copied there."""
+    c = _gloo(comm)
+    W, me = comm.size, comm.rank
+    g = torch.Generator().manual_seed(70 + me)
+    pos, tokens, N, send, recv = ragged_send(comm, g, 9, 2)
+    R = sum(recv)
+    x = torch.randn(9, 5, generator=g, dtype=torch.float64)
+    place = torch.randperm(R, generator=g)
+    y = torch.randn(R, 3, generator=g, dtype=torch.float64)
+    want = [c.exchange_rows(x, send, recv, rows=tokens, place=place), c.exchange_rows(y, recv, send, rows=place),
+            c.exchange_rows(x, send, recv, rows=tokens)]
+    waits = [c.exchange_rows_async(x, send, recv, rows=tokens, place=place),
+             c.exchange_rows_async(y, recv, send, rows=place), c.exchange_rows_async(x, send, recv, rows=tokens)]
+    for i in (2, 0, 1):
+        assert torch.equal(waits[i](), want[i]), i
+    for gap in (0, 3):   # source u's rows at u's offset plus u * gap (gap 0: the peers' blocks adjacent)
+        at = [sum(send[:u]) + 1 + u * gap for u in range(W)]
+        out = torch.full((N + 2 + W * gap, 3), 7.0, dtype=torch.float64)
+        got = c.exchange_rows_async(y, recv, send, rows=place, out=out, at=at)()
+        assert got is out
+        keep = torch.ones(out.shape[0], dtype=torch.bool)
+        for u in range(W):
+            assert torch.equal(out[at[u]:at[u] + send[u]], want[1][sum(send[:u]):sum(send[:u]) + send[u]]), (gap, u)
+            keep[at[u]:at[u] + send[u]] = False
+        assert bool((out[keep] == 7.0).all()), gap
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("lone", "out and at go together"),
+    ("place", "out/at and place are two ways"),
+    ("dtype", "out must be a contiguous CPU tensor"),
+    ("at", "at must hold one int per rank"),
+    ("overlap", "must give blocks inside out's"),
+    ("rows", r"rows must lie in \[0, 2W\)")])
+def test_gloo_bad_async_exchange_raises_on_every_rank(comm, bad, match):
+    """Rank 0 starts an exchange with bad arguments (out/at, or rows as exchange_rows'); every rank
+    raises at the start (the peers do not wait for data) and the communicator then still exchanges."""
+    W = comm.size
+    c = _gloo(comm)
+    x = torch.zeros(2 * W, 2)
+    kw = {"out": torch.zeros(2 * W, 2), "at": [2 * u for u in range(W)]}
+    if comm.rank == 0:
+        kw = {"lone": {"out": kw["out"]}, "place": {**kw, "place": torch.arange(2 * W)},
+              "dtype": {**kw, "out": torch.zeros(2 * W, 2, dtype=torch.float64)}, "at": {**kw, "at": [0]},
+              "overlap": {**kw, "at": [0] * W}, "rows": {"rows": torch.arange(2 * W) + 1}}[bad]
+    with pytest.raises(ValueError, match=match.replace("2W", str(2 * W))) as err:
+        c.exchange_rows_async(x, [2] * W, [2] * W, **kw)
+    assert comm.rank == 0 or "invalid arguments on rank(s) 0" in str(err.value)
+    x = torch.arange(4.0 * W).view(2 * W, 2) + comm.rank
+    assert torch.equal(c.exchange_rows_async(x, [2] * W, [2] * W)(), comm.all_to_all_v(x, [2] * W, [2] * W))
+
+
 def test_the_op_refuses_a_communicator_without_the_method(comm):
     from fmoe.comm import LocalComm
     with pytest.raises(TypeError, match="exchange_rows needs a communicator with an exchange_rows method"):
