@@ -1,7 +1,7 @@
 """torch.compile and torch.func against eager mode, one process, interleaved.
 
     python -m benchmarks.bench_compile [--reps 7] [--kinds ffn,swiglu] [--cfs 1.25,0] [--sweep 8] [--per_example 4]
-        [--threads 0] [--json out.json]
+        [--threads 0] [--profile 12] [--json out.json]
 
 Per (kind, capacity factor), a training step (forward + backward of ``fmoe.moe``):
 
@@ -18,7 +18,7 @@ beside each median wall time, the median process CPU time (a steadier ratio on a
 and minor page faults (first touches of fresh pages) per call, and each variant's peak memory
 above the resting set (:func:`benchmarks.bench_common.measure_peak`, after the timings); then the
 route alone (``fmoe.route``: gate GEMM, top-k, slot walk, capacity, loss), vmapped against N
-eager routes.
+eager routes; with ``--profile R``, the R costliest ops of one vmapped call (torch.profiler).
 And with ``--per_example B``, per-example gradients of a training loss over B token batches:
 ``vmap(grad)`` (the op's training fold: shared weights stay E experts, the weight gradients
 per (expert, element)) against B eager gradient calls, and the same vmap on the layout plan.
@@ -78,6 +78,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--per_example", type=int, default=0, help="B: per-example gradients over B batches (0: none)")
     ap.add_argument("--per_example_kind", default="swiglu")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="after the sweep, the ops of one vmapped call by self CPU time, this many rows (0: none)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.threads:
@@ -193,6 +195,8 @@ def _sweep(a, x) -> dict:
         sweep[f"{v}_over_loop"] = sweep[f"{v}_ms"] / sweep["loop_ms"]
         sweep[f"{v}_cpu_over_loop"] = sweep[f"{v}_cpu_ms"] / sweep["loop_cpu_ms"]
     sweep["route_vmap_over_loop"] = sweep["route_vmap_ms"] / sweep["route_loop_ms"]
+    if a.profile:
+        sweep["profile"] = _profile(fns["vmap"], a.profile)
     mib = lambda n: "?" if sweep[f"{n}_peak_mib"] is None else f"{sweep[f'{n}_peak_mib']:.0f}"  # noqa: E731
     print(f"sweep of {a.sweep} gate settings (ffn cf=1.25, forward, {torch.get_num_threads()} threads): vmap "
           f"{sweep['vmap_ms']:.1f} ms ({sweep['vmap_over_loop']:.2f}x; CPU {sweep['vmap_cpu_over_loop']:.2f}x), "
@@ -202,6 +206,22 @@ def _sweep(a, x) -> dict:
           f"MiB, loop {mib('loop')} MiB | the route alone: vmapped {sweep['route_vmap_ms']:.1f} ms, {a.sweep} eager "
           f"routes {sweep['route_loop_ms']:.1f} ms", flush=True)
     return sweep
+
+
+def _profile(fn, rows: int) -> list:
+    """The ops of one call of ``fn`` (after a warm-up) by self CPU time: [(name, calls, self ms)],
+    printed; the GEMMs are aten::mm / aten::bmm, the rest what the call adds around them."""
+    from torch.profiler import ProfilerActivity, profile
+    with torch.no_grad():
+        fn()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    out = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in ops[:rows]]
+    total = sum(e.self_cpu_time_total for e in ops) / 1e3
+    print(f"one vmapped call, {total:.1f} ms of op self time (profiled): " +
+          ", ".join(f"{n} {ms:.1f} ms ({c})" for n, c, ms in out), flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -62,7 +62,9 @@ class Kernel:
             ``mm`` writes zeros into the dead rows (past ``offsets[E]``), ``wgrad`` reads none
             of them, and no host sync. Other kernels get the plan's :meth:`~fmoe.engine.ExpertPlan.on_host`.
         writes_out: ``mm`` also takes ``out=``, a contiguous [N, n] of a's dtype that it writes and
-            returns (the same bits as a fresh output: a caller reuses one buffer across calls).
+            returns (the same bits as a fresh output: a caller reuses one buffer across calls), and
+            ``regime=`` (:func:`fmoe.ops.native.regime_for`'s 'serial' / 'parallel' / 'auto'; None:
+            the entry's own), a speed, never a result beyond that module's bound.
     """
 
     name: str
@@ -78,15 +80,16 @@ def _native_kernel(impl: str, regime: str = "auto") -> tuple:
     """(mm, wgrad, scatter) over :mod:`.native` (impl 'native': the C++ kernels with this
     threading regime; 'reference': their per-expert torch.mm twins)."""
     kw = {} if impl == "reference" else {"regime": regime}
+    own = regime
     planned = impl == "native"   # a plan's host bounds go straight to the extension, which checks them
 
     def mm(a: Tensor, w: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None, transposed: bool,
-           bias: Optional[Tensor] = None, out: Optional[Tensor] = None) -> Tensor:
-        if planned and plan.bounds is not None and out is None:
+           bias: Optional[Tensor] = None, out: Optional[Tensor] = None, regime: Optional[str] = None) -> Tensor:
+        if planned and plan.bounds is not None and out is None and regime is None:
             return native.planned_mm(a, w, plan.offsets, plan.bounds, rows=rows, transposed=transposed, bias=bias,
-                                     regime=regime)
+                                     regime=own)
         return native.gather_mm(a, w, plan.offsets, rows=rows, transposed=transposed, bias=bias, out=out, impl=impl,
-                                **kw)
+                                regime=regime or own)
 
     def wgrad(a: Tensor, b: Tensor, plan: ExpertPlan, *, rows: Optional[Tensor] = None,
               rows_b: Optional[Tensor] = None) -> Tensor:

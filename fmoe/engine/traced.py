@@ -497,9 +497,12 @@ class _BlockScratch:
         and the out-projection, each GEMM into this buffer where the kernel writes into one
         (:attr:`Kernel.writes_out`), with the same bits as fresh outputs."""
         N = plan.num_rows
+        # experts side by side, one thread each: a block's experts hold hundreds of rows each, and
+        # one parallel region a projection rather than one a GEMM (16 a projection at E = 16)
+        regime = "parallel" if torch.get_num_threads() > 1 else None
 
         def out(i, width):
-            return {"out": self._part(i, N, width)} if kern.writes_out else {}
+            return {"out": self._part(i, N, width), "regime": regime} if kern.writes_out else {}
         z = [kern.mm(x, w, plan, rows=plan.tokens, transposed=f.in_transposed, bias=b_in if i == 0 else None,
                      **out(i, width)) for i, (w, width) in enumerate(zip(w_in, self.widths))]
         return kern.mm(f.hidden_(*z), w_out, plan, transposed=f.out_transposed, bias=b_out,
