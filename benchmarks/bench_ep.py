@@ -11,15 +11,11 @@ interleaved round by round (forward + backward, one torch thread per rank, the s
 time):
 
 * ``mpi``: expert parallel over MPIComm;
-* ``gloo``: expert parallel over TorchDistComm (gloo, initialised inside this job), on the placed
-  route of ``mpi`` in groups of local experts, each group's exchanges in flight while another
-  group's experts run (:class:`fmoe.parallel._Pipelined`,
-  :meth:`fmoe.comm.TorchDistComm.exchange_rows_async`);
+* ``gloo``: expert parallel over TorchDistComm (gloo, initialised inside this job), on the same
+  placed route as ``mpi`` (:meth:`fmoe.comm.TorchDistComm.exchange_rows`);
 * ``func``: ``mpi`` under ``torch.func.grad``, where the received rows run the eager engine
   beneath the grad level (:class:`fmoe.parallel._BelowGrad`: the placed exchanges and in-order
   plan of ``mpi``; the engine's traced op before);
-* ``gloo_ungrouped``: ``gloo`` with ``TorchDistComm.exchange_rows_async`` hidden: the placed route in
-  one engine call, each exchange finished before the experts run (no expert groups in flight);
 * ``local``: the one-process baseline;
 With ``--before``, each timed variant also runs as it ran before its route changed, interleaved
 with it (an A/B within one process, round by round: the ratio of each round's pair, whose median
@@ -88,19 +84,6 @@ def _before(step, cls):
     return run
 
 
-def _ungrouped(step):
-    """``step`` with ``TorchDistComm.exchange_rows_async`` hidden: the placed route in one engine call,
-    each exchange finished before the experts run (:class:`fmoe.parallel._Pipelined` not taken)."""
-    def run():
-        real = TorchDistComm.exchange_rows_async
-        del TorchDistComm.exchange_rows_async
-        try:
-            step()
-        finally:
-            TorchDistComm.exchange_rows_async = real
-    return run
-
-
 def _profile(comm, step, n: int) -> dict:
     """``n`` profiled steps after two warm ones; rank 0 prints the ops' self CPU times per step."""
     from torch.profiler import ProfilerActivity, profile
@@ -132,11 +115,10 @@ def main(argv=None) -> dict:
                     help="instead of timing: N steps of one variant (--profile_variant) under torch.profiler (first "
                          "kind and cf); rank 0 prints the ops by self CPU time")
     ap.add_argument("--profile_variant", default="mpi", choices=("mpi", "gloo", "func", "local", "mpi_before",
-                                                                  "gloo_before", "func_before", "gloo_ungrouped"))
+                                                                  "gloo_before", "func_before"))
     ap.add_argument("--before", action="store_true", help="also time each variant's route before (see the module "
                                                            "docstring), round by round")
-    ap.add_argument("--variants", default="mpi,gloo,func", help="which of mpi, gloo, func, gloo_ungrouped to time "
-                                                                 "(with local)")
+    ap.add_argument("--variants", default="mpi,gloo,func", help="which of mpi, gloo, func to time (with local)")
     a = ap.parse_args(argv)
     comm = bench_comm.ep_world()
     W = comm.size
@@ -159,11 +141,10 @@ def main(argv=None) -> dict:
                         "local": lambda: _step(one, x, one_spec)}
             for n, cls in (("mpi", MPIComm), ("gloo", TorchDistComm), ("func", MPIComm)):
                 variants[f"{n}_before"] = _before(variants[n], cls)
-            variants["gloo_ungrouped"] = _ungrouped(variants["gloo"])
             if a.profile:
                 return _profile(comm, variants[a.profile_variant], a.profile)
             timed = a.variants.split(",")
-            timed += [f"{n}_before" for n in timed if f"{n}_before" in variants] if a.before else []
+            timed += [f"{n}_before" for n in timed] if a.before else []
             variants = {n: f for n, f in variants.items() if n in timed or n == "local"}
             times = {n: [] for n in variants}
             for rep in range(a.reps + 1):   # round 0 warms up
@@ -186,9 +167,6 @@ def main(argv=None) -> dict:
             for n in pairs:   # paired round by round: the A/B
                 row[f"{n}_over_before_per_round"] = statistics.median(
                     u / v for u, v in zip(times[n], times[f"{n}_before"]))
-            if "gloo" in times and "gloo_ungrouped" in times:
-                row["gloo_over_ungrouped_per_round"] = statistics.median(
-                    u / v for u, v in zip(times["gloo"], times["gloo_ungrouped"]))
             results.append(row)
             if comm.rank == 0:
                 print(f"{kind:9s} cf={cf:<5} local {row['local_ms']:8.1f} ms | " + " | ".join(
@@ -196,9 +174,7 @@ def main(argv=None) -> dict:
                     + f" || best: local {row['local_best_ms']:.1f} ms, " + ", ".join(
                     f"{n} {row[f'{n}_best_over_local']:.2f}x" for n in others)
                     + "".join(f" || {n} / {n}_before per round {row[f'{n}_over_before_per_round']:.3f}"
-                              for n in pairs)
-                    + (f" || gloo / gloo_ungrouped per round {row['gloo_over_ungrouped_per_round']:.3f}"
-                       if "gloo_over_ungrouped_per_round" in row else ""), flush=True)
+                              for n in pairs), flush=True)
     out = {"ranks": W, "threads_per_rank": 1, "T_per_rank": T, "E": E, "M": M, "H": H, "k": k, "reps": a.reps,
            "load": os.getloadavg(), "rows": results}
     if comm.rank == 0 and a.json:

@@ -42,7 +42,6 @@ from .comm.collectives import all_gather, all_to_all, all_to_all_v
 from .comm import compress as _compress
 from .comm import matching
 from .comm.agreement import InconsistentRanksError, agree_across_ranks
-from .comm.buffers import recv_buffer
 from .comm.hierarchical import Hierarchical2DComm
 from .comm.layout import plain
 from .comm.registry import cache_of, calls_of, handle_of
@@ -751,10 +750,6 @@ def _ragged_expert_parallel(experts, expert_params, rows: Optional[Tensor], comm
         # or scatter), and the outputs go back from where they lie. place[i]: the expert-order row
         # of source-major received row i. (The traced op and the reference gather and scatter by
         # any index: they keep the plain exchanges.)
-        if _pipelines(xcomm, experts, expert_params, _engine_form(experts, expert_params, source[0]), n):
-            ret = _pipelined(experts, expert_params, source[0], layout, source[1], xcomm, sizes, recv_matrix, save,
-                             generator)
-            return ret if N == R else torch.cat([ret, ret.new_zeros(R - N, ret.shape[1])])
         place = torch.empty_like(by_expert).index_copy_(0, by_expert, torch.arange(by_expert.shape[0]))
         got = _SendPlaced.apply(source[0], layout.positions, source[1], place, xcomm, send, recv)
         y = _engine_rows(experts, expert_params, got, local_sizes, save, generator)
@@ -769,189 +764,6 @@ def _ragged_expert_parallel(experts, expert_params, rows: Optional[Tensor], comm
     if N == R:
         return ret
     return torch.cat([ret, ret.new_zeros(R - N, ret.shape[1])])
-
-
-# --------------------------------------------------------------------------- expert groups in flight
-
-# Local experts per rank are split into this many groups (at most): each group's rows travel while the
-# previous group's experts run. More groups hide more of the exchanges but add an engine call each.
-EXPERT_GROUPS = 2
-
-
-def _pipelines(xcomm, experts, expert_params, kw, n: int) -> bool:
-    """Whether the placed route runs in expert groups (:class:`_Pipelined`): a communicator that
-    starts exchanges without finishing them (``exchange_rows_async``: TorchDistComm), eager mode
-    outside any torch.func transform, plain float expert weights with no quantized-training recipe
-    (its per-call randomness would be drawn per group) and at least two local experts."""
-    return (n >= 2 and hasattr(xcomm, "exchange_rows_async") and kw["door"] == "rows" and kw["lift"] is None
-            and experts.precision is None and not torch._C._functorch.get_interpreter_stack()
-            and torch.autograd.forward_ad._current_level < 0
-            and all(v is None or (type(v) is Tensor and v.is_floating_point()) for v in expert_params.values()))
-
-
-def _groups(n: int) -> list:
-    """Local expert groups [(a, b)]: ``min(n, EXPERT_GROUPS)`` contiguous runs of near-equal size."""
-    G = min(n, EXPERT_GROUPS)
-    cut = [n * g // G for g in range(G + 1)]
-    return list(zip(cut, cut[1:]))
-
-
-class _GroupRoute:
-    """Where one group's rows go. Both sides of the exchange know them: this rank's sizes (rows it
-    sends per global expert) and recv_matrix (rows it gets per source and local expert).
-
-    Attributes (for group (a, b) of local experts):
-        send, recv: per-rank row counts of its exchange.
-        rows: int64 [sum(send)]: its rows in this rank's row order (rank-major, sorted by expert):
-            for each destination w, w's experts a..b-1's run, which starts at row ``starts[w]``.
-        place: int64 [sum(recv)]: the expert-order row of each source-major received row.
-        bounds: host ints [b - a + 1]: its received rows per local expert, cumulated.
-    """
-
-    def __init__(self, sizes: Tensor, recv_matrix: Tensor, a: int, b: int):
-        W, n = recv_matrix.shape
-        per = sizes.reshape(W, n)
-        starts = (per.sum(1).cumsum(0) - per.sum(1)) + per[:, :a].sum(1)
-        self.send = per[:, a:b].sum(1).tolist()
-        self.recv = recv_matrix[:, a:b].sum(1).tolist()
-        self.starts = starts.tolist()
-        self.rows = torch.cat([torch.arange(s, s + c) for s, c in zip(self.starts, self.send)])
-        got = recv_matrix[:, a:b]
-        local_id = torch.repeat_interleave(torch.arange(b - a).repeat(W), got.reshape(-1))
-        by_expert = torch.argsort(local_id, stable=True)
-        self.place = torch.empty_like(by_expert).index_copy_(0, by_expert, torch.arange(by_expert.shape[0]))
-        self.bounds = [0] + got.sum(0).cumsum(0).tolist()
-
-
-class _Pipelined(torch.autograd.Function):
-    """The placed route (:class:`_SendPlaced`, the engine on rows in expert order, :class:`_Exchange`
-    back) in groups of local experts, each group's exchanges in flight while another group's
-    experts run: forward starts every group's dispatch, then per group waits for its rows, runs its
-    experts and starts their return; backward the same with the output's gradient rows out and the
-    rows' gradients back. Each expert still multiplies all its rows in one call, in the same order,
-    with the kernel the whole call selects (the engine's per-expert products depend only on the
-    expert's own rows: fmoe/ops/csrc/grouped_gemm.cpp), so the outputs and gradients equal the
-    plain route's bit for bit. Eager mode only (:func:`_pipelines`); first order only: its
-    backward runs, beneath it, the graphs its forward recorded (as :class:`_BelowGrad`'s).
-
-    ``forward(box, x, *values)``: x [T, M] the tokens, values the expert pytree's tensors (in
-    ``box.keys`` order); returns [N, O]: each of this rank's rows' expert output, in its row order.
-    """
-
-    @staticmethod
-    def forward(box, x, *values):
-        comm, routes = box.comm, box.routes
-        params = []
-        for a, b in box.groups:
-            params.append({k: None if v is None else v[a:b].detach().requires_grad_(v.requires_grad)
-                           for k, v in zip(box.keys, values)})
-        def send(i):
-            r = routes[i]
-            return comm.exchange_rows_async(x, r.send, r.recv, rows=box.tokens.index_select(0, r.rows), place=r.place)
-        # One group's rows in flight at a time (started once the previous group's are in): exchanges
-        # started together share the link and finish together, so the first group would wait for all.
-        pending = send(0)
-        back, graphs = [], []
-        for i, (r, p) in enumerate(zip(routes, params)):
-            got = pending().requires_grad_(x.requires_grad)
-            pending = send(i + 1) if i + 1 < len(routes) else None
-            with torch.enable_grad():
-                y = box.run(got, p, r.bounds)
-            graphs.append((y, got, p))
-            if not back:   # each group's outputs land in their rows of it (a buffer of comm's pool)
-                out = recv_buffer(comm, (box.tokens.shape[0], y.shape[1]), y.dtype)
-            back.append(comm.exchange_rows_async(y.detach(), r.recv, r.send, rows=r.place, out=out, at=r.starts))
-        for wait in back:
-            wait()
-        box.graphs, box.params = graphs, params
-        return out
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        box = inputs[0]
-        ctx.box, ctx.graphs, box.graphs = box, box.graphs, None
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g):
-        box, graphs = ctx.box, ctx.graphs
-        ctx.graphs = None
-        comm, routes = box.comm, box.routes
-        g = g.contiguous()
-        def send(i):
-            r = routes[i]
-            return comm.exchange_rows_async(g, r.send, r.recv, rows=r.rows, place=r.place)
-        pending = send(0)   # (one group's gradient rows in flight at a time, as forward's)
-        back, grads, rows = [], [], None
-        for i, (r, (y, got, p)) in enumerate(zip(routes, graphs)):
-            want = [got] * got.requires_grad + [v for v in p.values() if v is not None and v.requires_grad]
-            gy = pending()
-            pending = send(i + 1) if i + 1 < len(routes) else None
-            d = torch.autograd.grad(y, want, gy, allow_unused=True, materialize_grads=True) if want else ()
-            del gy
-            if got.requires_grad:   # the rows' gradients land in their rows of one buffer (comm's pool)
-                if rows is None:
-                    rows = recv_buffer(comm, (box.tokens.shape[0], got.shape[1]), got.dtype)
-                back.append(comm.exchange_rows_async(d[0], r.recv, r.send, rows=r.place, out=rows, at=r.starts))
-                d = d[1:]
-            grads.append(iter(d))
-        del graphs
-        dvalues = []   # (while the last group's row gradients travel)
-        for k in box.keys:
-            parts = [next(it) if p[k] is not None and p[k].requires_grad else None
-                     for p, it in zip(box.params, grads)]
-            if parts[0] is None:
-                dvalues.append(None)
-            else:   # into a buffer of comm's pool: a fresh one's page faults cost more than the copy
-                whole = recv_buffer(comm, (sum(t.shape[0] for t in parts),) + tuple(parts[0].shape[1:]), parts[0].dtype)
-                dvalues.append(torch.cat(parts, out=whole))
-        dx = None
-        if back:
-            for wait in back:
-                wait()
-            dx = combine_raw(rows, box.positions, None)
-        return (None, dx, *dvalues)
-
-
-class _PipeBox:
-    __slots__ = ("comm", "routes", "groups", "tokens", "positions", "keys", "run", "graphs", "params")
-
-
-def _pipelined(experts, expert_params, x: Tensor, layout: Layout, tokens: Tensor, comm, sizes: Tensor,
-               recv_matrix: Tensor, save: str, generator) -> Tensor:
-    """[N, O]: this rank's rows' expert outputs through :class:`_Pipelined` (the placed route's values)."""
-    n = recv_matrix.shape[1]
-    box = _PipeBox()
-    box.comm, box.tokens, box.positions, box.graphs = comm, tokens, layout.positions, None
-    box.groups = _groups(n)
-    box.routes = [_GroupRoute(sizes, recv_matrix, a, b) for a, b in box.groups]
-    box.keys = list(expert_params)
-    values = [expert_params[k] for k in box.keys]
-    kw = expert_form(experts, expert_params)
-    needs_grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (x, *values))
-    # the kernel of the whole call (its key holds the call's rows per busy expert), for every group
-    local_sizes = recv_matrix.sum(0).tolist()
-    bounds = [0]
-    for c in local_sizes:
-        bounds.append(bounds[-1] + c)
-    R = bounds[-1]
-    whole = plan_from_bounds(torch.arange(R), torch.arange(R), bounds, R, needs_grad=needs_grad, dtype=x.dtype,
-                             precision=experts.precision, in_order=True)
-    kern = select(whole, _kinds._matrix_bytes(kw["w_out"]), generator=generator)
-
-    def run(got: Tensor, params: dict, bounds: list) -> Tensor:
-        f = expert_form(experts, params)
-        N = bounds[-1]
-        ar = torch.arange(N)
-        plan = plan_from_bounds(ar, ar, bounds, N, needs_grad=needs_grad, dtype=got.dtype,
-                                precision=experts.precision, in_order=True)
-        return _kinds.run(f["form"], got, None, plan, f["w_in"], f["w_out"], b_in=f["b_in"], b_out=f["b_out"],
-                          save=save, kernel=kern, generator=generator)
-    box.run = run
-    if not needs_grad:
-        with torch.no_grad():
-            return _Pipelined.forward(box, x, *values)
-    return _Pipelined.apply(box, x, *values)
 
 
 _AGREED = "fmoe.parallel: agreed call"  # registry cache key: the agreement number of the moe call in flight

@@ -6,7 +6,7 @@ import gc
 import math
 import os
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -185,28 +185,6 @@ class TorchDistComm(matching.ControlExchange):
         Returns:
             [sum(recv_counts), ...] (a receive buffer of this communicator's pool).
         """
-        return self._start_rows(x, send_counts, recv_counts, rows, place)()
-
-    @raw_collective
-    def exchange_rows_async(self, x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], *,
-                            rows: Optional[Tensor] = None, place: Optional[Tensor] = None,
-                            out: Optional[Tensor] = None, at: Optional[Sequence[int]] = None
-                            ) -> Callable[[], Tensor]:
-        """:meth:`exchange_rows` started, not finished: returns ``wait``, and ``wait()`` returns
-        what :meth:`exchange_rows` would have (the same bytes). Between the two this process may
-        compute (gloo moves the bytes on its own threads) and start or finish other exchanges:
-        several may be in flight, finished in any order. Every rank starts its exchanges in the
-        same order (a collective each); x and ``rows`` must not change before ``wait()``.
-
-        With ``out`` and ``at`` (instead of ``place``) the rows from source u land in rows
-        ``[at[u], at[u] + recv_counts[u])`` of ``out`` (a contiguous CPU tensor of x's dtype and row
-        shape; the blocks must not overlap), received there directly where the peers' blocks lie
-        next to each other in source order, and ``wait()`` returns ``out``.
-        Bad arguments raise here, on every rank, as :meth:`exchange_rows`'."""
-        return self._start_rows(x, send_counts, recv_counts, rows, place, out, at)
-
-    def _start_rows(self, x: Tensor, send_counts, recv_counts, rows: Optional[Tensor], place: Optional[Tensor],
-                    dest: Optional[Tensor] = None, at: Optional[Sequence[int]] = None):
         send, recv, err = a2av_counts(x if rows is None else rows, send_counts, recv_counts, self.size)
         if err is None and rows is not None:
             err = rows_error(x, rows)
@@ -218,58 +196,38 @@ class TorchDistComm(matching.ControlExchange):
             err = ValueError(f"exchange_rows: this rank sends itself {send[self.rank]} rows but receives "
                              f"{recv[self.rank]} from itself (send_counts[{self.rank}] must equal recv_counts"
                              f"[{self.rank}])")
-        if err is None and (dest is not None or at is not None):
-            err = _dest_error(x, dest, at, place, recv)
         call = self._begin_v(x, send, recv, err)
         x = x.contiguous()
         tail = tuple(x.shape[1:])
-        me = self.rank
-        if dest is None:
-            out = recv_buffer(self, (sum(recv),) + tail, x.dtype)   # reused: no fresh pages to fault
-            at = [sum(recv[:u]) for u in range(self.size)]
-        else:
-            out = dest
+        out = recv_buffer(self, (sum(recv),) + tail, x.dtype)   # reused: no fresh pages to fault
         if math.prod(tail) == 0:   # (from the shape: every rank skips alike)
-            return lambda: out
+            return out
+        me, R = self.rank, out.shape[0]
         ns, nr, s0, r0 = send[me], recv[me], sum(send[:me]), sum(recv[:me])
         peer_send, peer_recv = send[:me] + [0] + send[me + 1:], recv[:me] + [0] + recv[me + 1:]
-        peer_rows = None if rows is None else torch.cat([rows[:s0], rows[s0 + ns:]])
         if rows is None and (s0 == 0 or s0 + ns == x.shape[0]):
             sbuf = x[ns:] if s0 == 0 else x[:s0]                 # one piece of x: sent where it lies
-        elif rows is not None and _one_run(peer_rows):            # the peers' rows: one block of x
-            sbuf = x[int(peer_rows[0]):int(peer_rows[0]) + peer_rows.shape[0]] if peer_rows.shape[0] else x[:0]
         else:
             sbuf = recv_buffer(self, (x.shape[0] - ns if rows is None else rows.shape[0] - ns,) + tail, x.dtype)
             if rows is None:
                 torch.cat([x[:s0], x[s0 + ns:]], out=sbuf)
             else:
-                move_rows(x, peer_rows, None, sbuf)
-        # the peers' blocks of the result, in source order: received there directly where they are adjacent
-        blocks = [(at[u], recv[u]) for u in range(self.size) if u != me and recv[u]]
-        lo = blocks[0][0] if blocks else 0
-        direct = place is None and all(a0 == lo + sum(c for _, c in blocks[:i]) for i, (a0, _) in enumerate(blocks))
-        rbuf = out[lo:lo + sum(peer_recv)] if direct else recv_buffer(self, (sum(peer_recv),) + tail, x.dtype)
+                move_rows(x, torch.cat([rows[:s0], rows[s0 + ns:]]), None, sbuf)
+        direct = place is None and (r0 == 0 or r0 + nr == R)
+        rbuf = (out[nr:] if r0 == 0 else out[:r0]) if direct else recv_buffer(self, (R - nr,) + tail, x.dtype)
         work = self._do(f"all_to_all_v #{call}", lambda: dist.all_to_all_single(
             rbuf, sbuf, output_split_sizes=peer_recv, input_split_sizes=peer_send, group=self.group,
             async_op=True))
         if ns:   # this rank's own rows, while the peers' are in flight
             own = (x[s0:s0 + ns], None) if rows is None else (x, rows[s0:s0 + ns])
-            move_rows(*own, *((None, out[at[me]:at[me] + nr]) if place is None else (place[r0:r0 + nr], out)))
-
-        def wait() -> Tensor:
-            nonlocal sbuf, rbuf, work
-            if work is not None:
-                self._do(f"all_to_all_v #{call}", work.wait)
-                if place is not None:
-                    move_rows(rbuf, None, torch.cat([place[:r0], place[r0 + nr:]]), out)
-                elif not direct:
-                    i = 0
-                    for a0, c in blocks:
-                        out[a0:a0 + c].copy_(rbuf[i:i + c])
-                        i += c
-                sbuf = rbuf = work = None   # the buffers back to the pool, even while wait is held
-            return out
-        return wait
+            move_rows(*own, *((None, out[r0:r0 + nr]) if place is None else (place[r0:r0 + nr], out)))
+        self._do(f"all_to_all_v #{call}", work.wait)
+        if place is not None:
+            move_rows(rbuf, None, torch.cat([place[:r0], place[r0 + nr:]]), out)
+        elif not direct:
+            out[:r0].copy_(rbuf[:r0])
+            out[r0 + nr:].copy_(rbuf[r0:])
+        return out
 
     @raw_collective
     def all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
@@ -314,32 +272,3 @@ class TorchDistComm(matching.ControlExchange):
         # Only the members create the group, so disjoint colours do not wait on each other.
         sub = dist.new_group([g for _, g in members], use_local_synchronization=True)
         return TorchDistComm(sub, checks=self.checks)
-
-
-def _one_run(rows: Tensor) -> bool:
-    """Whether ``rows`` (int64) counts up by one from its first entry: one block of rows."""
-    n = rows.shape[0]
-    return n == 0 or (int(rows[-1]) - int(rows[0]) == n - 1 and bool((rows.diff() == 1).all()))
-
-
-def _dest_error(x: Tensor, dest: Optional[Tensor], at, place: Optional[Tensor], recv: list):
-    """The error of an ``out`` / ``at`` pair of :meth:`TorchDistComm.exchange_rows_async`, or None."""
-    if dest is None or at is None:
-        return ValueError("exchange_rows_async: out and at go together (out: the result, at: where each "
-                          "source's rows start in it); pass both or neither")
-    if place is not None:
-        return ValueError("exchange_rows_async: out/at and place are two ways to say where the received rows "
-                          "go; pass one of them")
-    if (not isinstance(dest, Tensor) or dest.device.type != "cpu" or dest.dtype != x.dtype
-            or tuple(dest.shape[1:]) != tuple(x.shape[1:]) or not dest.is_contiguous()):
-        return ValueError(f"exchange_rows_async: out must be a contiguous CPU tensor [rows, "
-                          f"{', '.join(map(str, x.shape[1:]))}] of {x.dtype}, got "
-                          f"{getattr(dest, 'dtype', type(dest).__name__)} {tuple(getattr(dest, 'shape', ()))}")
-    at = list(at)
-    if len(at) != len(recv) or any(isinstance(a, bool) or not isinstance(a, int) for a in at):
-        return ValueError(f"exchange_rows_async: at must hold one int per rank ({len(recv)}), got {at}")
-    spans = sorted((a, a + c) for a, c in zip(at, recv) if c)
-    if any(a < 0 or b > dest.shape[0] for a, b in spans) or any(b0 > a1 for (_, b0), (a1, _) in zip(spans, spans[1:])):
-        return ValueError(f"exchange_rows_async: at={at} with recv_counts={recv} must give blocks inside out's "
-                          f"{dest.shape[0]} rows that do not overlap")
-    return None
