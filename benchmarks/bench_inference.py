@@ -72,12 +72,16 @@ def _spec():
                         experts=fmoe.ExpertSpec(type="swiglu", hidden_size=I))
 
 
-def timed_cold(steps: dict[str, Callable[[], object]], repeats: int, log: Callable[[str], None] = print) -> dict:
+def timed_cold(steps: dict, repeats: int, log: Callable[[str], None] = print, *, warm: bool = False,
+               buf: Optional[torch.Tensor] = None) -> dict:
     """Interleaved timing, each call after an untimed eviction read of FLUSH_BYTES; the eviction
-    reads are timed separately as the stream rate. {name: median seconds, "stream_gb_per_s": rate}."""
-    buf = torch.ones(FLUSH_BYTES // 4)
+    reads are timed separately as the stream rate. {name: median seconds, "stream_gb_per_s": rate},
+    and with ``warm`` {"warm": {name: median seconds of the same call repeated at once}}. ``buf``:
+    the float32 eviction buffer to read (default: a fresh one of FLUSH_BYTES)."""
+    buf = torch.ones(FLUSH_BYTES // 4) if buf is None else buf
     buf.sum()
     times = {n: [] for n in steps}
+    warm_times = {n: [] for n in steps}
     rates = []
     order = list(steps)
     for fn in steps.values():
@@ -90,8 +94,14 @@ def timed_cold(steps: dict[str, Callable[[], object]], repeats: int, log: Callab
             t0 = time.perf_counter()
             steps[name]()
             times[name].append(time.perf_counter() - t0)
+            if warm:
+                t0 = time.perf_counter()
+                steps[name]()
+                warm_times[name].append(time.perf_counter() - t0)
     out = {n: statistics.median(v) for n, v in times.items()}
     out["stream_gb_per_s"] = statistics.median(rates)
+    if warm:
+        out["warm"] = {n: statistics.median(v) for n, v in warm_times.items()}
     return out
 
 

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
 
-from benchmarks.bench_inference import E, FLUSH_BYTES, I, K_TOP, M, _nbytes, _rand_packed
+from benchmarks.bench_inference import E, FLUSH_BYTES, I, K_TOP, M, _nbytes, _rand_packed, timed_cold
 
 PROJ = {"gate_up": (2 * I, M), "down": (M, I)}
 
@@ -48,31 +47,14 @@ def measure(formats, tokens, projs, repeats: int, warm: bool, int8: bool = False
             steps[(f, pr)] = (lambda a=a, w=w: packed.grouped_matmul(a, w, offs))
             if int8 and f in ("mxfp4", "nvfp4") and packed.has_int8_path():
                 steps[(f + "/i8", pr)] = (lambda a=a, w=w: packed.grouped_matmul(a, w, offs, activations="int8"))
-        for fn in steps.values():
-            fn()
-        times = {n: [] for n in steps}
-        wtimes = {n: [] for n in steps}
-        rates = []
-        order = list(steps)
-        for r in range(repeats):
-            for name in (order[::-1] if r % 2 else order):
-                t0 = time.perf_counter()
-                buf.sum()
-                rates.append(FLUSH_BYTES / (time.perf_counter() - t0) / 1e9)
-                t0 = time.perf_counter()
-                steps[name]()
-                times[name].append(time.perf_counter() - t0)
-                if warm:
-                    t0 = time.perf_counter()
-                    steps[name]()
-                    wtimes[name].append(time.perf_counter() - t0)
-        rate = statistics.median(rates)
+        t = timed_cold(steps, repeats, log, warm=warm, buf=buf)
+        rate = t["stream_gb_per_s"]
         for (f, pr) in steps:
             nb = _nbytes(weights[(f.split("/")[0], pr)], busy)
-            cold = nb / statistics.median(times[(f, pr)]) / 1e9
+            cold = nb / t[(f, pr)] / 1e9
             row = {"busy": busy, "bytes": nb, "cold_gb_s": cold, "stream_gb_s": rate, "frac": cold / rate}
             if warm:
-                row["warm_gb_s"] = nb / statistics.median(wtimes[(f, pr)]) / 1e9
+                row["warm_gb_s"] = nb / t["warm"][(f, pr)] / 1e9
             res[f"T={T} {f} {pr}"] = row
             log(f"T={T:3d} {f:9s} {pr:7s} busy {busy:2d}: cold {cold:5.1f} GB/s = {cold / rate:.2f} of stream "
                 f"{rate:.1f}" + (f", warm {row['warm_gb_s']:5.1f} GB/s" if warm else ""))
