@@ -98,6 +98,15 @@ def traced_calls(monkeypatch):
     return seen
 
 
+def _case(spec, comm):
+    """(full params, this rank's x, a cotangent for y, this rank's params) of one expert-parallel case."""
+    full = full_params(spec)
+    x = local_batch(comm.rank)
+    cot = torch.randn(x.shape[0], spec.output_dim, generator=torch.Generator().manual_seed(9 + comm.rank),
+                      dtype=torch.float64)
+    return full, x, cot, local_params(spec, full, comm)
+
+
 @pytest.mark.parametrize("kind,cf", [("ffn", 1.25), ("swiglu", 2.0), ("gpt_oss", 0.0)])
 def test_torch_func_grad_runs_the_eager_engine_and_equals_one_process(comm, engine_rows, traced_calls, kind, cf):
     """Under torch.func.grad (one grad level) each rank's received rows run the eager engine beneath
@@ -110,11 +119,7 @@ def test_torch_func_grad_runs_the_eager_engine_and_equals_one_process(comm, engi
         if E < W and (cf == 0.0 or kind not in ("ffn", "gated_ffn")):
             continue   # dropless routes ragged (whole experts per rank); only ffn kinds shard
         spec = make_spec(E, 2, cf, expert_type=kind)
-        full = full_params(spec)
-        x = local_batch(comm.rank)
-        cot = torch.randn(x.shape[0], spec.output_dim, generator=torch.Generator().manual_seed(9 + comm.rank),
-                          dtype=torch.float64)
-        local = local_params(spec, full, comm)
+        full, x, cot, local = _case(spec, comm)
 
         def loss(experts, xs):
             y, _ = fmoe.moe({**local, "experts": experts}, xs, spec, comm=comm, parallel=par)
@@ -144,11 +149,7 @@ def test_torch_func_vjp_runs_the_eager_engine_and_equals_grad(comm, engine_rows,
     expert and x gradients bit for bit."""
     W = comm.size
     spec = make_spec(2 * W, 2, cf, expert_type=kind)
-    full = full_params(spec)
-    x = local_batch(comm.rank)
-    cot = torch.randn(x.shape[0], spec.output_dim, generator=torch.Generator().manual_seed(9 + comm.rank),
-                      dtype=torch.float64)
-    local = local_params(spec, full, comm)
+    full, x, cot, local = _case(spec, comm)
 
     def f(experts, xs):
         return fmoe.moe({**local, "experts": experts}, xs, spec, comm=comm)[0]
