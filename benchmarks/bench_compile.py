@@ -210,7 +210,8 @@ def _sweep(a, x) -> dict:
 
 def _profile(fn, rows: int) -> list:
     """The ops of one call of ``fn`` (after a warm-up) by self CPU time: [(name, calls, self ms)],
-    printed; the GEMMs are aten::mm / aten::bmm, the rest what the call adds around them."""
+    printed. The GEMMs are aten::mm / aten::bmm, except the fold's at two or more threads: experts
+    side by side call BLAS directly, inside fmoe::expert_rows's self time (with the rows' gathers)."""
     from torch.profiler import ProfilerActivity, profile
     with torch.no_grad():
         fn()
