@@ -4,7 +4,9 @@ Every expert GEMM of the engine, on either plan, is one of three grouped forms (
 
 * ``mm(a, w, plan, rows=, transposed=, bias=)`` -> [N, n]: row r of expert e is ``a[rows[r]] @
   op(w[e]) (+ bias[e])`` (``rows=None``: a is already [N, k] in plan order). op(w) is w [E, k, n]
-  or, with ``transposed``, w [E, n, k] read as its transpose (nn.Linear's out x in).
+  or, with ``transposed``, w [E, n, k] read as its transpose (nn.Linear's out x in). The CPU
+  kernels (:attr:`Kernel.writes_out`) also write into a given ``out=`` and take the native
+  threading ``regime=`` (the vmapped fold's scratch and its experts side by side).
 * ``wgrad(a, b, plan, rows=, rows_b=)`` -> [E, P, Q]: ``sum over e's rows of a[rows[r]]^T
   b[rows_b[r]]`` (either operand gathered by the kernel, or already in plan order).
 * ``scatter(a, w, plan, index=, out=, scale=, transposed=, bias=)``: ``out[index[r]] += scale[r] *
