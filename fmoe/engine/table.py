@@ -64,7 +64,7 @@ class Kernel:
             ``mm`` writes zeros into the dead rows (past ``offsets[E]``), ``wgrad`` reads none
             of them, and no host sync. Other kernels get the plan's :meth:`~fmoe.engine.ExpertPlan.on_host`.
         writes_out: ``mm`` also takes ``out=``, a contiguous [N, n] of a's dtype that it writes and
-            returns (the same bits as a fresh output: a caller reuses one buffer across calls), and
+            returns (the bits of a fresh output of the same regime: a caller reuses one buffer across calls), and
             ``regime=`` (:func:`fmoe.ops.native.regime_for`'s 'serial' / 'parallel' / 'auto'; None:
             the entry's own), a speed, never a result beyond that module's bound.
     """

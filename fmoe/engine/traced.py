@@ -495,7 +495,7 @@ class _BlockScratch:
     def rows_out(self, kern: Kernel, f: ExpertForm, x: Tensor, plan, w_in: tuple, b_in, w_out, b_out) -> Tensor:
         """The block's row outputs [N, O]: :func:`fmoe.engine.kinds._projections`, the activation
         and the out-projection, each GEMM into this buffer where the kernel writes into one
-        (:attr:`Kernel.writes_out`), with the same bits as fresh outputs."""
+        (:attr:`Kernel.writes_out`), with the bits of fresh outputs of the same regime."""
         N = plan.num_rows
         # experts side by side, one thread each: a block's experts hold hundreds of rows each, and
         # one parallel region a projection rather than one a GEMM (16 a projection at E = 16)
