@@ -419,9 +419,13 @@ def _rows_of(plan: ExpertPlan, a: Tensor) -> Optional[Tensor]:
     return plan.tokens
 
 
-def _projections(kern: Kernel, form: ExpertForm, x: Tensor, plan: ExpertPlan, w_in: tuple, b_in) -> tuple:
+def _projections(kern: Kernel, form: ExpertForm, x: Tensor, plan: ExpertPlan, w_in: tuple, b_in,
+                 mm_kw: tuple = ()) -> tuple:
+    """The in-projections' row products; ``mm_kw``: per projection, more keywords for ``kern.mm``
+    (``out=`` / ``regime=`` of a :attr:`Kernel.writes_out` kernel)."""
     rows = _rows_of(plan, x)
-    return tuple(kern.mm(x, w, plan, rows=rows, transposed=form.in_transposed, bias=b_in if i == 0 else None)
+    return tuple(kern.mm(x, w, plan, rows=rows, transposed=form.in_transposed, bias=b_in if i == 0 else None,
+                         **(mm_kw[i] if mm_kw else {}))
                  for i, w in enumerate(w_in))
 
 

@@ -503,8 +503,7 @@ class _BlockScratch:
 
         def out(i, width):
             return {"out": self._part(i, N, width), "regime": regime} if kern.writes_out else {}
-        z = [kern.mm(x, w, plan, rows=plan.tokens, transposed=f.in_transposed, bias=b_in if i == 0 else None,
-                     **out(i, width)) for i, (w, width) in enumerate(zip(w_in, self.widths))]
+        z = kinds._projections(kern, f, x, plan, w_in, b_in, tuple(out(i, w) for i, w in enumerate(self.widths)))
         return kern.mm(f.hidden_(*z), w_out, plan, transposed=f.out_transposed, bias=b_out,
                        **out(len(self.widths), self.O))
 

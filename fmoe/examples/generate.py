@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fmoe.quant import dequantize, quantize_fp8_block, quantize_mxfp4, to_gpt_oss
+from fmoe.quant import quantize_fp8_block, quantize_mxfp4, to_gpt_oss
 
 # Small enough to write and load in seconds, large enough that the experts dominate the bytes.
 SIZES = {
@@ -179,9 +179,10 @@ def _without_experts(path: str, dtype: torch.dtype):
 
 def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32, *, int8_activations: bool = False):
     """(model, packed_bytes): transformers' model from `path`, patched with fmoe, every MoE block's
-    experts the checkpoint's packed ones (``int8_activations``: :func:`fmoe.models.patch`'s). gpt_oss: the experts are never dequantized
-    (:func:`_without_experts`); deepseek_v3: transformers loads the model (its FP8 shared experts
-    dequantized as its own CPU path does) and its dequantized routed experts are freed."""
+    experts the checkpoint's packed ones (``int8_activations``: :func:`fmoe.models.patch`'s).
+    gpt_oss: the experts are never dequantized (:func:`_without_experts`); deepseek_v3:
+    transformers loads the model (its FP8 shared experts dequantized as its own CPU path does) and
+    its dequantized routed experts are freed."""
     import fmoe.models
     from fmoe.models import load_moe_block
     from transformers import AutoModelForCausalLM

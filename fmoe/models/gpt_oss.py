@@ -75,8 +75,7 @@ def moe_block(params: dict, x: Tensor, config: GptOssBlockConfig, *, comm=None, 
     check_tokens(x, config.hidden_size, "gpt_oss.moe_block")
     r = params["router"]
     return run_block({"gate": {"wg": r["weight"], "bias": r.get("bias")}, "experts": params["experts"]}, x,
-                     moe_spec(config, combine), comm=comm,
-                     int8_activations=int8_activations)
+                     moe_spec(config, combine), comm=comm, int8_activations=int8_activations)
 
 def params_from_module(block) -> dict:
     """The fmoe pytree of a transformers ``GptOssMLP`` with float experts (tensors shared)."""
