@@ -96,6 +96,34 @@ def test_opcheck_of_the_op():
     torch.library.opcheck(torch.ops.fmoe.expert_rows.default, args)
 
 
+def test_backward_fake_strides_are_the_real_ones():
+    """The backward op's weight gradients come out as the stored weights' orientation flipped back
+    (views of transposed storage); its fake kernel gives the same strides, which a compiled graph
+    checks the real outputs against (a plain weight and a transposed view of each)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    spec = _spec("ffn", has_fc1_bias=True, has_fc2_bias=True)
+    p = _params(spec, torch.float32)
+    x = torch.randn(12, M, generator=torch.Generator().manual_seed(2))
+    _, aux = fmoe.moe(p, x, spec)
+    r, w = aux.routing, expert_form(spec.experts, p["experts"])
+    f = w["form"]
+    flipped = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731  same values, other storage
+    for view in (False, True):
+        w_in = [flipped(w["w_in"][0]) if view else w["w_in"][0]]
+        w_out = flipped(w["w_out"]) if view else w["w_out"]
+        args = (torch.randn(12, M), x, r.weights, r.expert_ids, r.slots, r.counts, r.capacity, w_in, w_out,
+                w["b_in"], w["b_out"], [], f.form, f.in_transposed, f.out_transposed, "relu", f.alpha, f.limit,
+                "fmoe", [True] * 6)
+        real = torch.ops.fmoe.expert_rows_backward(*args)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = torch.ops.fmoe.expert_rows_backward(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else
+                                                         [mode.from_tensor(t) for t in a] if isinstance(a, list)
+                                                         and a and isinstance(a[0], torch.Tensor) else a
+                                                         for a in args))
+        assert [(tuple(t.shape), t.stride()) for t in fake] == [(tuple(t.shape), t.stride()) for t in real]
+        assert (real[3].stride() != w["w_out"].stride()) == view   # the view case does flip
+
+
 def test_fallbacks_equal_eager(op_calls):
     """What the op does not take runs the layout plan under compile, with the same numbers: an
     activation that is no known function, and a torch.func transform around the step."""

@@ -183,10 +183,18 @@ def _expert_rows_backward(gy: Tensor, x: Tensor, gates: Tensor, expert_ids: Tens
 @_expert_rows_backward.register_fake
 def _(gy, x, gates, expert_ids, slots, counts, capacity, w_in, w_out, b_in, b_out, z, form, in_t, out_t, act, alpha,
       limit, order, need, groups=1):
+    # the real op's weight gradients come out in the stored orientation and flip back as views
+    # (the strides the compiled graph is checked against)
+    _, _, _, flip_in, flip_out = _stored(_form(form, in_t, out_t, act, alpha, limit), w_in, w_out)
     like = (x, gates, b_in, w_out, b_out, *w_in)
-    return [x.new_empty(0) if not n or t is None else
-            torch.empty_like(t) if i < 2 else t.new_empty((t.shape[0] * groups, *t.shape[1:]))
-            for i, (t, n) in enumerate(zip(like, need))]
+    flips = (False, False, False, flip_out, False, *(flip_in for _ in w_in))
+
+    def grad_like(t: Tensor, flip: bool) -> Tensor:
+        shape = (t.shape[0] * groups, *t.shape[1:])
+        return t.new_empty((shape[0], shape[2], shape[1])).transpose(1, 2) if flip else t.new_empty(shape)
+
+    return [x.new_empty(0) if not n or t is None else torch.empty_like(t) if i < 2 else grad_like(t, flip)
+            for i, (t, n, flip) in enumerate(zip(like, need, flips))]
 
 
 def _per_element(kern: Kernel, plan, groups: int, b_in: Optional[Tensor], b_out: Optional[Tensor]) -> tuple:
