@@ -9,7 +9,8 @@ construction, so on any host and at any thread count.
 Parallel-over-experts regime: each at::mm runs single-threaded, and MKL's single-threaded
 small GEMM/GEMV splits the K-term reduction differently from its multi-threaded one
 (measured on the 2-core Xeon: float32 x @ W with 1 row per expert, float64 with 1-2 rows,
-differ in the last bits). There the tests allow the forward-error bound of a K-term dot
+differ in the last bits); float32 experts with 1-8 rows run fmoe's own loops instead of BLAS
+(another order of the same sum). There the tests allow the forward-error bound of a K-term dot
 product, ``K * eps_acc * (|x| @ |op(w)|)`` (eps_acc: float32's for bfloat16/float16, which
 accumulate in float32), plus a few roundings of the result's own dtype. That bound is itself
 tested to fail a wrong row, a wrong expert or one dropped K term. Other CPUs (an AMD EPYC's MKL
@@ -393,6 +394,40 @@ def test_the_bound_catches_a_wrong_row_an_expert_or_a_dropped_term(dtype):
     swapped = z.clone()
     swapped[[2, 3]] = z[[3, 2]]
     assert not _within(swapped, z, zb, most, dtype)[0]
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="the extension needs a C++ compiler")
+@pytest.mark.parametrize("transposed", [False, True])
+def test_few_rows_loops_every_isa_path(transposed):
+    """The parallel regime's float32 products of 1-8 rows an expert (fmoe's own loops): within
+    the K-term bound of a float64 product on every ISA path this CPU runs, the AVX2 and AVX-512
+    paths bit for bit equal (one fixed order of operations per output element, by construction),
+    a row's result independent of the rows beside it, tails of K and N below a vector; a path the
+    CPU lacks and a row count outside 1-8 raise."""
+    ext = native._EXT
+    paths = [isa for isa in (2, 3) if ext.few_rows_isa(isa)]
+    if not paths:
+        pytest.skip("no AVX2 + FMA on this CPU: BLAS runs these products")
+    g = torch.Generator().manual_seed(11)
+    for n, K, N in [(1, 2048, 48), (2, 37, 29), (3, 16, 8), (5, 130, 70), (8, 1, 1), (8, 512, 33), (4, 8, 17)]:
+        a = torch.randn(n, K, generator=g)
+        w = torch.randn(N, K, generator=g) if transposed else torch.randn(K, N, generator=g)
+        op = w.t() if transposed else w
+        want = a.double() @ op.double()
+        bound = K * torch.finfo(torch.float32).eps * (a.abs().double() @ op.abs().double())
+        got = [ext.few_rows(a, w, transposed, isa) for isa in paths]
+        for r in got:
+            assert ((r.double() - want).abs() <= bound).all(), (n, K, N)
+        assert all(torch.equal(r, got[0]) for r in got)
+        for i in range(n):
+            assert torch.equal(ext.few_rows(a[i:i + 1].contiguous(), w, transposed, paths[-1]), got[0][i:i + 1])
+    assert ext.few_rows_isa(1) == 0
+    if not ext.few_rows_isa(3):
+        with pytest.raises(ValueError, match="does not run on this CPU"):
+            ext.few_rows(a, w, transposed, 3)
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="takes 1 to 8 rows"):
+            ext.few_rows(torch.randn(bad, 4), torch.randn(4, 4), transposed, paths[0])
 
 
 def test_native_ignores_autograd_state():
