@@ -185,7 +185,7 @@ def _operands(w: QuantizedTensor):
 
 def _native(a: Tensor, w: QuantizedTensor, offsets: Tensor, isa: str, act_int8: bool = False, *,
             blas: bool = True) -> Tensor:
-    # blas=False: bf16 rows skip MKL's bf16 GEMM (the path of a torch build without it; tests)
+    # blas=False: bf16 rows skip MKL's bf16 GEMM (NVFP4, FP8: the path of a torch build without it; tests)
     data, scales, table, fp4, bn, bk, gs = _operands(w)
     out = torch.empty(a.shape[0], w.logical_shape[1], dtype=torch.float32)
     if a.requires_grad:

@@ -48,10 +48,14 @@
 #include <vector>
 
 // MKL's bf16 GEMM with a float32 result (C = alpha A op(B) + beta C, LP64 ints), which the x86
-// torch wheels export from libtorch_cpu. A weak reference: null where this torch build has no
-// MKL, and then bf16 rows take at::mm (FP4 weights without a second-level scale) or the float32
-// path. Called inside the OpenMP region, MKL runs on the calling thread alone (its default for
-// nested calls, as for at::mm's there).
+// torch wheels export from libtorch_cpu: for bf16 rows of weights with a scale the bf16 tile cannot
+// hold exactly (NVFP4's second-level scale, FP8's float block scales), its alpha. MXFP4 tiles take
+// at::mm (torch's bf16 GEMM, oneDNN in the x86 wheels, the one bf16 experts run): on an AMD EPYC
+// (Zen 4) MKL's took 2.3x its time on the same tiles; on a Xeon (AMX) MKL's path had run at 0.86-1.10x
+// bf16 experts' time (at::mm's path not timed there). A weak reference:
+// null where this torch build has no MKL, and then NVFP4 and FP8 bf16 rows take the float32 path.
+// Called inside the OpenMP region, MKL and oneDNN run on the calling thread alone (their default for
+// nested calls).
 extern "C" __attribute__((weak)) void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n,
                                                              int k, float alpha, const uint16_t* a, int lda,
                                                              const uint16_t* b, int ldb, float beta, float* c,
@@ -1051,11 +1055,11 @@ bool run_job_fp8_blocks(const Params& p, const Job& j, const at::Tensor& a_bf16,
 // thread's own and reused from job to job (a fresh 2 MiB tile per job was a fresh mapping and
 // its page faults). bf16 rows of FP4 weights: each row decoded to float32 in L1 and stored as
 // bf16 (exact: an E2M1 value times an E8M0 or E4M3 scale has at most 6 significant bits), so
-// the bf16 GEMM (fp32 accumulation) multiplies the same products. With MKL's bf16 x bf16 ->
-// float32 GEMM the sum lands in out as float32 and nvfp4's second-level scale g is its alpha
-// (one rounding per output, as the register tiles apply g); without it at::mm rounds the sum to
-// bf16 (mxfp4 only: g would round it twice). The caller rounds out to bf16 once. Otherwise
-// float32 weights and rows.
+// the bf16 GEMM (fp32 accumulation) multiplies the same products. MXFP4: at::mm rounds the sum to
+// bf16 once (the caller's rounding of out to bf16 then changes nothing). NVFP4: MKL's bf16 x bf16 ->
+// float32 GEMM, the sum lands in out as float32 with the second-level scale g as its alpha (one
+// rounding per output, as the register tiles apply g; at::mm then g would round twice), the float32
+// path where MKL is absent. The caller rounds out to bf16 once. Otherwise float32 weights and rows.
 void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const c10::optional<at::Tensor>& a_bf16,
                    const at::Tensor& out, int isa) {
   const int64_t tn = j.n1 - j.n0;
@@ -1091,7 +1095,7 @@ void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const c10
       row16[k] = static_cast<uint16_t>(u >> 16);
     }
   }
-  if (bf16 && mkl) {
+  if (bf16 && mkl && g != 1.0f) {
     const auto* ab = reinterpret_cast<const uint16_t*>(a_bf16->const_data_ptr()) + j.lo * p.K;
     cblas_gemm_bf16bf16f32(101 /* row major */, 111 /* a as is */, 112 /* w transposed */, static_cast<int>(j.c),
                            static_cast<int>(tn), static_cast<int>(p.K), g, ab, static_cast<int>(p.K), w16,
