@@ -314,6 +314,48 @@ def test_bfloat16_rows_round_once(fmt, K):
     assert ((wrong.float() - ref).abs() > slack).any()   # the bound catches other weights
 
 
+def _raw_out(a, w, o, dot_bf16):
+    """The kernel's float32 output for bf16 rows a (before packed._native rounds it to bf16)."""
+    from fmoe.quant import _codecs as C
+    data, scales, table, fp4, bn, bk, gs = packed._operands(w)
+    out = torch.empty(a.shape[0], w.logical_shape[1])
+    packed._EXT.packed_grouped_mm(a.float().contiguous(), o, data, scales, table, C.E4M3_TABLE, gs, fp4, bn, bk, out,
+                                  packed.ISAS["auto"], packed.DENSE_FROM, False, a.contiguous(), True, dot_bf16)
+    return out
+
+
+@pytest.mark.parametrize("fmt,K,N", [("mxfp4", 256, 199), ("mxfp4", 384, 64), ("nvfp4", 256, 199), ("nvfp4", 128, 3)])
+def test_bfloat16_rows_bf16_dot_tiles(fmt, K, N):
+    """bf16 rows of FP4 weights at decode on an AVX-512 BF16 CPU: the bf16 dot-product tiles (exact
+    products, vdpbf16ps) give the reference's fp32 sum within the K-term bound, for 1-4 rows an
+    expert, an odd number of weight rows, E8M0 scales on the bit path and (a 0 byte) through the
+    table; they do run (the float tiles sum in another order); a row with a nonzero value below
+    2^-100 (where vdpbf16ps's flush of denormals could matter) sends the call to the float tiles."""
+    if not packed.AVAILABLE or not packed._EXT.has_bf16_dot():
+        pytest.skip("no AVX-512 BF16 on this CPU: the float tiles run bf16 rows")
+    g = torch.Generator().manual_seed(12)
+    counts = [1, 2, 0, 3, 4, packed.DENSE_FROM]
+    w = Q.quantize(torch.randn(len(counts), N, K, generator=g), fmt)
+    if fmt == "mxfp4":   # expert 3's scales through the table (a 2^-127 block), the others' on the bit path
+        sc = w.scales.view(torch.uint8).clone()
+        sc[3, 1, 0] = 0
+        w = Q.QuantizedTensor(w.data, sc.view(w.scales.dtype), None, "mxfp4", w.shape, w.block)
+    o = _offsets(counts)
+    a = torch.randn(int(o[-1]), K, generator=g).bfloat16()
+    ref = packed.grouped_matmul_reference(a.float(), w, o)
+    bound = _bound(a, w, o)
+    dot, flt = _raw_out(a, w, o, True), _raw_out(a, w, o, False)
+    for got in (dot, flt):
+        assert ((got - ref).abs() <= bound).all()
+    assert not torch.equal(dot, flt)
+    for tiny in (2.0 ** -110, 2.0 ** -130):   # normal and denormal bf16
+        a2 = a.clone()
+        a2[2, 7] = tiny
+        assert torch.equal(_raw_out(a2, w, o, True), _raw_out(a2, w, o, False))
+    y = packed.grouped_matmul(a, w, o)   # the public call takes them: one bf16 rounding of the kernel's sum
+    assert torch.equal(y, dot.bfloat16())
+
+
 _MAPPINGS = []
 
 

@@ -184,8 +184,9 @@ def _operands(w: QuantizedTensor):
 
 
 def _native(a: Tensor, w: QuantizedTensor, offsets: Tensor, isa: str, act_int8: bool = False, *,
-            blas: bool = True) -> Tensor:
-    # blas=False: bf16 rows skip MKL's bf16 GEMM (NVFP4, FP8: the path of a torch build without it; tests)
+            blas: bool = True, dot_bf16: bool = True) -> Tensor:
+    # blas=False: bf16 rows skip MKL's bf16 GEMM (NVFP4, FP8: the path of a torch build without it; tests);
+    # dot_bf16=False: bf16 rows of FP4 weights skip the bf16 dot-product tiles (a CPU without AVX-512 BF16; tests)
     data, scales, table, fp4, bn, bk, gs = _operands(w)
     out = torch.empty(a.shape[0], w.logical_shape[1], dtype=torch.float32)
     if a.requires_grad:
@@ -197,7 +198,7 @@ def _native(a: Tensor, w: QuantizedTensor, offsets: Tensor, isa: str, act_int8: 
     try:
         # the kernel checks the offsets' values (0 first, never decreasing, R last) before it reads them
         _EXT.packed_grouped_mm(a32, offsets.contiguous(), data, scales, table, C.E4M3_TABLE, gs, fp4, bn, bk, out,
-                               ISAS[isa], DENSE_FROM, act_int8, a_bf16, blas)
+                               ISAS[isa], DENSE_FROM, act_int8, a_bf16, blas, dot_bf16)
     except ValueError:
         _bounds(offsets, a.shape[0])   # bad offsets: raise the message that names them and R
         raise

@@ -99,6 +99,7 @@ struct Params {
   bool fp4;
   bool e8m0;            // table is E8M0's (e8m0_table)
   bool blas;            // bf16 rows may take MKL's bf16 GEMM where it is there (false: the fallbacks)
+  bool dot_bf16;        // bf16 rows of FP4 weights may take the bf16 dot-product tiles (false: float tiles)
   int64_t pf;           // prefetch distance in bytes of data (a multiple of 64 and of d_r)
   int64_t pf_s;         // the same rows' distance in the byte scales (pf / d_r scale rows)
 };
@@ -705,6 +706,159 @@ void run_job_vnni(const Params& p, const Job& j, const uint8_t* xq, const float*
   }
 }
 
+// ------------------------------------------------------------------ bf16 rows: bf16 dot products (AVX-512 BF16), FP4 only
+
+// bf16 rows of FP4 weights at decode. Both factors are exact in bf16 (an E2M1 value has 2
+// significant bits, a bf16 row 8), so vdpbf16ps multiplies the same products the float tiles do,
+// exactly, 32 a step against the float tiles' 16, and the decode is byte table lookups (vpshufb)
+// instead of vpermps: about half the vector instructions a weight byte, which is what bounds
+// these tiles on a CPU whose 512-bit units are two 256-bit halves (AMD Zen 4). Another order of
+// the same exact-product sum (within the K-term bound); vdpbf16ps treats denormal inputs and
+// results as zero, so it runs only where every nonzero activation is at least 2^-100 in magnitude
+// (arrange_acts_bf16), whence every product and partial sum is zero or far from the denormals.
+#define FMOE_BF16DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
+
+bool has_avx512_bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16");
+}
+
+// A chunk of 64 packed bytes (128 k) decodes to four vectors of 32 bf16 words: each half of the
+// chunk (32 bytes, 64 k) zero-extended to words (byte i: k = 2i in its low nibble, 2i + 1 in its
+// high one), then vpermw through a 32-word table that holds the 16 E2M1 bf16 values twice (it
+// reads the low 5 bits of an index: the low nibble, plus a high-nibble bit that the doubled
+// table ignores), for the even k as they are and the odd k after a shift right by 4. Vector h * 2
+// + o (half h, o = 0 even / 1 odd k) word i is k = 64h + 2i + o, so vdpbf16ps's lane j sums k =
+// 64h + 4j .. 64h + 4j + 3 (the even and the odd vector of a half accumulate into one lane set):
+// one scale block per lane for BK = 16 (4h + j / 4) and BK = 32 (2h + j / 8). Activations are
+// stored per chunk in that order (4 x 32 words). Returns false (nothing to use) if a nonzero
+// value is below 2^-100 in magnitude (see above).
+bool arrange_acts_bf16(const uint16_t* a, int64_t R, int64_t K, uint16_t* xb) {
+  for (int64_t i = 0; i < R * K; ++i) {
+    const int exp = (a[i] >> 7) & 0xFF;
+    if (exp < 27 && (a[i] & 0x7FFF) != 0) return false;   // 2^-100: biased exponent 27
+  }
+  const int64_t nc = K / 128;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < nc; ++c) {
+      const uint16_t* x = a + r * K + 128 * c;
+      uint16_t* d = xb + (r * nc + c) * 128;
+      for (int h = 0; h < 2; ++h)
+        for (int o = 0; o < 2; ++o)
+          for (int i = 0; i < 32; ++i) d[(2 * h + o) * 32 + i] = x[64 * h + 2 * i + o];
+    }
+  return true;
+}
+
+// The scales of one chunk for the lanes above: s[h] for half h. E8 (BK = 32, E8M0 bytes none 0 or
+// 255): lane j's float is the bits of byte 2h + j / 8 << 23.
+template <int BK, bool E8>
+FMOE_BF16DP inline void bf16dp_scales(const float* table, const uint8_t* sr, __m512 s[2]) {
+  if constexpr (E8) {
+    int32_t b4;
+    std::memcpy(&b4, sr, 4);
+    const __m512i b = _mm512_set1_epi32(b4);
+    const __m512i lo = _mm512_set_epi32(0x80808001, 0x80808001, 0x80808001, 0x80808001, 0x80808001, 0x80808001,
+                                        0x80808001, 0x80808001, 0x80808000, 0x80808000, 0x80808000, 0x80808000,
+                                        0x80808000, 0x80808000, 0x80808000, 0x80808000);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(2));
+    s[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(b, lo), 23));
+    s[1] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(b, hi), 23));
+  } else if constexpr (BK == 32) {
+    const __m512 t = _mm512_castps128_ps512(_mm_setr_ps(table[sr[0]], table[sr[1]], table[sr[2]], table[sr[3]]));
+    s[0] = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), t);
+    s[1] = _mm512_permutexvar_ps(_mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3), t);
+  } else {
+    const __m512 t = _mm512_castps256_ps512(_mm256_setr_ps(table[sr[0]], table[sr[1]], table[sr[2]], table[sr[3]],
+                                                           table[sr[4]], table[sr[5]], table[sr[6]], table[sr[7]]));
+    s[0] = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), t);
+    s[1] = _mm512_permutexvar_ps(_mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7), t);
+  }
+}
+
+// FP4 weight rows n, n2 against NT bf16 activation rows (xb: arrange_acts_bf16's), res / res2.
+// Requires K % 128 == 0 and bk in {16, 32}.
+template <int NT, int BK, bool E8>
+FMOE_BF16DP void fp4_rows2_bf16(const Params& p, const Job& j, int64_t n, int64_t n2, const uint16_t* xb,
+                                float* res, float* res2) {
+  constexpr int kSpc = 128 / BK;
+  const uint8_t* r[2] = {p.data + j.e * p.d_e + n * p.d_r, p.data + j.e * p.d_e + n2 * p.d_r};
+  const uint8_t* sr[2] = {p.sb + j.e * p.s_e + n * p.s_r, p.sb + j.e * p.s_e + n2 * p.s_r};
+  // E2M1 code -> its bf16 (sign in bit 3), twice: index bit 4 is the next nibble's low bit
+  const __m512i tab = _mm512_set_epi16(
+      -16192, -16256, -16320, -16384, -16448, -16512, -16640, -32768, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0,
+      -16192, -16256, -16320, -16384, -16448, -16512, -16640, -32768, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0);
+  const int64_t nc = p.K / 128;
+  __m512 acc[2][NT];
+  for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < nc; ++c) {
+    __m512bh w[2][4];
+    __m512 sc[2][2];
+    for (int i = 0; i < 2; ++i) {
+      FMOE_PREFETCH(r[i] + 64 * c + p.pf);
+      if ((kSpc * c) % 64 == 0) FMOE_PREFETCH(sr[i] + kSpc * c + p.pf_s);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[i] + 64 * c + 32 * h)));
+        w[i][2 * h] = (__m512bh)_mm512_permutexvar_epi16(v, tab);
+        w[i][2 * h + 1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab);
+      }
+      bf16dp_scales<BK, E8>(p.table, sr[i] + kSpc * c, sc[i]);
+    }
+    for (int t = 0; t < NT; ++t) {
+      const uint16_t* x = xb + (t * nc + c) * 128;
+      __m512bh xv[4];
+      for (int q = 0; q < 4; ++q) xv[q] = (__m512bh)_mm512_loadu_si512(x + 32 * q);
+      for (int i = 0; i < 2; ++i) {
+        const __m512 p0 = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), w[i][0], xv[0]), w[i][1], xv[1]);
+        const __m512 p1 = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), w[i][2], xv[2]), w[i][3], xv[3]);
+        acc[i][t] = _mm512_fmadd_ps(p1, sc[i][1], _mm512_fmadd_ps(p0, sc[i][0], acc[i][t]));
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    res[t] = _mm512_reduce_add_ps(acc[0][t]);
+    res2[t] = _mm512_reduce_add_ps(acc[1][t]);
+  }
+}
+
+template <int NT, int BK, bool E8>
+void rows_bf16(const Params& p, const Job& j, const uint16_t* xb, int64_t row0) {
+  float r0[4], r1[4];
+  const float g = gscale_of(p, j.e);
+  for (int64_t n = j.n0; n < j.n1; n += 2) {
+    const int64_t n2 = std::min(n + 1, j.n1 - 1);
+    fp4_rows2_bf16<NT, BK, E8>(p, j, n, n2, xb, r0, r1);
+    for (int t = 0; t < NT; ++t) {
+      p.out[(row0 + t) * p.N + n] = r0[t] * g;
+      p.out[(row0 + t) * p.N + n2] = r1[t] * g;
+    }
+  }
+}
+
+template <int BK, bool E8>
+void run_job_bf16_bk(const Params& p, const Job& j, const uint16_t* xb) {
+  const int64_t nc = p.K / 128;
+  for (int64_t c = 0; c < j.c; c += 4) {
+    const int64_t nt = std::min<int64_t>(4, j.c - c), r = j.lo + c;
+    const uint16_t* x = xb + r * nc * 128;
+    switch (nt) {
+      case 1: rows_bf16<1, BK, E8>(p, j, x, r); break;
+      case 2: rows_bf16<2, BK, E8>(p, j, x, r); break;
+      case 3: rows_bf16<3, BK, E8>(p, j, x, r); break;
+      default: rows_bf16<4, BK, E8>(p, j, x, r); break;
+    }
+  }
+}
+
+void run_job_bf16(const Params& p, const Job& j, const uint16_t* xb) {
+  if (p.bk == 16) return run_job_bf16_bk<16, false>(p, j, xb);
+  if (p.e8m0 && e8m0_plain(p.sb + j.e * p.s_e + j.n0 * p.s_r, (j.n1 - j.n0) * p.s_r))
+    return run_job_bf16_bk<32, true>(p, j, xb);
+  run_job_bf16_bk<32, false>(p, j, xb);
+}
+
 // ------------------------------------------------------------------ AVX-512 row decode (the many-rows path)
 
 // Weight row n of expert e decoded in natural k order for the many-rows path, the values
@@ -1154,7 +1308,7 @@ void prefetch_start(const Params& p, const Job& j) {
 // any one-byte dtype (uint8, float8_*: their bits are read), scales as bytes or float32.
 Params weight_params(int64_t K, const at::Tensor& data, const at::Tensor& scales, const at::Tensor& table,
                      const at::Tensor& e4m3, const c10::optional<at::Tensor>& gscale, bool fp4, int64_t bn,
-                     int64_t bk, bool blas) {
+                     int64_t bk, bool blas, bool dot_bf16) {
   TORCH_CHECK_VALUE(data.element_size() == 1 && data.dim() == 3 && data.is_contiguous(),
                     "data must be contiguous one-byte [E, N, K']");
   const int64_t E = data.size(0), N = data.size(1);
@@ -1190,6 +1344,7 @@ Params weight_params(int64_t K, const at::Tensor& data, const at::Tensor& scales
   p.fp4 = fp4;
   p.e8m0 = byte_scales && e8m0_table(p.table);
   p.blas = blas;
+  p.dot_bf16 = dot_bf16;
   const int64_t pf_rows = std::max(kPrefetchRows, (kPrefetchBytes + p.d_r - 1) / std::max<int64_t>(p.d_r, 1));
   p.pf = pf_rows * p.d_r;
   p.pf_s = pf_rows * p.s_r;
@@ -1228,11 +1383,21 @@ int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E,
     xd = at::empty({R * (K / 128) * 16}, at::kFloat);
     quantize_acts_int8(p.a, R, K, xq.data_ptr<uint8_t>(), xd.data_ptr<float>());
   }
-  // The permuted activations are only read by the small-rows vector kernels.
-  at::Tensor xs = a;
   bool any_small = false;
   for (int64_t e = 0; e < E; ++e) any_small |= (o[e + 1] > o[e] && o[e + 1] - o[e] <= dense_from);
-  if (p.fp4 && run != kPortable && any_small && !act_int8) {
+  // bf16 rows of FP4 weights: the small-rows jobs take the bf16 dot-product tiles where they run
+  at::Tensor xb;
+  bool dot16 = p.dot_bf16 && a_bf16.has_value() && fp4 && run == kAvx512 && !act_int8 && any_small &&
+               K % 128 == 0 && (bk == 16 || bk == 32) && has_avx512_bf16();
+  if (dot16) {
+    xb = at::empty({R * K}, at::kBFloat16);
+    dot16 = arrange_acts_bf16(reinterpret_cast<const uint16_t*>(a_bf16->const_data_ptr()), R, K,
+                              reinterpret_cast<uint16_t*>(xb.data_ptr()));
+  }
+  const uint16_t* xbp = dot16 ? reinterpret_cast<const uint16_t*>(xb.const_data_ptr()) : nullptr;
+  // The permuted activations are only read by the float small-rows vector kernels.
+  at::Tensor xs = a;
+  if (p.fp4 && run != kPortable && any_small && !act_int8 && !dot16) {
     xs = at::empty({R, K}, at::kFloat);
     permute_acts(p.a, R, K, run, xs.data_ptr<float>());
   }
@@ -1274,6 +1439,7 @@ int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E,
           if (j.c > dense_from && kc > 0) run_job_dense_ksplit(p, j, a, out, kc);
           else if (j.c > dense_from) run_job_dense(p, j, a, a_bf16, out, run);
           else if (act_int8) run_job_vnni(p, j, xq.const_data_ptr<uint8_t>(), xd.const_data_ptr<float>());
+          else if (dot16) run_job_bf16(p, j, xbp);
           else run_job_small(p, j, xsp, run, w);
         }
       }
@@ -1287,10 +1453,10 @@ int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const 
                           const at::Tensor& scales, const at::Tensor& table, const at::Tensor& e4m3,
                           const c10::optional<at::Tensor>& gscale, bool fp4, int64_t bn, int64_t bk,
                           at::Tensor& out, int64_t isa, int64_t dense_from, bool act_int8,
-                          const c10::optional<at::Tensor>& a_bf16, bool blas) {
+                          const c10::optional<at::Tensor>& a_bf16, bool blas, bool dot_bf16) {
   TORCH_CHECK_VALUE(a.scalar_type() == at::kFloat && a.dim() == 2 && a.is_contiguous(), "a must be contiguous float32 [R, K]");
   const int64_t R = a.size(0), K = a.size(1);
-  Params p = weight_params(K, data, scales, table, e4m3, gscale, fp4, bn, bk, blas);
+  Params p = weight_params(K, data, scales, table, e4m3, gscale, fp4, bn, bk, blas, dot_bf16);
   const int64_t E = data.size(0);
   TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == R && out.size(1) == p.N &&
                         out.is_contiguous(), "out must be contiguous float32 [R, N]");
@@ -1575,7 +1741,7 @@ at::Tensor packed_expert_stage(const at::Tensor& x, const at::Tensor& tokens, co
     const at::Tensor& gs = gscales[i];
     const c10::optional<at::Tensor> g = gs.numel() > 0 ? c10::optional<at::Tensor>(gs) : c10::nullopt;
     ps.push_back(weight_params(i < n_in ? M : H, data[i], scales[i], tables[i], e4m3, g, meta[3 * i] != 0,
-                               meta[3 * i + 1], meta[3 * i + 2], true));
+                               meta[3 * i + 1], meta[3 * i + 2], true, true));
     if (i == 0) {
       H = fused_in ? ps[0].N / 2 : ps[0].N;
       TORCH_CHECK_VALUE(!fused_in || ps[0].N % 2 == 0, "a fused gate/up in-projection needs an even number of rows, "
@@ -1715,6 +1881,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_grouped_mm", &packed_grouped_mm, "grouped GEMM over packed expert weights (see packed_gemm.cpp)");
   m.def("packed_expert_stage", &packed_expert_stage,
         "a rows plan's whole expert stage over packed weights (see packed_gemm.cpp and fmoe.quant.packed.expert_stage)");
+  m.def("has_bf16_dot", &has_avx512_bf16, "whether bf16 rows of FP4 weights take the bf16 dot-product tiles here");
   m.def("has_vnni", &packed_has_vnni, "whether the int8-activation (AVX-512 VNNI) FP4 path runs here");
   m.def("best_isa", &packed_best_isa, "the widest ISA path this CPU runs: 1 portable, 2 AVX2, 3 AVX-512");
 }
