@@ -8,7 +8,8 @@ is the machine's memory-stream rate, measured in the same run, interleaved with 
 bound of a call = the busy experts' stored bytes (packed data + scales, both projections) / that
 rate; the table reports time / bound for the whole layer and for its two expert GEMM calls alone
 (``fmoe.quant.packed.grouped_matmul`` on the plan's rows, the calls the layer makes), and for FP4 the
-same calls with the opt-in int8 activations (``activations="int8"``, AVX-512 VNNI) where the CPU has them.
+same calls with the opt-in int8 activations (``activations="int8"``, AVX-512 VNNI) where the CPU has them,
+and for the packed formats the whole layer on bf16 rows (what a bf16 model runs).
 
 ``model`` (``--model``): the whole-model comparison, fmoe-patched with packed experts vs transformers'
 own CPU path on the same written checkpoint (fmoe.examples.generate), each in its own process. Resident
@@ -129,6 +130,8 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
             steps[f"layer_{f}"] = (lambda p=params: fmoe.moe(p, x, spec))
             bytes_busy[f] = sum(_nbytes(w, busy) for w in weights[f].values())
             if f != "float32":
+                # the same layer on bf16 rows (what a bf16 model runs: FP4 takes the bf16 dot-product tiles)
+                steps[f"layer16_{f}"] = (lambda p=params, xb=x.bfloat16(): fmoe.moe(p, xb, spec))
                 # the layer's two packed expert GEMMs alone, on rows of the same per-expert counts
                 counts = torch.bincount((x @ gate["wg"].T).topk(K_TOP, dim=-1).indices.reshape(-1), minlength=E)
                 offs = torch.zeros(E + 1, dtype=torch.int64)
@@ -161,12 +164,16 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
             if f"layer8_{f}" in t:
                 r["layer_int8_seconds"] = t[f"layer8_{f}"]
                 r["layer_int8_vs_stream"] = t[f"layer8_{f}"] / bound
+            if f"layer16_{f}" in t:
+                r["layer_bf16_seconds"] = t[f"layer16_{f}"]
+                r["layer_bf16_vs_stream"] = t[f"layer16_{f}"] / bound
             row["formats"][f] = r
             log(f"  T={T} {f:9s} busy {busy:2d}: layer {r['layer_seconds'] * 1e3:7.2f} ms = "
                 f"{r['layer_vs_stream']:.2f}x stream"
                 + (f", gemms {r['gemms_seconds'] * 1e3:7.2f} ms = {r['gemms_vs_stream']:.2f}x" if "gemms_seconds" in r else "")
                 + (f", int8 act {r['gemms_int8_vs_stream']:.2f}x" if "gemms_int8_seconds" in r else "")
                 + (f", layer int8 act {r['layer_int8_vs_stream']:.2f}x" if "layer_int8_seconds" in r else "")
+                + (f", layer bf16 rows {r['layer_bf16_vs_stream']:.2f}x" if "layer_bf16_seconds" in r else "")
                 + f"  ({rate:.1f} GB/s stream)")
         res["tokens"][str(T)] = row
     return res
@@ -384,8 +391,8 @@ def tables(res: dict) -> list[str]:
     lines = [f"load average at start {res['loadavg_start'][0]:.1f}, end {res['loadavg_end'][0]:.1f} (2 cores); "
              f"{res.get('threads', torch.get_num_threads())} torch threads", "",
              "| T | busy | format | layer ms | x stream | expert GEMMs ms | x stream | GEMMs, int8 act. ms | x stream "
-             "| layer, int8 act. ms | x stream | stream GB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"] if lay else []
+             "| layer, int8 act. ms | x stream | layer, bf16 rows ms | x stream | stream GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"] if lay else []
     for T, row in (lay["tokens"] if lay else {}).items():
         for f, r in row["formats"].items():
             g = f"{r['gemms_seconds'] * 1e3:.2f} | {r['gemms_vs_stream']:.2f}" if "gemms_seconds" in r else " | "
@@ -393,8 +400,10 @@ def tables(res: dict) -> list[str]:
                   else " | ")
             l8 = (f"{r['layer_int8_seconds'] * 1e3:.2f} | {r['layer_int8_vs_stream']:.2f}" if "layer_int8_seconds" in r
                   else " | ")
+            l16 = (f"{r['layer_bf16_seconds'] * 1e3:.2f} | {r['layer_bf16_vs_stream']:.2f}" if "layer_bf16_seconds" in r
+                   else " | ")
             lines.append(f"| {T} | {row['busy_experts']} | {f} | {r['layer_seconds'] * 1e3:.2f} | "
-                         f"{r['layer_vs_stream']:.2f} | {g} | {g8} | {l8} | {row['stream_gb_per_s']:.1f} |")
+                         f"{r['layer_vs_stream']:.2f} | {g} | {g8} | {l8} | {l16} | {row['stream_gb_per_s']:.1f} |")
     pre = res.get("prefill")
     if pre:
         base = pre["seconds"]["float32|float32"]
