@@ -82,13 +82,18 @@ def test_compiled_step_equals_eager(kind, kw, op_calls):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_opcheck_of_the_op():
+def _op_case():
+    """(x, routing, expert form dict, form) of one float32 ffn call with both biases."""
     spec = _spec("ffn", has_fc1_bias=True, has_fc2_bias=True)
     p = _params(spec, torch.float32)
     x = torch.randn(12, M, generator=torch.Generator().manual_seed(2))
     _, aux = fmoe.moe(p, x, spec)
-    r, w = aux.routing, expert_form(spec.experts, p["experts"])
-    f = w["form"]
+    w = expert_form(spec.experts, p["experts"])
+    return x, aux.routing, w, w["form"]
+
+
+def test_opcheck_of_the_op():
+    x, r, w, f = _op_case()
     args = (x.requires_grad_(), r.weights.detach().requires_grad_(), r.expert_ids, r.slots, r.counts, r.capacity,
             [w["w_in"][0].detach().requires_grad_()], w["w_out"].detach().requires_grad_(),
             w["b_in"].detach().requires_grad_(), w["b_out"].detach().requires_grad_(), f.form, f.in_transposed,
@@ -101,12 +106,7 @@ def test_backward_fake_strides_are_the_real_ones():
     (views of transposed storage); its fake kernel gives the same strides, which a compiled graph
     checks the real outputs against (a plain weight and a transposed view of each)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    spec = _spec("ffn", has_fc1_bias=True, has_fc2_bias=True)
-    p = _params(spec, torch.float32)
-    x = torch.randn(12, M, generator=torch.Generator().manual_seed(2))
-    _, aux = fmoe.moe(p, x, spec)
-    r, w = aux.routing, expert_form(spec.experts, p["experts"])
-    f = w["form"]
+    x, r, w, f = _op_case()
     flipped = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731  same values, other storage
     for view in (False, True):
         w_in = [flipped(w["w_in"][0]) if view else w["w_in"][0]]
