@@ -183,9 +183,10 @@ void scatter_add(const at::Tensor& p, const int64_t* index, const at::Tensor& sc
 // arithmetic per byte, so its time is the weight stream. BLAS's small-row kernels do not all reach
 // it: on an AMD EPYC (Zen 4, MKL 2024.2) a single-threaded [2, 2048] @ [2048, 1536] ran at 9 GB/s
 // and the same product against a transposed [1536, 2048] view at 1.6, against 16 for one row. The
-// loops below read every weight byte once from one sequential stream, hold the rows' partial sums
-// in registers or L1, and give every output element ONE fixed order of operations, whatever the
-// ISA path, the number of rows beside it or the blocking:
+// loops below read every weight byte once in a few sequential streams (8 weight rows side by side
+// for x @ W, 1-4 for x @ W^T), hold the rows' partial sums in registers (x @ W: in the output
+// between blocks of 8 weight rows), and give every output element ONE fixed order of operations,
+// whatever the ISA path, the number of rows beside it or the blocking:
 //   x @ W   (W [K, N] row-major): o[t, j] = fma chain over k = 0, 1, ..., K - 1, from +0.
 //   x @ W^T (W [N, K] row-major): lane l (0..15) = fma chain over k = l, l + 16, ... (k < 16 * (K / 16)),
 //            the 16 lanes summed as ((l0 + l8) + (l4 + l12)) + ((l2 + l10) + (l6 + l14)) + (odd lanes

@@ -710,8 +710,8 @@ void run_job_vnni(const Params& p, const Job& j, const uint8_t* xq, const float*
 
 // bf16 rows of FP4 weights at decode. Both factors are exact in bf16 (an E2M1 value has 2
 // significant bits, a bf16 row 8), so vdpbf16ps multiplies the same products the float tiles do,
-// exactly, 32 a step against the float tiles' 16, and the decode is byte table lookups (vpshufb)
-// instead of vpermps: about half the vector instructions a weight byte, which is what bounds
+// exactly, 32 a step against the float tiles' 16, and the decode is word table lookups (vpermw,
+// 32 weights a step) instead of vpermps (16): about half the vector instructions a weight byte, which bounds
 // these tiles on a CPU whose 512-bit units are two 256-bit halves (AMD Zen 4). Another order of
 // the same exact-product sum (within the K-term bound); vdpbf16ps treats denormal inputs and
 // results as zero, so it runs only where every nonzero activation is at least 2^-100 in magnitude
