@@ -266,6 +266,24 @@ def _nans_and_bound_on_every_isa(a, w, o, ref, isas):
         assert not ((y - ref).abs() > bound)[fin].any(), isa
 
 
+def test_nvfp4_every_scale_byte_on_every_path():
+    # nvfp4's E4M3 block scales decode by arithmetic on AVX-512 (not the table): every one of the 256
+    # bytes (subnormals, negatives, the NaN codes 0x7F and 0xFF) as some row's scale, on every path
+    isas = _isas()
+    if not isas:
+        pytest.skip(packed.status())
+    g = torch.Generator().manual_seed(9)
+    w = Q.quantize(torch.randn(1, 256, 128, generator=g), "nvfp4")
+    sc = w.scales.view(torch.uint8).clone()
+    sc[0] = torch.arange(256, dtype=torch.uint8)[:, None] ^ torch.arange(sc.shape[2], dtype=torch.uint8)
+    w2 = Q.QuantizedTensor(w.data, sc.view(w.scales.dtype), w.global_scale, "nvfp4", w.shape, w.block)
+    o = _offsets([3])
+    a = torch.randn(3, 128, generator=g)
+    ref = packed.grouped_matmul_reference(a, w2, o)
+    assert torch.isnan(ref).any() and ref.isfinite().any()
+    _nans_and_bound_on_every_isa(a, w2, o, ref, isas)
+
+
 def test_mxfp4_scale_bytes_0_and_255_on_every_path():
     # E8M0 byte 0 is 2^-127 (not the bit pattern 0) and 255 is NaN: a 64-row tile holding either
     # leaves the AVX-512 kernel's E8M0 bit path for the table; the other tiles keep it

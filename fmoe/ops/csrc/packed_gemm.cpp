@@ -98,6 +98,7 @@ struct Params {
   float* out;           // [R, N]
   bool fp4;
   bool e8m0;            // table is E8M0's (e8m0_table)
+  bool e4m3_scales;     // table is the E4M3 one (nvfp4's scales), bit for bit
   bool blas;            // bf16 rows may take MKL's bf16 GEMM where it is there (false: the fallbacks)
   bool dot_bf16;        // bf16 rows of FP4 weights may take the bf16 dot-product tiles (false: float tiles)
   int64_t pf;           // prefetch distance in bytes of data (a multiple of 64 and of d_r)
@@ -380,14 +381,18 @@ FMOE_AVX512 void rows_avx512(const Params& p, int64_t e, int64_t n0, int64_t n1,
 // 16 scale values for one 64-byte FP4 chunk (128 k), lane j covering k = 8j .. 8j + 7 (see
 // fp4_rows2_avx512): lane j's block is 8j / BK; sr points at the chunk's first scale byte.
 template <int BK>
-FMOE_AVX512 inline __m512 fp4_scales16(const float* table, const uint8_t* sr) {
+FMOE_AVX512 inline __m512 fp4_scales16(const Params& p, const uint8_t* sr) {
+  const float* table = p.table;
   if (BK == 32) {
     const __m128 s = _mm_setr_ps(table[sr[0]], table[sr[1]], table[sr[2]], table[sr[3]]);
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
                                  _mm512_castps128_ps512(s));
   }
-  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sr)));
-  const __m256 s = _mm256_i32gather_ps(table, idx, 4);
+  // E4M3 scales (nvfp4) decode by arithmetic (the same floats as the table's, NaN codes to NaN):
+  // a gather of 8 table entries costs more than the rest of a chunk's scale work on some CPUs
+  const __m256 s = p.e4m3_scales ? _mm256_mul_ps(e4m3x8_avx2(sr), _mm256_set1_ps(256.0f))
+                                 : _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                                                  reinterpret_cast<const __m128i*>(sr))), 4);
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
                                _mm512_castps256_ps512(s));
 }
@@ -462,7 +467,7 @@ FMOE_AVX512 FMOE_INLINE void fp4_tile_avx512(const Params& p, int64_t e, int64_t
         std::memcpy(&b4, sr[i] + kSpc * c, 4);                                                    \
         s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(b4), spread), 23)); \
       } else {                                                                                    \
-        s = fp4_scales16<BK>(p.table, sr[i] + kSpc * c);                                          \
+        s = fp4_scales16<BK>(p, sr[i] + kSpc * c);                                          \
       }                                                                                           \
       for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_fmadd_ps(_mm512_add_ps(part[i][t][0], part[i][t][1]), s, acc[i][t]); \
     }                                                                                             \
@@ -658,8 +663,8 @@ FMOE_VNNI void fp4_rows2_vnni(const Params& p, const Job& j, int64_t n, int64_t 
     const __m512i b_hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4));
     const __m512i ca = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, a_lo), ones, a_hi), 7);
     const __m512i cb = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, b_lo), ones, b_hi), 7);
-    const __m512 s0 = fp4_scales16<BK>(p.table, sr0 + 128 * c / BK);
-    const __m512 s1 = fp4_scales16<BK>(p.table, sr1 + 128 * c / BK);
+    const __m512 s0 = fp4_scales16<BK>(p, sr0 + 128 * c / BK);
+    const __m512 s1 = fp4_scales16<BK>(p, sr1 + 128 * c / BK);
     for (int t = 0; t < NT; ++t) {
       const uint8_t* q = xq + (t * nc + c) * 128;
       const __m512i xl = _mm512_loadu_si512(q), xh = _mm512_loadu_si512(q + 64);
@@ -1343,6 +1348,7 @@ Params weight_params(int64_t K, const at::Tensor& data, const at::Tensor& scales
   p.gscale = gscale.has_value() ? gscale->const_data_ptr<float>() : nullptr;
   p.fp4 = fp4;
   p.e8m0 = byte_scales && e8m0_table(p.table);
+  p.e4m3_scales = byte_scales && std::memcmp(p.table, p.e4m3, 256 * sizeof(float)) == 0;
   p.blas = blas;
   p.dot_bf16 = dot_bf16;
   const int64_t pf_rows = std::max(kPrefetchRows, (kPrefetchBytes + p.d_r - 1) / std::max<int64_t>(p.d_r, 1));
