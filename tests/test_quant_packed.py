@@ -266,22 +266,31 @@ def _nans_and_bound_on_every_isa(a, w, o, ref, isas):
         assert not ((y - ref).abs() > bound)[fin].any(), isa
 
 
+def _rescaled(fmt, shape, seed, edit):
+    """(generator, FP4 weights of `shape` whose byte scales `edit` changed in place)."""
+    g = torch.Generator().manual_seed(seed)
+    w = Q.quantize(torch.randn(*shape, generator=g), fmt)
+    sc = w.scales.view(torch.uint8).clone()
+    edit(sc)
+    return g, Q.QuantizedTensor(w.data, sc.view(w.scales.dtype), w.global_scale, fmt, w.shape, w.block)
+
+
 def test_nvfp4_every_scale_byte_on_every_path():
     # nvfp4's E4M3 block scales decode by arithmetic on AVX-512 (not the table): every one of the 256
     # bytes (subnormals, negatives, the NaN codes 0x7F and 0xFF) as some row's scale, on every path
     isas = _isas()
     if not isas:
         pytest.skip(packed.status())
-    g = torch.Generator().manual_seed(9)
-    w = Q.quantize(torch.randn(1, 256, 128, generator=g), "nvfp4")
-    sc = w.scales.view(torch.uint8).clone()
-    sc[0] = torch.arange(256, dtype=torch.uint8)[:, None] ^ torch.arange(sc.shape[2], dtype=torch.uint8)
-    w2 = Q.QuantizedTensor(w.data, sc.view(w.scales.dtype), w.global_scale, "nvfp4", w.shape, w.block)
+
+    def every_byte(sc):
+        sc[0] = torch.arange(256, dtype=torch.uint8)[:, None] ^ torch.arange(sc.shape[2], dtype=torch.uint8)
+
+    g, w = _rescaled("nvfp4", (1, 256, 128), 9, every_byte)
     o = _offsets([3])
     a = torch.randn(3, 128, generator=g)
-    ref = packed.grouped_matmul_reference(a, w2, o)
+    ref = packed.grouped_matmul_reference(a, w, o)
     assert torch.isnan(ref).any() and ref.isfinite().any()
-    _nans_and_bound_on_every_isa(a, w2, o, ref, isas)
+    _nans_and_bound_on_every_isa(a, w, o, ref, isas)
 
 
 def test_mxfp4_scale_bytes_0_and_255_on_every_path():
@@ -290,12 +299,12 @@ def test_mxfp4_scale_bytes_0_and_255_on_every_path():
     isas = _isas()
     if not isas:
         pytest.skip(packed.status())
-    g = torch.Generator().manual_seed(8)
-    w = Q.quantize(torch.randn(2, 200, 256, generator=g), "mxfp4")
-    sc = w.scales.view(torch.uint8).clone()
-    sc[0, 5, 3] = 0        # tile 0 of expert 0: a tiny block
-    sc[1, 130, 1] = 255    # tile 2 of expert 1: a NaN block
-    w2 = Q.QuantizedTensor(w.data, sc.view(w.scales.dtype), None, "mxfp4", w.shape, w.block)
+
+    def tiny_and_nan(sc):
+        sc[0, 5, 3] = 0        # tile 0 of expert 0: a tiny block
+        sc[1, 130, 1] = 255    # tile 2 of expert 1: a NaN block
+
+    g, w2 = _rescaled("mxfp4", (2, 200, 256), 8, tiny_and_nan)
     o = _offsets([1, 3])
     a = torch.randn(4, 256, generator=g)
     a[0, 96:128] *= 2.0 ** 120   # makes the 2^-127 block count
