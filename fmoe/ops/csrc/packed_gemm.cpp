@@ -738,22 +738,27 @@ bool has_avx512_bf16() {
 // + o (half h, o = 0 even / 1 odd k) word i is k = 64h + 2i + o, so vdpbf16ps's lane j sums k =
 // 64h + 4j .. 64h + 4j + 3 (the even and the odd vector of a half accumulate into one lane set):
 // one scale block per lane for BK = 16 (4h + j / 4) and BK = 32 (2h + j / 8). Activations are
-// stored per chunk in that order (4 x 32 words). Returns false (nothing to use) if a nonzero
-// value is below 2^-100 in magnitude (see above).
-bool arrange_acts_bf16(const uint16_t* a, int64_t R, int64_t K, uint16_t* xb) {
-  for (int64_t i = 0; i < R * K; ++i) {
-    const int exp = (a[i] >> 7) & 0xFF;
-    if (exp < 27 && (a[i] & 0x7FFF) != 0) return false;   // 2^-100: biased exponent 27
-  }
+// stored per chunk in that order (4 x 32 words), for the rows of the experts the tiles run (those
+// with at most dense_from rows; the others' rows are left unwritten). Returns false (nothing to
+// use) if a nonzero value of those rows is below 2^-100 in magnitude (see above).
+bool arrange_acts_bf16(const uint16_t* a, const int64_t* o, int64_t E, int64_t dense_from, int64_t K,
+                       uint16_t* xb) {
   const int64_t nc = K / 128;
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t c = 0; c < nc; ++c) {
-      const uint16_t* x = a + r * K + 128 * c;
-      uint16_t* d = xb + (r * nc + c) * 128;
-      for (int h = 0; h < 2; ++h)
-        for (int o = 0; o < 2; ++o)
-          for (int i = 0; i < 32; ++i) d[(2 * h + o) * 32 + i] = x[64 * h + 2 * i + o];
+  for (int64_t e = 0; e < E; ++e) {
+    if (o[e + 1] - o[e] > dense_from) continue;
+    for (int64_t i = o[e] * K; i < o[e + 1] * K; ++i) {
+      const int exp = (a[i] >> 7) & 0xFF;
+      if (exp < 27 && (a[i] & 0x7FFF) != 0) return false;   // 2^-100: biased exponent 27
     }
+    for (int64_t r = o[e]; r < o[e + 1]; ++r)
+      for (int64_t c = 0; c < nc; ++c) {
+        const uint16_t* x = a + r * K + 128 * c;
+        uint16_t* d = xb + (r * nc + c) * 128;
+        for (int h = 0; h < 2; ++h)
+          for (int q = 0; q < 2; ++q)
+            for (int i = 0; i < 32; ++i) d[(2 * h + q) * 32 + i] = x[64 * h + 2 * i + q];
+      }
+  }
   return true;
 }
 
@@ -1397,7 +1402,7 @@ int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E,
                K % 128 == 0 && (bk == 16 || bk == 32) && has_avx512_bf16();
   if (dot16) {
     xb = at::empty({R * K}, at::kBFloat16);
-    dot16 = arrange_acts_bf16(reinterpret_cast<const uint16_t*>(a_bf16->const_data_ptr()), R, K,
+    dot16 = arrange_acts_bf16(reinterpret_cast<const uint16_t*>(a_bf16->const_data_ptr()), o, E, dense_from, K,
                               reinterpret_cast<uint16_t*>(xb.data_ptr()));
   }
   const uint16_t* xbp = dot16 ? reinterpret_cast<const uint16_t*>(xb.const_data_ptr()) : nullptr;
