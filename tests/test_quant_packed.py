@@ -356,8 +356,9 @@ def test_bfloat16_rows_bf16_dot_tiles(fmt, K, N):
     """bf16 rows of FP4 weights at decode on an AVX-512 BF16 CPU: the bf16 dot-product tiles (exact
     products, vdpbf16ps) give the reference's fp32 sum within the K-term bound, for 1-4 rows an
     expert, an odd number of weight rows, E8M0 scales on the bit path and (a 0 byte) through the
-    table; they do run (the float tiles sum in another order); a row with a nonzero value below
-    2^-100 (where vdpbf16ps's flush of denormals could matter) sends the call to the float tiles."""
+    table; they do run (the float tiles sum in another order: some of a large case's sums differ);
+    a row with a nonzero value below 2^-100 (where vdpbf16ps's flush of denormals could matter)
+    sends the call to the float tiles."""
     if not packed.AVAILABLE or not packed._EXT.has_bf16_dot():
         pytest.skip("no AVX-512 BF16 on this CPU: the float tiles run bf16 rows")
     g = torch.Generator().manual_seed(12)
@@ -374,7 +375,8 @@ def test_bfloat16_rows_bf16_dot_tiles(fmt, K, N):
     dot, flt = _raw_out(a, w, o, True), _raw_out(a, w, o, False)
     for got in (dot, flt):
         assert ((got - ref).abs() <= bound).all()
-    assert not torch.equal(dot, flt)
+    if N * K >= 2 ** 14:   # they do run: another summation order, so some of the many sums differ
+        assert not torch.equal(dot, flt)
     for tiny in (2.0 ** -110, 2.0 ** -130):   # normal and denormal bf16
         a2 = a.clone()
         a2[2, 7] = tiny

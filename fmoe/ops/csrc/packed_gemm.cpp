@@ -724,10 +724,13 @@ void run_job_vnni(const Params& p, const Job& j, const uint8_t* xq, const float*
 #define FMOE_BF16DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
 
 bool has_avx512_bf16() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bf16");
+  static const bool has = [] {   // asked on every call of grouped_run: once per process
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512bf16");
+  }();
+  return has;
 }
 
 // A chunk of 64 packed bytes (128 k) decodes to four vectors of 32 bf16 words: each half of the
