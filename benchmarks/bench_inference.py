@@ -9,13 +9,15 @@ bound of a call = the busy experts' stored bytes (packed data + scales, both pro
 rate; the table reports time / bound for the whole layer and for its two expert GEMM calls alone
 (``fmoe.quant.packed.grouped_matmul`` on the plan's rows, the calls the layer makes), and for FP4 the
 same calls with the opt-in int8 activations (``activations="int8"``, AVX-512 VNNI) where the CPU has them,
-and for the packed formats the whole layer on bf16 rows (what a bf16 model runs).
+and for the packed formats the whole layer on bf16 rows (what a bf16 model runs), and every format's layer with
+its weights on transparent huge pages (``fmoe.quant.huge_pages``, as ``fmoe.examples.generate`` loads them).
 
 ``model`` (``--model``): the whole-model comparison, fmoe-patched with packed experts vs transformers'
 own CPU path on the same written checkpoint (fmoe.examples.generate), each in its own process. Resident
 memory (anonymous and file-backed apart) is read after load, at decode b1's steady state (the figure the
-issue's target is judged on: fmoe memory-maps the packed experts, so after load they are not yet paged in)
-and after prefill 512, with the peak.
+issue's target is judged on) and after prefill 512, with the peak. fmoe's loader copies the packed experts
+onto huge pages (anonymous, resident from the load); with ``--four-k`` the same rounds also run fmoe with
+them memory-mapped from the checkpoint on 4 KiB pages (``fmoe_4k``: paged in as decode first reads them).
 
 Run: ``python -m benchmarks.bench_inference [--quick] [--repeats N] [--formats mxfp4 ...] [--tokens 1 4 16]``
 or ``python -m benchmarks.run --only inference``. Medians; the host is shared: the load average is
@@ -111,7 +113,7 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
     import dataclasses
 
     import fmoe
-    from fmoe.quant import packed
+    from fmoe.quant import huge_pages, hugepages, packed
     spec = _spec()
     # the same layer with int8 activations (ExpertSpec.int8_activations: FP4 experts, a VNNI CPU)
     spec8 = dataclasses.replace(spec, experts=dataclasses.replace(spec.experts, int8_activations=True))
@@ -119,6 +121,8 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
     gate = {"wg": torch.randn(E, M, generator=g) * 0.02}
     fmts = list(formats) + (["float32"] if float_bound else [])
     weights = {f: {"gate_up_proj": _rand_packed(f, 2 * I, M, g), "down_proj": _rand_packed(f, M, I, g)} for f in fmts}
+    # the same weights on transparent huge pages (what fmoe.examples.generate's loader does), where the kernel has them
+    huge = {f: huge_pages(w) for f, w in weights.items()} if hugepages.available() else {}
     res = {"config": {"M": M, "I": I, "E": E, "k": K_TOP, "kind": "swiglu", "repeats": repeats,
                       "native": packed.status()}, "tokens": {}}
     for T in tokens:
@@ -128,6 +132,8 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
         for f in fmts:
             params = {"gate": gate, "experts": weights[f]}
             steps[f"layer_{f}"] = (lambda p=params: fmoe.moe(p, x, spec))
+            if huge:
+                steps[f"layerhp_{f}"] = (lambda p={"gate": gate, "experts": huge[f]}: fmoe.moe(p, x, spec))
             bytes_busy[f] = sum(_nbytes(w, busy) for w in weights[f].values())
             if f != "float32":
                 # the same layer on bf16 rows (what a bf16 model runs: FP4 takes the bf16 dot-product tiles)
@@ -164,6 +170,9 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
             if f"layer8_{f}" in t:
                 r["layer_int8_seconds"] = t[f"layer8_{f}"]
                 r["layer_int8_vs_stream"] = t[f"layer8_{f}"] / bound
+            if f"layerhp_{f}" in t:
+                r["layer_huge_pages_seconds"] = t[f"layerhp_{f}"]
+                r["layer_huge_pages_vs_stream"] = t[f"layerhp_{f}"] / bound
             if f"layer16_{f}" in t:
                 r["layer_bf16_seconds"] = t[f"layer16_{f}"]
                 r["layer_bf16_vs_stream"] = t[f"layer16_{f}"] / bound
@@ -174,6 +183,8 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
                 + (f", int8 act {r['gemms_int8_vs_stream']:.2f}x" if "gemms_int8_seconds" in r else "")
                 + (f", layer int8 act {r['layer_int8_vs_stream']:.2f}x" if "layer_int8_seconds" in r else "")
                 + (f", layer bf16 rows {r['layer_bf16_vs_stream']:.2f}x" if "layer_bf16_seconds" in r else "")
+                + (f", layer on huge pages {r['layer_huge_pages_vs_stream']:.2f}x" if "layer_huge_pages_seconds" in r
+                   else "")
                 + f"  ({rate:.1f} GB/s stream)")
         res["tokens"][str(T)] = row
     return res
@@ -269,16 +280,19 @@ def _decode_step_bytes(model, k: int, packed_experts: bool) -> int:
 
 def model_child(variant: str, path: str, arch: str, k: int, repeats: int) -> dict:
     """One variant in its own process (resident memory is the process's): "fmoe" (patched, packed
-    experts) or "transformers" (its CPU path: experts dequantized to bf16). bf16 activations."""
+    experts on huge pages), "fmoe_4k" (the same, its experts left memory-mapped on 4 KiB pages) or
+    "transformers" (its CPU path: experts dequantized to bf16). bf16 activations."""
     from fmoe.examples import generate as G
     dt = torch.bfloat16
-    if variant == "fmoe":
-        model, _ = G.load_patched(path, arch, dtype=dt)
-    else:
+    if variant in ("fmoe", "fmoe_4k"):
+        model, _ = G.load_patched(path, arch, dtype=dt, huge_pages=variant == "fmoe")
+    elif variant == "transformers":
         model = G.load_reference(path, dtype=dt)
+    else:
+        raise ValueError(f"model_child: unknown variant {variant!r}")
     import gc
     gc.collect()
-    out = {"step_bytes": _decode_step_bytes(model, k, variant == "fmoe")}
+    out = {"step_bytes": _decode_step_bytes(model, k, variant != "transformers")}
     memory = {"load": _memory()}
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -322,17 +336,18 @@ def model_child(variant: str, path: str, arch: str, k: int, repeats: int) -> dic
 
 
 def model_suite(arch: str = "gpt_oss", size: str = "small", repeats: int = 3, rounds: int = 3,
-                log: Callable[[str], None] = print) -> dict:
+                log: Callable[[str], None] = print, four_k: bool = False) -> dict:
     """fmoe-patched (packed experts) vs transformers on the same checkpoint, each in its own process;
-    ``rounds`` rounds with the two processes alternating (the first variant swaps each round), each
-    figure the median over the rounds (the host drifts by tens of percent between processes)."""
+    ``rounds`` rounds with the processes alternating (the order reverses each round), each figure
+    the median over the rounds (the host drifts by tens of percent between processes). ``four_k``:
+    also fmoe with its experts on 4 KiB pages (``fmoe_4k``), in the same rounds."""
     import subprocess
     import sys
     import tempfile
     from fmoe.examples import generate as G
     res = {"arch": arch, "size": size, "config": G.SIZES[size], "threads": torch.get_num_threads(), "rounds": rounds,
            "variants": {}}
-    runs = {"fmoe": [], "transformers": []}
+    runs = {"fmoe": [], "transformers": []} | ({"fmoe_4k": []} if four_k else {})
     with tempfile.TemporaryDirectory(prefix="fmoe-bench-inference-") as path:
         G.write_checkpoint(path, arch, size)
         # flush the new file before the timed processes map it: reads of a fresh file's pages still
@@ -340,7 +355,7 @@ def model_suite(arch: str = "gpt_oss", size: str = "small", repeats: int = 3, ro
         os.sync()
         res["checkpoint_bytes"] = os.path.getsize(os.path.join(path, "model.safetensors"))
         for rnd in range(rounds):
-            for variant in (("fmoe", "transformers") if rnd % 2 == 0 else ("transformers", "fmoe")):
+            for variant in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
                 cmd = [sys.executable, "-m", "benchmarks.bench_inference", "--model-child", variant, "--checkpoint",
                        path, "--arch", arch, "--k", str(G.SIZES[size]["k"]), "--repeats", str(repeats),
                        "--threads", str(torch.get_num_threads())]
@@ -374,6 +389,10 @@ def model_suite(arch: str = "gpt_oss", size: str = "small", repeats: int = 3, ro
                                     / v["fmoe"]["decode_b1_cpu_ms_per_step"])
     res["decode_b8_speedup"] = v["fmoe"]["decode_b8_tok_per_s"] / v["transformers"]["decode_b8_tok_per_s"]
     res["prefill_speedup"] = v["fmoe"]["prefill_512_tok_per_s"] / v["transformers"]["prefill_512_tok_per_s"]
+    if four_k:   # the huge pages' gain: per round (the two ran side by side), then the median
+        res["huge_pages_decode_b1_gain"] = statistics.median(
+            a["decode_b1_tok_per_s"] / b["decode_b1_tok_per_s"] for a, b in zip(runs["fmoe"], runs["fmoe_4k"]))
+        res["rss_ratio_4k"] = v["fmoe_4k"]["rss_decode_bytes"] / v["transformers"]["rss_decode_bytes"]
     return res
 
 
@@ -391,8 +410,9 @@ def tables(res: dict) -> list[str]:
     lines = [f"load average at start {res['loadavg_start'][0]:.1f}, end {res['loadavg_end'][0]:.1f} (2 cores); "
              f"{res.get('threads', torch.get_num_threads())} torch threads", "",
              "| T | busy | format | layer ms | x stream | expert GEMMs ms | x stream | GEMMs, int8 act. ms | x stream "
-             "| layer, int8 act. ms | x stream | layer, bf16 rows ms | x stream | stream GB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"] if lay else []
+             "| layer, int8 act. ms | x stream | layer, bf16 rows ms | x stream | layer, huge pages ms | x stream "
+             "| stream GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"] if lay else []
     for T, row in (lay["tokens"] if lay else {}).items():
         for f, r in row["formats"].items():
             g = f"{r['gemms_seconds'] * 1e3:.2f} | {r['gemms_vs_stream']:.2f}" if "gemms_seconds" in r else " | "
@@ -402,8 +422,10 @@ def tables(res: dict) -> list[str]:
                   else " | ")
             l16 = (f"{r['layer_bf16_seconds'] * 1e3:.2f} | {r['layer_bf16_vs_stream']:.2f}" if "layer_bf16_seconds" in r
                    else " | ")
+            hp = (f"{r['layer_huge_pages_seconds'] * 1e3:.2f} | {r['layer_huge_pages_vs_stream']:.2f}"
+                  if "layer_huge_pages_seconds" in r else " | ")
             lines.append(f"| {T} | {row['busy_experts']} | {f} | {r['layer_seconds'] * 1e3:.2f} | "
-                         f"{r['layer_vs_stream']:.2f} | {g} | {g8} | {l8} | {l16} | {row['stream_gb_per_s']:.1f} |")
+                         f"{r['layer_vs_stream']:.2f} | {g} | {g8} | {l8} | {l16} | {hp} | {row['stream_gb_per_s']:.1f} |")
     pre = res.get("prefill")
     if pre:
         base = pre["seconds"]["float32|float32"]
@@ -437,6 +459,10 @@ def tables(res: dict) -> list[str]:
                          f"{mod['prefill_speedup']:.2f}x, resident memory at decode b1 {mod['rss_ratio']:.2f}x "
                          f"(after load {mod['rss_ratio_load']:.2f}x, after prefill 512 "
                          f"{mod['rss_ratio_prefill']:.2f}x, peak {mod['hwm_ratio']:.2f}x)")
+        if "huge_pages_decode_b1_gain" in mod:
+            lines.append(f"\nfmoe's experts on huge pages / memory-mapped on 4 KiB pages (fmoe_4k), decode b1: "
+                         f"{mod['huge_pages_decode_b1_gain']:.2f}x (median of the rounds' ratios); fmoe_4k / "
+                         f"transformers resident memory at decode b1 {mod['rss_ratio_4k']:.2f}x")
     return lines
 
 
@@ -479,6 +505,8 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="small", help="whole-model size (fmoe.examples.generate.SIZES)")
     p.add_argument("--rounds", type=int, default=3, help="whole model: alternating rounds of the two processes")
     p.add_argument("--arch", default="gpt_oss")
+    p.add_argument("--four-k", action="store_true",
+                   help="whole model: also fmoe with its experts memory-mapped on 4 KiB pages (no huge pages)")
     p.add_argument("--model-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     p.add_argument("--k", type=int, default=None, help=argparse.SUPPRESS)
@@ -494,7 +522,7 @@ def main(argv=None) -> int:
         if args.prefill:
             res["prefill"] = layer_prefill(args.formats, args.prefill, max(3, args.repeats // 2))
     if args.model or args.model_only:
-        res["model"] = model_suite(args.arch, args.size, min(args.repeats, 3), args.rounds)
+        res["model"] = model_suite(args.arch, args.size, min(args.repeats, 3), args.rounds, four_k=args.four_k)
     res["loadavg_end"] = os.getloadavg()
     report(tables(res), res, args.json)
     return 0

@@ -57,3 +57,23 @@ def test_gpt_oss_load_patched_equals_from_pretrained_outside_the_experts(tmp_pat
     assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     assert not [n for n, t in model.state_dict().items() if ".experts." in n and t.is_floating_point()
                 and t.dim() == 3], "a dequantized expert weight is resident"
+
+
+@pytest.mark.slow
+def test_experts_on_huge_pages_give_the_memory_mapped_logits(tmp_path):
+    """load_patched's default copies the packed experts onto huge pages: the same values, so the same
+    kernels give the same logits, bit for bit; the experts' data sits in memory advised for them."""
+    from fmoe.quant import hugepages
+    if not hugepages.available():
+        pytest.skip("no transparent huge pages by advice here")
+    from tests.test_hugepages import _vm_flags
+    path = G.write_checkpoint(str(tmp_path / "small"), "gpt_oss", "small")
+    x = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+    logits = {}
+    for huge in (True, False):
+        model, _ = G.load_patched(path, "gpt_oss", huge_pages=huge)
+        data = model.model.layers[0].mlp.experts.gate_up_proj.data
+        assert (data.data_ptr() % hugepages.HUGE == 0 and "hg" in _vm_flags(data.data_ptr())) == huge
+        with torch.no_grad():
+            logits[huge] = model(x).logits
+    assert torch.equal(logits[True], logits[False])

@@ -177,14 +177,19 @@ def _without_experts(path: str, dtype: torch.dtype):
     return model.eval()
 
 
-def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32, *, int8_activations: bool = False):
+def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32, *, int8_activations: bool = False,
+                 huge_pages: bool = True):
     """(model, packed_bytes): transformers' model from `path`, patched with fmoe, every MoE block's
     experts the checkpoint's packed ones (``int8_activations``: :func:`fmoe.models.patch`'s).
+    ``huge_pages``: the experts' tensors are copied onto transparent huge pages
+    (:func:`fmoe.quant.huge_pages`: fewer TLB misses as decode streams them; resident from the
+    load on) instead of staying memory-mapped from the checkpoint.
     gpt_oss: the experts are never dequantized (:func:`_without_experts`); deepseek_v3:
     transformers loads the model (its FP8 shared experts dequantized as its own CPU path does) and
     its dequantized routed experts are freed."""
     import fmoe.models
     from fmoe.models import load_moe_block
+    from fmoe.quant import huge_pages as to_huge_pages
     from transformers import AutoModelForCausalLM
 
     if arch == "gpt_oss":
@@ -199,7 +204,8 @@ def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32, *, in
         ex = params["experts"]
         if "gate_proj" in ex:   # DeepSeek: per-projection FP8; the block adapter reads one fused gate_up_proj
             ex = {"gate_up_proj": _cat_rows(ex.pop("gate_proj"), ex.pop("up_proj")), **ex}
-        block.experts = PackedExperts({k: (v.to(dtype) if isinstance(v, torch.Tensor) else v) for k, v in ex.items()})
+        ex = {k: (v.to(dtype) if isinstance(v, torch.Tensor) else v) for k, v in ex.items()}
+        block.experts = PackedExperts(to_huge_pages(ex) if huge_pages else ex)
         packed_bytes += sum(v.nbytes for v in ex.values() if not isinstance(v, torch.Tensor))
     return model, packed_bytes
 
@@ -251,6 +257,9 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--int8-activations", action="store_true",
                    help="the packed MXFP4 experts multiply int8-rounded rows (ExpertSpec.int8_activations; an "
                         "AVX-512 VNNI CPU; the gpt_oss checkpoint only: DeepSeek's are FP8)")
+    p.add_argument("--no-huge-pages", action="store_true",
+                   help="keep the packed experts memory-mapped from the checkpoint on 4 KiB pages instead of copying "
+                        "them onto transparent huge pages (fmoe.quant.huge_pages)")
     args = p.parse_args(argv)
     tmp = None
     path = args.checkpoint
@@ -261,8 +270,11 @@ def main(argv: Optional[list] = None) -> int:
     write_checkpoint(path, args.arch, args.size)
     print(f"wrote a random {args.arch} checkpoint ({args.size}) to {path} in {time.perf_counter() - t0:.1f} s; "
           f"{os.path.getsize(os.path.join(path, 'model.safetensors')) / 2**20:.0f} MiB")
-    model, nbytes = load_patched(path, args.arch, int8_activations=args.int8_activations)
-    print(f"patched with fmoe; experts kept packed: {nbytes / 2**20:.1f} MiB"
+    model, nbytes = load_patched(path, args.arch, int8_activations=args.int8_activations,
+                                 huge_pages=not args.no_huge_pages)
+    from fmoe.quant import hugepages
+    pages = "huge pages" if hugepages.available() and not args.no_huge_pages else "4 KiB pages"
+    print(f"patched with fmoe; experts kept packed: {nbytes / 2**20:.1f} MiB on {pages}"
           + ("; int8 activations" if args.int8_activations else ""))
     from fmoe.quant import packed
     print(packed.status())

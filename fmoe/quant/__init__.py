@@ -14,6 +14,7 @@ from .formats import (
     quantize_mxfp8,
     quantize_nvfp4,
 )
+from .hugepages import huge_pages
 from .matmul import (
     calibrate_crossover,
     crossover,
