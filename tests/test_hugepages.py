@@ -45,8 +45,9 @@ def test_leaves_keep_their_values_and_land_on_advised_aligned_memory():
     q, q0 = out["q"], tree["q"]
     assert isinstance(q, Q.QuantizedTensor) and (q.fmt, q.shape, q.block) == (q0.fmt, q0.shape, q0.block)
     assert q.data.data_ptr() % hugepages.HUGE == 0 and torch.equal(q.data, q0.data)
-    assert q.scales is q0.scales   # 128 KiB: below min_bytes, left where it is
-    assert out["small"] is tree["small"] and out["n"] == 3
+    for small, small0 in ((q.scales, q0.scales), (out["small"], tree["small"])):   # below min_bytes: cloned
+        assert torch.equal(small, small0) and small.data_ptr() != small0.data_ptr()
+    assert out["n"] == 3
 
 
 @needs_thp
@@ -61,12 +62,29 @@ def test_the_memory_lives_as_long_as_a_view_of_it():
 
 
 @needs_thp
-def test_parameters_and_requires_grad_are_kept():
-    p = torch.nn.Parameter(torch.ones(1024, 1024))
-    r = torch.ones(1024, 1024, requires_grad=True)
+@pytest.mark.parametrize("n", [1024, 4])   # on huge pages, cloned
+def test_parameters_and_requires_grad_are_kept(n):
+    p = torch.nn.Parameter(torch.ones(1024, n))
+    r = torch.ones(1024, n, requires_grad=True)
     out = hugepages.huge_pages({"p": p, "r": r})
     assert type(out["p"]) is torch.nn.Parameter and out["p"].requires_grad
     assert type(out["r"]) is torch.Tensor and out["r"].requires_grad and out["r"].is_leaf
+
+
+@needs_thp
+def test_a_memory_mapped_tree_lets_go_of_its_file(tmp_path):
+    """No leaf of the copy views the input: once the input is dropped, the file's mapping goes."""
+    path = tmp_path / "w.bin"
+    torch.arange(1 << 20, dtype=torch.float32).numpy().tofile(path)
+    src = {"big": torch.from_file(str(path), size=1 << 20, dtype=torch.float32),
+           "small": torch.from_file(str(path), size=16, dtype=torch.float32)}
+    out = hugepages.huge_pages(src)
+    del src
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        assert str(path) not in f.read()
+    assert torch.equal(out["big"], torch.arange(1 << 20, dtype=torch.float32))
+    assert torch.equal(out["small"], torch.arange(16, dtype=torch.float32))
 
 
 @needs_thp

@@ -10,15 +10,18 @@ bench_inference's packed layer at T = 1 / 4 / 16 2-9 % faster.
 
 torch's CPU allocator puts tensors on 4 KiB pages. :func:`huge_pages` copies every CPU tensor leaf
 of at least ``min_bytes`` (a QuantizedTensor's data and scales are leaves) into anonymous memory
-that it advises ``MADV_HUGEPAGE``, 2 MiB-aligned; other leaves are returned as given. Values,
-dtype, shape, ``requires_grad`` and the Parameter type are kept; strides become contiguous. The
-memory is freed with the last tensor that views it. Where the kernel cannot give huge pages
+that it advises ``MADV_HUGEPAGE``, 2 MiB-aligned, and clones the smaller ones, so that the result
+holds no memory of the input: a tree memory-mapped from a checkpoint lets go of its mapping (and
+of the pages the copy read) once the input is dropped, where one small leaf left as given would
+keep the whole file's mapping alive. Values, dtype, shape, ``requires_grad`` and the Parameter type
+are kept; strides become contiguous. The memory is freed with the last tensor that views it.
+Leaves that are not CPU tensors are returned as given. Where the kernel cannot give huge pages
 (:func:`available`: not Linux, or transparent huge pages set to ``never``) the tree is returned
 unchanged, no copy made. The kernel may still fall back to 4 KiB pages for part of a region when
 memory is fragmented; the values are the same either way.
 
-This is a copy: a tree memory-mapped from a checkpoint (file-backed pages, paged in on first
-touch) becomes anonymous memory, resident at once.
+The copy of a memory-mapped tree (file-backed pages, paged in on first touch) is anonymous memory,
+resident at once.
 """
 from __future__ import annotations
 
@@ -65,21 +68,27 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     m.madvise(mmap.MADV_HUGEPAGE, off, n)           # before the first touch: the copy faults huge pages
     out = raw[off:off + n].view(t.dtype).view(t.shape)
     out.copy_(t.detach())
+    return _like(t, out)
+
+
+def _like(t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out with t's Parameter type and requires_grad."""
     if isinstance(t, torch.nn.Parameter):
         return torch.nn.Parameter(out, requires_grad=t.requires_grad)
     return out.requires_grad_(t.requires_grad)
 
 
 def huge_pages(tree: Any, min_bytes: int = HUGE_MIN_BYTES) -> Any:
-    """``tree`` with each CPU tensor leaf of at least ``min_bytes`` bytes copied onto transparent
-    huge pages (module docstring); any pytree (dicts of tensors, QuantizedTensors, lists).
+    """A copy of ``tree`` with each CPU tensor leaf of at least ``min_bytes`` bytes on transparent
+    huge pages and each smaller one cloned (module docstring); any pytree (dicts of tensors,
+    QuantizedTensors, lists).
 
     Args:
         tree: a pytree whose leaves are tensors (any dtype, any device; non-CPU leaves, and leaves
             that are not tensors, are returned as given).
-        min_bytes: the smallest leaf moved (default one huge page, 2 MiB).
+        min_bytes: the smallest leaf put on huge pages (default one huge page, 2 MiB).
     Returns:
-        the same structure; moved leaves are contiguous copies of equal values.
+        the same structure; its CPU tensor leaves are contiguous copies of equal values.
     """
     if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
         raise ValueError(f"huge_pages: min_bytes must be a non-negative int, got {min_bytes!r}")
@@ -87,8 +96,9 @@ def huge_pages(tree: Any, min_bytes: int = HUGE_MIN_BYTES) -> Any:
         return tree
 
     def move(leaf):
-        if (type(leaf) not in (torch.Tensor, torch.nn.Parameter) or leaf.device.type != "cpu"
-                or leaf.numel() * leaf.element_size() < max(min_bytes, 1)):
+        if type(leaf) not in (torch.Tensor, torch.nn.Parameter) or leaf.device.type != "cpu":
             return leaf
+        if leaf.numel() * leaf.element_size() < max(min_bytes, 1):
+            return _like(leaf, leaf.detach().clone(memory_format=torch.contiguous_format))
         return _copy(leaf)
     return pytree.tree_map(move, tree)
