@@ -12,7 +12,9 @@ time):
 
 * ``mpi``: expert parallel over MPIComm;
 * ``gloo``: expert parallel over TorchDistComm (gloo, initialised inside this job), on the same
-  placed route as ``mpi`` (:meth:`fmoe.comm.TorchDistComm.exchange_rows`);
+  placed route as ``mpi`` (:meth:`fmoe.comm.TorchDistComm.exchange_rows`; the ranks share this host,
+  so the rows go through shared memory, gloo carrying the synchronisation: :mod:`fmoe.comm.shm`);
+* ``gloo_tcp``: the same with ``TorchDistComm(shared_memory=False)``: the rows over gloo's TCP;
 * ``func``: ``mpi`` under ``torch.func.grad``, where the received rows run the eager engine
   beneath the grad level (:class:`fmoe.parallel._BelowGrad`: the placed exchanges and in-order
   plan of ``mpi``; the engine's traced op before);
@@ -114,15 +116,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile", type=int, default=0,
                     help="instead of timing: N steps of one variant (--profile_variant) under torch.profiler (first "
                          "kind and cf); rank 0 prints the ops by self CPU time")
-    ap.add_argument("--profile_variant", default="mpi", choices=("mpi", "gloo", "func", "local", "mpi_before",
-                                                                  "gloo_before", "func_before"))
+    ap.add_argument("--profile_variant", default="mpi", choices=("mpi", "gloo", "gloo_tcp", "func", "local",
+                                                                  "mpi_before", "gloo_before", "func_before"))
     ap.add_argument("--before", action="store_true", help="also time each variant's route before (see the module "
                                                            "docstring), round by round")
-    ap.add_argument("--variants", default="mpi,gloo,func", help="which of mpi, gloo, func to time (with local)")
+    ap.add_argument("--variants", default="mpi,gloo,func",
+                    help="which of mpi, gloo, gloo_tcp, func to time (with local)")
     a = ap.parse_args(argv)
     comm = bench_comm.ep_world()
     W = comm.size
     gloo = bench_comm.gloo(comm)
+    gloo_tcp = TorchDistComm(shared_memory=False)
     T, E, M, H, k = a.tokens, a.experts, a.model_dim, a.hidden, a.k
     x = torch.randn(T, M, generator=torch.Generator().manual_seed(1 + comm.rank))
     results = []
@@ -137,6 +141,7 @@ def main(argv=None) -> dict:
 
             variants = {"mpi": lambda: _step(local, x, spec, comm, ParallelSpec()),
                         "gloo": lambda: _step(local, x, spec, gloo, ParallelSpec()),
+                        "gloo_tcp": lambda: _step(local, x, spec, gloo_tcp, ParallelSpec()),
                         "func": lambda: _func_step(local, x, spec, comm, ParallelSpec()),
                         "local": lambda: _step(one, x, one_spec)}
             for n, cls in (("mpi", MPIComm), ("gloo", TorchDistComm), ("func", MPIComm)):

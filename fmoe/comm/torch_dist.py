@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import matching
+from . import matching, shm
 from .buffers import recv_buffer
 from .agreement import end_of_job_check
 from .layout import (a2a_front, a2av_counts, front_to_concat, gathered_to_axis, move_rows, norm_axis, place_error,
@@ -34,6 +34,10 @@ class TorchDistComm(matching.ControlExchange):
             must already be initialised (see :meth:`from_env`).
         checks: ``"full"`` (default), ``"step"`` or ``"off"``, as for ``mpi_backend.MPIComm``
             (:mod:`fmoe.comm.matching`).
+        shared_memory: where every rank of the group is on this host, :meth:`exchange_rows` (the
+            expert-parallel exchanges) moves the rows through shared memory, gloo carrying only the
+            synchronisation (:mod:`fmoe.comm.shm`; the same bytes); False: always through the
+            backend.
 
     Collective timeouts are the process group's own (``init_process_group(timeout=...)``); a
     collective that fails (timeout, dead peer) aborts this process with a message naming it, and
@@ -42,7 +46,7 @@ class TorchDistComm(matching.ControlExchange):
     calls raise on every rank instead of pairing up.
     """
 
-    def __init__(self, group=None, *, checks: str = "full"):
+    def __init__(self, group=None, *, checks: str = "full", shared_memory: bool = True):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchDistComm needs an initialised torch.distributed process group; "
                                "call TorchDistComm.from_env() under torchrun, or init_process_group first")
@@ -50,21 +54,24 @@ class TorchDistComm(matching.ControlExchange):
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.checks = matching.check_mode(checks)
+        if not isinstance(shared_memory, bool):
+            raise TypeError(f"TorchDistComm: shared_memory must be True or False, got {shared_memory!r}")
+        self.shared_memory = shared_memory
         self._calls = 0  # collectives started on this object (the header's call number)
         self._pending = None  # an fmoe call's agreement record waiting for this object's next collective
 
     @classmethod
     def from_env(cls, backend: str = "gloo", timeout: Optional[float] = None, *,
-                 checks: str = "full") -> "TorchDistComm":
+                 checks: str = "full", shared_memory: bool = True) -> "TorchDistComm":
         """Initialise the default group from torchrun's variables (env://) unless already done."""
         if not dist.is_initialized():
             kw = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
             dist.init_process_group(backend=backend, init_method="env://", **kw)
-        return cls(checks=checks)
+        return cls(checks=checks, shared_memory=shared_memory)
 
     def __repr__(self) -> str:
         return (f"TorchDistComm(rank={self.rank}, size={self.size}, backend={dist.get_backend(self.group)}, "
-                f"checks={self.checks!r})")
+                f"checks={self.checks!r}, shared_memory={self.shared_memory})")
 
     def close(self) -> None:
         """Shut the default process group down cleanly (collective: every rank calls it at the end).
@@ -173,11 +180,14 @@ class TorchDistComm(matching.ControlExchange):
         ``place[i]`` of the result (rows or place None: in order); the same bytes as
         ``mpi_backend.MPIComm.exchange_rows``.
 
+        Where every rank is on this host (and ``shared_memory``), the rows go through shared memory
+        (:mod:`fmoe.comm.shm`): each rank packs the rows for its peers into its own segment and
+        copies its rows out of theirs, gloo carrying a counts all-gather and a barrier. Otherwise
         torch.distributed moves contiguous buffers only: the rows for the peers are gathered into
         a send buffer and, where ``place`` is given, the received ones placed from a receive
         buffer (a run of consecutive destinations is one copy). This rank's own rows never enter
-        the exchange: they are copied once, from x to their destinations, while the peers' rows
-        are in flight (the exchange runs asynchronously meanwhile).
+        the exchange: they are copied once, from x to their destinations (on the gloo path while
+        the peers' rows are in flight). Either way the same bytes land in the same rows.
 
         Args:
             x: contiguous CPU [T, ...]. rows: int64 [sum(send_counts)], entries in [0, T).
@@ -202,6 +212,10 @@ class TorchDistComm(matching.ControlExchange):
         out = recv_buffer(self, (sum(recv),) + tail, x.dtype)   # reused: no fresh pages to fault
         if math.prod(tail) == 0:   # (from the shape: every rank skips alike)
             return out
+        if self.shared_memory and dist.get_backend(self.group) == "gloo":
+            seg = shm.segments(self)
+            if seg is not None and seg.exchange(self, x, rows, place, out, send, recv):
+                return out
         me, R = self.rank, out.shape[0]
         ns, nr, s0, r0 = send[me], recv[me], sum(send[:me]), sum(recv[:me])
         peer_send, peer_recv = send[:me] + [0] + send[me + 1:], recv[:me] + [0] + recv[me + 1:]
@@ -271,4 +285,4 @@ class TorchDistComm(matching.ControlExchange):
                              f"got (key, global rank) pairs {members}")
         # Only the members create the group, so disjoint colours do not wait on each other.
         sub = dist.new_group([g for _, g in members], use_local_synchronization=True)
-        return TorchDistComm(sub, checks=self.checks)
+        return TorchDistComm(sub, checks=self.checks, shared_memory=self.shared_memory)

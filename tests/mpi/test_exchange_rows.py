@@ -235,3 +235,87 @@ def test_placed_route_equals_the_unplaced_route_bit_for_bit(comm, monkeypatch, k
     b = step()
     for i, (u, v) in enumerate(zip(a, b)):
         assert torch.equal(_bits(u), _bits(v)), f"{kind} cf={cf}: tensor {i} differs in its bits"
+
+
+def _shm_files() -> list:
+    import os
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("fmoe-")) if os.path.isdir("/dev/shm") else []
+
+
+def _by(comm, shared_memory: bool, checks: str = "full"):
+    init_gloo(comm)
+    from fmoe.comm import TorchDistComm
+    return TorchDistComm(checks=checks, shared_memory=shared_memory)
+
+
+@pytest.mark.parametrize("dtype,tail", [(torch.float32, (5,)), (torch.bfloat16, (4,)), (torch.int64, (1,))])
+def test_shared_memory_moves_the_bytes_gloo_moves(comm, dtype, tail):
+    """On one host TorchDistComm's exchange_rows goes through shared memory (the segments exist and
+    grew) and gives gloo's bytes for every case of rows and place, own rows, a growth of the
+    segment between calls, and an empty exchange; no file is left in /dev/shm."""
+    from fmoe.comm import shm
+    from fmoe.comm.registry import cache_of
+    before = _shm_files()
+    fast, tcp = _by(comm, True), _by(comm, False)
+    for seed, (rows_kind, place_kind, own) in enumerate([("none", "none", None), ("gather", "shuffled", None),
+                                                         ("none", "runs", 200), ("gather", "runs", 3)]):
+        x, rows, place, send, recv = _case(comm, dtype, tail, 40 + seed, rows_kind, place_kind, own)
+        if seed == 2:   # far more rows than the first segment held: it grows
+            x, rows, send, recv = x.repeat(3000, *[1] * len(tail)), None, [3000 * n for n in send], \
+                [3000 * n for n in recv]
+            place = None
+        want = tcp.exchange_rows(x, send, recv, rows=rows, place=place)
+        assert torch.equal(fast.exchange_rows(x, send, recv, rows=rows, place=place), want), (seed, dtype)
+    seg = cache_of(fast)[shm._KEY]
+    assert isinstance(seg, shm.Segments) and seg.gen >= 1 and seg.cap >= 1 << 20
+    assert not cache_of(tcp).get(shm._KEY)   # shared_memory=False never sets up segments
+    zero = [0] * comm.size
+    assert fast.exchange_rows(torch.zeros(0, 3), zero, zero).shape == (0, 3)
+    assert _shm_files() == before
+
+
+def test_shared_memory_refuses_unpaired_counts_on_every_rank(comm):
+    """Unchecked (checks="off"), rank 0 expects one row too many from rank 1: the counts all-gather
+    sees it and every rank raises, naming the pair; the communicator then still exchanges."""
+    c = _by(comm, True, checks="off")
+    W = comm.size
+    x = torch.arange(4.0 * W).view(2 * W, 2) + comm.rank
+    recv = [2] * W
+    if comm.rank == 0:
+        recv[1] = 3
+    with pytest.raises(ValueError, match="rank 1 sends rank 0 2 rows but rank 0 expects 3 from it"):
+        c.exchange_rows(x, [2] * W, recv)
+    assert torch.equal(c.exchange_rows(x, [2] * W, [2] * W), comm.all_to_all_v(x, [2] * W, [2] * W))
+
+
+def test_a_rank_without_room_in_dev_shm_sends_every_rank_to_gloo(comm, monkeypatch):
+    """Rank 0 cannot reserve its segment (a full /dev/shm): every rank takes the gloo path for that
+    call (the same bytes), and the shared path again once rank 0 can."""
+    from fmoe.comm import shm
+    from fmoe.comm.registry import cache_of
+    c = _by(comm, True)
+    W = comm.size
+    x = torch.randn(2 * W, 3, generator=torch.Generator().manual_seed(comm.rank))
+    if comm.rank == 0:
+        def full(path, nbytes):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(shm, "_reserve", full)
+    assert torch.equal(c.exchange_rows(x, [2] * W, [2] * W), comm.all_to_all_v(x, [2] * W, [2] * W))
+    assert cache_of(c)[shm._KEY].gen == (0 if comm.rank == 0 else 1)
+    monkeypatch.undo()
+    assert torch.equal(c.exchange_rows(x, [2] * W, [2] * W), comm.all_to_all_v(x, [2] * W, [2] * W))
+    assert cache_of(c)[shm._KEY].gen == 1
+
+
+def test_ranks_on_different_hosts_exchange_over_gloo(comm, monkeypatch):
+    """Where one rank reports another host name the communicator makes no segments (gloo moves the rows)."""
+    import socket
+    from fmoe.comm import shm
+    from fmoe.comm.registry import cache_of
+    if comm.rank == comm.size - 1:
+        monkeypatch.setattr(socket, "gethostname", lambda: "elsewhere")
+    c = _by(comm, True)
+    W = comm.size
+    x = torch.randn(2 * W, 3, generator=torch.Generator().manual_seed(comm.rank))
+    assert torch.equal(c.exchange_rows(x, [2] * W, [2] * W), comm.all_to_all_v(x, [2] * W, [2] * W))
+    assert cache_of(c)[shm._KEY] is False
