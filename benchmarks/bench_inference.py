@@ -98,10 +98,10 @@ def timed_cold(steps: dict, repeats: int, log: Callable[[str], None] = print, *,
     i = 0
     for r in range(repeats):
         for name in (order[::-1] if r % 2 else order):
-            i += 1
             t0 = time.perf_counter()
             bufs[i % len(bufs)].sum()
             rates[i % len(bufs)].append(FLUSH_BYTES / (time.perf_counter() - t0) / 1e9)
+            i += 1
             t0 = time.perf_counter()
             steps[name]()
             times[name].append(time.perf_counter() - t0)

@@ -4,9 +4,10 @@
 
 At decode a layer reads each busy expert's bytes once, from DRAM. On 4 KiB pages every 4 KiB of
 them is a TLB miss, and the page-table lines were evicted by the same stream, so each miss is a
-page walk that waits on memory beside the data's own loads. On 2 MiB pages there are 512 times
-fewer. Measured on a 2-vCPU AMD EPYC host (BENCHMARKS.md): a 512 MiB read 41 -> 52-57 GB/s, and
-bench_inference's packed layer at T = 1 / 4 / 16 2-9 % faster.
+page walk that waits on memory beside the data's own loads (on a virtual machine a walk of two
+page tables). On 2 MiB pages there are 512 times fewer. Measured on a 2-vCPU AMD EPYC virtual
+machine (BENCHMARKS.md): one thread's read of a cold 256 MiB tensor 20 -> 32-33 GB/s, and
+bench_inference's packed layer at T = 1 / 4 / 16 in 0.87-1.01x its time on 4 KiB pages.
 
 torch's CPU allocator puts tensors on 4 KiB pages. :func:`huge_pages` copies every CPU tensor leaf
 of at least ``min_bytes`` (a QuantizedTensor's data and scales are leaves) into anonymous memory
