@@ -1,9 +1,10 @@
-"""Rows exchanged through shared memory when every rank of a torch.distributed group is on one host.
+"""All-to-alls through shared memory when every rank of a torch.distributed group is on one host.
 
 gloo moves CPU tensors over TCP even between processes of one host: on a 2-vCPU host a 12 MB
 all-to-all-v of an expert-parallel step took 14 ms (0.9 GB/s), three of them a tenth of the step.
-Where every rank of the group runs on the same host, :meth:`fmoe.comm.TorchDistComm.exchange_rows`
-moves the rows through shared memory instead:
+Where every rank of the group runs on the same host, TorchDistComm's all-to-alls
+(:meth:`~fmoe.comm.TorchDistComm.exchange_rows`, ``all_to_all_v``, ``all_to_all``) move their rows
+through shared memory instead:
 
 1. each rank writes the rows it sends its peers into its own segment (a file under /dev/shm that
    every rank maps), in destination order, as the gloo path packs its send buffer;
@@ -14,7 +15,7 @@ moves the rows through shared memory instead:
 The same bytes land in the same places, so the result equals the gloo path's bit for bit. gloo
 still carries the synchronisation, so a dead peer or a timeout ends the job as a gloo collective
 would. The all-gather also checks that the counts pair up (rank u's send to w is w's receive from
-u) and raises on every rank where they do not. A segment grows when a call needs more (the new file
+u) and that the rows have one size on every rank, and raises on every rank where they do not. A segment grows when a call needs more (the new file
 is unlinked once every peer has mapped it, so nothing is left in /dev/shm after a clean step) and
 is reserved with ``posix_fallocate``: a full /dev/shm is an error at that point (every rank then
 takes the gloo path for the call), never a SIGBUS on a later write.
@@ -106,17 +107,21 @@ class Segments:
         s0, ns = sum(send[:me]), send[me]
         peer_rows = sum(send) - ns
         ok = self._ensure(peer_rows * row_bytes)
-        meta = torch.tensor([int(ok), self.gen, self.cap] + list(send) + list(recv), dtype=torch.int64)
+        meta = torch.tensor([int(ok), self.gen, self.cap, row_bytes] + list(send) + list(recv), dtype=torch.int64)
         table = torch.empty(W * meta.numel(), dtype=torch.int64)
-        comm._do("exchange_rows (shared-memory counts)",
+        comm._do("all-to-all (shared-memory counts)",
                  lambda: _all_gather_tensor(table, meta, group=comm.group))
-        t = table.view(W, -1).tolist()
+        t = [row[:3] + row[4:] for row in table.view(W, -1).tolist()]   # [ok, gen, cap, send..., recv...]
+        widths = [row[3] for row in table.view(W, -1).tolist()]
+        if any(b != row_bytes for b in widths):
+            raise ValueError(f"all-to-all: the ranks' rows differ in size (bytes per row by rank: {widths}); "
+                             "every rank raises")
         if not all(row[0] for row in t):
             return False
         unpaired = [(u, w) for u in range(W) for w in range(W) if t[u][3 + w] != t[w][3 + W + u]]
         if unpaired:
             u, w = unpaired[0]
-            raise ValueError(f"exchange_rows: rank {u} sends rank {w} {t[u][3 + w]} rows but rank {w} expects "
+            raise ValueError(f"all-to-all: rank {u} sends rank {w} {t[u][3 + w]} rows but rank {w} expects "
                              f"{t[w][3 + W + u]} from it ({len(unpaired)} unpaired count(s)); every rank raises")
         if peer_rows:
             buf = self.mine[:peer_rows * row_bytes].view(x.dtype).view(peer_rows, *tail)
@@ -131,7 +136,7 @@ class Segments:
             move_rows(*own, *((None, out[r0:r0 + nr]) if place is None else (place[r0:r0 + nr], out)))
         # every peer's current segment, received from or not: a new one is unlinked after this call's barrier
         segs = {u: self._peer(u, t[u][1], t[u][2]) for u in range(W) if u != me and t[u][1]}
-        comm._do("exchange_rows (shared-memory barrier)", lambda: dist.barrier(group=comm.group))
+        comm._do("all-to-all (shared-memory barrier)", lambda: dist.barrier(group=comm.group))
         for path in self._unlink:   # every peer mapped it before the barrier
             os.unlink(path)
         self._unlink.clear()

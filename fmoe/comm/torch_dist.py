@@ -34,8 +34,9 @@ class TorchDistComm(matching.ControlExchange):
             must already be initialised (see :meth:`from_env`).
         checks: ``"full"`` (default), ``"step"`` or ``"off"``, as for ``mpi_backend.MPIComm``
             (:mod:`fmoe.comm.matching`).
-        shared_memory: where every rank of the group is on this host, :meth:`exchange_rows` (the
-            expert-parallel exchanges) moves the rows through shared memory, gloo carrying only the
+        shared_memory: where every rank of the group is on this host (gloo, CPU tensors), the
+            all-to-alls (:meth:`exchange_rows`, the expert-parallel exchanges; ``all_to_all_v``;
+            ``all_to_all``) move their rows through shared memory, gloo carrying only the
             synchronisation (:mod:`fmoe.comm.shm`; the same bytes); False: always through the
             backend.
 
@@ -134,7 +135,7 @@ class TorchDistComm(matching.ControlExchange):
         call, _ = self._begin("all_to_all", front, error=err)
         front = front.contiguous()
         out = recv_buffer(self, front.shape, front.dtype, front.device)   # CPU: reused, no fresh pages to fault
-        if front.numel():
+        if front.numel() and not self._shared(front, None, None, out, [1] * self.size, [1] * self.size):
             self._do(f"all_to_all #{call}", lambda: dist.all_to_all_single(out, front, group=self.group))
         return out
 
@@ -169,9 +170,20 @@ class TorchDistComm(matching.ControlExchange):
         call = self._begin_v(x, send, recv, err)
         x = x.contiguous()
         out = recv_buffer(self, (sum(recv),) + tuple(x.shape[1:]), x.dtype, x.device)   # CPU: reused
-        self._do(f"all_to_all_v #{call}", lambda: dist.all_to_all_single(
-            out, x, output_split_sizes=recv, input_split_sizes=send, group=self.group))
+        if not self._shared(x, None, None, out, send, recv):
+            self._do(f"all_to_all_v #{call}", lambda: dist.all_to_all_single(
+                out, x, output_split_sizes=recv, input_split_sizes=send, group=self.group))
         return out
+
+    def _shared(self, x: Tensor, rows, place, out: Tensor, send: list, recv: list) -> bool:
+        """``out[place] = all_to_all_v(x[rows], send, recv)`` through shared memory where this group
+        can (:mod:`fmoe.comm.shm`: every rank on this host, ``shared_memory``, gloo, CPU rows of
+        nonzero width; decided alike on every rank); False: nothing moved, the backend moves them."""
+        if not (self.shared_memory and x.device.type == "cpu" and math.prod(x.shape[1:])
+                and dist.get_backend(self.group) == "gloo"):
+            return False
+        seg = shm.segments(self)
+        return seg is not None and seg.exchange(self, x, rows, place, out, send, recv)
 
     @raw_collective
     def exchange_rows(self, x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], *,
@@ -212,10 +224,8 @@ class TorchDistComm(matching.ControlExchange):
         out = recv_buffer(self, (sum(recv),) + tail, x.dtype)   # reused: no fresh pages to fault
         if math.prod(tail) == 0:   # (from the shape: every rank skips alike)
             return out
-        if self.shared_memory and dist.get_backend(self.group) == "gloo":
-            seg = shm.segments(self)
-            if seg is not None and seg.exchange(self, x, rows, place, out, send, recv):
-                return out
+        if self._shared(x, rows, place, out, send, recv):
+            return out
         me, R = self.rank, out.shape[0]
         ns, nr, s0, r0 = send[me], recv[me], sum(send[:me]), sum(recv[:me])
         peer_send, peer_recv = send[:me] + [0] + send[me + 1:], recv[:me] + [0] + recv[me + 1:]

@@ -283,7 +283,7 @@ def test_shared_memory_refuses_unpaired_counts_on_every_rank(comm):
     recv = [2] * W
     if comm.rank == 0:
         recv[1] = 3
-    with pytest.raises(ValueError, match="rank 1 sends rank 0 2 rows but rank 0 expects 3 from it"):
+    with pytest.raises(ValueError, match="all-to-all: rank 1 sends rank 0 2 rows but rank 0 expects 3 from it"):
         c.exchange_rows(x, [2] * W, recv)
     assert torch.equal(c.exchange_rows(x, [2] * W, [2] * W), comm.all_to_all_v(x, [2] * W, [2] * W))
 
@@ -319,3 +319,33 @@ def test_ranks_on_different_hosts_exchange_over_gloo(comm, monkeypatch):
     x = torch.randn(2 * W, 3, generator=torch.Generator().manual_seed(comm.rank))
     assert torch.equal(c.exchange_rows(x, [2] * W, [2] * W), comm.all_to_all_v(x, [2] * W, [2] * W))
     assert cache_of(c)[shm._KEY] is False
+
+
+def test_shared_memory_all_to_alls_move_the_bytes_gloo_moves(comm):
+    """all_to_all_v and all_to_all (equal chunks) through shared memory equal gloo's TCP path, for
+    uneven and empty counts and several dtypes and axes."""
+    fast, tcp = _by(comm, True), _by(comm, False)
+    W, r = comm.size, comm.rank
+    g = torch.Generator().manual_seed(70 + r)
+    for dtype, tail in ((torch.float32, (3,)), (torch.float64, (2, 2)), (torch.bfloat16, (5,))):
+        send = [(r + 2 * u) % 4 for u in range(W)]
+        recv = [(u + 2 * r) % 4 for u in range(W)]
+        x = (torch.randn(sum(send), *tail, generator=g, dtype=torch.float64) * 10).to(dtype)
+        assert torch.equal(fast.all_to_all_v(x, send, recv), tcp.all_to_all_v(x, send, recv)), dtype
+        y = torch.randn(2 * W, 3, W, generator=g).to(dtype)
+        assert torch.equal(fast.all_to_all(y, 0, 0), tcp.all_to_all(y, 0, 0)), dtype
+        assert torch.equal(fast.all_to_all(y, 1, 2), tcp.all_to_all(y, 1, 2)), dtype
+    zero = [0] * W
+    assert fast.all_to_all_v(torch.zeros(0, 2), zero, zero).shape == (0, 2)
+    from fmoe.comm import shm
+    from fmoe.comm.registry import cache_of
+    assert cache_of(fast)[shm._KEY].gen >= 1   # the shared path ran
+
+
+def test_shared_memory_refuses_rows_of_different_sizes_on_every_rank(comm):
+    """Unchecked, rank 0's rows are wider than the others': every rank raises, naming the sizes."""
+    c = _by(comm, True, checks="off")
+    W = comm.size
+    x = torch.zeros(W, 3 if comm.rank == 0 else 2)
+    with pytest.raises(ValueError, match=r"the ranks' rows differ in size \(bytes per row by rank: \[12, 8"):
+        c.all_to_all_v(x, [1] * W, [1] * W)
