@@ -6,11 +6,13 @@ Where every rank of the group runs on the same host, TorchDistComm's all-to-alls
 (:meth:`~fmoe.comm.TorchDistComm.exchange_rows`, ``all_to_all_v``, ``all_to_all``) move their rows
 through shared memory instead:
 
-1. each rank writes the rows it sends its peers into its own segment (a file under /dev/shm that
-   every rank maps), in destination order, as the gloo path packs its send buffer;
-2. one all-gather of each rank's counts and segment (gloo, a few int64) and one barrier;
-3. each rank copies its rows out of the peers' segments into the result, placed as the gloo path
-   places them.
+1. one all-gather (gloo) of each rank's counts and segment, and of its rows themselves where they
+   are at most :data:`INLINE_BYTES`;
+2. each rank with more writes the rows it sends its peers into its own segment (a file under
+   /dev/shm that every rank maps), in destination order, as the gloo path packs its send buffer,
+   and one barrier follows (none where every rank's rows came inline);
+3. each rank copies its rows out of the gathered table or the peers' segments into the result,
+   placed as the gloo path places them.
 
 The same bytes land in the same places, so the result equals the gloo path's bit for bit. gloo
 still carries the synchronisation, so a dead peer or a timeout ends the job as a gloo collective
@@ -29,6 +31,7 @@ import math
 import os
 import secrets
 import socket
+import weakref
 from typing import Optional
 
 import torch
@@ -43,8 +46,21 @@ __all__ = []   # TorchDistComm's transport: nothing here for users
 _KEY = "fmoe.comm.shm: segments"
 _DIR = "/dev/shm"
 _MIN_BYTES = 1 << 20
+# A rank that sends its peers at most this many bytes sends them inside the counts all-gather; when
+# every rank does, the call is that one collective (no segment write, no barrier): a small exchange
+# costs what gloo's own all-to-all does.
+INLINE_BYTES = 64 << 10
 # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there)
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _unlink_all(paths: list) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    paths.clear()
 
 
 def _reserve(path: str, nbytes: int) -> None:
@@ -70,6 +86,8 @@ class Segments:
         self.mine: Optional[Tensor] = None
         self.peers: dict = {}           # rank -> (generation, uint8 tensor)
         self._unlink: list = []         # this rank's files its peers have not yet mapped
+        # a call that raised (or only small calls since) leaves a new file pending: gone with this object
+        weakref.finalize(self, _unlink_all, self._unlink)
 
     def _path(self, rank: int, gen: int) -> str:
         return os.path.join(_DIR, f"fmoe-{self.token}-r{rank}-g{gen}")
@@ -106,52 +124,64 @@ class Segments:
         row_bytes = math.prod(tail) * x.element_size()
         s0, ns = sum(send[:me]), send[me]
         peer_rows = sum(send) - ns
-        ok = self._ensure(peer_rows * row_bytes)
-        meta = torch.tensor([int(ok), self.gen, self.cap, row_bytes] + list(send) + list(recv), dtype=torch.int64)
-        table = torch.empty(W * meta.numel(), dtype=torch.int64)
+        need = peer_rows * row_bytes
+        inline = need <= INLINE_BYTES
+        ok = inline or self._ensure(need)
+        head = torch.tensor([int(ok), int(inline), self.gen, self.cap, row_bytes] + list(send) + list(recv),
+                            dtype=torch.int64)
+        hb = head.numel() * 8
+        mine = torch.empty(hb + INLINE_BYTES, dtype=torch.uint8)
+        mine[:hb] = head.view(torch.uint8)
+        if inline and need:
+            self._pack(x, rows, s0, ns, mine[hb:hb + need].view(x.dtype).view(peer_rows, *tail))
+        table = torch.empty(W, hb + INLINE_BYTES, dtype=torch.uint8)
         comm._do("all-to-all (shared-memory counts)",
-                 lambda: _all_gather_tensor(table, meta, group=comm.group))
-        t = [row[:3] + row[4:] for row in table.view(W, -1).tolist()]   # [ok, gen, cap, send..., recv...]
-        widths = [row[3] for row in table.view(W, -1).tolist()]
+                 lambda: _all_gather_tensor(table.view(-1), mine, group=comm.group))
+        t = table[:, :hb].contiguous().view(torch.int64).tolist()   # per rank: ok, inline, gen, cap, bytes, send, recv
+        widths = [row[4] for row in t]
         if any(b != row_bytes for b in widths):
             raise ValueError(f"all-to-all: the ranks' rows differ in size (bytes per row by rank: {widths}); "
                              "every rank raises")
         if not all(row[0] for row in t):
             return False
-        unpaired = [(u, w) for u in range(W) for w in range(W) if t[u][3 + w] != t[w][3 + W + u]]
+        unpaired = [(u, w) for u in range(W) for w in range(W) if t[u][5 + w] != t[w][5 + W + u]]
         if unpaired:
             u, w = unpaired[0]
-            raise ValueError(f"all-to-all: rank {u} sends rank {w} {t[u][3 + w]} rows but rank {w} expects "
-                             f"{t[w][3 + W + u]} from it ({len(unpaired)} unpaired count(s)); every rank raises")
-        if peer_rows:
-            buf = self.mine[:peer_rows * row_bytes].view(x.dtype).view(peer_rows, *tail)
-            if rows is None:
-                buf[:s0].copy_(x[:s0])
-                buf[s0:].copy_(x[s0 + ns:])
-            else:
-                move_rows(x, torch.cat([rows[:s0], rows[s0 + ns:]]), None, buf)
+            raise ValueError(f"all-to-all: rank {u} sends rank {w} {t[u][5 + w]} rows but rank {w} expects "
+                             f"{t[w][5 + W + u]} from it ({len(unpaired)} unpaired count(s)); every rank raises")
+        if not inline:   # after the all-gather: every peer is done reading this segment's last rows
+            self._pack(x, rows, s0, ns, self.mine[:need].view(x.dtype).view(peer_rows, *tail))
         r0, nr = sum(recv[:me]), recv[me]
         if ns:   # this rank's own rows, straight from x
             own = (x[s0:s0 + ns], None) if rows is None else (x, rows[s0:s0 + ns])
             move_rows(*own, *((None, out[r0:r0 + nr]) if place is None else (place[r0:r0 + nr], out)))
         # every peer's current segment, received from or not: a new one is unlinked after this call's barrier
-        segs = {u: self._peer(u, t[u][1], t[u][2]) for u in range(W) if u != me and t[u][1]}
-        comm._do("all-to-all (shared-memory barrier)", lambda: dist.barrier(group=comm.group))
-        for path in self._unlink:   # every peer mapped it before the barrier
-            os.unlink(path)
-        self._unlink.clear()
+        segs = {u: self._peer(u, t[u][2], t[u][3]) for u in range(W) if u != me and t[u][2]}
+        if not all(row[1] for row in t):   # some rank wrote its segment: wait until all have
+            comm._do("all-to-all (shared-memory barrier)", lambda: dist.barrier(group=comm.group))
+            _unlink_all(self._unlink)   # every peer mapped them before the barrier
         at = 0
         for u in range(W):
             n = recv[u]
             if u != me and n:
-                off = sum(t[u][3 + w] for w in range(me) if w != u) * row_bytes
-                src = segs[u][off:off + n * row_bytes].view(x.dtype).view(n, *tail)
+                off = sum(t[u][5 + w] for w in range(me) if w != u) * row_bytes
+                src = (table[u, hb + off:hb + off + n * row_bytes] if t[u][1]
+                       else segs[u][off:off + n * row_bytes]).view(x.dtype).view(n, *tail)
                 if place is None:
                     out[at:at + n].copy_(src)
                 else:
                     move_rows(src, None, place[at:at + n], out)
             at += n
         return True
+
+    @staticmethod
+    def _pack(x: Tensor, rows: Optional[Tensor], s0: int, ns: int, buf: Tensor) -> None:
+        """The rows this rank sends its peers, in destination order (its own ns rows at s0 left out)."""
+        if rows is None:
+            buf[:s0].copy_(x[:s0])
+            buf[s0:].copy_(x[s0 + ns:])
+        else:
+            move_rows(x, torch.cat([rows[:s0], rows[s0 + ns:]]), None, buf)
 
 
 def segments(comm) -> Optional[Segments]:

@@ -12,6 +12,8 @@ gradients, down to the sign of zero.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -260,14 +262,19 @@ def test_shared_memory_moves_the_bytes_gloo_moves(comm, dtype, tail):
     for seed, (rows_kind, place_kind, own) in enumerate([("none", "none", None), ("gather", "shuffled", None),
                                                          ("none", "runs", 200), ("gather", "runs", 3)]):
         x, rows, place, send, recv = _case(comm, dtype, tail, 40 + seed, rows_kind, place_kind, own)
-        if seed == 2:   # far more rows than the first segment held: it grows
-            x, rows, send, recv = x.repeat(3000, *[1] * len(tail)), None, [3000 * n for n in send], \
-                [3000 * n for n in recv]
-            place = None
         want = tcp.exchange_rows(x, send, recv, rows=rows, place=place)
         assert torch.equal(fast.exchange_rows(x, send, recv, rows=rows, place=place), want), (seed, dtype)
     seg = cache_of(fast)[shm._KEY]
-    assert isinstance(seg, shm.Segments) and seg.gen >= 1 and seg.cap >= 1 << 20
+    assert isinstance(seg, shm.Segments) and seg.gen == 0   # a few rows: inside the counts all-gather
+    g = torch.Generator().manual_seed(comm.rank)
+    for n in (10000, 200000, 400):   # past INLINE_BYTES (a segment), past its 1 MiB (it grows), then few again
+        send = [0 if u == comm.rank else n + u for u in range(comm.size)]
+        recv = [0 if u == comm.rank else n + comm.rank for u in range(comm.size)]
+        x = (torch.randn(sum(send), *tail, generator=g, dtype=torch.float64) * 100).to(dtype)
+        place = torch.randperm(sum(recv), generator=g)
+        for pl in (None, place):
+            assert torch.equal(fast.exchange_rows(x, send, recv, place=pl), tcp.exchange_rows(x, send, recv, place=pl))
+    assert seg.gen == 2 and seg.cap >= 200000 * math.prod(tail) * x.element_size()
     assert not cache_of(tcp).get(shm._KEY)   # shared_memory=False never sets up segments
     zero = [0] * comm.size
     assert fast.exchange_rows(torch.zeros(0, 3), zero, zero).shape == (0, 3)
@@ -294,17 +301,17 @@ def test_a_rank_without_room_in_dev_shm_sends_every_rank_to_gloo(comm, monkeypat
     from fmoe.comm import shm
     from fmoe.comm.registry import cache_of
     c = _by(comm, True)
-    W = comm.size
-    x = torch.randn(2 * W, 3, generator=torch.Generator().manual_seed(comm.rank))
+    W, n = comm.size, 8000   # 96 KB a peer: past INLINE_BYTES, so each rank needs its segment
+    x = torch.randn(n * W, 3, generator=torch.Generator().manual_seed(comm.rank))
     if comm.rank == 0:
         def full(path, nbytes):
             raise OSError(28, "No space left on device")
         monkeypatch.setattr(shm, "_reserve", full)
-    assert torch.equal(c.exchange_rows(x, [2] * W, [2] * W), comm.all_to_all_v(x, [2] * W, [2] * W))
-    assert cache_of(c)[shm._KEY].gen == (0 if comm.rank == 0 else 1)
+    assert torch.equal(c.exchange_rows(x, [n] * W, [n] * W), comm.all_to_all_v(x, [n] * W, [n] * W))
+    gen = cache_of(c)[shm._KEY].gen
     monkeypatch.undo()
-    assert torch.equal(c.exchange_rows(x, [2] * W, [2] * W), comm.all_to_all_v(x, [2] * W, [2] * W))
-    assert cache_of(c)[shm._KEY].gen == 1
+    assert torch.equal(c.exchange_rows(x, [n] * W, [n] * W), comm.all_to_all_v(x, [n] * W, [n] * W))
+    assert (gen, cache_of(c)[shm._KEY].gen) == ((0, 1) if comm.rank == 0 else (1, 1))
 
 
 def test_ranks_on_different_hosts_exchange_over_gloo(comm, monkeypatch):
@@ -321,10 +328,16 @@ def test_ranks_on_different_hosts_exchange_over_gloo(comm, monkeypatch):
     assert cache_of(c)[shm._KEY] is False
 
 
-def test_shared_memory_all_to_alls_move_the_bytes_gloo_moves(comm):
-    """all_to_all_v and all_to_all (equal chunks) through shared memory equal gloo's TCP path, for
-    uneven and empty counts and several dtypes and axes."""
+def test_shared_memory_all_to_alls_move_the_bytes_gloo_moves(comm, monkeypatch):
+    """all_to_all_v and all_to_all (equal chunks) through shared memory (rows inside the counts
+    all-gather, and through the segments) equal gloo's TCP path, for uneven and empty counts and
+    several dtypes and axes."""
+    from fmoe.comm import shm
+    from fmoe.comm.registry import cache_of
     fast, tcp = _by(comm, True), _by(comm, False)
+    calls = []
+    real = shm.Segments.exchange
+    monkeypatch.setattr(shm.Segments, "exchange", lambda self, *a: calls.append(1) or real(self, *a))
     W, r = comm.size, comm.rank
     g = torch.Generator().manual_seed(70 + r)
     for dtype, tail in ((torch.float32, (3,)), (torch.float64, (2, 2)), (torch.bfloat16, (5,))):
@@ -335,11 +348,12 @@ def test_shared_memory_all_to_alls_move_the_bytes_gloo_moves(comm):
         y = torch.randn(2 * W, 3, W, generator=g).to(dtype)
         assert torch.equal(fast.all_to_all(y, 0, 0), tcp.all_to_all(y, 0, 0)), dtype
         assert torch.equal(fast.all_to_all(y, 1, 2), tcp.all_to_all(y, 1, 2)), dtype
+        big = torch.randn(3000 * W, 8, generator=g).to(dtype)   # past INLINE_BYTES: the segments
+        assert torch.equal(fast.all_to_all(big, 0, 0), tcp.all_to_all(big, 0, 0)), dtype
+        assert torch.equal(fast.all_to_all_v(big, [3000] * W, [3000] * W), tcp.all_to_all_v(big, [3000] * W, [3000] * W))
     zero = [0] * W
     assert fast.all_to_all_v(torch.zeros(0, 2), zero, zero).shape == (0, 2)
-    from fmoe.comm import shm
-    from fmoe.comm.registry import cache_of
-    assert cache_of(fast)[shm._KEY].gen >= 1   # the shared path ran
+    assert len(calls) == 3 * 5 + 1 and cache_of(fast)[shm._KEY].gen >= 1
 
 
 def test_shared_memory_refuses_rows_of_different_sizes_on_every_rank(comm):
