@@ -50,6 +50,9 @@ _MIN_BYTES = 1 << 20
 # every rank does, the call is that one collective (no segment write, no barrier): a small exchange
 # costs what gloo's own all-to-all does.
 INLINE_BYTES = 64 << 10
+# Below this many bytes in all, gloo's own all-to-all was faster on a 2-vCPU host (0.3-0.45 ms against
+# 0.5-0.95): TorchDistComm.all_to_all, whose size every rank shares, takes shared memory only from here.
+PAYS_FROM_BYTES = 512 << 10
 # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there)
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

@@ -36,8 +36,9 @@ class TorchDistComm(matching.ControlExchange):
             (:mod:`fmoe.comm.matching`).
         shared_memory: where every rank of the group is on this host (gloo, CPU tensors), the
             all-to-alls (:meth:`exchange_rows`, the expert-parallel exchanges; ``all_to_all_v``;
-            ``all_to_all``) move their rows through shared memory, gloo carrying only the
-            synchronisation (:mod:`fmoe.comm.shm`; the same bytes); False: always through the
+            ``all_to_all`` from :data:`fmoe.comm.shm.PAYS_FROM_BYTES`) move their rows through
+            shared memory, gloo carrying only the synchronisation (:mod:`fmoe.comm.shm`; the same
+            bytes). Small exchanges cost 0.2-0.5 ms more that way; False: always through the
             backend.
 
     Collective timeouts are the process group's own (``init_process_group(timeout=...)``); a
@@ -135,7 +136,9 @@ class TorchDistComm(matching.ControlExchange):
         call, _ = self._begin("all_to_all", front, error=err)
         front = front.contiguous()
         out = recv_buffer(self, front.shape, front.dtype, front.device)   # CPU: reused, no fresh pages to fault
-        if front.numel() and not self._shared(front, None, None, out, [1] * self.size, [1] * self.size):
+        # all_to_all's size is the same on every rank, so it may choose the path: shared memory where it pays
+        big = front.numel() * front.element_size() >= shm.PAYS_FROM_BYTES
+        if front.numel() and not (big and self._shared(front, None, None, out, [1] * self.size, [1] * self.size)):
             self._do(f"all_to_all #{call}", lambda: dist.all_to_all_single(out, front, group=self.group))
         return out
 
