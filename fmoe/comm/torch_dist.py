@@ -59,6 +59,7 @@ class TorchDistComm(matching.ControlExchange):
         if not isinstance(shared_memory, bool):
             raise TypeError(f"TorchDistComm: shared_memory must be True or False, got {shared_memory!r}")
         self.shared_memory = shared_memory
+        self._gloo = dist.get_backend(group) == "gloo"   # shared memory serves gloo's CPU tensors only
         self._calls = 0  # collectives started on this object (the header's call number)
         self._pending = None  # an fmoe call's agreement record waiting for this object's next collective
 
@@ -182,8 +183,7 @@ class TorchDistComm(matching.ControlExchange):
         """``out[place] = all_to_all_v(x[rows], send, recv)`` through shared memory where this group
         can (:mod:`fmoe.comm.shm`: every rank on this host, ``shared_memory``, gloo, CPU rows of
         nonzero width; decided alike on every rank); False: nothing moved, the backend moves them."""
-        if not (self.shared_memory and x.device.type == "cpu" and math.prod(x.shape[1:])
-                and dist.get_backend(self.group) == "gloo"):
+        if not (self.shared_memory and self._gloo and x.device.type == "cpu" and math.prod(x.shape[1:])):
             return False
         seg = shm.segments(self)
         return seg is not None and seg.exchange(self, x, rows, place, out, send, recv)
