@@ -13,6 +13,7 @@ gradients, down to the sign of zero.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -240,8 +241,12 @@ def test_placed_route_equals_the_unplaced_route_bit_for_bit(comm, monkeypatch, k
 
 
 def _shm_files() -> list:
-    import os
     return sorted(f for f in os.listdir("/dev/shm") if f.startswith("fmoe-")) if os.path.isdir("/dev/shm") else []
+
+
+# the shared-memory path needs a writable /dev/shm (on every rank: the ranks share this host here)
+needs_shm = pytest.mark.skipif(not (os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)),
+                               reason="no writable /dev/shm: TorchDistComm keeps its rows on gloo")
 
 
 def _by(comm, shared_memory: bool, checks: str = "full"):
@@ -250,6 +255,7 @@ def _by(comm, shared_memory: bool, checks: str = "full"):
     return TorchDistComm(checks=checks, shared_memory=shared_memory)
 
 
+@needs_shm
 @pytest.mark.parametrize("dtype,tail", [(torch.float32, (5,)), (torch.bfloat16, (4,)), (torch.int64, (1,))])
 def test_shared_memory_moves_the_bytes_gloo_moves(comm, dtype, tail):
     """On one host TorchDistComm's exchange_rows goes through shared memory (the segments exist and
@@ -281,6 +287,7 @@ def test_shared_memory_moves_the_bytes_gloo_moves(comm, dtype, tail):
     assert _shm_files() == before
 
 
+@needs_shm
 def test_shared_memory_refuses_unpaired_counts_on_every_rank(comm):
     """Unchecked (checks="off"), rank 0 expects one row too many from rank 1: the counts all-gather
     sees it and every rank raises, naming the pair; the communicator then still exchanges."""
@@ -295,6 +302,7 @@ def test_shared_memory_refuses_unpaired_counts_on_every_rank(comm):
     assert torch.equal(c.exchange_rows(x, [2] * W, [2] * W), comm.all_to_all_v(x, [2] * W, [2] * W))
 
 
+@needs_shm
 def test_a_rank_without_room_in_dev_shm_sends_every_rank_to_gloo(comm, monkeypatch):
     """Rank 0 cannot reserve its segment (a full /dev/shm): every rank takes the gloo path for that
     call (the same bytes), and the shared path again once rank 0 can."""
@@ -328,6 +336,7 @@ def test_ranks_on_different_hosts_exchange_over_gloo(comm, monkeypatch):
     assert cache_of(c)[shm._KEY] is False
 
 
+@needs_shm
 def test_shared_memory_all_to_alls_move_the_bytes_gloo_moves(comm, monkeypatch):
     """all_to_all_v and all_to_all (equal chunks) through shared memory (rows inside the counts
     all-gather, and through the segments) equal gloo's TCP path, for uneven and empty counts and
@@ -358,6 +367,7 @@ def test_shared_memory_all_to_alls_move_the_bytes_gloo_moves(comm, monkeypatch):
     assert cache_of(fast)[shm._KEY].gen >= 1
 
 
+@needs_shm
 def test_shared_memory_refuses_rows_of_different_sizes_on_every_rank(comm):
     """Unchecked, rank 0's rows are wider than the others': every rank raises, naming the sizes."""
     c = _by(comm, True, checks="off")
