@@ -143,10 +143,11 @@ def test_the_op_refuses_a_communicator_without_the_method(comm):
         torch.ops.fmoe.exchange_rows(torch.zeros(1, 2), None, None, handle_of(LocalComm()), [1], [1])
 
 
-def _gloo(comm):
+def _gloo(comm, shared_memory: bool = True, checks: str = "full"):
+    """A TorchDistComm over gloo on this MPI world (on one host its all-to-alls go through shared memory)."""
     init_gloo(comm)
     from fmoe.comm import TorchDistComm
-    return TorchDistComm()
+    return TorchDistComm(checks=checks, shared_memory=shared_memory)
 
 
 def test_placed_fronts_equal_the_unplaced_composition_with_gradients(comm):
@@ -249,12 +250,6 @@ needs_shm = pytest.mark.skipif(not (os.path.isdir("/dev/shm") and os.access("/de
                                reason="no writable /dev/shm: TorchDistComm keeps its rows on gloo")
 
 
-def _by(comm, shared_memory: bool, checks: str = "full"):
-    init_gloo(comm)
-    from fmoe.comm import TorchDistComm
-    return TorchDistComm(checks=checks, shared_memory=shared_memory)
-
-
 @needs_shm
 @pytest.mark.parametrize("dtype,tail", [(torch.float32, (5,)), (torch.bfloat16, (4,)), (torch.int64, (1,))])
 def test_shared_memory_moves_the_bytes_gloo_moves(comm, dtype, tail):
@@ -264,7 +259,7 @@ def test_shared_memory_moves_the_bytes_gloo_moves(comm, dtype, tail):
     from fmoe.comm import shm
     from fmoe.comm.registry import cache_of
     before = _shm_files()
-    fast, tcp = _by(comm, True), _by(comm, False)
+    fast, tcp = _gloo(comm, True), _gloo(comm, False)
     for seed, (rows_kind, place_kind, own) in enumerate([("none", "none", None), ("gather", "shuffled", None),
                                                          ("none", "runs", 200), ("gather", "runs", 3)]):
         x, rows, place, send, recv = _case(comm, dtype, tail, 40 + seed, rows_kind, place_kind, own)
@@ -291,7 +286,7 @@ def test_shared_memory_moves_the_bytes_gloo_moves(comm, dtype, tail):
 def test_shared_memory_refuses_unpaired_counts_on_every_rank(comm):
     """Unchecked (checks="off"), rank 0 expects one row too many from rank 1: the counts all-gather
     sees it and every rank raises, naming the pair; the communicator then still exchanges."""
-    c = _by(comm, True, checks="off")
+    c = _gloo(comm, True, checks="off")
     W = comm.size
     x = torch.arange(4.0 * W).view(2 * W, 2) + comm.rank
     recv = [2] * W
@@ -308,7 +303,7 @@ def test_a_rank_without_room_in_dev_shm_sends_every_rank_to_gloo(comm, monkeypat
     call (the same bytes), and the shared path again once rank 0 can."""
     from fmoe.comm import shm
     from fmoe.comm.registry import cache_of
-    c = _by(comm, True)
+    c = _gloo(comm, True)
     W, n = comm.size, 8000   # 96 KB a peer: past INLINE_BYTES, so each rank needs its segment
     x = torch.randn(n * W, 3, generator=torch.Generator().manual_seed(comm.rank))
     if comm.rank == 0:
@@ -329,7 +324,7 @@ def test_ranks_on_different_hosts_exchange_over_gloo(comm, monkeypatch):
     from fmoe.comm.registry import cache_of
     if comm.rank == comm.size - 1:
         monkeypatch.setattr(socket, "gethostname", lambda: "elsewhere")
-    c = _by(comm, True)
+    c = _gloo(comm, True)
     W = comm.size
     x = torch.randn(2 * W, 3, generator=torch.Generator().manual_seed(comm.rank))
     assert torch.equal(c.exchange_rows(x, [2] * W, [2] * W), comm.all_to_all_v(x, [2] * W, [2] * W))
@@ -343,7 +338,7 @@ def test_shared_memory_all_to_alls_move_the_bytes_gloo_moves(comm, monkeypatch):
     several dtypes and axes."""
     from fmoe.comm import shm
     from fmoe.comm.registry import cache_of
-    fast, tcp = _by(comm, True), _by(comm, False)
+    fast, tcp = _gloo(comm, True), _gloo(comm, False)
     calls = []
     real = shm.Segments.exchange
     monkeypatch.setattr(shm.Segments, "exchange", lambda self, *a: calls.append(1) or real(self, *a))
@@ -370,7 +365,7 @@ def test_shared_memory_all_to_alls_move_the_bytes_gloo_moves(comm, monkeypatch):
 @needs_shm
 def test_shared_memory_refuses_rows_of_different_sizes_on_every_rank(comm):
     """Unchecked, rank 0's rows are wider than the others': every rank raises, naming the sizes."""
-    c = _by(comm, True, checks="off")
+    c = _gloo(comm, True, checks="off")
     W = comm.size
     x = torch.zeros(W, 3 if comm.rank == 0 else 2)
     with pytest.raises(ValueError, match=r"the ranks' rows differ in size \(bytes per row by rank: \[12, 8"):
