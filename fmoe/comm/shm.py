@@ -6,25 +6,26 @@ Where every rank of the group runs on the same host, TorchDistComm's all-to-alls
 (:meth:`~fmoe.comm.TorchDistComm.exchange_rows`, ``all_to_all_v``, ``all_to_all``) move their rows
 through shared memory instead:
 
-1. one all-gather (gloo) of each rank's counts and segment, and of its rows themselves where they
-   are at most :data:`INLINE_BYTES`;
+1. one all-to-all (gloo) of fixed-size blocks: block w of a rank holds its counts and segment for
+   rank w, and the rows it sends w where every peer's share is at most :data:`INLINE_BYTES`;
 2. each rank with more writes the rows it sends its peers into its own segment (a file under
    /dev/shm that every rank maps), in destination order, as the gloo path packs its send buffer,
    and one barrier follows (none where every rank's rows came inline);
-3. each rank copies its rows out of the gathered table or the peers' segments into the result,
+3. each rank copies its rows out of the blocks it received or the peers' segments into the result,
    placed as the gloo path places them.
 
 The same bytes land in the same places, so the result equals the gloo path's bit for bit. gloo
 still carries the synchronisation, so a dead peer or a timeout ends the job as a gloo collective
-would. The all-gather also checks that the counts pair up (rank u's send to w is w's receive from
+would. The counts exchange also checks that the counts pair up (rank u's send to w is w's receive from
 u) and that the rows have one size on every rank, and raises on every rank where they do not. A
 segment grows when a call needs more (the new file is unlinked once every peer has mapped it, so
 nothing is left in /dev/shm after a clean step) and is reserved with ``posix_fallocate``: a full
 /dev/shm is an error at that point (every rank then takes the gloo path for the call), never a
 SIGBUS on a later write.
 
-What it costs (2 ranks on a 2-vCPU host, float32 rows of width 768): 12.6 MB a rank 5.4-7.3 ms against
-gloo's 8.6-9.7; 196 KB 0.91-0.97 against 0.37-0.46; one row 0.51-0.67 against 0.27-0.37. Which path a
+What it costs (2 ranks on a 2-vCPU host, float32 rows of width 768, ``checks="off"``): 12.6 MB a rank
+6.3-7.3 ms against gloo's 9.1-12.5; 197 KB 0.74-1.00 against 0.40-0.53; one row 0.48-0.60 against
+0.28-0.46, of which the counts all-to-all is 0.25 and this module's Python 0.11. Which path a
 call takes must be the same on every rank, and an all-to-all-v's sizes differ between ranks, so
 ``exchange_rows`` and ``all_to_all_v`` cannot choose by size: small (decode-sized) exchanges are
 0.2-0.5 ms slower this way, and ``TorchDistComm(shared_memory=False)`` keeps them on gloo.
@@ -53,14 +54,13 @@ __all__ = []   # TorchDistComm's transport: nothing here for users
 _KEY = "fmoe.comm.shm: segments"
 _DIR = "/dev/shm"
 _MIN_BYTES = 1 << 20
-# A rank that sends its peers at most this many bytes sends them inside the counts all-gather; when
-# every rank does, the call is that one collective (no segment write, no barrier).
-INLINE_BYTES = 64 << 10
+# A rank that sends each peer at most this many bytes sends them inside the counts all-to-all; when
+# every rank does, the call is that one collective (no segment write, no barrier). Every call moves
+# blocks of this size: a decode step's few rows fit, and a larger bound slows every exchange.
+INLINE_BYTES = 8 << 10
 # Below this many bytes in all, gloo's own all-to-all was faster on a 2-vCPU host (0.3-0.45 ms against
 # 0.5-0.95): TorchDistComm.all_to_all, whose size every rank shares, takes shared memory only from here.
 PAYS_FROM_BYTES = 512 << 10
-# torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there)
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _unlink_all(paths: list) -> None:
@@ -131,21 +131,29 @@ class Segments:
         me, W = comm.rank, comm.size
         tail = tuple(x.shape[1:])
         row_bytes = math.prod(tail) * x.element_size()
-        s0, ns = sum(send[:me]), send[me]
+        starts = [sum(send[:w]) for w in range(W)]
+        s0, ns = starts[me], send[me]
         peer_rows = sum(send) - ns
         need = peer_rows * row_bytes
-        inline = need <= INLINE_BYTES
+        inline = all(send[w] * row_bytes <= INLINE_BYTES for w in range(W) if w != me)
         ok = inline or self._ensure(need)
         head = torch.tensor([int(ok), int(inline), self.gen, self.cap, row_bytes] + list(send) + list(recv),
                             dtype=torch.int64)
         hb = head.numel() * 8
-        mine = torch.empty(hb + INLINE_BYTES, dtype=torch.uint8)
-        mine[:hb] = head.view(torch.uint8)
-        if inline and need:
-            self._pack(x, rows, s0, ns, mine[hb:hb + need].view(x.dtype).view(peer_rows, *tail))
+        # block w goes to rank w: this rank's header, then (inline) the rows for w
+        mine = torch.empty(W, hb + INLINE_BYTES, dtype=torch.uint8)
+        mine[:, :hb] = head.view(torch.uint8)
+        if inline:
+            for w in range(W):
+                if w != me and send[w]:
+                    buf = mine[w, hb:hb + send[w] * row_bytes].view(x.dtype).view(send[w], *tail)
+                    if rows is None:
+                        buf.copy_(x[starts[w]:starts[w] + send[w]])
+                    else:
+                        move_rows(x, rows[starts[w]:starts[w] + send[w]], None, buf)
         table = torch.empty(W, hb + INLINE_BYTES, dtype=torch.uint8)
         comm._do("all-to-all (shared-memory counts)",
-                 lambda: _all_gather_tensor(table.view(-1), mine, group=comm.group))
+                 lambda: dist.all_to_all_single(table.view(-1), mine.view(-1), group=comm.group))
         t = table[:, :hb].contiguous().view(torch.int64).tolist()   # per rank: ok, inline, gen, cap, bytes, send, recv
         widths = [row[4] for row in t]
         if any(b != row_bytes for b in widths):
@@ -158,7 +166,7 @@ class Segments:
             u, w = unpaired[0]
             raise ValueError(f"all-to-all: rank {u} sends rank {w} {t[u][5 + w]} rows but rank {w} expects "
                              f"{t[w][5 + W + u]} from it ({len(unpaired)} unpaired count(s)); every rank raises")
-        if not inline:   # after the all-gather: every peer is done reading this segment's last rows
+        if not inline:   # after the counts exchange: every peer is done reading this segment's last rows
             self._pack(x, rows, s0, ns, self.mine[:need].view(x.dtype).view(peer_rows, *tail))
         r0, nr = sum(recv[:me]), recv[me]
         if ns:   # this rank's own rows, straight from x
@@ -173,9 +181,12 @@ class Segments:
         for u in range(W):
             n = recv[u]
             if u != me and n:
-                off = sum(t[u][5 + w] for w in range(me) if w != u) * row_bytes
-                src = (table[u, hb + off:hb + off + n * row_bytes] if t[u][1]
-                       else segs[u][off:off + n * row_bytes]).view(x.dtype).view(n, *tail)
+                if t[u][1]:
+                    src = table[u, hb:hb + n * row_bytes]
+                else:
+                    off = sum(t[u][5 + w] for w in range(me) if w != u) * row_bytes
+                    src = segs[u][off:off + n * row_bytes]
+                src = src.view(x.dtype).view(n, *tail)
                 if place is None:
                     out[at:at + n].copy_(src)
                 else:

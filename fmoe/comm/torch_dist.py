@@ -197,8 +197,8 @@ class TorchDistComm(matching.ControlExchange):
 
         Where every rank is on this host (and ``shared_memory``), the rows go through shared memory
         (:mod:`fmoe.comm.shm`): each rank packs the rows for its peers into its own segment and
-        copies its rows out of theirs, gloo carrying a counts all-gather (with the rows themselves
-        where they are small) and, for larger ones, a barrier. Otherwise
+        copies its rows out of theirs, gloo carrying a counts all-to-all (with the rows themselves
+        where each peer's are small) and, for larger ones, a barrier. Otherwise
         torch.distributed moves contiguous buffers only: the rows for the peers are gathered into
         a send buffer and, where ``place`` is given, the received ones placed from a receive
         buffer (a run of consecutive destinations is one copy). This rank's own rows never enter

@@ -266,11 +266,13 @@ def test_shared_memory_moves_the_bytes_gloo_moves(comm, dtype, tail):
         want = tcp.exchange_rows(x, send, recv, rows=rows, place=place)
         assert torch.equal(fast.exchange_rows(x, send, recv, rows=rows, place=place), want), (seed, dtype)
     seg = cache_of(fast)[shm._KEY]
-    assert isinstance(seg, shm.Segments) and seg.gen == 0   # a few rows: inside the counts all-gather
+    assert isinstance(seg, shm.Segments) and seg.gen == 0   # a few rows: inside the counts all-to-all
     g = torch.Generator().manual_seed(comm.rank)
-    for n in (10000, 200000, 400):   # past INLINE_BYTES (a segment), past its 1 MiB (it grows), then few again
-        send = [0 if u == comm.rank else n + u for u in range(comm.size)]
-        recv = [0 if u == comm.rank else n + comm.rank for u in range(comm.size)]
+    # past INLINE_BYTES (a segment), past its 1 MiB (it grows), few again, then rank 0's rows inline
+    # while the others' go through their segments
+    for n_of in (lambda u: 10000, lambda u: 200000, lambda u: 400, lambda u: 10 if u == 0 else 10000):
+        send = [0 if u == comm.rank else n_of(comm.rank) + u for u in range(comm.size)]
+        recv = [0 if u == comm.rank else n_of(u) + comm.rank for u in range(comm.size)]
         x = (torch.randn(sum(send), *tail, generator=g, dtype=torch.float64) * 100).to(dtype)
         place = torch.randperm(sum(recv), generator=g)
         for pl in (None, place):
@@ -284,7 +286,7 @@ def test_shared_memory_moves_the_bytes_gloo_moves(comm, dtype, tail):
 
 @needs_shm
 def test_shared_memory_refuses_unpaired_counts_on_every_rank(comm):
-    """Unchecked (checks="off"), rank 0 expects one row too many from rank 1: the counts all-gather
+    """Unchecked (checks="off"), rank 0 expects one row too many from rank 1: the counts exchange
     sees it and every rank raises, naming the pair; the communicator then still exchanges."""
     c = _gloo(comm, True, checks="off")
     W = comm.size
@@ -334,7 +336,7 @@ def test_ranks_on_different_hosts_exchange_over_gloo(comm, monkeypatch):
 @needs_shm
 def test_shared_memory_all_to_alls_move_the_bytes_gloo_moves(comm, monkeypatch):
     """all_to_all_v and all_to_all (equal chunks) through shared memory (rows inside the counts
-    all-gather, and through the segments) equal gloo's TCP path, for uneven and empty counts and
+    all-to-all, and through the segments) equal gloo's TCP path, for uneven and empty counts and
     several dtypes and axes."""
     from fmoe.comm import shm
     from fmoe.comm.registry import cache_of
