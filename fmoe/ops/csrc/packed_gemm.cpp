@@ -610,9 +610,13 @@ FMOE_AVX512 FMOE_INLINE void fp8_tile_avx512(const Params& p, int64_t e, int64_t
 #define FMOE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
 // Activations quantized per 32-k block (d = amax / 127, q = round(x / d)), stored per 128-k chunk
-// as u8 q + 128 in the FP4 byte order: 64 bytes of the even k (k = 2b), then 64 of the odd k.
+// as int8 q in the FP4 byte order: 64 bytes of the even k (k = 2b), then 64 of the odd k.
 // xd: 16 floats per chunk, lane j = the scale of k = 8j's block (the lanes of the VNNI sums).
-void quantize_acts_int8(const float* a, int64_t R, int64_t K, uint8_t* xq, float* xd) {
+// xs: 16 int32 per chunk, lane j = kW0 * (q_8j + ... + q_8j+7), which the weights' offset adds
+// to lane j's sum (fp4_rows2_vnni).
+constexpr int kW0 = 12;   // 2 * E2M1 lies in [-12, 12]: the weights enter vpdpbusd as 2 * E2M1 + kW0 (unsigned)
+
+void quantize_acts_int8(const float* a, int64_t R, int64_t K, int8_t* xq, float* xd, int32_t* xs) {
   at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* x = a + r * K;
@@ -623,12 +627,15 @@ void quantize_acts_int8(const float* a, int64_t R, int64_t K, uint8_t* xq, float
           for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[128 * c + 32 * b + i]));
           d[b] = amax / 127.0f;
         }
-        uint8_t* q = xq + (r * (K / 128) + c) * 128;
+        int8_t* q = xq + (r * (K / 128) + c) * 128;
+        int32_t* ss = xs + (r * (K / 128) + c) * 16;
+        for (int j = 0; j < 16; ++j) ss[j] = 0;
         for (int i = 0; i < 128; ++i) {
           const int k = (i < 64) ? 2 * i : 2 * (i - 64) + 1;
           const float db = d[k / 32];
           const float v = db > 0.0f ? std::nearbyint(x[128 * c + k] / db) : 0.0f;
-          q[i] = static_cast<uint8_t>(static_cast<int>(std::max(-127.0f, std::min(127.0f, v))) + 128);
+          q[i] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, v)));
+          ss[k / 8] += kW0 * q[i];
         }
         float* dd = xd + (r * (K / 128) + c) * 16;
         for (int j = 0; j < 16; ++j) dd[j] = d[j / 4];
@@ -637,19 +644,20 @@ void quantize_acts_int8(const float* a, int64_t R, int64_t K, uint8_t* xq, float
   });
 }
 
-// FP4 weight rows n, n2 against NT int8 activation rows: 2 * E2M1 as int8 through vpshufb,
-// vpdpbusd of (q + 128) u8 x w s8 into 16 int32 lanes (lane j: k = 8j .. 8j + 7, one weight
-// and one activation block), minus 128 * sum(w) (also a vpdpbusd), then lane * weight scale *
-// activation scale into float. Requires K % 128 == 0 and bk in {16, 32}.
+// FP4 weight rows n, n2 against NT int8 activation rows: 2 * E2M1 + kW0 as unsigned bytes through
+// vpshufb, vpdpbusd of those x the activations (s8) into 16 int32 lanes (lane j: k = 8j .. 8j + 7,
+// one weight and one activation block), minus the activations' kW0 * sum (xs, made once per row),
+// which leaves the exact integer sum of 2 * E2M1 * q; then lane * weight scale * activation scale
+// into float. Requires K % 128 == 0 and bk in {16, 32}.
 template <int NT, int BK>
-FMOE_VNNI void fp4_rows2_vnni(const Params& p, const Job& j, int64_t n, int64_t n2, const uint8_t* xq,
-                              const float* xd, float* res, float* res2) {
+FMOE_VNNI void fp4_rows2_vnni(const Params& p, const Job& j, int64_t n, int64_t n2, const int8_t* xq,
+                              const float* xd, const int32_t* xs, float* res, float* res2) {
   const uint8_t* r0 = p.data + j.e * p.d_e + n * p.d_r;
   const uint8_t* r1 = p.data + j.e * p.d_e + n2 * p.d_r;
   const uint8_t* sr0 = p.sb + j.e * p.s_e + n * p.s_r;
   const uint8_t* sr1 = p.sb + j.e * p.s_e + n2 * p.s_r;
-  const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
-  const __m512i m4 = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  const __m512i m4 = _mm512_set1_epi8(15);
   const int64_t nc = p.K / 128;
   __m512 acc[2][NT];
   for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
@@ -661,34 +669,33 @@ FMOE_VNNI void fp4_rows2_vnni(const Params& p, const Job& j, int64_t n, int64_t 
     const __m512i a_hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4));
     const __m512i b_lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v1, m4));
     const __m512i b_hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4));
-    const __m512i ca = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, a_lo), ones, a_hi), 7);
-    const __m512i cb = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, b_lo), ones, b_hi), 7);
     const __m512 s0 = fp4_scales16<BK>(p, sr0 + 128 * c / BK);
     const __m512 s1 = fp4_scales16<BK>(p, sr1 + 128 * c / BK);
     for (int t = 0; t < NT; ++t) {
-      const uint8_t* q = xq + (t * nc + c) * 128;
+      const int8_t* q = xq + (t * nc + c) * 128;
       const __m512i xl = _mm512_loadu_si512(q), xh = _mm512_loadu_si512(q + 64);
+      const __m512i off = _mm512_loadu_si512(xs + (t * nc + c) * 16);
       const __m512 d = _mm512_loadu_ps(xd + (t * nc + c) * 16);
-      const __m512i ia = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xl, a_lo), xh, a_hi), ca);
-      const __m512i ib = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xl, b_lo), xh, b_hi), cb);
+      const __m512i ia = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), a_lo, xl), a_hi, xh), off);
+      const __m512i ib = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), b_lo, xl), b_hi, xh), off);
       acc[0][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(s0, d), acc[0][t]);
       acc[1][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(s1, d), acc[1][t]);
     }
   }
   for (int t = 0; t < NT; ++t) {
-    res[t] = 0.5f * _mm512_reduce_add_ps(acc[0][t]);   // the LUT holds 2 * E2M1
+    res[t] = 0.5f * _mm512_reduce_add_ps(acc[0][t]);   // the sums hold 2 * E2M1
     res2[t] = 0.5f * _mm512_reduce_add_ps(acc[1][t]);
   }
 }
 
 template <int NT>
-void rows_vnni(const Params& p, const Job& j, const uint8_t* xq, const float* xd, int64_t row0) {
+void rows_vnni(const Params& p, const Job& j, const int8_t* xq, const float* xd, const int32_t* xs, int64_t row0) {
   float r0[4], r1[4];
   const float g = gscale_of(p, j.e);
   for (int64_t n = j.n0; n < j.n1; n += 2) {
     const int64_t n2 = std::min(n + 1, j.n1 - 1);
-    if (p.bk == 32) fp4_rows2_vnni<NT, 32>(p, j, n, n2, xq, xd, r0, r1);
-    else fp4_rows2_vnni<NT, 16>(p, j, n, n2, xq, xd, r0, r1);
+    if (p.bk == 32) fp4_rows2_vnni<NT, 32>(p, j, n, n2, xq, xd, xs, r0, r1);
+    else fp4_rows2_vnni<NT, 16>(p, j, n, n2, xq, xd, xs, r0, r1);
     for (int t = 0; t < NT; ++t) {
       p.out[(row0 + t) * p.N + n] = r0[t] * g;
       p.out[(row0 + t) * p.N + n2] = r1[t] * g;
@@ -696,17 +703,18 @@ void rows_vnni(const Params& p, const Job& j, const uint8_t* xq, const float* xd
   }
 }
 
-void run_job_vnni(const Params& p, const Job& j, const uint8_t* xq, const float* xd) {
+void run_job_vnni(const Params& p, const Job& j, const int8_t* xq, const float* xd, const int32_t* xs) {
   const int64_t nc = p.K / 128;
   for (int64_t c = 0; c < j.c; c += 4) {
     const int64_t nt = std::min<int64_t>(4, j.c - c), r = j.lo + c;
-    const uint8_t* q = xq + r * nc * 128;
+    const int8_t* q = xq + r * nc * 128;
     const float* d = xd + r * nc * 16;
+    const int32_t* sm = xs + r * nc * 16;
     switch (nt) {
-      case 1: rows_vnni<1>(p, j, q, d, r); break;
-      case 2: rows_vnni<2>(p, j, q, d, r); break;
-      case 3: rows_vnni<3>(p, j, q, d, r); break;
-      default: rows_vnni<4>(p, j, q, d, r); break;
+      case 1: rows_vnni<1>(p, j, q, d, sm, r); break;
+      case 2: rows_vnni<2>(p, j, q, d, sm, r); break;
+      case 3: rows_vnni<3>(p, j, q, d, sm, r); break;
+      default: rows_vnni<4>(p, j, q, d, sm, r); break;
     }
   }
 }
@@ -1391,11 +1399,12 @@ int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E,
   if (act_int8)
     TORCH_CHECK_VALUE(fp4 && has_vnni() && K % 128 == 0 && (bk == 16 || bk == 32),
                       "int8 activations need FP4 weights, K % 128 == 0 and an AVX-512 VNNI CPU");
-  at::Tensor xq, xd;
+  at::Tensor xq, xd, xqsum;
   if (act_int8) {
-    xq = at::empty({R * (K / 128) * 128}, at::kByte);
+    xq = at::empty({R * (K / 128) * 128}, at::kChar);
     xd = at::empty({R * (K / 128) * 16}, at::kFloat);
-    quantize_acts_int8(p.a, R, K, xq.data_ptr<uint8_t>(), xd.data_ptr<float>());
+    xqsum = at::empty({R * (K / 128) * 16}, at::kInt);
+    quantize_acts_int8(p.a, R, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xqsum.data_ptr<int32_t>());
   }
   bool any_small = false;
   for (int64_t e = 0; e < E; ++e) any_small |= (o[e + 1] > o[e] && o[e + 1] - o[e] <= dense_from);
@@ -1452,7 +1461,8 @@ int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E,
           streamed = p.data + j.e * p.d_e + j.n1 * p.d_r;
           if (j.c > dense_from && kc > 0) run_job_dense_ksplit(p, j, a, out, kc);
           else if (j.c > dense_from) run_job_dense(p, j, a, a_bf16, out, run);
-          else if (act_int8) run_job_vnni(p, j, xq.const_data_ptr<uint8_t>(), xd.const_data_ptr<float>());
+          else if (act_int8) run_job_vnni(p, j, xq.const_data_ptr<int8_t>(), xd.const_data_ptr<float>(),
+                                            xqsum.const_data_ptr<int32_t>());
           else if (dot16) run_job_bf16(p, j, xbp);
           else run_job_small(p, j, xsp, run, w);
         }
