@@ -11,6 +11,9 @@ rate; the table reports time / bound for the whole layer and for its two expert 
 same calls with the opt-in int8 activations (``activations="int8"``, AVX-512 VNNI) where the CPU has them,
 and for the packed formats the whole layer on bf16 rows (what a bf16 model runs), and every format's layer with
 its weights on transparent huge pages (``fmoe.quant.huge_pages``, as ``fmoe.examples.generate`` loads them).
+"plain read" is the machine's floor for such a call: one contiguous float32 read (``sum``) of as many bytes,
+timed as cold as the layer. A cold read of a few MB does not reach the 512 MiB read's rate (page walks,
+prefetchers starting, the threads waking), so it is the fairer reference at T = 1.
 
 ``model`` (``--model``): the whole-model comparison, fmoe-patched with packed experts vs transformers'
 own CPU path on the same written checkpoint (fmoe.examples.generate), each in its own process. Resident
@@ -146,6 +149,8 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
                 steps[f"layerhp_{f}"] = (lambda p={"gate": gate, "experts": huge[f]}: fmoe.moe(p, x, spec))
             bytes_busy[f] = sum(_nbytes(w, busy) for w in weights[f].values())
             if f != "float32":
+                # the machine's floor for this call: one contiguous read of as many bytes, as cold
+                steps[f"read_{f}"] = (lambda b=torch.ones(bytes_busy[f] // 4): b.sum())
                 # the same layer on bf16 rows (what a bf16 model runs: FP4 takes the bf16 dot-product tiles)
                 steps[f"layer16_{f}"] = (lambda p=params, xb=x.bfloat16(): fmoe.moe(p, xb, spec))
                 # the layer's two packed expert GEMMs alone, on rows of the same per-expert counts
@@ -171,6 +176,9 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
             r = {"bytes_busy": bytes_busy[f], "bound_seconds": bound, "layer_seconds": t[f"layer_{f}"],
                  "layer_vs_stream": t[f"layer_{f}"] / bound,
                  "read_gb_per_s": bytes_busy[f] / t[f"layer_{f}"] / 1e9}
+            if f"read_{f}" in t:
+                r["read_seconds"] = t[f"read_{f}"]
+                r["read_vs_stream"] = t[f"read_{f}"] / bound
             if f"gemms_{f}" in t:
                 r["gemms_seconds"] = t[f"gemms_{f}"]
                 r["gemms_vs_stream"] = t[f"gemms_{f}"] / bound
@@ -192,6 +200,7 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
             log(f"  T={T} {f:9s} busy {busy:2d}: layer {r['layer_seconds'] * 1e3:7.2f} ms = "
                 f"{r['layer_vs_stream']:.2f}x stream"
                 + (f", gemms {r['gemms_seconds'] * 1e3:7.2f} ms = {r['gemms_vs_stream']:.2f}x" if "gemms_seconds" in r else "")
+                + (f", plain read {r['read_vs_stream']:.2f}x" if "read_seconds" in r else "")
                 + (f", int8 act {r['gemms_int8_vs_stream']:.2f}x" if "gemms_int8_seconds" in r else "")
                 + (f", layer int8 act {r['layer_int8_vs_stream']:.2f}x" if "layer_int8_seconds" in r else "")
                 + (f", layer bf16 rows {r['layer_bf16_vs_stream']:.2f}x" if "layer_bf16_seconds" in r else "")
@@ -421,13 +430,15 @@ def tables(res: dict) -> list[str]:
     lay = res.get("layer")
     lines = [f"load average at start {res['loadavg_start'][0]:.1f}, end {res['loadavg_end'][0]:.1f} (2 cores); "
              f"{res.get('threads', torch.get_num_threads())} torch threads", "",
-             "| T | busy | format | layer ms | x stream | expert GEMMs ms | x stream | GEMMs, int8 act. ms | x stream "
+             "| T | busy | format | layer ms | x stream | plain read ms | x stream | expert GEMMs ms | x stream "
+             "| GEMMs, int8 act. ms | x stream "
              "| layer, int8 act. ms | x stream | layer, bf16 rows ms | x stream | layer, huge pages ms | x stream "
              "| x stream on huge pages | stream GB/s | stream on huge pages GB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"] if lay else []
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"] if lay else []
     for T, row in (lay["tokens"] if lay else {}).items():
         for f, r in row["formats"].items():
             g = f"{r['gemms_seconds'] * 1e3:.2f} | {r['gemms_vs_stream']:.2f}" if "gemms_seconds" in r else " | "
+            rd = f"{r['read_seconds'] * 1e3:.2f} | {r['read_vs_stream']:.2f}" if "read_seconds" in r else " | "
             g8 = (f"{r['gemms_int8_seconds'] * 1e3:.2f} | {r['gemms_int8_vs_stream']:.2f}" if "gemms_int8_seconds" in r
                   else " | ")
             l8 = (f"{r['layer_int8_seconds'] * 1e3:.2f} | {r['layer_int8_vs_stream']:.2f}" if "layer_int8_seconds" in r
@@ -439,7 +450,7 @@ def tables(res: dict) -> list[str]:
                   else " | | ")
             huge_rate = row.get("stream_huge_gb_per_s")
             lines.append(f"| {T} | {row['busy_experts']} | {f} | {r['layer_seconds'] * 1e3:.2f} | "
-                         f"{r['layer_vs_stream']:.2f} | {g} | {g8} | {l8} | {l16} | {hp} | {row['stream_gb_per_s']:.1f} | "
+                         f"{r['layer_vs_stream']:.2f} | {rd} | {g} | {g8} | {l8} | {l16} | {hp} | {row['stream_gb_per_s']:.1f} | "
                          + (f"{huge_rate:.1f} |" if huge_rate else " |"))
     pre = res.get("prefill")
     if pre:
