@@ -1,8 +1,8 @@
 """Quantized MoE inference on the CPU against the memory-stream bound (issue 35): suite ``inference``.
 
 ``layer``: ``fmoe.moe`` decode (no grad) with swiglu experts M=2048, I=768, E=64, k=6 whose
-gate_up_proj and down_proj are packed (MXFP4, NVFP4, FP8 block 128x128; float32 beside them for the
-float bound), T = 1, 4, 16 tokens. Each timed call starts with cold weights: before it, an untimed
+gate_up_proj and down_proj are packed (MXFP4, NVFP4, FP8 block 128x128; float32 experts, and bfloat16
+experts on bfloat16 rows, beside them for the float bound), T = 1, 4, 16 tokens. Each timed call starts with cold weights: before it, an untimed
 read of a 512 MiB float32 buffer (larger than this host's L3) evicts them, and that read's own time
 is the machine's memory-stream rate, measured in the same run, interleaved with the variants. The
 bound of a call = the busy experts' stored bytes (packed data + scales, both projections) / that
@@ -132,8 +132,11 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
     spec8 = dataclasses.replace(spec, experts=dataclasses.replace(spec.experts, int8_activations=True))
     g = torch.Generator().manual_seed(0)
     gate = {"wg": torch.randn(E, M, generator=g) * 0.02}
-    fmts = list(formats) + (["float32"] if float_bound else [])
-    weights = {f: {"gate_up_proj": _rand_packed(f, 2 * I, M, g), "down_proj": _rand_packed(f, M, I, g)} for f in fmts}
+    fmts = list(formats) + (["float32", "bfloat16"] if float_bound else [])
+    weights = {f: {"gate_up_proj": _rand_packed(f, 2 * I, M, g), "down_proj": _rand_packed(f, M, I, g)}
+               for f in fmts if f != "bfloat16"}
+    if "bfloat16" in fmts:   # bf16 experts on bf16 rows and gate: a bf16 model's own layer
+        weights["bfloat16"] = {k: v.bfloat16() for k, v in weights["float32"].items()}
     # the same weights on transparent huge pages (what fmoe.examples.generate's loader does), where the kernel has them
     huge = {f: huge_pages(w) for f, w in weights.items()} if hugepages.available() else {}
     res = {"config": {"M": M, "I": I, "E": E, "k": K_TOP, "kind": "swiglu", "repeats": repeats,
@@ -143,12 +146,14 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
         busy = torch.unique((x @ gate["wg"].T).topk(K_TOP, dim=-1).indices).numel()
         steps, bytes_busy = {}, {}
         for f in fmts:
-            params = {"gate": gate, "experts": weights[f]}
-            steps[f"layer_{f}"] = (lambda p=params: fmoe.moe(p, x, spec))
+            dt = torch.bfloat16 if f == "bfloat16" else torch.float32
+            gf, xf = {"wg": gate["wg"].to(dt)}, x.to(dt)
+            params = {"gate": gf, "experts": weights[f]}
+            steps[f"layer_{f}"] = (lambda p=params, xf=xf: fmoe.moe(p, xf, spec))
             if huge:
-                steps[f"layerhp_{f}"] = (lambda p={"gate": gate, "experts": huge[f]}: fmoe.moe(p, x, spec))
+                steps[f"layerhp_{f}"] = (lambda p={"gate": gf, "experts": huge[f]}, xf=xf: fmoe.moe(p, xf, spec))
             bytes_busy[f] = sum(_nbytes(w, busy) for w in weights[f].values())
-            if f != "float32":
+            if f not in ("float32", "bfloat16"):
                 # the machine's floor for this call: one contiguous read of as many bytes, as cold
                 steps[f"read_{f}"] = (lambda b=torch.ones(bytes_busy[f] // 4): b.sum())
                 # the same layer on bf16 rows (what a bf16 model runs: FP4 takes the bf16 dot-product tiles)
@@ -523,7 +528,7 @@ def main(argv=None) -> int:
     p.add_argument("--formats", nargs="+", default=["mxfp4", "nvfp4", "fp8_block"])
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16])
     p.add_argument("--prefill", type=int, default=512, help="prefill tokens (0: skip the prefill table)")
-    p.add_argument("--no-float", action="store_true", help="skip the float32 experts")
+    p.add_argument("--no-float", action="store_true", help="skip the float32 and bfloat16 experts")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--model", action="store_true", help="also the whole-model comparison")

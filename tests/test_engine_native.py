@@ -409,7 +409,7 @@ def test_few_rows_loops_every_isa_path(transposed):
     if not paths:
         pytest.skip("no AVX2 + FMA on this CPU: BLAS runs these products")
     g = torch.Generator().manual_seed(11)
-    for n, K, N in [(1, 2048, 48), (2, 37, 29), (3, 16, 8), (5, 130, 70), (8, 1, 1), (8, 512, 33), (4, 8, 17)]:
+    for n, K, N in _FEW_SHAPES:
         a = torch.randn(n, K, generator=g)
         w = torch.randn(N, K, generator=g) if transposed else torch.randn(K, N, generator=g)
         op = w.t() if transposed else w
@@ -428,6 +428,49 @@ def test_few_rows_loops_every_isa_path(transposed):
     for bad in (0, 9):
         with pytest.raises(ValueError, match="takes 1 to 8 rows"):
             ext.few_rows(torch.randn(bad, 4), torch.randn(4, 4), transposed, paths[0])
+
+
+_FEW_SHAPES = [(1, 2048, 48), (2, 37, 29), (3, 16, 8), (5, 130, 70), (8, 1, 1), (8, 512, 33), (4, 8, 17), (6, 96, 5)]
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="the extension needs a C++ compiler")
+@pytest.mark.parametrize("transposed", [False, True])
+def test_few_rows_loops_for_bf16_rows_and_weights(transposed):
+    """bf16 rows and weights of 1-8 rows an expert: on the AVX2 and AVX-512 paths the float32
+    loops on the operands' exact float32 values, each output rounded once to bf16, so bit for bit
+    the float32 loops' result rounded (by construction); with AVX-512 BF16 (path 4) x @ W^T by
+    vdpbf16ps: another order of the same exact products, within the K-term bound plus the
+    output's rounding, a row independent of the rows beside it; x @ W on path 4 is path 3's."""
+    ext = native._EXT
+    paths = [isa for isa in (2, 3) if ext.few_rows_isa(isa)]
+    if not paths:
+        pytest.skip("no AVX2 + FMA on this CPU: at::mm runs these products")
+    dp = ext.few_rows_isa(4) == 4
+    g = torch.Generator().manual_seed(12)
+    for n, K, N in _FEW_SHAPES:
+        a = torch.randn(n, K, generator=g).bfloat16()
+        w = (torch.randn(N, K, generator=g) if transposed else torch.randn(K, N, generator=g)).bfloat16()
+        op = w.t() if transposed else w
+        f32 = ext.few_rows(a.float(), w.float(), transposed, paths[0])
+        for isa in paths:
+            got = ext.few_rows(a, w, transposed, isa)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, f32.bfloat16()), (isa, n, K, N)
+        if dp:
+            got = ext.few_rows(a, w, transposed, 4)
+            if not transposed:
+                assert torch.equal(got, f32.bfloat16())
+                continue
+            want = a.double() @ op.double()
+            bound = (K * torch.finfo(torch.float32).eps * (a.abs().double() @ op.abs().double())
+                     + want.abs() * 2.0 ** -8)   # the sum's order, then one bf16 rounding
+            assert ((got.double() - want).abs() <= bound).all(), (n, K, N)
+            for i in range(n):
+                assert torch.equal(ext.few_rows(a[i:i + 1].contiguous(), w, transposed, 4), got[i:i + 1])
+    if not dp:
+        with pytest.raises(ValueError, match="does not run on this CPU"):
+            ext.few_rows(a, w, transposed, 4)
+    with pytest.raises(ValueError, match="of one dtype"):
+        ext.few_rows(a, w.float(), transposed, paths[0])
 
 
 def test_native_ignores_autograd_state():

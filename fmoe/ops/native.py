@@ -49,10 +49,13 @@ runs each ``at::mm`` single-threaded, and MKL's single-threaded GEMV/small GEMM 
 always split the K-term reduction as its multi-threaded one does: on the 2-core Xeon
 (AVX-512, MKL 2024.2) a float32 ``x @ W`` with one row per expert, and float64 with one
 or two, differ from the reference in the last bits (other shapes, the transposed order and
-bfloat16 matched exactly). Its float32 products of 1-8 rows an expert run fmoe's own loops
-instead (``csrc/grouped_gemm.cpp``, AVX2 + FMA or AVX-512, the same bits on both; BLAS on a
-CPU without them): MKL's few-row kernels read the weights at half the memory rate or less on an
-AMD EPYC. The parallel regime is therefore specified, and tested, within
+bfloat16 matched exactly). Its float32 and bfloat16 products of 1-8 rows an expert run fmoe's
+own loops instead (``csrc/grouped_gemm.cpp``, AVX2 + FMA or AVX-512, the same bits on both;
+bfloat16 as the float32 loops on its exact values, rounded once; bf16 ``x @ W^T`` by ``vdpbf16ps``
+on CPUs with AVX-512 BF16, another order of the same products; BLAS / ``at::mm`` on a CPU without
+AVX2): MKL's few-row kernels read the weights at half the memory rate or less on an AMD EPYC, and
+its bf16 GEMM took as long as float32 for half the bytes. The parallel regime is therefore
+specified, and tested, within
 the forward-error bound of a K-term dot product, ``|native - reference| <= K * eps *
 (|x| @ |op(w)|)`` (and ``|scale| *`` that, for mm_scatter), not bit for bit.
 

@@ -9,10 +9,11 @@
 //   parallel - at::parallel_for over the busy experts, each at::mm single-threaded
 //              (MKL and ATen both run one thread inside an OpenMP parallel region).
 //              Pays when experts have few rows (decode): the per-call overhead and the
-//              weight read, not the flops, are the time then. float32 products there run
-//              fmoe's few-rows loops (1-8 rows an expert, AVX2 + FMA or AVX-512) or call
-//              BLAS's sgemm_ directly (f32_rows_mm): the call at::mm makes, without its
-//              dispatch and the operands' views.
+//              weight read, not the flops, are the time then. float32 and bfloat16
+//              products there run fmoe's few-rows loops (1-8 rows an expert, AVX2 + FMA or
+//              AVX-512, bf16 x @ W^T by AVX-512 BF16 dot products where the CPU has them);
+//              float32 ones of more rows call BLAS's sgemm_ directly (f32_rows_mm): the call
+//              at::mm makes, without its dispatch and the operands' views.
 //
 // Numerics: each expert's product is the same at::mm call on operands of the same
 // shape, strides and contiguity as the pure-torch reference in native.py, and the
@@ -178,7 +179,7 @@ void scatter_add(const at::Tensor& p, const int64_t* index, const at::Tensor& sc
   });
 }
 
-// ------------------------------------------------------------------ few rows, float32
+// ------------------------------------------------------------------ few rows, float32 and bfloat16
 // An expert with a handful of rows at decode reads its weight matrix once and does little
 // arithmetic per byte, so its time is the weight stream. BLAS's small-row kernels do not all reach
 // it: on an AMD EPYC (Zen 4, MKL 2024.2) a single-threaded [2, 2048] @ [2048, 1536] ran at 9 GB/s
@@ -198,82 +199,106 @@ constexpr int64_t kFewRows = 8;        // up to this many rows per expert
 #define FMOE_FR_AVX512 __attribute__((target("avx512f,avx2,fma")))
 #define FMOE_FR_AVX2 __attribute__((target("avx2,fma")))
 
+// Weights are float32, or bfloat16 (WT = uint16_t, the bits) read as the float32 they equal
+// exactly (the bits << 16): a bf16 expert's loop is the float32 loop on its weights' exact values.
+inline float wvalue(float w) { return w; }
+inline float wvalue(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+FMOE_FR_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+FMOE_FR_AVX512 inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+FMOE_FR_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+FMOE_FR_AVX2 inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
 // x @ W for NT rows, accumulated in o itself (row stride N): KB weight rows at a time (KB
 // sequential streams), each 16-column strip's NT sums in registers across the KB rows.
 constexpr int64_t kKB = 8;
 
-template <int NT>
-FMOE_FR_AVX512 void few_kn_avx512(const float* a, int64_t K, const float* w, int64_t N, float* o) {
+template <int NT, typename WT>
+FMOE_FR_AVX512 void few_kn_avx512(const float* a, int64_t K, const WT* w, int64_t N, float* o) {
   const int64_t nv = N / 16;
   std::fill(o, o + NT * N, 0.0f);
   for (int64_t k0 = 0; k0 < K; k0 += kKB) {
     const int64_t kb = std::min(kKB, K - k0);
-    const float* wk = w + k0 * N;
+    const WT* wk = w + k0 * N;
     for (int64_t v = 0; v < nv; ++v) {
       __m512 acc[NT];
       for (int t = 0; t < NT; ++t) acc[t] = _mm512_loadu_ps(o + t * N + 16 * v);
       for (int64_t kk = 0; kk < kb; ++kk) {
-        const __m512 wv = _mm512_loadu_ps(wk + kk * N + 16 * v);
+        const __m512 wv = load16(wk + kk * N + 16 * v);
         for (int t = 0; t < NT; ++t) acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(a[t * K + k0 + kk]), wv, acc[t]);
       }
       for (int t = 0; t < NT; ++t) _mm512_storeu_ps(o + t * N + 16 * v, acc[t]);
     }
     for (int64_t j = 16 * nv; j < N; ++j)
       for (int64_t kk = 0; kk < kb; ++kk)
-        for (int t = 0; t < NT; ++t) o[t * N + j] = std::fma(a[t * K + k0 + kk], wk[kk * N + j], o[t * N + j]);
+        for (int t = 0; t < NT; ++t) o[t * N + j] = std::fma(a[t * K + k0 + kk], wvalue(wk[kk * N + j]), o[t * N + j]);
   }
 }
 
-template <int NT>
-FMOE_FR_AVX2 void few_kn_avx2(const float* a, int64_t K, const float* w, int64_t N, float* o) {
+template <int NT, typename WT>
+FMOE_FR_AVX2 void few_kn_avx2(const float* a, int64_t K, const WT* w, int64_t N, float* o) {
   const int64_t nv = N / 8;
   std::fill(o, o + NT * N, 0.0f);
   for (int64_t k0 = 0; k0 < K; k0 += kKB) {
     const int64_t kb = std::min(kKB, K - k0);
-    const float* wk = w + k0 * N;
+    const WT* wk = w + k0 * N;
     for (int64_t v = 0; v < nv; ++v) {
       __m256 acc[NT];
       for (int t = 0; t < NT; ++t) acc[t] = _mm256_loadu_ps(o + t * N + 8 * v);
       for (int64_t kk = 0; kk < kb; ++kk) {
-        const __m256 wv = _mm256_loadu_ps(wk + kk * N + 8 * v);
+        const __m256 wv = load8(wk + kk * N + 8 * v);
         for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(a[t * K + k0 + kk]), wv, acc[t]);
       }
       for (int t = 0; t < NT; ++t) _mm256_storeu_ps(o + t * N + 8 * v, acc[t]);
     }
     for (int64_t j = 8 * nv; j < N; ++j)
       for (int64_t kk = 0; kk < kb; ++kk)
-        for (int t = 0; t < NT; ++t) o[t * N + j] = std::fma(a[t * K + k0 + kk], wk[kk * N + j], o[t * N + j]);
+        for (int t = 0; t < NT; ++t) o[t * N + j] = std::fma(a[t * K + k0 + kk], wvalue(wk[kk * N + j]), o[t * N + j]);
   }
 }
 
 // The 16 lane sums of x @ W^T in their fixed order (see above), then the tail k in order.
-inline float lanes_sum(const float* l, const float* a, const float* w, int64_t k0, int64_t K) {
+template <typename WT>
+inline float lanes_sum(const float* l, const float* a, const WT* w, int64_t k0, int64_t K) {
   float s = (((l[0] + l[8]) + (l[4] + l[12])) + ((l[2] + l[10]) + (l[6] + l[14]))) +
             (((l[1] + l[9]) + (l[5] + l[13])) + ((l[3] + l[11]) + (l[7] + l[15])));
-  for (int64_t k = k0; k < K; ++k) s = std::fma(a[k], w[k], s);
+  for (int64_t k = k0; k < K; ++k) s = std::fma(a[k], wvalue(w[k]), s);
   return s;
 }
 
-// x @ W^T: NR weight rows at a time share the activation loads (NR * NT register chains).
-// (AVX-512 has 32 registers for them, AVX2 16.)
+// x @ W^T: NR weight rows at a time share the activation loads (NR * NT register chains; AVX2 has
+// 16 registers for them). AVX-512 takes one row at a time: a thread's reads are then one sequential
+// stream through the expert, which read 39-46 GB/s from DRAM on the AMD host against 36-39 for
+// 4 rows side by side (2 threads, the host's fast-memory phase; equal in its slow one). The order
+// of each output element's operations does not depend on NR.
 template <int NT, bool AVX512>
-constexpr int nk_rows() { return NT <= 2 || (AVX512 && NT <= 4) ? 4 : NT <= 4 || AVX512 ? 2 : 1; }
+constexpr int nk_rows() { return AVX512 ? 1 : NT <= 2 ? 4 : NT <= 4 ? 2 : 1; }
 
-template <int NT>
-FMOE_FR_AVX512 void few_nk_avx512(const float* a, int64_t K, const float* w, int64_t N, float* o) {
+template <int NT, typename WT>
+FMOE_FR_AVX512 void few_nk_avx512(const float* a, int64_t K, const WT* w, int64_t N, float* o) {
   constexpr int NR = nk_rows<NT, true>();
   const int64_t kv = K / 16;
   alignas(64) float l[16];
   for (int64_t n0 = 0; n0 < N; n0 += NR) {
     const int nr = static_cast<int>(std::min<int64_t>(NR, N - n0));
-    const float* wn = w + n0 * K;
+    const WT* wn = w + n0 * K;
     __m512 acc[NR][NT];
     for (int i = 0; i < NR; ++i)
       for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
     if (nr == NR) {
       for (int64_t c = 0; c < kv; ++c) {
         __m512 wv[NR];
-        for (int i = 0; i < NR; ++i) wv[i] = _mm512_loadu_ps(wn + i * K + 16 * c);
+        for (int i = 0; i < NR; ++i) wv[i] = load16(wn + i * K + 16 * c);
         for (int t = 0; t < NT; ++t) {
           const __m512 av = _mm512_loadu_ps(a + t * K + 16 * c);
           for (int i = 0; i < NR; ++i) acc[i][t] = _mm512_fmadd_ps(av, wv[i], acc[i][t]);
@@ -282,7 +307,7 @@ FMOE_FR_AVX512 void few_nk_avx512(const float* a, int64_t K, const float* w, int
     } else {
       for (int i = 0; i < nr; ++i)
         for (int64_t c = 0; c < kv; ++c) {
-          const __m512 wv = _mm512_loadu_ps(wn + i * K + 16 * c);
+          const __m512 wv = load16(wn + i * K + 16 * c);
           for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_fmadd_ps(_mm512_loadu_ps(a + t * K + 16 * c), wv, acc[i][t]);
         }
     }
@@ -294,20 +319,20 @@ FMOE_FR_AVX512 void few_nk_avx512(const float* a, int64_t K, const float* w, int
   }
 }
 
-template <int NT>
-FMOE_FR_AVX2 void few_nk_avx2(const float* a, int64_t K, const float* w, int64_t N, float* o) {
+template <int NT, typename WT>
+FMOE_FR_AVX2 void few_nk_avx2(const float* a, int64_t K, const WT* w, int64_t N, float* o) {
   constexpr int NR = nk_rows<NT, false>();
   const int64_t kv = K / 16;
   alignas(64) float l[16];
   for (int64_t n0 = 0; n0 < N; n0 += NR) {
     const int nr = static_cast<int>(std::min<int64_t>(NR, N - n0));
-    const float* wn = w + n0 * K;
+    const WT* wn = w + n0 * K;
     __m256 lo[NR][NT], hi[NR][NT];
     for (int i = 0; i < NR; ++i)
       for (int t = 0; t < NT; ++t) lo[i][t] = hi[i][t] = _mm256_setzero_ps();
     for (int i = 0; i < nr; ++i)
       for (int64_t c = 0; c < kv; ++c) {
-        const __m256 w0 = _mm256_loadu_ps(wn + i * K + 16 * c), w1 = _mm256_loadu_ps(wn + i * K + 16 * c + 8);
+        const __m256 w0 = load8(wn + i * K + 16 * c), w1 = load8(wn + i * K + 16 * c + 8);
         for (int t = 0; t < NT; ++t) {
           lo[i][t] = _mm256_fmadd_ps(_mm256_loadu_ps(a + t * K + 16 * c), w0, lo[i][t]);
           hi[i][t] = _mm256_fmadd_ps(_mm256_loadu_ps(a + t * K + 16 * c + 8), w1, hi[i][t]);
@@ -322,29 +347,61 @@ FMOE_FR_AVX2 void few_nk_avx2(const float* a, int64_t K, const float* w, int64_t
   }
 }
 
-// isa: 0 the widest this CPU runs, 2 AVX2 + FMA, 3 AVX-512 (tests force each). Returns 0 where the
+// bf16 rows of a bf16 x @ W^T on a CPU with AVX-512 BF16: vdpbf16ps multiplies 32 pairs a step
+// straight from the bf16 bits (no widening), exact products summed in float32 in 16 lanes, the
+// lanes reduced, the tail (K % 32) added in order. Another order of the same products than the
+// float32 loops (within the K-term bound, not their bits), and like torch's own bf16 GEMM on
+// such a CPU it treats denormal inputs and partial sums as zero.
+#define FMOE_FR_BF16DP __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma")))
+
+template <int NT>
+FMOE_FR_BF16DP void few_nk_bf16dp(const uint16_t* a, int64_t K, const uint16_t* w, int64_t N, float* o) {
+  // One weight row at a time: a thread's reads are then one sequential stream through the expert,
+  // which read 31-33 GB/s from DRAM here against 25-30 for 2-8 rows side by side (2 threads).
+  const int64_t kv = K / 32;
+  for (int64_t n = 0; n < N; ++n) {
+    const uint16_t* wn = w + n * K;
+    __m512 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < kv; ++c) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wn + 32 * c);
+      for (int t = 0; t < NT; ++t) acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)_mm512_loadu_si512(a + t * K + 32 * c), wv);
+    }
+    for (int t = 0; t < NT; ++t) {
+      float s = _mm512_reduce_add_ps(acc[t]);
+      for (int64_t k = 32 * kv; k < K; ++k) s = std::fma(wvalue(a[t * K + k]), wvalue(wn[k]), s);
+      o[t * N + n] = s;
+    }
+  }
+}
+
+// isa: 0 the widest float32 path this CPU runs, 2 AVX2 + FMA, 3 AVX-512, 4 AVX-512 with BF16 (bf16
+// x @ W^T by dot products; every other product as 3) (tests force each). Returns 0 where the
 // forced or best path does not run here, else the path taken.
 int few_rows_isa(int isa) {
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
+  const bool bf16dp = avx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
   if (isa == 0) return avx512 ? 3 : avx2 ? 2 : 0;
+  if (isa == 4) return bf16dp ? 4 : 0;
   if (isa == 3) return avx512 ? 3 : 0;
   if (isa == 2) return avx2 ? 2 : 0;
   return 0;
 }
 
-template <int NT>
-void few_rows_nt(int isa, bool transposed, const float* a, int64_t K, const float* w, int64_t N, float* o) {
+template <int NT, typename WT>
+void few_rows_nt(int isa, bool transposed, const float* a, int64_t K, const WT* w, int64_t N, float* o) {
   if (transposed)
-    (isa == 3 ? few_nk_avx512<NT> : few_nk_avx2<NT>)(a, K, w, N, o);
+    (isa >= 3 ? few_nk_avx512<NT, WT> : few_nk_avx2<NT, WT>)(a, K, w, N, o);
   else
-    (isa == 3 ? few_kn_avx512<NT> : few_kn_avx2<NT>)(a, K, w, N, o);
+    (isa >= 3 ? few_kn_avx512<NT, WT> : few_kn_avx2<NT, WT>)(a, K, w, N, o);
 }
 
 // o [n, N] (row stride N) = a [n, K] (row stride K) @ op(w_e), w_e [K, N] or [N, K] (transposed),
 // for 1 <= n <= kFewRows on path `isa` (as few_rows_isa returned it, nonzero).
-void few_rows_mm(int isa, bool transposed, const float* a, int64_t n, int64_t K, const float* we, int64_t N,
+template <typename WT>
+void few_rows_mm(int isa, bool transposed, const float* a, int64_t n, int64_t K, const WT* we, int64_t N,
                  float* o) {
   switch (n) {
     case 1: return few_rows_nt<1>(isa, transposed, a, K, we, N, o);
@@ -358,20 +415,52 @@ void few_rows_mm(int isa, bool transposed, const float* a, int64_t n, int64_t K,
   }
 }
 
+template <int NT>
+void few_nk_bf16dp_n(const uint16_t* a, int64_t K, const uint16_t* w, int64_t N, float* o) {
+  few_nk_bf16dp<NT>(a, K, w, N, o);
+}
+
+// bf16 rows and weights, each output rounded once to bf16 (to nearest even, as torch's bf16 GEMM
+// rounds its float32 sums). Path 4, x @ W^T: the dot products above. Otherwise the rows widened to
+// float32 (exact) and the float32 loops on the weights' exact values: those bits, rounded.
+// o: n rows of N bf16 (row stride N); scratch: thread-local float32.
+void few_rows_bf16(int isa, bool transposed, const uint16_t* a, int64_t n, int64_t K, const uint16_t* we,
+                   int64_t N, uint16_t* o) {
+  thread_local std::vector<float> a32, o32;
+  o32.resize(static_cast<size_t>(n * N));
+  if (isa == 4 && transposed) {
+    using Fn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*);
+    static constexpr Fn fns[kFewRows] = {few_nk_bf16dp_n<1>, few_nk_bf16dp_n<2>, few_nk_bf16dp_n<3>, few_nk_bf16dp_n<4>,
+                                         few_nk_bf16dp_n<5>, few_nk_bf16dp_n<6>, few_nk_bf16dp_n<7>, few_nk_bf16dp_n<8>};
+    fns[n - 1](a, K, we, N, o32.data());
+  } else {
+    a32.resize(static_cast<size_t>(n * K));
+    for (int64_t i = 0; i < n * K; ++i) a32[i] = wvalue(a[i]);
+    few_rows_mm(isa, transposed, a32.data(), n, K, we, N, o32.data());
+  }
+  for (int64_t i = 0; i < n * N; ++i) o[i] = c10::BFloat16(o32[i]).x;
+}
+
 // The few-rows product alone on a forced path (tests): a [n, K] @ op(w) for w [K, N] (or [N, K],
 // transposed), all float32 contiguous. isa as few_rows_isa's; raises where that path does not run.
 at::Tensor few_rows(const at::Tensor& a, const at::Tensor& w, bool transposed, int64_t isa) {
-  TORCH_CHECK_VALUE(a.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && a.dim() == 2 &&
+  const bool bf16 = a.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_VALUE((a.scalar_type() == at::kFloat || bf16) && w.scalar_type() == a.scalar_type() && a.dim() == 2 &&
                         w.dim() == 2 && a.is_contiguous() && w.is_contiguous() && a.device().is_cpu() &&
                         w.device().is_cpu(),
-                    "few_rows takes contiguous float32 CPU a [n, K] and w [K, N] (or [N, K], transposed)");
+                    "few_rows takes contiguous float32 (or bfloat16) CPU a [n, K] and w [K, N] (or [N, K], "
+                    "transposed) of one dtype");
   const int64_t K = transposed ? w.size(1) : w.size(0), N = transposed ? w.size(0) : w.size(1), n = a.size(0);
   TORCH_CHECK_VALUE(a.size(1) == K, "few_rows: a [n, K] does not match w");
   TORCH_CHECK_VALUE(n >= 1 && n <= kFewRows, "few_rows takes 1 to ", kFewRows, " rows, got ", n);
   const int path = few_rows_isa(static_cast<int>(isa));
   TORCH_CHECK_VALUE(path != 0, "few_rows: ISA path ", isa, " does not run on this CPU");
   at::Tensor o = at::empty({n, N}, a.options());
-  few_rows_mm(path, transposed, a.const_data_ptr<float>(), n, K, w.const_data_ptr<float>(), N, o.data_ptr<float>());
+  if (bf16)
+    few_rows_bf16(path, transposed, reinterpret_cast<const uint16_t*>(a.const_data_ptr()), n, K,
+                  reinterpret_cast<const uint16_t*>(w.const_data_ptr()), N, reinterpret_cast<uint16_t*>(o.data_ptr()));
+  else
+    few_rows_mm(path, transposed, a.const_data_ptr<float>(), n, K, w.const_data_ptr<float>(), N, o.data_ptr<float>());
   return o;
 }
 
@@ -413,6 +502,19 @@ bool f32_rows_mm(const at::Tensor& w, int64_t e, bool transposed, const float* a
   float* t = scratch.data_ptr<float>();
   sgemm_(&ta, &tb, &m, &nn, &k, &one, we, &lda, a, &ldb, &zero, t, &ldc);
   std::memcpy(o, t, static_cast<size_t>(n * N) * sizeof(float));
+  return true;
+}
+
+// The parallel regime's bf16 product of 1-8 rows (few_rows_bf16): o [n, N] bf16 (row stride N) =
+// a [n, K] bf16 (row stride K) @ op(w[e]), w contiguous bf16 [E, K, N] or [E, N, K] (transposed).
+// at::mm's bf16 GEMM read an expert at about half the float32 loops' bytes a second here (both
+// took the same time, for half the bytes). False where it does not apply: the caller takes at::mm.
+bool bf16_rows_mm(const at::Tensor& w, int64_t e, bool transposed, const uint16_t* a, int64_t n, uint16_t* o) {
+  if (w.scalar_type() != at::kBFloat16 || !w.is_contiguous() || n > kFewRows) return false;
+  static const int few_isa = few_rows_isa(4) ? 4 : few_rows_isa(0);
+  const auto [K, N] = op_dims(w, transposed);
+  if (few_isa == 0 || K < 1 || N < 1) return false;
+  few_rows_bf16(few_isa, transposed, a, n, K, reinterpret_cast<const uint16_t*>(w.const_data_ptr()) + e * K * N, N, o);
   return true;
 }
 
@@ -468,6 +570,7 @@ void gather_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offse
     // One gather buffer, each expert filling its own slice: no sharing between threads.
     at::Tensor g = rp ? at::empty({R, K}, x.options()) : at::Tensor();
     const bool blas = x.scalar_type() == at::kFloat && (!bias.has_value() || bias->scalar_type() == at::kFloat);
+    const bool b16 = x.scalar_type() == at::kBFloat16;
     parallel_over_experts(spans, [&](const Span& s) {
       if (blas) {
         const float* xe = (rp ? g : x).const_data_ptr<float>() + s.lo * K;
@@ -477,9 +580,17 @@ void gather_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offse
           add_bias_rows(o, s.n, N, bias, s.expert);
           return;
         }
+      } else if (b16) {
+        const uint16_t* xe = reinterpret_cast<const uint16_t*>((rp ? g : x).const_data_ptr()) + s.lo * K;
+        if (rp) gather_rows_raw(x, rp + s.lo, s.n, reinterpret_cast<uint16_t*>(g.data_ptr()) + s.lo * K);
+        if (bf16_rows_mm(w, s.expert, transposed, xe, s.n, reinterpret_cast<uint16_t*>(out.data_ptr()) + s.lo * N)) {
+          at::Tensor o = out.narrow(0, s.lo, s.n);
+          add_bias(o, bias, s.expert);
+          return;
+        }
       }
       at::Tensor xe = rp ? g.narrow(0, s.lo, s.n) : x.narrow(0, s.lo, s.n);
-      if (rp && !blas) gather_rows(x, rp + s.lo, s.n, xe);
+      if (rp && !blas && !b16) gather_rows(x, rp + s.lo, s.n, xe);
       at::Tensor o = out.narrow(0, s.lo, s.n);
       mm_into(o, xe, expert_weight(w, s.expert, transposed));
       add_bias(o, bias, s.expert);
@@ -519,10 +630,18 @@ void mm_scatter(const at::Tensor& a, const at::Tensor& w, const at::Tensor& offs
     // Products in parallel into one buffer, then one serial (ascending-row) scatter.
     at::Tensor p = at::empty({R, N}, a.options());
     const bool blas = a.scalar_type() == at::kFloat && (!bias.has_value() || bias->scalar_type() == at::kFloat);
+    const bool b16 = a.scalar_type() == at::kBFloat16;
     parallel_over_experts(spans, [&](const Span& s) {
       float* po = blas ? p.data_ptr<float>() + s.lo * N : nullptr;
       if (blas && f32_rows_mm(w, s.expert, transposed, a.const_data_ptr<float>() + s.lo * K, s.n, po)) {
         add_bias_rows(po, s.n, N, bias, s.expert);
+        return;
+      }
+      if (b16 && bf16_rows_mm(w, s.expert, transposed,
+                              reinterpret_cast<const uint16_t*>(a.const_data_ptr()) + s.lo * K, s.n,
+                              reinterpret_cast<uint16_t*>(p.data_ptr()) + s.lo * N)) {
+        at::Tensor pe = p.narrow(0, s.lo, s.n);
+        add_bias(pe, bias, s.expert);
         return;
       }
       at::Tensor pe = p.narrow(0, s.lo, s.n);
@@ -606,7 +725,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("transposed"), py::arg("parallel"), py::arg("bias"));
   m.def("gather_wgrad", &gather_wgrad, "z[e] = a[rows of e]^T b[rows_b of e] into out", py::arg("a"),
         py::arg("b"), py::arg("offsets"), py::arg("rows"), py::arg("out"), py::arg("parallel"), py::arg("rows_b"));
-  m.def("few_rows", &few_rows, "a @ op(w) for 1-8 float32 rows on a forced ISA path (tests)", py::arg("a"),
+  m.def("few_rows", &few_rows, "a @ op(w) for 1-8 float32 or bfloat16 rows on a forced ISA path (tests)", py::arg("a"),
         py::arg("w"), py::arg("transposed"), py::arg("isa"));
   m.def("few_rows_isa", &few_rows_isa, "the few-rows path that runs for a request: 0 none, 2 AVX2, 3 AVX-512",
         py::arg("isa"));
