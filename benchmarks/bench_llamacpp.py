@@ -14,7 +14,10 @@ of the wider experts' extra reads, and those bytes over that time are llama.cpp'
 rate. The machine's memory-stream rate (``bench_inference``'s eviction read) is measured in the
 same run, so the rate is also given as a fraction of it; beside it, in the same run, fmoe's
 ``bench_inference`` layer at T = 1 (MXFP4, the same expert shapes): the fraction of the stream rate
-at which the whole layer, and its two packed expert GEMMs alone, read the busy experts' bytes.
+at which the whole layer, and its two packed expert GEMMs alone, read the busy experts' bytes, with
+float32 rows and (on a VNNI CPU) with int8 activations, the like of llama.cpp's Q8 rows. Those are
+single calls after an eviction read; ``fmoe_marginal`` also measures fmoe as llama.cpp is measured
+(steady decode calls, the difference of two expert widths), the like-for-like figure.
 """
 from __future__ import annotations
 
@@ -118,6 +121,53 @@ def decode_seconds(path: str, *, tokens: int, threads: int, repeats: int) -> flo
     return statistics.median(times)
 
 
+def fmoe_marginal(*, hidden: int, experts: int, k: int, ffn: int, layers: int, narrow: int = 128, calls: int = 64,
+                  repeats: int = 5) -> dict:
+    """fmoe's MXFP4 layer measured as llama.cpp is above: decode steps in a row through ``layers``
+    layers of their own weights in turn (one token each, a new token every call; between two calls
+    of a layer the others read their experts, as in the model llama.cpp decodes; no eviction read),
+    at expert width ``ffn`` and ``narrow``, interleaved; the bytes the wider experts add per call
+    over the time they add is the marginal read rate. For float32 rows and, on a VNNI CPU, int8
+    activations. {variant: {"read_GBps", "ms_per_call", "whole_call_GBps"}}."""
+    import torch
+
+    import fmoe
+    from fmoe.quant import packed
+    from .bench_inference import _nbytes, _rand_packed
+    g = torch.Generator().manual_seed(0)
+    wg = torch.randn(experts, hidden, generator=g) * 0.02
+    xs = [torch.randn(1, hidden, generator=g) for _ in range(calls)]
+    busy = [torch.unique((x @ wg.T).topk(k, dim=-1).indices).numel() for x in xs]
+    variants = {}
+    for width in (ffn, narrow):
+        ws = [{"gate_up_proj": _rand_packed("mxfp4", 2 * width, hidden, g),
+               "down_proj": _rand_packed("mxfp4", hidden, width, g)} for _ in range(layers)]
+        per_expert = sum(_nbytes(t, 1) for t in ws[0].values())
+        for act in ("float", "int8") if packed.has_int8_path() else ("float",):
+            spec = fmoe.MoESpec(model_dim=hidden, num_experts=experts, gate=fmoe.GateSpec(k=k, capacity_factor=0.0),
+                                experts=fmoe.ExpertSpec(type="swiglu", hidden_size=width,
+                                                        int8_activations=act == "int8"))
+            variants[(act, width)] = ([{"gate": {"wg": wg}, "experts": w} for w in ws], spec, per_expert)
+    times = {key: [] for key in variants}
+    with torch.no_grad():
+        for ps, spec, _ in variants.values():
+            fmoe.moe(ps[0], xs[0], spec)   # warm-up
+        for r in range(repeats):
+            for key in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+                ps, spec, _ = variants[key]
+                t0 = time.perf_counter()
+                for i, x in enumerate(xs):
+                    fmoe.moe(ps[i % layers], x, spec)
+                times[key].append((time.perf_counter() - t0) / calls)
+    out = {}
+    for act in sorted({a for a, _ in variants}):
+        t_w, t_n = statistics.median(times[(act, ffn)]), statistics.median(times[(act, narrow)])
+        extra = statistics.mean(busy) * (variants[(act, ffn)][2] - variants[(act, narrow)][2])
+        out[act] = {"read_GBps": extra / max(t_w - t_n, 1e-9) / 1e9, "ms_per_call": t_w * 1e3,
+                    "whole_call_GBps": statistics.mean(busy) * variants[(act, ffn)][2] / t_w / 1e9}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -151,6 +201,7 @@ def main(argv=None) -> int:
     from .bench_inference import layer_decode
     ours = layer_decode(formats=("mxfp4",), tokens=(1,), repeats=a.repeats * 3, float_bound=False,
                         log=lambda *_: None)["tokens"]["1"]["formats"]["mxfp4"]
+    marginal = fmoe_marginal(hidden=a.hidden, experts=a.experts, k=a.k, ffn=a.ffn, layers=a.layers)
     t_wide, t_narrow = min(runs["wide"]), min(runs["narrow"])
     extra = (wide_bytes - narrow_bytes) * a.layers
     rate = extra / max(t_wide - t_narrow, 1e-9)
@@ -159,6 +210,10 @@ def main(argv=None) -> int:
            "expert_read_GBps": rate / 1e9, "stream_GBps": stream / 1e9, "expert_read_over_stream": rate / stream,
            "fmoe_layer_read_over_stream": 1 / ours["layer_vs_stream"],
            "fmoe_gemms_read_over_stream": 1 / ours["gemms_vs_stream"],
+           # llama.cpp rounds the rows to 8 bits (Q8) for its MXFP4 dot products: fmoe's like is int8 activations
+           "fmoe_layer_int8_read_over_stream": 1 / ours["layer_int8_vs_stream"] if "layer_int8_vs_stream" in ours else None,
+           "fmoe_gemms_int8_read_over_stream": 1 / ours["gemms_int8_vs_stream"] if "gemms_int8_vs_stream" in ours else None,
+           "fmoe_marginal": {act: {**m, "read_over_stream": m["read_GBps"] * 1e9 / stream} for act, m in marginal.items()},
            "load": os.getloadavg(), "llama_cpp": llama_cpp.__version__}
     print(f"llama.cpp {llama_cpp.__version__}, {a.threads} threads, gpt-oss layout {a.layers} layers hidden {a.hidden}, "
           f"{a.experts} experts top-{a.k}, expert FFN {a.ffn} MXFP4: {1 / t_wide:.1f} tok/s "
@@ -166,7 +221,16 @@ def main(argv=None) -> int:
           f"stream rate ({stream / 1e9:.1f} GB/s)")
     print(f"fmoe, same run (bench_inference's layer at T=1, MXFP4, M=2048 I=768 E=64 k=6): the layer reads its busy "
           f"experts at {out['fmoe_layer_read_over_stream']:.2f} of the stream rate, its two packed expert GEMMs alone "
-          f"at {out['fmoe_gemms_read_over_stream']:.2f}")
+          f"at {out['fmoe_gemms_read_over_stream']:.2f}"
+          + (f"; with int8 activations (as llama.cpp's Q8 rows) the layer at "
+             f"{out['fmoe_layer_int8_read_over_stream']:.2f}, its GEMMs at {out['fmoe_gemms_int8_read_over_stream']:.2f}"
+             if out["fmoe_gemms_int8_read_over_stream"] else ""))
+    for act, m in out["fmoe_marginal"].items():
+        print(f"fmoe measured as llama.cpp is (decode calls in a row through {a.layers} layers, width {a.ffn} against "
+              f"128), {act} rows: "
+              f"{m['ms_per_call']:.2f} ms a call; the wider experts' extra reads {m['read_GBps']:.1f} GB/s = "
+              f"{m['read_over_stream']:.2f} of the stream rate; the whole call {m['whole_call_GBps']:.1f} GB/s of "
+              "expert bytes")
     if a.json:
         tmp = a.json + ".tmp"
         with open(tmp, "w") as f:
