@@ -127,8 +127,8 @@ def fmoe_marginal(*, hidden: int, experts: int, k: int, ffn: int, layers: int, n
     layers of their own weights in turn (one token each, a new token every call; between two calls
     of a layer the others read their experts, as in the model llama.cpp decodes; no eviction read),
     at expert width ``ffn`` and ``narrow``, interleaved; the bytes the wider experts add per call
-    over the time they add is the marginal read rate. For float32 rows and, on a VNNI CPU, int8
-    activations. {variant: {"read_GBps", "ms_per_call", "whole_call_GBps"}}."""
+    over the time they add is the marginal read rate. For float32 rows, bf16 rows (a bf16 model's)
+    and, on a VNNI CPU, int8 activations. {variant: {"read_GBps", "ms_per_call", "whole_call_GBps"}}."""
     import torch
 
     import fmoe
@@ -137,26 +137,29 @@ def fmoe_marginal(*, hidden: int, experts: int, k: int, ffn: int, layers: int, n
     g = torch.Generator().manual_seed(0)
     wg = torch.randn(experts, hidden, generator=g) * 0.02
     xs = [torch.randn(1, hidden, generator=g) for _ in range(calls)]
+    xs16 = [x.bfloat16() for x in xs]   # a bf16 model's rows (FP4 weights: the bf16 dot-product tiles)
     busy = [torch.unique((x @ wg.T).topk(k, dim=-1).indices).numel() for x in xs]
     variants = {}
     for width in (ffn, narrow):
         ws = [{"gate_up_proj": _rand_packed("mxfp4", 2 * width, hidden, g),
                "down_proj": _rand_packed("mxfp4", hidden, width, g)} for _ in range(layers)]
         per_expert = sum(_nbytes(t, 1) for t in ws[0].values())
-        for act in ("float", "int8") if packed.has_int8_path() else ("float",):
+        for act in ("float", "bf16", "int8") if packed.has_int8_path() else ("float", "bf16"):
             spec = fmoe.MoESpec(model_dim=hidden, num_experts=experts, gate=fmoe.GateSpec(k=k, capacity_factor=0.0),
                                 experts=fmoe.ExpertSpec(type="swiglu", hidden_size=width,
                                                         int8_activations=act == "int8"))
-            variants[(act, width)] = ([{"gate": {"wg": wg}, "experts": w} for w in ws], spec, per_expert)
+            gate = {"wg": wg.bfloat16() if act == "bf16" else wg}
+            variants[(act, width)] = ([{"gate": gate, "experts": w} for w in ws], spec, per_expert)
     times = {key: [] for key in variants}
     with torch.no_grad():
-        for ps, spec, _ in variants.values():
-            fmoe.moe(ps[0], xs[0], spec)   # warm-up
+        for (act, _), (ps, spec, _) in variants.items():
+            fmoe.moe(ps[0], (xs16 if act == "bf16" else xs)[0], spec)   # warm-up
         for r in range(repeats):
             for key in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
                 ps, spec, _ = variants[key]
+                rows = xs16 if key[0] == "bf16" else xs
                 t0 = time.perf_counter()
-                for i, x in enumerate(xs):
+                for i, x in enumerate(rows):
                     fmoe.moe(ps[i % layers], x, spec)
                 times[key].append((time.perf_counter() - t0) / calls)
     out = {}
