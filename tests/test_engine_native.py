@@ -440,7 +440,8 @@ def test_few_rows_loops_for_bf16_rows_and_weights(transposed):
     loops on the operands' exact float32 values, each output rounded once to bf16, so bit for bit
     the float32 loops' result rounded (by construction); with AVX-512 BF16 (path 4) x @ W^T by
     vdpbf16ps: another order of the same exact products, within the K-term bound plus the
-    output's rounding, a row independent of the rows beside it; x @ W on path 4 is path 3's."""
+    output's rounding, a row independent of the rows beside it, and a denormal weight counted as
+    zero (as vdpbf16ps does; the FMA loops keep it); x @ W on path 4 is path 3's."""
     ext = native._EXT
     paths = [isa for isa in (2, 3) if ext.few_rows_isa(isa)]
     if not paths:
@@ -469,6 +470,11 @@ def test_few_rows_loops_for_bf16_rows_and_weights(transposed):
     if not dp:
         with pytest.raises(ValueError, match="does not run on this CPU"):
             ext.few_rows(a, w, transposed, 4)
+    elif transposed:   # vdpbf16ps counts a denormal weight as zero (documented); the FMA loops keep it
+        one, tiny = torch.ones(1, 64).bfloat16(), torch.zeros(2, 64).bfloat16()
+        tiny[0] = 2.0 ** -130
+        assert ext.few_rows(one, tiny, True, 4)[0, 0].item() == 0.0
+        assert ext.few_rows(one, tiny, True, 3)[0, 0].item() == 2.0 ** -124
     with pytest.raises(ValueError, match="of one dtype"):
         ext.few_rows(a, w.float(), transposed, paths[0])
 

@@ -52,8 +52,9 @@ or two, differ from the reference in the last bits (other shapes, the transposed
 bfloat16 matched exactly). Its float32 and bfloat16 products of 1-8 rows an expert run fmoe's
 own loops instead (``csrc/grouped_gemm.cpp``, AVX2 + FMA or AVX-512, the same bits on both;
 bfloat16 as the float32 loops on its exact values, rounded once; bf16 ``x @ W^T`` by ``vdpbf16ps``
-on CPUs with AVX-512 BF16, another order of the same products; BLAS / ``at::mm`` on a CPU without
-AVX2): MKL's few-row kernels read the weights at half the memory rate or less on an AMD EPYC, and
+on CPUs with AVX-512 BF16, another order of the same products, which counts denormal bf16 inputs and
+partial sums as zero, as torch's bf16 GEMM does there for more than one row; BLAS / ``at::mm`` on a
+CPU without AVX2): MKL's few-row kernels read the weights at half the memory rate or less on an AMD EPYC, and
 its bf16 GEMM took as long as float32 for half the bytes. The parallel regime is therefore
 specified, and tested, within
 the forward-error bound of a K-term dot product, ``|native - reference| <= K * eps *

@@ -350,8 +350,9 @@ FMOE_FR_AVX2 void few_nk_avx2(const float* a, int64_t K, const WT* w, int64_t N,
 // bf16 rows of a bf16 x @ W^T on a CPU with AVX-512 BF16: vdpbf16ps multiplies 32 pairs a step
 // straight from the bf16 bits (no widening), exact products summed in float32 in 16 lanes, the
 // lanes reduced, the tail (K % 32) added in order. Another order of the same products than the
-// float32 loops (within the K-term bound, not their bits), and like torch's own bf16 GEMM on
-// such a CPU it treats denormal inputs and partial sums as zero.
+// float32 loops (within the K-term bound, not their bits). vdpbf16ps counts denormal inputs and
+// partial sums as zero (a weight or activation below 2^-126 in magnitude adds nothing), as
+// torch's own bf16 GEMM does on such a CPU for more than one row.
 #define FMOE_FR_BF16DP __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma")))
 
 template <int NT>
@@ -415,11 +416,6 @@ void few_rows_mm(int isa, bool transposed, const float* a, int64_t n, int64_t K,
   }
 }
 
-template <int NT>
-void few_nk_bf16dp_n(const uint16_t* a, int64_t K, const uint16_t* w, int64_t N, float* o) {
-  few_nk_bf16dp<NT>(a, K, w, N, o);
-}
-
 // bf16 rows and weights, each output rounded once to bf16 (to nearest even, as torch's bf16 GEMM
 // rounds its float32 sums). Path 4, x @ W^T: the dot products above. Otherwise the rows widened to
 // float32 (exact) and the float32 loops on the weights' exact values: those bits, rounded.
@@ -429,10 +425,17 @@ void few_rows_bf16(int isa, bool transposed, const uint16_t* a, int64_t n, int64
   thread_local std::vector<float> a32, o32;
   o32.resize(static_cast<size_t>(n * N));
   if (isa == 4 && transposed) {
-    using Fn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*);
-    static constexpr Fn fns[kFewRows] = {few_nk_bf16dp_n<1>, few_nk_bf16dp_n<2>, few_nk_bf16dp_n<3>, few_nk_bf16dp_n<4>,
-                                         few_nk_bf16dp_n<5>, few_nk_bf16dp_n<6>, few_nk_bf16dp_n<7>, few_nk_bf16dp_n<8>};
-    fns[n - 1](a, K, we, N, o32.data());
+    float* r = o32.data();
+    switch (n) {
+      case 1: few_nk_bf16dp<1>(a, K, we, N, r); break;
+      case 2: few_nk_bf16dp<2>(a, K, we, N, r); break;
+      case 3: few_nk_bf16dp<3>(a, K, we, N, r); break;
+      case 4: few_nk_bf16dp<4>(a, K, we, N, r); break;
+      case 5: few_nk_bf16dp<5>(a, K, we, N, r); break;
+      case 6: few_nk_bf16dp<6>(a, K, we, N, r); break;
+      case 7: few_nk_bf16dp<7>(a, K, we, N, r); break;
+      default: few_nk_bf16dp<8>(a, K, we, N, r); break;
+    }
   } else {
     a32.resize(static_cast<size_t>(n * K));
     for (int64_t i = 0; i < n * K; ++i) a32[i] = wvalue(a[i]);
