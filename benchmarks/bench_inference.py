@@ -147,7 +147,7 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
         steps, bytes_busy = {}, {}
         for f in fmts:
             dt = torch.bfloat16 if f == "bfloat16" else torch.float32
-            gf, xf = {"wg": gate["wg"].to(dt)}, x.to(dt)
+            gf, xf = gate, x.to(dt)   # the float32 router weight init_params gives (fp32_gate)
             params = {"gate": gf, "experts": weights[f]}
             steps[f"layer_{f}"] = (lambda p=params, xf=xf: fmoe.moe(p, xf, spec))
             if huge:

@@ -148,7 +148,7 @@ def fmoe_marginal(*, hidden: int, experts: int, k: int, ffn: int, layers: int, n
             spec = fmoe.MoESpec(model_dim=hidden, num_experts=experts, gate=fmoe.GateSpec(k=k, capacity_factor=0.0),
                                 experts=fmoe.ExpertSpec(type="swiglu", hidden_size=width,
                                                         int8_activations=act == "int8"))
-            gate = {"wg": wg.bfloat16() if act == "bf16" else wg}
+            gate = {"wg": wg}   # float32 for every variant, as init_params gives it (fp32_gate)
             variants[(act, width)] = ([{"gate": gate, "experts": w} for w in ws], spec, per_expert)
     times = {key: [] for key in variants}
     with torch.no_grad():
