@@ -2,8 +2,8 @@
 
 ``layer``: ``fmoe.moe`` decode (no grad) with swiglu experts M=2048, I=768, E=64, k=6 whose
 gate_up_proj and down_proj are packed (MXFP4, NVFP4, FP8 block 128x128; float32 experts, and bfloat16
-experts on bfloat16 rows, beside them for the float bound), T = 1, 4, 16 tokens. Each timed call starts with cold weights: before it, an untimed
-read of a 512 MiB float32 buffer (larger than this host's L3) evicts them, and that read's own time
+experts on bfloat16 rows, beside them for the float bound), T = 1, 4, 16 tokens. Each timed call starts
+with cold weights: before it, an untimed read of a 512 MiB float32 buffer (larger than this host's L3) evicts them, and that read's own time
 is the machine's memory-stream rate, measured in the same run, interleaved with the variants. The
 bound of a call = the busy experts' stored bytes (packed data + scales, both projections) / that
 rate; the table reports time / bound for the whole layer and for its two expert GEMM calls alone
@@ -135,7 +135,7 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
     fmts = list(formats) + (["float32", "bfloat16"] if float_bound else [])
     weights = {f: {"gate_up_proj": _rand_packed(f, 2 * I, M, g), "down_proj": _rand_packed(f, M, I, g)}
                for f in fmts if f != "bfloat16"}
-    if "bfloat16" in fmts:   # bf16 experts on bf16 rows and gate: a bf16 model's own layer
+    if "bfloat16" in fmts:   # bf16 experts on bf16 rows (a bf16 model's layer; the router weight stays float32)
         weights["bfloat16"] = {k: v.bfloat16() for k, v in weights["float32"].items()}
     # the same weights on transparent huge pages (what fmoe.examples.generate's loader does), where the kernel has them
     huge = {f: huge_pages(w) for f, w in weights.items()} if hugepages.available() else {}
