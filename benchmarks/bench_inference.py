@@ -3,8 +3,9 @@
 ``layer``: ``fmoe.moe`` decode (no grad) with swiglu experts M=2048, I=768, E=64, k=6 whose
 gate_up_proj and down_proj are packed (MXFP4, NVFP4, FP8 block 128x128; float32 experts, and bfloat16
 experts on bfloat16 rows, beside them for the float bound), T = 1, 4, 16 tokens. Each timed call starts
-with cold weights: before it, an untimed read of a 512 MiB float32 buffer (larger than this host's L3) evicts them, and that read's own time
-is the machine's memory-stream rate, measured in the same run, interleaved with the variants. The
+with cold weights: before it, an untimed read of a 512 MiB float32 buffer (larger than this host's L3)
+evicts them, and that read's own time is the machine's memory-stream rate, measured in the same run,
+interleaved with the variants. The
 bound of a call = the busy experts' stored bytes (packed data + scales, both projections) / that
 rate; the table reports time / bound for the whole layer and for its two expert GEMM calls alone
 (``fmoe.quant.packed.grouped_matmul`` on the plan's rows, the calls the layer makes), and for FP4 the
