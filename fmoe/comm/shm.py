@@ -23,9 +23,9 @@ nothing is left in /dev/shm after a clean step) and is reserved with ``posix_fal
 /dev/shm is an error at that point (every rank then takes the gloo path for the call), never a
 SIGBUS on a later write.
 
-What it costs (2 ranks on a 2-vCPU host, float32 rows of width 768, ``checks="off"``): 12.6 MB a rank
-6.3-7.3 ms against gloo's 9.1-12.5; 197 KB 0.74-1.00 against 0.40-0.53; one row 0.48-0.60 against
-0.28-0.46, of which the counts all-to-all is 0.25 and this module's Python 0.11. Which path a
+What it costs (2 ranks on a 2-vCPU host, float32 rows of width 768 a peer, ``checks="off"``): 12.6 MB
+7.2-7.6 ms against gloo's 9.2-12.7; 197 KB 0.94-1.02 against 0.51; 1-16 rows (3-49 KB) 0.52-0.60
+against 0.32-0.40, of which the counts all-to-all is about 0.3 and this module's Python 0.1. Which path a
 call takes must be the same on every rank, and an all-to-all-v's sizes differ between ranks, so
 ``exchange_rows`` and ``all_to_all_v`` cannot choose by size: small (decode-sized) exchanges are
 0.2-0.5 ms slower this way, and ``TorchDistComm(shared_memory=False)`` keeps them on gloo.
@@ -56,8 +56,10 @@ _DIR = "/dev/shm"
 _MIN_BYTES = 1 << 20
 # A rank that sends each peer at most this many bytes sends them inside the counts all-to-all; when
 # every rank does, the call is that one collective (no segment write, no barrier). Every call moves
-# blocks of this size: a decode step's few rows fit, and a larger bound slows every exchange.
-INLINE_BYTES = 8 << 10
+# blocks of this size (2 ranks: one 64 KiB block 0.1 ms more than a 4 KiB one over gloo), which
+# spares decode-sized exchanges (a few rows of width 2048: 24-64 KiB a peer) the segment write and
+# the barrier (0.2-0.4 ms): with 8 KiB blocks 4 rows of width 768 took 0.75-0.86 ms, with 64 KiB 0.58.
+INLINE_BYTES = 64 << 10
 # Below this many bytes in all, gloo's own all-to-all was faster on a 2-vCPU host (0.3-0.45 ms against
 # 0.5-0.95): TorchDistComm.all_to_all, whose size every rank shares, takes shared memory only from here.
 PAYS_FROM_BYTES = 512 << 10

@@ -354,7 +354,7 @@ def test_shared_memory_all_to_alls_move_the_bytes_gloo_moves(comm, monkeypatch):
         y = torch.randn(2 * W, 3, W, generator=g).to(dtype)
         assert torch.equal(fast.all_to_all(y, 0, 0), tcp.all_to_all(y, 0, 0)), dtype
         assert torch.equal(fast.all_to_all(y, 1, 2), tcp.all_to_all(y, 1, 2)), dtype
-        big = torch.randn(3000 * W, 8, generator=g).to(dtype)   # past INLINE_BYTES: the segments
+        big = torch.randn(3000 * W, 8, generator=g).to(dtype)   # 48-192 KB a peer: inline (bf16) and the segments
         assert torch.equal(fast.all_to_all(big, 0, 0), tcp.all_to_all(big, 0, 0)), dtype
         assert torch.equal(fast.all_to_all_v(big, [3000] * W, [3000] * W), tcp.all_to_all_v(big, [3000] * W, [3000] * W))
     zero = [0] * W
