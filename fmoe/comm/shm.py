@@ -58,7 +58,7 @@ _MIN_BYTES = 1 << 20
 # every rank does, the call is that one collective (no segment write, no barrier). Every call moves
 # blocks of this size (2 ranks: one 64 KiB block 0.1 ms more than a 4 KiB one over gloo), which
 # spares decode-sized exchanges (a few rows of width 2048: 24-64 KiB a peer) the segment write and
-# the barrier (0.2-0.4 ms): with 8 KiB blocks 4 rows of width 768 took 0.75-0.86 ms, with 64 KiB 0.58.
+# the barrier (0.2-0.4 ms): with 8 KiB blocks 4 rows of width 768 took 0.75-0.86 ms, with 64 KiB 0.54-0.60.
 INLINE_BYTES = 64 << 10
 # Below this many bytes in all, gloo's own all-to-all was faster on a 2-vCPU host (0.3-0.45 ms against
 # 0.5-0.95): TorchDistComm.all_to_all, whose size every rank shares, takes shared memory only from here.
