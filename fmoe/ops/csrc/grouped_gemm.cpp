@@ -277,12 +277,14 @@ inline float lanes_sum(const float* l, const float* a, const WT* w, int64_t k0, 
 }
 
 // x @ W^T: NR weight rows at a time share the activation loads (NR * NT register chains; AVX2 has
-// 16 registers for them). AVX-512 takes one row at a time: a thread's reads are then one sequential
-// stream through the expert, which read 39-46 GB/s from DRAM on the AMD host against 36-39 for
-// 4 rows side by side (2 threads, the host's fast-memory phase; equal in its slow one). The order
-// of each output element's operations does not depend on NR.
+// 16 registers for them). AVX-512 takes one row at a time for 1-2 rows an expert: a thread's reads
+// are then one sequential stream through the expert, which read 39-46 GB/s from DRAM on the AMD
+// host against 36-39 for 4 rows side by side (2 threads, the host's fast-memory phase). Above 2 rows
+// an expert the shared activation loads keep their old blocking: one row at a time was not shown
+// to pay there (the layer suite's decode_64, 6 rows an expert, was within its run-to-run spread
+// either way). The order of each output element's operations does not depend on NR.
 template <int NT, bool AVX512>
-constexpr int nk_rows() { return AVX512 ? 1 : NT <= 2 ? 4 : NT <= 4 ? 2 : 1; }
+constexpr int nk_rows() { return AVX512 ? (NT <= 2 ? 1 : NT <= 4 ? 4 : 2) : NT <= 2 ? 4 : NT <= 4 ? 2 : 1; }
 
 template <int NT, typename WT>
 FMOE_FR_AVX512 void few_nk_avx512(const float* a, int64_t K, const WT* w, int64_t N, float* o) {
