@@ -74,6 +74,12 @@ def _unlink_all(paths: list) -> None:
     paths.clear()
 
 
+def _sent(x: Tensor, rows: Optional[Tensor], start: int, n: int) -> tuple:
+    """(source, row indices) of the n rows this rank sends from position ``start`` on: x's own rows
+    in order (rows None) or x's rows ``rows[start:start + n]``, as :func:`move_rows` takes them."""
+    return (x[start:start + n], None) if rows is None else (x, rows[start:start + n])
+
+
 def _reserve(path: str, nbytes: int) -> None:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -149,10 +155,7 @@ class Segments:
             for w in range(W):
                 if w != me and send[w]:
                     buf = mine[w, hb:hb + send[w] * row_bytes].view(x.dtype).view(send[w], *tail)
-                    if rows is None:
-                        buf.copy_(x[starts[w]:starts[w] + send[w]])
-                    else:
-                        move_rows(x, rows[starts[w]:starts[w] + send[w]], None, buf)
+                    move_rows(*_sent(x, rows, starts[w], send[w]), None, buf)
         table = torch.empty(W, hb + INLINE_BYTES, dtype=torch.uint8)
         comm._do("all-to-all (shared-memory counts)",
                  lambda: dist.all_to_all_single(table.view(-1), mine.view(-1), group=comm.group))
@@ -172,8 +175,8 @@ class Segments:
             self._pack(x, rows, s0, ns, self.mine[:need].view(x.dtype).view(peer_rows, *tail))
         r0, nr = sum(recv[:me]), recv[me]
         if ns:   # this rank's own rows, straight from x
-            own = (x[s0:s0 + ns], None) if rows is None else (x, rows[s0:s0 + ns])
-            move_rows(*own, *((None, out[r0:r0 + nr]) if place is None else (place[r0:r0 + nr], out)))
+            to = (None, out[r0:r0 + nr]) if place is None else (place[r0:r0 + nr], out)
+            move_rows(*_sent(x, rows, s0, ns), *to)
         # every peer's current segment, received from or not: a new one is unlinked after this call's barrier
         segs = {u: self._peer(u, t[u][2], t[u][3]) for u in range(W) if u != me and t[u][2]}
         if not all(row[1] for row in t):   # some rank wrote its segment: wait until all have
