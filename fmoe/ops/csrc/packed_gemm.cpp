@@ -1520,6 +1520,8 @@ enum StageOrder { kOrderFmoe = 0, kOrderEager = 1, kOrderGrouped = 2 };
 
 // to bf16 and back (round to nearest even, c10::BFloat16's conversion, as torch's casts)
 inline float bf16_round(float v) { return static_cast<float>(c10::BFloat16(v)); }
+// bf16 bits to float32 (exact)
+inline float bf16_value(uint16_t bits) { return c10::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
 
 FMOE_AVX512 void exp_neg_avx512(const float* v, float* e, int64_t n) {
   const __m512 sign = _mm512_set1_ps(-0.0f);
@@ -1642,7 +1644,8 @@ void stage_activation(int act, const float* z0, const float* z1, float* h, uint1
 template <bool BF16>
 void stage_combine(const float* yr, const int64_t* tokens, int order, const int64_t* by_pair, int64_t k,
                    const int64_t* tok_start, const int64_t* tok_rows, const int64_t* row_expert, const float* gates,
-                   bool gates_bf16, const float* b_out, float* y, uint16_t* y16, int64_t T, int64_t N, int64_t O) {
+                   bool gates_bf16, const float* b_out, const uint16_t* b_out16, float* y, uint16_t* y16, int64_t T,
+                   int64_t N, int64_t O) {
   const auto rd = [](float v) { return BF16 ? bf16_round(v) : v; };
   // a decode call's few rows in one block on the calling thread: a parallel region costs more
   // than the adds (and, on a busy host, waits for a descheduled thread)
@@ -1654,6 +1657,7 @@ void stage_combine(const float* yr, const int64_t* tokens, int order, const int6
     const auto term = [&](int64_t r, int64_t c) {
       float v = yr[r * O + c];
       if (b_out != nullptr) v = rd(v + b_out[row_expert[r] * O + c]);
+      if (b_out16 != nullptr) v = rd(v + bf16_value(b_out16[row_expert[r] * O + c]));
       return v;
     };
     if (BF16 && order == kOrderEager) {
@@ -1881,16 +1885,16 @@ at::Tensor packed_expert_stage(const at::Tensor& x, const at::Tensor& tokens, co
       static_cast<float>(alpha), static_cast<float>(limit), exp_vec);
   at::Tensor yr = at::empty({N, O}, at::kFloat);
   stage_gemm(ps[n_in], h, h16, o, E, isa, dense_from, act_int8, yr);
-  // the out-projection's bias: added inside the combine (stage_combine's term), as a float32
-  // copy for bf16 (exact)
-  at::Tensor bo32;
-  if (b_out.has_value()) bo32 = bf16 ? b_out->to(at::kFloat) : *b_out;
+  // the out-projection's bias: added inside the combine (stage_combine's term), read in place in
+  // its dtype (a float32 copy of the whole [E, O] would cost more than the decode rows it serves)
   at::Tensor y = at::empty({T, O}, bf16 ? at::kBFloat16 : at::kFloat);
   (bf16 ? stage_combine<true> : stage_combine<false>)(
       yr.const_data_ptr<float>(), tok, static_cast<int>(order), by_pair.empty() ? nullptr : by_pair.data(), num_slots,
       tok_start.empty() ? nullptr : tok_start.data(), tok_rows.empty() ? nullptr : tok_rows.data(),
       row_expert.empty() ? nullptr : row_expert.data(), gw, gates_bf16,
-      b_out.has_value() ? bo32.const_data_ptr<float>() : nullptr, bf16 ? nullptr : y.data_ptr<float>(),
+      b_out.has_value() && !bf16 ? b_out->const_data_ptr<float>() : nullptr,
+      b_out.has_value() && bf16 ? reinterpret_cast<const uint16_t*>(b_out->const_data_ptr()) : nullptr,
+      bf16 ? nullptr : y.data_ptr<float>(),
       bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr()) : nullptr, T, N, O);
   return y;
 }
