@@ -341,14 +341,19 @@ def test_bfloat16_rows_round_once(fmt, K):
     assert ((wrong.float() - ref).abs() > slack).any()   # the bound catches other weights
 
 
-def _raw_out(a, w, o, dot_bf16):
-    """The kernel's float32 output for bf16 rows a (before packed._native rounds it to bf16)."""
+_DOT_BF16 = 4   # packed_grouped_mm's return where the bf16 dot-product tiles ran
+
+
+def _raw_out(a, w, o, dot_bf16, path=False):
+    """The kernel's float32 output for bf16 rows a (before packed._native rounds it to bf16);
+    path: also the path it reports (the ISA run, or _DOT_BF16)."""
     from fmoe.quant import _codecs as C
     data, scales, table, fp4, bn, bk, gs = packed._operands(w)
     out = torch.empty(a.shape[0], w.logical_shape[1])
-    packed._EXT.packed_grouped_mm(a.float().contiguous(), o, data, scales, table, C.E4M3_TABLE, gs, fp4, bn, bk, out,
-                                  packed.ISAS["auto"], packed.DENSE_FROM, False, a.contiguous(), True, dot_bf16)
-    return out
+    ran = packed._EXT.packed_grouped_mm(a.float().contiguous(), o, data, scales, table, C.E4M3_TABLE, gs, fp4, bn, bk,
+                                        out, packed.ISAS["auto"], packed.DENSE_FROM, False, a.contiguous(), True,
+                                        dot_bf16)
+    return (out, ran) if path else out
 
 
 @pytest.mark.parametrize("fmt,K,N", [("mxfp4", 256, 199), ("mxfp4", 384, 64), ("nvfp4", 256, 199), ("nvfp4", 128, 3)])
@@ -356,7 +361,8 @@ def test_bfloat16_rows_bf16_dot_tiles(fmt, K, N):
     """bf16 rows of FP4 weights at decode on an AVX-512 BF16 CPU: the bf16 dot-product tiles (exact
     products, vdpbf16ps) give the reference's fp32 sum within the K-term bound, for 1-4 rows an
     expert, an odd number of weight rows, E8M0 scales on the bit path and (a 0 byte) through the
-    table; they do run (the float tiles sum in another order: some of a large case's sums differ);
+    table; they do run (the call reports their path: their sums often equal the float tiles' to
+    the bit, as both sum a lane's k in the same order);
     a row with a nonzero value below 2^-100 (where vdpbf16ps's flush of denormals could matter)
     sends the call to the float tiles."""
     if not packed.AVAILABLE or not packed._EXT.has_bf16_dot():
@@ -372,14 +378,14 @@ def test_bfloat16_rows_bf16_dot_tiles(fmt, K, N):
     a = torch.randn(int(o[-1]), K, generator=g).bfloat16()
     ref = packed.grouped_matmul_reference(a.float(), w, o)
     bound = _bound(a, w, o)
-    dot, flt = _raw_out(a, w, o, True), _raw_out(a, w, o, False)
+    (dot, ran), (flt, ran_flt) = _raw_out(a, w, o, True, True), _raw_out(a, w, o, False, True)
+    assert (ran, ran_flt) == (_DOT_BF16, packed.ISAS["avx512"])   # they do run
     for got in (dot, flt):
         assert ((got - ref).abs() <= bound).all()
-    if N * K >= 2 ** 14:   # they do run: another summation order, so some of the many sums differ
-        assert not torch.equal(dot, flt)
     for tiny in (2.0 ** -110, 2.0 ** -130):   # normal and denormal bf16
         a2 = a.clone()
         a2[2, 7] = tiny
+        assert _raw_out(a2, w, o, True, True)[1] == packed.ISAS["avx512"]
         assert torch.equal(_raw_out(a2, w, o, True), _raw_out(a2, w, o, False))
     y = packed.grouped_matmul(a, w, o)   # the public call takes them: one bf16 rounding of the kernel's sum
     assert torch.equal(y, dot.bfloat16())

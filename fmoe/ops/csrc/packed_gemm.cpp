@@ -731,6 +731,8 @@ void run_job_vnni(const Params& p, const Job& j, const int8_t* xq, const float* 
 // (arrange_acts_bf16), whence every product and partial sum is zero or far from the denormals.
 #define FMOE_BF16DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
 
+constexpr int64_t kDotBf16 = 4;   // grouped_run's return where these tiles ran
+
 bool has_avx512_bf16() {
   static const bool has = [] {   // asked on every call of grouped_run: once per process
     __builtin_cpu_init();
@@ -741,17 +743,18 @@ bool has_avx512_bf16() {
   return has;
 }
 
-// A chunk of 64 packed bytes (128 k) decodes to four vectors of 32 bf16 words: each half of the
-// chunk (32 bytes, 64 k) zero-extended to words (byte i: k = 2i in its low nibble, 2i + 1 in its
-// high one), then vpermw through a 32-word table that holds the 16 E2M1 bf16 values twice (it
-// reads the low 5 bits of an index: the low nibble, plus a high-nibble bit that the doubled
-// table ignores), for the even k as they are and the odd k after a shift right by 4. Vector h * 2
-// + o (half h, o = 0 even / 1 odd k) word i is k = 64h + 2i + o, so vdpbf16ps's lane j sums k =
-// 64h + 4j .. 64h + 4j + 3 (the even and the odd vector of a half accumulate into one lane set):
-// one scale block per lane for BK = 16 (4h + j / 4) and BK = 32 (2h + j / 8). Activations are
-// stored per chunk in that order (4 x 32 words), for the rows of the experts the tiles run (those
-// with at most dense_from rows; the others' rows are left unwritten). Returns false (nothing to
-// use) if a nonzero value of those rows is below 2^-100 in magnitude (see above).
+// A chunk of 64 packed bytes (128 k) decodes to four vectors of 32 bf16 words, straight from the
+// chunk's 32 words: word i holds k = 4i + o in its nibble o (bytes 2i, 2i + 1, low nibble first).
+// vpermw reads the low 5 bits of each index word, so the word shifted right by 4o indexes a
+// 32-word table that holds the 16 E2M1 bf16 values twice (the fifth bit, the next nibble's low
+// one, picks a copy): vector o word i is k = 4i + o. Four table lookups and three shifts a chunk
+// (a widening to words first took six shuffles: on Zen 4 the shuffles share the units of
+// vdpbf16ps, and this cut the tile's time a weight by a fifth). vdpbf16ps's lane j sums words
+// 2j, 2j + 1 of each vector: k = 8j .. 8j + 7 over the four, inside one scale block for BK = 32
+// (block j / 4) and BK = 16 (j / 2), so the four products of a chunk take one scale vector.
+// Activations are stored per chunk in that order (4 x 32 words), for the rows of the experts the
+// tiles run (those with at most dense_from rows; the others' rows are left unwritten). Returns
+// false (nothing to use) if a nonzero value of those rows is below 2^-100 in magnitude (see above).
 bool arrange_acts_bf16(const uint16_t* a, const int64_t* o, int64_t E, int64_t dense_from, int64_t K,
                        uint16_t* xb) {
   const int64_t nc = K / 128;
@@ -765,37 +768,31 @@ bool arrange_acts_bf16(const uint16_t* a, const int64_t* o, int64_t E, int64_t d
       for (int64_t c = 0; c < nc; ++c) {
         const uint16_t* x = a + r * K + 128 * c;
         uint16_t* d = xb + (r * nc + c) * 128;
-        for (int h = 0; h < 2; ++h)
-          for (int q = 0; q < 2; ++q)
-            for (int i = 0; i < 32; ++i) d[(2 * h + q) * 32 + i] = x[64 * h + 2 * i + q];
+        for (int q = 0; q < 4; ++q)
+          for (int i = 0; i < 32; ++i) d[q * 32 + i] = x[4 * i + q];
       }
   }
   return true;
 }
 
-// The scales of one chunk for the lanes above: s[h] for half h. E8 (BK = 32, E8M0 bytes none 0 or
-// 255): lane j's float is the bits of byte 2h + j / 8 << 23.
+// The scales of one chunk for the lanes above. E8 (BK = 32, E8M0 bytes none 0 or 255): lane j's
+// float is the bits of byte j / 4 << 23 (vpshufb within each 128-bit lane L = j / 4 picks byte L).
 template <int BK, bool E8>
-FMOE_BF16DP inline void bf16dp_scales(const float* table, const uint8_t* sr, __m512 s[2]) {
+FMOE_BF16DP inline __m512 bf16dp_scales(const float* table, const uint8_t* sr) {
   if constexpr (E8) {
     int32_t b4;
     std::memcpy(&b4, sr, 4);
-    const __m512i b = _mm512_set1_epi32(b4);
-    const __m512i lo = _mm512_set_epi32(0x80808001, 0x80808001, 0x80808001, 0x80808001, 0x80808001, 0x80808001,
-                                        0x80808001, 0x80808001, 0x80808000, 0x80808000, 0x80808000, 0x80808000,
-                                        0x80808000, 0x80808000, 0x80808000, 0x80808000);
-    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(2));
-    s[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(b, lo), 23));
-    s[1] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(b, hi), 23));
+    const __m512i pick = _mm512_set_epi32(0x80808003, 0x80808003, 0x80808003, 0x80808003, 0x80808002, 0x80808002,
+                                          0x80808002, 0x80808002, 0x80808001, 0x80808001, 0x80808001, 0x80808001,
+                                          0x80808000, 0x80808000, 0x80808000, 0x80808000);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(b4), pick), 23));
   } else if constexpr (BK == 32) {
     const __m512 t = _mm512_castps128_ps512(_mm_setr_ps(table[sr[0]], table[sr[1]], table[sr[2]], table[sr[3]]));
-    s[0] = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), t);
-    s[1] = _mm512_permutexvar_ps(_mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3), t);
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), t);
   } else {
     const __m512 t = _mm512_castps256_ps512(_mm256_setr_ps(table[sr[0]], table[sr[1]], table[sr[2]], table[sr[3]],
                                                            table[sr[4]], table[sr[5]], table[sr[6]], table[sr[7]]));
-    s[0] = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), t);
-    s[1] = _mm512_permutexvar_ps(_mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7), t);
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), t);
   }
 }
 
@@ -816,25 +813,25 @@ FMOE_BF16DP void fp4_rows2_bf16(const Params& p, const Job& j, int64_t n, int64_
   for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
   for (int64_t c = 0; c < nc; ++c) {
     __m512bh w[2][4];
-    __m512 sc[2][2];
+    __m512 sc[2];
     for (int i = 0; i < 2; ++i) {
       FMOE_PREFETCH(r[i] + 64 * c + p.pf);
       if ((kSpc * c) % 64 == 0) FMOE_PREFETCH(sr[i] + kSpc * c + p.pf_s);
-      for (int h = 0; h < 2; ++h) {
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[i] + 64 * c + 32 * h)));
-        w[i][2 * h] = (__m512bh)_mm512_permutexvar_epi16(v, tab);
-        w[i][2 * h + 1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab);
-      }
-      bf16dp_scales<BK, E8>(p.table, sr[i] + kSpc * c, sc[i]);
+      const __m512i v = _mm512_loadu_si512(r[i] + 64 * c);
+      w[i][0] = (__m512bh)_mm512_permutexvar_epi16(v, tab);
+      w[i][1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab);
+      w[i][2] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), tab);
+      w[i][3] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), tab);
+      sc[i] = bf16dp_scales<BK, E8>(p.table, sr[i] + kSpc * c);
     }
     for (int t = 0; t < NT; ++t) {
       const uint16_t* x = xb + (t * nc + c) * 128;
       __m512bh xv[4];
       for (int q = 0; q < 4; ++q) xv[q] = (__m512bh)_mm512_loadu_si512(x + 32 * q);
       for (int i = 0; i < 2; ++i) {
-        const __m512 p0 = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), w[i][0], xv[0]), w[i][1], xv[1]);
-        const __m512 p1 = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), w[i][2], xv[2]), w[i][3], xv[3]);
-        acc[i][t] = _mm512_fmadd_ps(p1, sc[i][1], _mm512_fmadd_ps(p0, sc[i][0], acc[i][t]));
+        __m512 d = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), w[i][0], xv[0]), w[i][1], xv[1]);
+        d = _mm512_dpbf16_ps(_mm512_dpbf16_ps(d, w[i][2], xv[2]), w[i][3], xv[3]);
+        acc[i][t] = _mm512_fmadd_ps(d, sc[i], acc[i][t]);
       }
     }
   }
@@ -1384,7 +1381,8 @@ const int64_t* checked_offsets(const at::Tensor& offsets, int64_t E, int64_t R) 
 }
 
 // out [R, N] float32 = a [R, K] (contiguous float32) times the weights of p (weight_params) for
-// the rows o[e] .. o[e + 1] of every expert e (o: checked_offsets). Returns the ISA run.
+// the rows o[e] .. o[e + 1] of every expert e (o: checked_offsets). Returns the ISA run, or
+// kDotBf16 where the bf16 dot-product tiles ran the small experts (AVX-512 for the others).
 int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E, int64_t isa, int64_t dense_from,
                     bool act_int8, const c10::optional<at::Tensor>& a_bf16, const at::Tensor& out) {
   const int64_t R = a.size(0), K = p.K, N = p.N, bk = p.bk;
@@ -1468,11 +1466,11 @@ int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E,
         }
       }
   });
-  return run;
+  return dot16 ? kDotBf16 : run;
 }
 
 
-// out [R, N] float32 (written); see the file comment for the operands. Returns the ISA run.
+// out [R, N] float32 (written); see the file comment for the operands. Returns grouped_run's path.
 int64_t packed_grouped_mm(const at::Tensor& a, const at::Tensor& offsets, const at::Tensor& data,
                           const at::Tensor& scales, const at::Tensor& table, const at::Tensor& e4m3,
                           const c10::optional<at::Tensor>& gscale, bool fp4, int64_t bn, int64_t bk,
