@@ -128,11 +128,14 @@ def fmoe_marginal(*, hidden: int, experts: int, k: int, ffn: int, layers: int, n
     of a layer the others read their experts, as in the model llama.cpp decodes; no eviction read),
     at expert width ``ffn`` and ``narrow``, interleaved; the bytes the wider experts add per call
     over the time they add is the marginal read rate. For float32 rows, bf16 rows (a bf16 model's)
-    and, on a VNNI CPU, int8 activations. {variant: {"read_GBps", "ms_per_call", "whole_call_GBps"}}."""
+    and, on a VNNI CPU, int8 activations, with the experts on 4 KiB pages (as llama.cpp maps its
+    file here); where the host has transparent huge pages, bf16 and int8 rows also with the experts
+    on them ("bf16_huge", "int8_huge": where ``fmoe.examples.generate``'s loader puts them).
+    {variant: {"read_GBps", "ms_per_call", "whole_call_GBps"}}."""
     import torch
 
     import fmoe
-    from fmoe.quant import packed
+    from fmoe.quant import huge_pages, hugepages, packed
     from .bench_inference import _nbytes, _rand_packed
     g = torch.Generator().manual_seed(0)
     wg = torch.randn(experts, hidden, generator=g) * 0.02
@@ -144,26 +147,30 @@ def fmoe_marginal(*, hidden: int, experts: int, k: int, ffn: int, layers: int, n
         ws = [{"gate_up_proj": _rand_packed("mxfp4", 2 * width, hidden, g),
                "down_proj": _rand_packed("mxfp4", hidden, width, g)} for _ in range(layers)]
         per_expert = sum(_nbytes(t, 1) for t in ws[0].values())
-        for act in ("float", "bf16", "int8") if packed.has_int8_path() else ("float", "bf16"):
+        acts = ["float", "bf16"] + (["int8"] if packed.has_int8_path() else [])
+        if hugepages.available():
+            acts += [a + "_huge" for a in acts if a != "float"]
+        for act in acts:
             spec = fmoe.MoESpec(model_dim=hidden, num_experts=experts, gate=fmoe.GateSpec(k=k, capacity_factor=0.0),
                                 experts=fmoe.ExpertSpec(type="swiglu", hidden_size=width,
-                                                        int8_activations=act == "int8"))
+                                                        int8_activations=act.startswith("int8")))
             gate = {"wg": wg}   # float32 for every variant, as init_params gives it (fp32_gate)
-            variants[(act, width)] = ([{"gate": gate, "experts": w} for w in ws], spec, per_expert)
+            placed = [huge_pages(w) for w in ws] if act.endswith("_huge") else ws
+            variants[(act, width)] = ([{"gate": gate, "experts": w} for w in placed], spec, per_expert)
     times = {key: [] for key in variants}
     with torch.no_grad():
         for (act, _), (ps, spec, _) in variants.items():
-            fmoe.moe(ps[0], (xs16 if act == "bf16" else xs)[0], spec)   # warm-up
+            fmoe.moe(ps[0], (xs16 if act.startswith("bf16") else xs)[0], spec)   # warm-up
         for r in range(repeats):
             for key in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
                 ps, spec, _ = variants[key]
-                rows = xs16 if key[0] == "bf16" else xs
+                rows = xs16 if key[0].startswith("bf16") else xs
                 t0 = time.perf_counter()
                 for i, x in enumerate(rows):
                     fmoe.moe(ps[i % layers], x, spec)
                 times[key].append((time.perf_counter() - t0) / calls)
     out = {}
-    for act in sorted({a for a, _ in variants}):
+    for act in dict.fromkeys(a for a, _ in variants):
         t_w, t_n = statistics.median(times[(act, ffn)]), statistics.median(times[(act, narrow)])
         extra = statistics.mean(busy) * (variants[(act, ffn)][2] - variants[(act, narrow)][2])
         out[act] = {"read_GBps": extra / max(t_w - t_n, 1e-9) / 1e9, "ms_per_call": t_w * 1e3,
