@@ -644,12 +644,29 @@ void quantize_acts_int8(const float* a, int64_t R, int64_t K, int8_t* xq, float*
   });
 }
 
+// The weight scales of one chunk for the VNNI lanes (lane j: k = 8j .. 8j + 7, block 8j / BK), as
+// fp4_scales16; E8 (BK = 32, E8M0 bytes none 0 or 255): the bits b << 23 spread with one vpshufb
+// (lane j takes byte j / 4) instead of four table reads.
+template <int BK, bool E8>
+FMOE_VNNI inline __m512 vnni_scales(const Params& p, const uint8_t* sr) {
+  if constexpr (E8) {
+    int32_t b4;
+    std::memcpy(&b4, sr, 4);
+    const __m512i spread = _mm512_set_epi32(0x80808003, 0x80808003, 0x80808003, 0x80808003, 0x80808002, 0x80808002,
+                                            0x80808002, 0x80808002, 0x80808001, 0x80808001, 0x80808001, 0x80808001,
+                                            0x80808000, 0x80808000, 0x80808000, 0x80808000);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(b4), spread), 23));
+  } else {
+    return fp4_scales16<BK>(p, sr);
+  }
+}
+
 // FP4 weight rows n, n2 against NT int8 activation rows: 2 * E2M1 + kW0 as unsigned bytes through
 // vpshufb, vpdpbusd of those x the activations (s8) into 16 int32 lanes (lane j: k = 8j .. 8j + 7,
 // one weight and one activation block), minus the activations' kW0 * sum (xs, made once per row),
 // which leaves the exact integer sum of 2 * E2M1 * q; then lane * weight scale * activation scale
 // into float. Requires K % 128 == 0 and bk in {16, 32}.
-template <int NT, int BK>
+template <int NT, int BK, bool E8>
 FMOE_VNNI void fp4_rows2_vnni(const Params& p, const Job& j, int64_t n, int64_t n2, const int8_t* xq,
                               const float* xd, const int32_t* xs, float* res, float* res2) {
   const uint8_t* r0 = p.data + j.e * p.d_e + n * p.d_r;
@@ -669,8 +686,8 @@ FMOE_VNNI void fp4_rows2_vnni(const Params& p, const Job& j, int64_t n, int64_t 
     const __m512i a_hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4));
     const __m512i b_lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v1, m4));
     const __m512i b_hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4));
-    const __m512 s0 = fp4_scales16<BK>(p, sr0 + 128 * c / BK);
-    const __m512 s1 = fp4_scales16<BK>(p, sr1 + 128 * c / BK);
+    const __m512 s0 = vnni_scales<BK, E8>(p, sr0 + 128 * c / BK);
+    const __m512 s1 = vnni_scales<BK, E8>(p, sr1 + 128 * c / BK);
     for (int t = 0; t < NT; ++t) {
       const int8_t* q = xq + (t * nc + c) * 128;
       const __m512i xl = _mm512_loadu_si512(q), xh = _mm512_loadu_si512(q + 64);
@@ -689,13 +706,15 @@ FMOE_VNNI void fp4_rows2_vnni(const Params& p, const Job& j, int64_t n, int64_t 
 }
 
 template <int NT>
-void rows_vnni(const Params& p, const Job& j, const int8_t* xq, const float* xd, const int32_t* xs, int64_t row0) {
+void rows_vnni(const Params& p, const Job& j, const int8_t* xq, const float* xd, const int32_t* xs, int64_t row0,
+               bool e8) {
   float r0[4], r1[4];
   const float g = gscale_of(p, j.e);
   for (int64_t n = j.n0; n < j.n1; n += 2) {
     const int64_t n2 = std::min(n + 1, j.n1 - 1);
-    if (p.bk == 32) fp4_rows2_vnni<NT, 32>(p, j, n, n2, xq, xd, xs, r0, r1);
-    else fp4_rows2_vnni<NT, 16>(p, j, n, n2, xq, xd, xs, r0, r1);
+    if (p.bk == 16) fp4_rows2_vnni<NT, 16, false>(p, j, n, n2, xq, xd, xs, r0, r1);
+    else if (e8) fp4_rows2_vnni<NT, 32, true>(p, j, n, n2, xq, xd, xs, r0, r1);
+    else fp4_rows2_vnni<NT, 32, false>(p, j, n, n2, xq, xd, xs, r0, r1);
     for (int t = 0; t < NT; ++t) {
       p.out[(row0 + t) * p.N + n] = r0[t] * g;
       p.out[(row0 + t) * p.N + n2] = r1[t] * g;
@@ -705,16 +724,17 @@ void rows_vnni(const Params& p, const Job& j, const int8_t* xq, const float* xd,
 
 void run_job_vnni(const Params& p, const Job& j, const int8_t* xq, const float* xd, const int32_t* xs) {
   const int64_t nc = p.K / 128;
+  const bool e8 = p.bk == 32 && p.e8m0 && e8m0_plain(p.sb + j.e * p.s_e + j.n0 * p.s_r, (j.n1 - j.n0) * p.s_r);
   for (int64_t c = 0; c < j.c; c += 4) {
     const int64_t nt = std::min<int64_t>(4, j.c - c), r = j.lo + c;
     const int8_t* q = xq + r * nc * 128;
     const float* d = xd + r * nc * 16;
     const int32_t* sm = xs + r * nc * 16;
     switch (nt) {
-      case 1: rows_vnni<1>(p, j, q, d, sm, r); break;
-      case 2: rows_vnni<2>(p, j, q, d, sm, r); break;
-      case 3: rows_vnni<3>(p, j, q, d, sm, r); break;
-      default: rows_vnni<4>(p, j, q, d, sm, r); break;
+      case 1: rows_vnni<1>(p, j, q, d, sm, r, e8); break;
+      case 2: rows_vnni<2>(p, j, q, d, sm, r, e8); break;
+      case 3: rows_vnni<3>(p, j, q, d, sm, r, e8); break;
+      default: rows_vnni<4>(p, j, q, d, sm, r, e8); break;
     }
   }
 }
