@@ -2,7 +2,8 @@
 
 ``single``: one warm expert [N=1536, K=2048] per format (mxfp4, nvfp4, mxfp8, fp8_block, fp8_row), one
 activation row, 1 thread, every ISA path the CPU has (forced), the native call alone (no Python front;
-``front_auto``: through ``grouped_matmul``; ``new_int8``: FP4 with the opt-in int8 activations), timed by the thread's CPU time (``time.thread_time``),
+``front_auto``: through ``grouped_matmul``; ``new_int8``: FP4 with the opt-in int8 activations; ``new_bf16``: FP4
+with bf16 rows, the bf16 dot-product tiles on an AVX-512 BF16 CPU), timed by the thread's CPU time (``time.thread_time``),
 interleaved with ``torch.mv`` over a float32 matrix holding as many bytes as the packed expert (data +
 scales). Reports GB/s of stored bytes read and the ratio to that GEMV rate.
 
@@ -79,11 +80,15 @@ def _call(ext, a, offsets, w, isa: int, int8: bool = False, n: int = N):
     from fmoe.quant import packed
     data, scales, table, fp4, bn, bk, gs = packed._operands(w)
     out = torch.empty(a.shape[0], n)
-    # the trailing arguments an older build may lack: bf16 rows (arg14), the blas flag (arg15)
-    doc = ext.packed_grouped_mm.__doc__ or ""
-    extra = (None, True) if "arg15" in doc else (None,) if "arg14" in doc else ()
     return lambda: ext.packed_grouped_mm(a, offsets, data, scales, table, C.E4M3_TABLE, gs, fp4, bn, bk, out, isa,
-                                         packed.DENSE_FROM, int8, *extra)
+                                         packed.DENSE_FROM, int8, *_trailing(ext, None))
+
+
+def _trailing(ext, a16) -> tuple:
+    # the trailing arguments an older build may lack: bf16 rows (arg14), the blas flag (arg15), the
+    # bf16 dot-product tiles' flag (arg16)
+    doc = ext.packed_grouped_mm.__doc__ or ""
+    return (a16, True, True) if "arg16" in doc else (a16, True) if "arg15" in doc else (a16,) if "arg14" in doc else ()
 
 
 def _interleaved(steps: dict, repeats: int, inner: int, clock=time.perf_counter) -> dict:
@@ -126,6 +131,13 @@ def single(formats, repeats: int, old=None, rows=(1,), log=print) -> dict:
         steps["front_auto"] = lambda: packed.grouped_matmul(a, w, off)
         if fmt in ("mxfp4", "nvfp4") and packed.has_int8_path():   # opt-in int8 activations (VNNI)
             steps["new_int8"] = _call(packed._EXT, a, off, w, 0, True)
+            if old is not None:
+                steps["old_int8"] = _call(old, a, off, w, 0, True)
+        if fmt in ("mxfp4", "nvfp4"):   # bf16 rows (a bf16 model's): the dot-product tiles where the CPU has them
+            a16 = a.bfloat16()
+            steps["new_bf16"] = _prefill_call(packed._EXT, a16.float(), a16, off, w, N)
+            if old is not None:
+                steps["old_bf16"] = _prefill_call(old, a16.float(), a16, off, w, N)
         # this thread's CPU time: on the shared 2-core host a wall clock mostly times the other tenants
         t = _interleaved(steps, repeats, inner=10, clock=time.thread_time)
         gemv = wf.numel() * 4 / t["gemv"] / 1e9
@@ -322,7 +334,7 @@ def _prefill_call(ext, a, a16, off, w, n: int, isa: int = 0):
     out = torch.empty(a.shape[0], n)
     b16 = a16 if a16 is not None and (fp4 or scales.dtype == torch.float32) else None
     return lambda: ext.packed_grouped_mm(a, off, data, scales, table, C.E4M3_TABLE, gs, fp4, bn, bk, out, isa,
-                                         packed.DENSE_FROM, False, b16, True)
+                                         packed.DENSE_FROM, False, *_trailing(ext, b16))
 
 
 def prefill(formats, rows: int, repeats: int, old=None, threads: int = 2, log=print) -> dict:

@@ -378,12 +378,23 @@ FMOE_AVX512 void rows_avx512(const Params& p, int64_t e, int64_t n0, int64_t n1,
   }
 }
 
-// 16 scale values for one 64-byte FP4 chunk (128 k), lane j covering k = 8j .. 8j + 7 (see
-// fp4_rows2_avx512): lane j's block is 8j / BK; sr points at the chunk's first scale byte.
-template <int BK>
+// 16 scale values for one 64-byte FP4 chunk (128 k), lane j covering k = 8j .. 8j + 7 (the lanes
+// of every AVX-512 FP4 tile: float, int8 and bf16 dot products): lane j's block is 8j / BK; sr
+// points at the chunk's first scale byte. E8 (BK = 32, E8M0 bytes none 0 or 255: e8m0_plain): the
+// floats are the bits b << 23, spread with one vpshufb (per 128-bit lane L, lanes j = 4L .. 4L + 3,
+// every dword takes byte L), the table's values without its four reads.
+template <int BK, bool E8 = false>
 FMOE_AVX512 inline __m512 fp4_scales16(const Params& p, const uint8_t* sr) {
+  static_assert(!E8 || BK == 32, "the E8M0 bit path spreads 4 scales per chunk");
   const float* table = p.table;
-  if (BK == 32) {
+  if constexpr (E8) {
+    int32_t b4;
+    std::memcpy(&b4, sr, 4);
+    const __m512i spread = _mm512_set_epi32(0x80808003, 0x80808003, 0x80808003, 0x80808003, 0x80808002, 0x80808002,
+                                            0x80808002, 0x80808002, 0x80808001, 0x80808001, 0x80808001, 0x80808001,
+                                            0x80808000, 0x80808000, 0x80808000, 0x80808000);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(b4), spread), 23));
+  } else if constexpr (BK == 32) {
     const __m128 s = _mm_setr_ps(table[sr[0]], table[sr[1]], table[sr[2]], table[sr[3]]);
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
                                  _mm512_castps128_ps512(s));
@@ -403,13 +414,10 @@ FMOE_AVX512 inline __m512 fp4_scales16(const Params& p, const uint8_t* sr) {
 // index, so shifting by 4q and permuting the 16-entry E2M1 table gives k = 8j + q in lane j.
 // Every lane of a chunk stays inside one scale block (8 | BK), so the chunk's products are summed
 // per lane unscaled (two chains) and the lane's scale multiplies that sum once. The NR weight rows
-// share every activation load; the tile is decoded once for all NT rows. E8: the scales are E8M0
-// bytes none of which is 0 or 255 (e8m0_plain), so their floats are the bits b << 23, spread to
-// the lanes with one vpshufb (lane j takes the chunk's scale j / 4; BK = 32); otherwise they go
-// through the table (fp4_scales16). Requires K % 128 == 0 and bk in {16, 32}.
+// share every activation load; the tile is decoded once for all NT rows. The scales: fp4_scales16
+// (E8: from their bits). Requires K % 128 == 0 and bk in {16, 32}.
 template <int NR, int NT, int BK, bool E8>
 FMOE_AVX512 FMOE_INLINE void fp4_tile_avx512(const Params& p, int64_t e, int64_t n, const float* x0, float* res) {
-  static_assert(!E8 || BK == 32, "the E8M0 bit path spreads 4 scales per chunk");
   constexpr int P = 2;
   constexpr int kSpc = 128 / BK;  // scales per chunk
   const int64_t nc = p.K / 128;
@@ -420,10 +428,6 @@ FMOE_AVX512 FMOE_INLINE void fp4_tile_avx512(const Params& p, int64_t e, int64_t
     sr[i] = p.sb + e * p.s_e + (n + i) * p.s_r;  // bn == 1 for FP4
   }
   const __m512 lut = _mm512_loadu_ps(kE2M1);
-  // per 128-bit lane L (lanes j = 4L .. 4L + 3): every dword = byte L zero-extended
-  const __m512i spread = _mm512_set_epi32(0x80808003, 0x80808003, 0x80808003, 0x80808003, 0x80808002, 0x80808002,
-                                          0x80808002, 0x80808002, 0x80808001, 0x80808001, 0x80808001, 0x80808001,
-                                          0x80808000, 0x80808000, 0x80808000, 0x80808000);
   __m512 acc[NR][NT];
   for (int i = 0; i < NR; ++i)
     for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
@@ -461,14 +465,7 @@ FMOE_AVX512 FMOE_INLINE void fp4_tile_avx512(const Params& p, int64_t e, int64_t
     FMOE_FP4_Q(IDX, 0) FMOE_FP4_Q(IDX, 1) FMOE_FP4_Q(IDX, 2) FMOE_FP4_Q(IDX, 3)                   \
     FMOE_FP4_Q(IDX, 4) FMOE_FP4_Q(IDX, 5) FMOE_FP4_Q(IDX, 6) FMOE_FP4_Q(IDX, 7)                   \
     for (int i = 0; i < NR; ++i) {                                                                \
-      __m512 s;                                                                                   \
-      if constexpr (E8) {                                                                         \
-        int32_t b4;                                                                               \
-        std::memcpy(&b4, sr[i] + kSpc * c, 4);                                                    \
-        s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(b4), spread), 23)); \
-      } else {                                                                                    \
-        s = fp4_scales16<BK>(p, sr[i] + kSpc * c);                                          \
-      }                                                                                           \
+      const __m512 s = fp4_scales16<BK, E8>(p, sr[i] + kSpc * c);                                 \
       for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_fmadd_ps(_mm512_add_ps(part[i][t][0], part[i][t][1]), s, acc[i][t]); \
     }                                                                                             \
   }
@@ -644,23 +641,6 @@ void quantize_acts_int8(const float* a, int64_t R, int64_t K, int8_t* xq, float*
   });
 }
 
-// The weight scales of one chunk for the VNNI lanes (lane j: k = 8j .. 8j + 7, block 8j / BK), as
-// fp4_scales16; E8 (BK = 32, E8M0 bytes none 0 or 255): the bits b << 23 spread with one vpshufb
-// (lane j takes byte j / 4) instead of four table reads.
-template <int BK, bool E8>
-FMOE_VNNI inline __m512 vnni_scales(const Params& p, const uint8_t* sr) {
-  if constexpr (E8) {
-    int32_t b4;
-    std::memcpy(&b4, sr, 4);
-    const __m512i spread = _mm512_set_epi32(0x80808003, 0x80808003, 0x80808003, 0x80808003, 0x80808002, 0x80808002,
-                                            0x80808002, 0x80808002, 0x80808001, 0x80808001, 0x80808001, 0x80808001,
-                                            0x80808000, 0x80808000, 0x80808000, 0x80808000);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(b4), spread), 23));
-  } else {
-    return fp4_scales16<BK>(p, sr);
-  }
-}
-
 // FP4 weight rows n, n2 against NT int8 activation rows: 2 * E2M1 + kW0 as unsigned bytes through
 // vpshufb, vpdpbusd of those x the activations (s8) into 16 int32 lanes (lane j: k = 8j .. 8j + 7,
 // one weight and one activation block), minus the activations' kW0 * sum (xs, made once per row),
@@ -686,8 +666,8 @@ FMOE_VNNI void fp4_rows2_vnni(const Params& p, const Job& j, int64_t n, int64_t 
     const __m512i a_hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4));
     const __m512i b_lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v1, m4));
     const __m512i b_hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4));
-    const __m512 s0 = vnni_scales<BK, E8>(p, sr0 + 128 * c / BK);
-    const __m512 s1 = vnni_scales<BK, E8>(p, sr1 + 128 * c / BK);
+    const __m512 s0 = fp4_scales16<BK, E8>(p, sr0 + 128 * c / BK);
+    const __m512 s1 = fp4_scales16<BK, E8>(p, sr1 + 128 * c / BK);
     for (int t = 0; t < NT; ++t) {
       const int8_t* q = xq + (t * nc + c) * 128;
       const __m512i xl = _mm512_loadu_si512(q), xh = _mm512_loadu_si512(q + 64);
@@ -795,27 +775,6 @@ bool arrange_acts_bf16(const uint16_t* a, const int64_t* o, int64_t E, int64_t d
   return true;
 }
 
-// The scales of one chunk for the lanes above. E8 (BK = 32, E8M0 bytes none 0 or 255): lane j's
-// float is the bits of byte j / 4 << 23 (vpshufb within each 128-bit lane L = j / 4 picks byte L).
-template <int BK, bool E8>
-FMOE_BF16DP inline __m512 bf16dp_scales(const float* table, const uint8_t* sr) {
-  if constexpr (E8) {
-    int32_t b4;
-    std::memcpy(&b4, sr, 4);
-    const __m512i pick = _mm512_set_epi32(0x80808003, 0x80808003, 0x80808003, 0x80808003, 0x80808002, 0x80808002,
-                                          0x80808002, 0x80808002, 0x80808001, 0x80808001, 0x80808001, 0x80808001,
-                                          0x80808000, 0x80808000, 0x80808000, 0x80808000);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(b4), pick), 23));
-  } else if constexpr (BK == 32) {
-    const __m512 t = _mm512_castps128_ps512(_mm_setr_ps(table[sr[0]], table[sr[1]], table[sr[2]], table[sr[3]]));
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), t);
-  } else {
-    const __m512 t = _mm512_castps256_ps512(_mm256_setr_ps(table[sr[0]], table[sr[1]], table[sr[2]], table[sr[3]],
-                                                           table[sr[4]], table[sr[5]], table[sr[6]], table[sr[7]]));
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), t);
-  }
-}
-
 // FP4 weight rows n, n2 against NT bf16 activation rows (xb: arrange_acts_bf16's), res / res2.
 // Requires K % 128 == 0 and bk in {16, 32}.
 template <int NT, int BK, bool E8>
@@ -842,7 +801,7 @@ FMOE_BF16DP void fp4_rows2_bf16(const Params& p, const Job& j, int64_t n, int64_
       w[i][1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), tab);
       w[i][2] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), tab);
       w[i][3] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), tab);
-      sc[i] = bf16dp_scales<BK, E8>(p.table, sr[i] + kSpc * c);
+      sc[i] = fp4_scales16<BK, E8>(p, sr[i] + kSpc * c);
     }
     for (int t = 0; t < NT; ++t) {
       const uint16_t* x = xb + (t * nc + c) * 128;
