@@ -23,8 +23,12 @@ issue's target is judged on) and after prefill 512, with the peak. fmoe's loader
 onto huge pages (anonymous, resident from the load); with ``--four-k`` the same rounds also run fmoe with
 them memory-mapped from the checkpoint on 4 KiB pages (``fmoe_4k``: paged in as decode first reads them).
 
-Run: ``python -m benchmarks.bench_inference [--quick] [--repeats N] [--formats mxfp4 ...] [--tokens 1 4 16]``
-or ``python -m benchmarks.run --only inference``. Medians; the host is shared: the load average is
+``llamacpp`` (``--llamacpp``; always in the suite): the peer's expert path, llama.cpp
+(benchmarks/bench_llamacpp.py), and fmoe's measured the same way beside it, where llama-cpp-python and
+gguf are installed; without them the table records why it is missing.
+
+Run: ``python -m benchmarks.bench_inference [--quick] [--repeats N] [--formats mxfp4 ...] [--tokens 1 4 16]
+[--llamacpp]`` or ``python -m benchmarks.run --only inference``. Medians; the host is shared: the load average is
 recorded at the start and the end.
 """
 from __future__ import annotations
@@ -428,6 +432,11 @@ def run(quick: bool, only: Optional[str] = None, log: Callable[[str], None] = pr
     out["layer"] = layer_decode(repeats=7 if quick else 15, log=log)
     out["prefill"] = layer_prefill(repeats=3 if quick else 7, log=log)
     out["model"] = model_suite(repeats=2 if quick else 3, log=log)
+    # the peer, where it can be built here (llama-cpp-python, gguf): its expert read rate beside fmoe's
+    from . import bench_llamacpp
+    out["llamacpp"] = bench_llamacpp.measure(repeats=3 if quick else 5)
+    for line in bench_llamacpp.report(out["llamacpp"]):
+        log(f"  {line}")
     out["loadavg_end"] = os.getloadavg()
     return out
 
@@ -495,6 +504,26 @@ def tables(res: dict) -> list[str]:
             lines.append(f"\nfmoe's experts on huge pages / memory-mapped on 4 KiB pages (fmoe_4k), decode b1: "
                          f"{mod['huge_pages_decode_b1_gain']:.2f}x (median of the rounds' ratios); fmoe_4k / "
                          f"transformers resident memory at decode b1 {mod['rss_ratio_4k']:.2f}x")
+    lines += _llamacpp_table(res.get("llamacpp"))
+    return lines
+
+
+def _llamacpp_table(peer) -> list[str]:
+    """llama.cpp's expert read rate beside fmoe's, measured alike (benchmarks/bench_llamacpp.py)."""
+    if not peer:
+        return []
+    if "skipped" in peer:
+        return ["", f"llama.cpp: not measured here: {peer['skipped']}."]
+    from . import bench_llamacpp
+    sh = peer["shape"]
+    lines = ["", f"Expert reads measured alike (decode calls in a row through {sh['layers']} layers; the bytes the "
+             f"wider experts add over the time they add), llama.cpp {peer['llama_cpp']} beside fmoe, "
+             f"{peer['threads']} threads, stream {peer['stream_GBps']:.1f} GB/s:", "",
+             "| expert path | GB/s | of the stream rate |", "|---|---|---|",
+             f"| llama.cpp (MXFP4, Q8 rows) | {peer['expert_read_GBps']:.1f} | {peer['expert_read_over_stream']:.2f} |"]
+    for act, m in peer["fmoe_marginal"].items():
+        lines.append(f"| fmoe, {bench_llamacpp.VARIANTS.get(act, act)} | {m['read_GBps']:.1f} | "
+                     f"{m['read_over_stream']:.2f} |")
     return lines
 
 
@@ -539,6 +568,9 @@ def main(argv=None) -> int:
     p.add_argument("--arch", default="gpt_oss")
     p.add_argument("--four-k", action="store_true",
                    help="whole model: also fmoe with its experts memory-mapped on 4 KiB pages (no huge pages)")
+    p.add_argument("--llamacpp", action="store_true",
+                   help="also llama.cpp's expert path beside fmoe's, measured alike (benchmarks.bench_llamacpp; needs "
+                        "llama-cpp-python and gguf, else the table says why it is missing)")
     p.add_argument("--model-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     p.add_argument("--k", type=int, default=None, help=argparse.SUPPRESS)
@@ -555,6 +587,9 @@ def main(argv=None) -> int:
             res["prefill"] = layer_prefill(args.formats, args.prefill, max(3, args.repeats // 2))
     if args.model or args.model_only:
         res["model"] = model_suite(args.arch, args.size, min(args.repeats, 3), args.rounds, four_k=args.four_k)
+    if args.llamacpp:
+        from . import bench_llamacpp
+        res["llamacpp"] = bench_llamacpp.measure(repeats=min(args.repeats, 5))
     res["loadavg_end"] = os.getloadavg()
     report(tables(res), res, args.json)
     return 0

@@ -4,7 +4,8 @@
 
 Needs ``llama-cpp-python`` (``pip install llama-cpp-python`` builds llama.cpp from source) and
 ``gguf`` (writes the model); neither is an fmoe dependency, and without them this prints why and
-exits 1.
+exits 1. The ``inference`` suite (``python -m benchmarks.run --only inference``) runs :func:`measure`
+too and records its figures beside fmoe's, or the reason it skipped them.
 
 Two synthetic gpt-oss-layout GGUF models are written (random MXFP4 expert bytes, F32 everything
 else, a 257-token byte vocabulary): one with the expert FFN width ``--ffn``, one with width 32 and
@@ -178,6 +179,76 @@ def fmoe_marginal(*, hidden: int, experts: int, k: int, ffn: int, layers: int, n
     return out
 
 
+# fmoe_marginal's variants, as the tables name them
+VARIANTS = {"float": "float32 rows, 4 KiB pages", "bf16": "bf16 rows, 4 KiB pages",
+            "int8": "int8 activations, 4 KiB pages", "bf16_huge": "bf16 rows, experts on huge pages",
+            "int8_huge": "int8 activations, experts on huge pages"}
+
+
+def measure(*, layers: int = 4, hidden: int = 2048, experts: int = 64, k: int = 6, ffn: int = 768, tokens: int = 32,
+            repeats: int = 5, threads: int = 2) -> dict:
+    """llama.cpp's expert read rate on this host and fmoe's beside it, in one run (module docstring).
+    Returns {"skipped": why} where llama-cpp-python or gguf is not installed (neither is an fmoe
+    dependency), else the figures :func:`report` prints."""
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp
+    except ImportError as e:
+        return {"skipped": f"{e.name} is not installed (pip install llama-cpp-python gguf)"}
+    from .bench_inference import _stream_rate, layer_decode
+    shape = dict(layers=layers, hidden=hidden, experts=experts, k=k)
+    with tempfile.TemporaryDirectory() as d:
+        wide, narrow = os.path.join(d, "wide.gguf"), os.path.join(d, "narrow.gguf")
+        wide_bytes = write_model(wide, ffn=ffn, **shape)
+        narrow_bytes = write_model(narrow, ffn=32, **shape)
+        runs = {"wide": [], "narrow": []}
+        for _ in range(2):   # interleaved: the machine's drift hits both alike
+            runs["wide"].append(decode_seconds(wide, tokens=tokens, threads=threads, repeats=repeats))
+            runs["narrow"].append(decode_seconds(narrow, tokens=tokens, threads=threads, repeats=repeats))
+    stream = _stream_rate() * 1e9   # bytes/s
+    # fmoe beside it, same run: the bench_inference layer (swiglu M=2048, I=768, E=64, k=6, MXFP4) at T=1
+    ours = layer_decode(formats=("mxfp4",), tokens=(1,), repeats=repeats * 3, float_bound=False,
+                        log=lambda *_: None)["tokens"]["1"]["formats"]["mxfp4"]
+    marginal = fmoe_marginal(hidden=hidden, experts=experts, k=k, ffn=ffn, layers=layers)
+    t_wide, t_narrow = min(runs["wide"]), min(runs["narrow"])
+    extra = (wide_bytes - narrow_bytes) * layers
+    rate = extra / max(t_wide - t_narrow, 1e-9)
+    return {"shape": {**shape, "ffn": ffn}, "threads": threads, "tok_per_s": 1 / t_wide,
+            "tok_per_s_narrow": 1 / t_narrow, "expert_bytes_per_token": wide_bytes * layers,
+            "expert_read_GBps": rate / 1e9, "stream_GBps": stream / 1e9, "expert_read_over_stream": rate / stream,
+            "fmoe_layer_read_over_stream": 1 / ours["layer_vs_stream"],
+            "fmoe_gemms_read_over_stream": 1 / ours["gemms_vs_stream"],
+            # llama.cpp rounds the rows to 8 bits (Q8) for its MXFP4 dot products: fmoe's like is int8 activations
+            "fmoe_layer_int8_read_over_stream": 1 / ours["layer_int8_vs_stream"] if "layer_int8_vs_stream" in ours else None,
+            "fmoe_gemms_int8_read_over_stream": 1 / ours["gemms_int8_vs_stream"] if "gemms_int8_vs_stream" in ours else None,
+            "fmoe_marginal": {act: {**m, "read_over_stream": m["read_GBps"] * 1e9 / stream} for act, m in marginal.items()},
+            "load": os.getloadavg(), "llama_cpp": llama_cpp.__version__}
+
+
+def report(out: dict) -> list[str]:
+    """:func:`measure`'s result as lines of text."""
+    if "skipped" in out:
+        return [f"llama.cpp not measured: {out['skipped']}"]
+    sh = out["shape"]
+    lines = [f"llama.cpp {out['llama_cpp']}, {out['threads']} threads, gpt-oss layout {sh['layers']} layers hidden "
+             f"{sh['hidden']}, {sh['experts']} experts top-{sh['k']}, expert FFN {sh['ffn']} MXFP4: "
+             f"{out['tok_per_s']:.1f} tok/s ({out['tok_per_s_narrow']:.1f} with FFN 32); expert reads "
+             f"{out['expert_read_GBps']:.1f} GB/s = {out['expert_read_over_stream']:.2f} of the stream rate "
+             f"({out['stream_GBps']:.1f} GB/s)",
+             "fmoe, same run (bench_inference's layer at T=1, MXFP4, M=2048 I=768 E=64 k=6): the layer reads its busy "
+             f"experts at {out['fmoe_layer_read_over_stream']:.2f} of the stream rate, its two packed expert GEMMs "
+             f"alone at {out['fmoe_gemms_read_over_stream']:.2f}"
+             + (f"; with int8 activations (as llama.cpp's Q8 rows) the layer at "
+                f"{out['fmoe_layer_int8_read_over_stream']:.2f}, its GEMMs at "
+                f"{out['fmoe_gemms_int8_read_over_stream']:.2f}" if out["fmoe_gemms_int8_read_over_stream"] else "")]
+    for act, m in out["fmoe_marginal"].items():
+        lines.append(f"fmoe measured as llama.cpp is (decode calls in a row through {sh['layers']} layers, width "
+                     f"{sh['ffn']} against 128), {VARIANTS.get(act, act)}: {m['ms_per_call']:.2f} ms a call; the "
+                     f"wider experts' extra reads {m['read_GBps']:.1f} GB/s = {m['read_over_stream']:.2f} of the stream rate; the "
+                     f"whole call {m['whole_call_GBps']:.1f} GB/s of expert bytes")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -190,57 +261,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    try:
-        import gguf  # noqa: F401
-        import llama_cpp  # noqa: F401
-    except ImportError as e:
-        print(f"bench_llamacpp: {e.name} is not installed (pip install llama-cpp-python gguf); nothing measured")
+    out = measure(layers=a.layers, hidden=a.hidden, experts=a.experts, k=a.k, ffn=a.ffn, tokens=a.tokens,
+                  repeats=a.repeats, threads=a.threads)
+    print("\n".join(report(out)))
+    if "skipped" in out:
         return 1
-    from .bench_inference import _stream_rate
-    shape = dict(layers=a.layers, hidden=a.hidden, experts=a.experts, k=a.k)
-    with tempfile.TemporaryDirectory() as d:
-        wide, narrow = os.path.join(d, "wide.gguf"), os.path.join(d, "narrow.gguf")
-        wide_bytes = write_model(wide, ffn=a.ffn, **shape)
-        narrow_bytes = write_model(narrow, ffn=32, **shape)
-        runs = {"wide": [], "narrow": []}
-        for _ in range(2):   # interleaved: the machine's drift hits both alike
-            runs["wide"].append(decode_seconds(wide, tokens=a.tokens, threads=a.threads, repeats=a.repeats))
-            runs["narrow"].append(decode_seconds(narrow, tokens=a.tokens, threads=a.threads, repeats=a.repeats))
-    stream = _stream_rate() * 1e9   # bytes/s
-    # fmoe beside it, same run: the bench_inference layer (swiglu M=2048, I=768, E=64, k=6, MXFP4) at T=1
-    from .bench_inference import layer_decode
-    ours = layer_decode(formats=("mxfp4",), tokens=(1,), repeats=a.repeats * 3, float_bound=False,
-                        log=lambda *_: None)["tokens"]["1"]["formats"]["mxfp4"]
-    marginal = fmoe_marginal(hidden=a.hidden, experts=a.experts, k=a.k, ffn=a.ffn, layers=a.layers)
-    t_wide, t_narrow = min(runs["wide"]), min(runs["narrow"])
-    extra = (wide_bytes - narrow_bytes) * a.layers
-    rate = extra / max(t_wide - t_narrow, 1e-9)
-    out = {"shape": {**shape, "ffn": a.ffn}, "threads": a.threads, "tok_per_s": 1 / t_wide,
-           "tok_per_s_narrow": 1 / t_narrow, "expert_bytes_per_token": wide_bytes * a.layers,
-           "expert_read_GBps": rate / 1e9, "stream_GBps": stream / 1e9, "expert_read_over_stream": rate / stream,
-           "fmoe_layer_read_over_stream": 1 / ours["layer_vs_stream"],
-           "fmoe_gemms_read_over_stream": 1 / ours["gemms_vs_stream"],
-           # llama.cpp rounds the rows to 8 bits (Q8) for its MXFP4 dot products: fmoe's like is int8 activations
-           "fmoe_layer_int8_read_over_stream": 1 / ours["layer_int8_vs_stream"] if "layer_int8_vs_stream" in ours else None,
-           "fmoe_gemms_int8_read_over_stream": 1 / ours["gemms_int8_vs_stream"] if "gemms_int8_vs_stream" in ours else None,
-           "fmoe_marginal": {act: {**m, "read_over_stream": m["read_GBps"] * 1e9 / stream} for act, m in marginal.items()},
-           "load": os.getloadavg(), "llama_cpp": llama_cpp.__version__}
-    print(f"llama.cpp {llama_cpp.__version__}, {a.threads} threads, gpt-oss layout {a.layers} layers hidden {a.hidden}, "
-          f"{a.experts} experts top-{a.k}, expert FFN {a.ffn} MXFP4: {1 / t_wide:.1f} tok/s "
-          f"({1 / t_narrow:.1f} with FFN 32); expert reads {rate / 1e9:.1f} GB/s = {rate / stream:.2f} of the "
-          f"stream rate ({stream / 1e9:.1f} GB/s)")
-    print(f"fmoe, same run (bench_inference's layer at T=1, MXFP4, M=2048 I=768 E=64 k=6): the layer reads its busy "
-          f"experts at {out['fmoe_layer_read_over_stream']:.2f} of the stream rate, its two packed expert GEMMs alone "
-          f"at {out['fmoe_gemms_read_over_stream']:.2f}"
-          + (f"; with int8 activations (as llama.cpp's Q8 rows) the layer at "
-             f"{out['fmoe_layer_int8_read_over_stream']:.2f}, its GEMMs at {out['fmoe_gemms_int8_read_over_stream']:.2f}"
-             if out["fmoe_gemms_int8_read_over_stream"] else ""))
-    for act, m in out["fmoe_marginal"].items():
-        print(f"fmoe measured as llama.cpp is (decode calls in a row through {a.layers} layers, width {a.ffn} against "
-              f"128), {act} rows: "
-              f"{m['ms_per_call']:.2f} ms a call; the wider experts' extra reads {m['read_GBps']:.1f} GB/s = "
-              f"{m['read_over_stream']:.2f} of the stream rate; the whole call {m['whole_call_GBps']:.1f} GB/s of "
-              "expert bytes")
     if a.json:
         tmp = a.json + ".tmp"
         with open(tmp, "w") as f:

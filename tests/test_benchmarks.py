@@ -263,3 +263,23 @@ def test_expert_gemms_floor_values(dtype):
                       for e in range(E) if b[e] < b[e + 1]])
     tol = dict(rtol=2e-2, atol=5e-2) if dtype == torch.bfloat16 else dict(rtol=1.3e-6, atol=1e-5)
     torch.testing.assert_close(outs[0].float(), want, **tol)
+
+
+def test_inference_suite_records_llamacpp_or_why_not(monkeypatch):
+    # the inference suite's peer: without llama-cpp-python, measure() names what is missing (and
+    # runs nothing); with a result, the table gives llama.cpp's rate and each fmoe variant beside it
+    from benchmarks import bench_inference, bench_llamacpp
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    skipped = bench_llamacpp.measure()
+    assert list(skipped) == ["skipped"]   # gguf is asked for first: it names whichever of the two is missing
+    assert skipped["skipped"] in ("llama_cpp is not installed (pip install llama-cpp-python gguf)",
+                                  "gguf is not installed (pip install llama-cpp-python gguf)")
+    assert bench_inference._llamacpp_table(skipped)[-1].startswith("llama.cpp: not measured here: ")
+    peer = {"shape": {"layers": 4, "hidden": 2048, "experts": 64, "k": 6, "ffn": 768}, "threads": 2,
+            "llama_cpp": "0.3.36", "expert_read_GBps": 25.0, "expert_read_over_stream": 0.8, "stream_GBps": 31.25,
+            "fmoe_marginal": {"bf16": {"read_GBps": 20.0, "read_over_stream": 0.64},
+                              "int8_huge": {"read_GBps": 30.0, "read_over_stream": 0.96}}}
+    rows = [line for line in bench_inference._llamacpp_table(peer) if line.startswith("| ")][1:]
+    assert rows == ["| llama.cpp (MXFP4, Q8 rows) | 25.0 | 0.80 |",
+                    "| fmoe, bf16 rows, 4 KiB pages | 20.0 | 0.64 |",
+                    "| fmoe, int8 activations, experts on huge pages | 30.0 | 0.96 |"]
