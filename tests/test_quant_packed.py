@@ -448,6 +448,12 @@ def test_nvfp4_scale_bytes_nan_negative_subnormal_on_every_path():
     ref = packed.grouped_matmul_reference(a, w2, o)
     assert torch.isnan(ref[0, 3]) and torch.isnan(ref[1:, 70]).all() and int(torch.isnan(ref).sum()) == 4
     _nans_and_bound_on_every_isa(a, w2, o, ref, isas)
+    if packed._EXT.has_bf16_dot():   # bf16 rows: the dot-product tiles' own scale decode (two chunks at a time)
+        a16 = a.bfloat16()
+        out, ran = _raw_out(a16, w2, o, True, True)
+        ref16 = packed.grouped_matmul_reference(a16.float(), w2, o)
+        assert ran == _DOT_BF16 and torch.equal(torch.isnan(out), torch.isnan(ref16))
+        assert not ((out - ref16).abs() > _bound(a16, w2, o))[~torch.isnan(ref16)].any()
 
 
 @pytest.mark.parametrize("fmt,K", [("mxfp4", 1152), ("nvfp4", 1152), ("mxfp8", 1184), ("fp8_block", 1100),
