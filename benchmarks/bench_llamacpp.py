@@ -244,8 +244,8 @@ def report(out: dict) -> list[str]:
     for act, m in out["fmoe_marginal"].items():
         lines.append(f"fmoe measured as llama.cpp is (decode calls in a row through {sh['layers']} layers, width "
                      f"{sh['ffn']} against 128), {VARIANTS.get(act, act)}: {m['ms_per_call']:.2f} ms a call; the "
-                     f"wider experts' extra reads {m['read_GBps']:.1f} GB/s = {m['read_over_stream']:.2f} of the stream rate; the "
-                     f"whole call {m['whole_call_GBps']:.1f} GB/s of expert bytes")
+                     f"wider experts' extra reads {m['read_GBps']:.1f} GB/s = {m['read_over_stream']:.2f} of the "
+                     f"stream rate; the whole call {m['whole_call_GBps']:.1f} GB/s of expert bytes")
     return lines
 
 
