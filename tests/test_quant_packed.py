@@ -333,7 +333,9 @@ def test_bfloat16_rows_round_once(fmt, K):
         y = packed.grouped_matmul(a, w, o, isa=isa, impl="native")
         # without MKL's bf16 GEMM (a torch build that lacks it): at::mm (mxfp4) or float32 GEMMs
         y_fallback = packed._native(a, w, o, isa, blas=False)
-        for path, got in (("default", y), ("no blas", y_fallback)):
+        # without the bf16 dot-product tiles (which take FP4 experts of up to dot_rows rows on AVX-512 BF16)
+        y_tile = packed._native(a, w, o, isa, dot_bf16=False)
+        for path, got in (("default", y), ("no blas", y_fallback), ("decoded tiles", y_tile)):
             assert got.dtype == torch.bfloat16
             bad = (got.float() - ref).abs() > slack
             assert not bad.any(), f"{fmt} isa={isa} {path}: {int(bad.sum())} entries outside one bf16 rounding"
@@ -359,8 +361,9 @@ def _raw_out(a, w, o, dot_bf16, path=False):
 @pytest.mark.parametrize("fmt,K,N", [("mxfp4", 256, 199), ("mxfp4", 384, 64), ("nvfp4", 256, 199), ("nvfp4", 128, 3)])
 def test_bfloat16_rows_bf16_dot_tiles(fmt, K, N):
     """bf16 rows of FP4 weights at decode on an AVX-512 BF16 CPU: the bf16 dot-product tiles (exact
-    products, vdpbf16ps) give the reference's fp32 sum within the K-term bound, for 1-4 rows an
-    expert, an odd number of weight rows, E8M0 scales on the bit path and (a 0 byte) through the
+    products, vdpbf16ps) give the reference's fp32 sum within the K-term bound, for 1 to dot_rows()
+    rows an expert (past DENSE_FROM too, where float32 rows take the decoded tile), an odd number of
+    weight rows, E8M0 scales on the bit path and (a 0 byte) through the
     table; they do run (the call reports their path: their sums often equal the float tiles' to
     the bit, as both sum a lane's k in the same order);
     a row with a nonzero value below 2^-100 (where vdpbf16ps's flush of denormals could matter)
@@ -368,7 +371,7 @@ def test_bfloat16_rows_bf16_dot_tiles(fmt, K, N):
     if not packed.AVAILABLE or not packed._EXT.has_bf16_dot():
         pytest.skip("no AVX-512 BF16 on this CPU: the float tiles run bf16 rows")
     g = torch.Generator().manual_seed(12)
-    counts = [1, 2, 0, 3, 4, packed.DENSE_FROM]
+    counts = [1, 2, 0, 3, 4, packed.DENSE_FROM, 13, packed._EXT.dot_rows(16 if fmt == "nvfp4" else 32)]
     w = Q.quantize(torch.randn(len(counts), N, K, generator=g), fmt)
     if fmt == "mxfp4":   # expert 3's scales through the table (a 2^-127 block), the others' on the bit path
         sc = w.scales.view(torch.uint8).clone()
@@ -380,8 +383,9 @@ def test_bfloat16_rows_bf16_dot_tiles(fmt, K, N):
     bound = _bound(a, w, o)
     (dot, ran), (flt, ran_flt) = _raw_out(a, w, o, True, True), _raw_out(a, w, o, False, True)
     assert (ran, ran_flt) == (_DOT_BF16, packed.ISAS["avx512"])   # they do run
-    for got in (dot, flt):
-        assert ((got - ref).abs() <= bound).all()
+    assert ((dot - ref).abs() <= bound).all()
+    # without them, the experts past DENSE_FROM take the decoded tile's bf16 GEMM, rounded to bf16 once
+    assert ((flt - ref).abs() <= bound + ref.abs() * 2.0 ** -8).all()
     for tiny in (2.0 ** -110, 2.0 ** -130):   # normal and denormal bf16
         a2 = a.clone()
         a2[2, 7] = tiny
@@ -498,6 +502,7 @@ def test_bfloat16_rows_mxfp4_scales_at_the_exponent_add_edges():
     fin = ~torch.isnan(ref)
     slack = _bound(a, w2, o) + ref.abs() * 2.0 ** -8
     for isa in isas:
-        y = packed.grouped_matmul(a, w2, o, isa=isa, impl="native").float()
+        # the decoded tile's path (with AVX-512 BF16 these rows would take the dot-product tiles)
+        y = packed._native(a, w2, o, isa, dot_bf16=False).float()
         assert torch.equal(torch.isnan(y), torch.isnan(ref)), isa
         assert not ((y - ref).abs() > slack)[fin].any(), isa

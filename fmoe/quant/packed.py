@@ -14,7 +14,10 @@ the float grouped GEMM, built by ``python -m fmoe build``) decodes the weights i
 (``isa``: "auto" the widest the CPU has, or "portable" / "avx2" / "avx512" forced; forcing one the
 CPU lacks is a ValueError). Experts with more than :data:`DENSE_FROM` rows decode one tile at a
 time to FP32 and multiply with ``at::mm`` (bf16 rows of FP4 weights: the tile as bf16, which holds
-every decoded FP4 weight exactly, and a bf16 ``at::mm`` accumulating in fp32). ``impl``: "auto" runs the extension when it is built
+every decoded FP4 weight exactly, and a bf16 ``at::mm`` accumulating in fp32). On CPUs with AVX-512
+BF16, bf16 rows of FP4 weights take the bf16 dot-product tiles up to 32 rows an expert for MXFP4
+and 128 for NVFP4 (``_EXT.dot_rows(block)``; faster than the decoded tile's GEMM there) and that GEMM
+past them. ``impl``: "auto" runs the extension when it is built
 and otherwise the numba kernels of :func:`fmoe.quant.expert_matmul`, one call per busy expert;
 "native" insists (RuntimeError naming the build command); "reference" runs
 :func:`grouped_matmul_reference`.

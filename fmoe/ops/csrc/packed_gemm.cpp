@@ -732,6 +732,16 @@ void run_job_vnni(const Params& p, const Job& j, const int8_t* xq, const float* 
 #define FMOE_BF16DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
 
 constexpr int64_t kDotBf16 = 4;   // grouped_run's return where these tiles ran
+// The most rows an expert these tiles take (past dense_from, which the float tiles keep). Each
+// group of 4 rows decodes the weights again, and still they ran faster than the decoded tile's GEMM
+// (gate_up [1536, 2048] / down [2048, 768], 64 experts, 2 threads, warm):
+// - MXFP4 (a bf16 tile through at::mm, oneDNN) up to 32 rows: 12 rows 16.8 / 9.9 against 27.6 / 18.9
+//   ms, 32 rows 43.9 / 25.1 against 48.4 / 28.9, 40 rows about level, 64 rows 87.4 / 50.1 against
+//   76.1 / 45.0;
+// - NVFP4 (its tile through MKL's bf16 GEMM with the global scale as alpha) at every count measured:
+//   48 / 64 / 128 rows gate_up 82 / 109 / 217 against 144 / 168 / 308 ms, down 45 / 61 / 124 against
+//   62 / 78 / 147.
+int64_t dot_rows(int64_t bk) { return bk == 16 ? 128 : 32; }
 
 bool has_avx512_bf16() {
   static const bool has = [] {   // asked on every call of grouped_run: once per process
@@ -1406,17 +1416,25 @@ int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E,
     xqsum = at::empty({R * (K / 128) * 16}, at::kInt);
     quantize_acts_int8(p.a, R, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xqsum.data_ptr<int32_t>());
   }
-  bool any_small = false;
-  for (int64_t e = 0; e < E; ++e) any_small |= (o[e + 1] > o[e] && o[e + 1] - o[e] <= dense_from);
-  // bf16 rows of FP4 weights: the small-rows jobs take the bf16 dot-product tiles where they run
+  const auto any_up_to = [&](int64_t rows) {
+    bool any = false;
+    for (int64_t e = 0; e < E; ++e) any |= (o[e + 1] > o[e] && o[e + 1] - o[e] <= rows);
+    return any;
+  };
+  // bf16 rows of FP4 weights: the small-rows jobs take the bf16 dot-product tiles where they run,
+  // and there "small" reaches dot_rows(bk) rows an expert (small_from below)
   at::Tensor xb;
-  bool dot16 = p.dot_bf16 && a_bf16.has_value() && fp4 && run == kAvx512 && !act_int8 && any_small &&
+  const int64_t dot_from = std::max(dense_from, dot_rows(bk));
+  bool dot16 = p.dot_bf16 && a_bf16.has_value() && fp4 && run == kAvx512 && !act_int8 && any_up_to(dot_from) &&
                K % 128 == 0 && (bk == 16 || bk == 32) && has_avx512_bf16();
   if (dot16) {
     xb = at::empty({R * K}, at::kBFloat16);
-    dot16 = arrange_acts_bf16(reinterpret_cast<const uint16_t*>(a_bf16->const_data_ptr()), o, E, dense_from, K,
+    dot16 = arrange_acts_bf16(reinterpret_cast<const uint16_t*>(a_bf16->const_data_ptr()), o, E, dot_from, K,
                               reinterpret_cast<uint16_t*>(xb.data_ptr()));
   }
+  // the experts the register tiles run (at most small_from rows); the others decode a tile and multiply it
+  const int64_t small_from = dot16 ? dot_from : dense_from;
+  const bool any_small = any_up_to(small_from);
   const uint16_t* xbp = dot16 ? reinterpret_cast<const uint16_t*>(xb.const_data_ptr()) : nullptr;
   // The permuted activations are only read by the float small-rows vector kernels.
   at::Tensor xs = a;
@@ -1436,7 +1454,7 @@ int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E,
   for (int64_t e = 0; e < E; ++e) {
     if (o[e + 1] == o[e]) continue;
     // Fewer, larger tiles for the decode + at::mm path: each at::mm call has a fixed cost.
-    const int64_t tile = (o[e + 1] - o[e] > dense_from) ? kTileDense : kTileN;
+    const int64_t tile = (o[e + 1] - o[e] > small_from) ? kTileDense : kTileN;
     for (int64_t n0 = 0; n0 < N; n0 += tile) jobs.push_back({e, o[e], o[e + 1] - o[e], n0, std::min(N, n0 + tile)});
   }
   // Each thread starts on its own contiguous run of the jobs (expert-major, rows in order), so it
@@ -1457,10 +1475,10 @@ int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E,
         for (int64_t i = next[run_of].fetch_add(1); i < end; i = next[run_of].fetch_add(1)) {
           const Job& j = jobs[i];
           const uint8_t* first = p.data + j.e * p.d_e + j.n0 * p.d_r;
-          if (first != streamed && j.c <= dense_from) prefetch_start(p, j);
+          if (first != streamed && j.c <= small_from) prefetch_start(p, j);
           streamed = p.data + j.e * p.d_e + j.n1 * p.d_r;
-          if (j.c > dense_from && kc > 0) run_job_dense_ksplit(p, j, a, out, kc);
-          else if (j.c > dense_from) run_job_dense(p, j, a, a_bf16, out, run);
+          if (j.c > small_from && kc > 0) run_job_dense_ksplit(p, j, a, out, kc);
+          else if (j.c > small_from) run_job_dense(p, j, a, a_bf16, out, run);
           else if (act_int8) run_job_vnni(p, j, xq.const_data_ptr<int8_t>(), xd.const_data_ptr<float>(),
                                             xqsum.const_data_ptr<int32_t>());
           else if (dot16) run_job_bf16(p, j, xbp);
@@ -1910,6 +1928,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_expert_stage", &packed_expert_stage,
         "a rows plan's whole expert stage over packed weights (see packed_gemm.cpp and fmoe.quant.packed.expert_stage)");
   m.def("has_bf16_dot", &has_avx512_bf16, "whether bf16 rows of FP4 weights take the bf16 dot-product tiles here");
+  m.def("dot_rows", &dot_rows, "the most rows an expert the bf16 dot-product tiles take, for FP4 blocks of bk");
   m.def("has_vnni", &packed_has_vnni, "whether the int8-activation (AVX-512 VNNI) FP4 path runs here");
   m.def("best_isa", &packed_best_isa, "the widest ISA path this CPU runs: 1 portable, 2 AVX2, 3 AVX-512");
 }
