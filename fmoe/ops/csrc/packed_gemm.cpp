@@ -785,17 +785,18 @@ bool arrange_acts_bf16(const uint16_t* a, const int64_t* o, int64_t E, int64_t d
   return true;
 }
 
-// 16 E4M3 scale bytes (two chunks' NVFP4 scales; m: the bytes to read, the others 0) as floats: the
-// arithmetic of e4m3x8_avx2 on 16 lanes (NaN codes to NaN), times 256 (exact). One decode serves
-// two chunks (fp4_rows2_bf16 spreads each half with one permute): decoding eight scales for every
-// chunk took about a quarter of these tiles' time on NVFP4 (measured with the scales held constant).
+// 16 E4M3 scale bytes (two chunks' NVFP4 scales; m: the bytes to read, the others 0) as floats times
+// 256 (exact): e4m3x32_avx512's decode, its NaN codes made NaN (as e4m3x8_avx2 makes them). One
+// decode serves two chunks (fp4_rows2_bf16 spreads each half with one permute): decoding eight
+// scales for every chunk took about a quarter of these tiles' time on NVFP4 (measured with the
+// scales held constant).
 FMOE_BF16DP inline __m512 e4m3x16_scales(const uint8_t* q, __mmask16 m) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, q));
-  __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(0x3F80)),
-                              _mm256_and_si256(_mm256_slli_epi16(b, 8), _mm256_set1_epi16(static_cast<short>(0x8000))));
-  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7F));
-  h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7E00)));
-  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+  const __m128i b8 = _mm_maskz_loadu_epi8(m, q);
+  __m512 f, unused;
+  e4m3x32_avx512(_mm256_zextsi128_si256(b8), f, unused);
+  const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(b8, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
+  return _mm512_mask_blend_ps(nan, _mm512_mul_ps(f, _mm512_set1_ps(256.0f)),
+                              _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
 }
 
 // FP4 weight rows n, n2 against NT bf16 activation rows (xb: arrange_acts_bf16's), res / res2.
