@@ -763,13 +763,13 @@ bool has_avx512_bf16() {
 // 2j, 2j + 1 of each vector: k = 8j .. 8j + 7 over the four, inside one scale block for BK = 32
 // (block j / 4) and BK = 16 (j / 2), so the four products of a chunk take one scale vector.
 // Activations are stored per chunk in that order (4 x 32 words), for the rows of the experts the
-// tiles run (those with at most dense_from rows; the others' rows are left unwritten). Returns
+// tiles run (those with at most max_rows rows; the others' rows are left unwritten). Returns
 // false (nothing to use) if a nonzero value of those rows is below 2^-100 in magnitude (see above).
-bool arrange_acts_bf16(const uint16_t* a, const int64_t* o, int64_t E, int64_t dense_from, int64_t K,
+bool arrange_acts_bf16(const uint16_t* a, const int64_t* o, int64_t E, int64_t max_rows, int64_t K,
                        uint16_t* xb) {
   const int64_t nc = K / 128;
   for (int64_t e = 0; e < E; ++e) {
-    if (o[e + 1] - o[e] > dense_from) continue;
+    if (o[e + 1] - o[e] > max_rows) continue;
     for (int64_t i = o[e] * K; i < o[e + 1] * K; ++i) {
       const int exp = (a[i] >> 7) & 0xFF;
       if (exp < 27 && (a[i] & 0x7FFF) != 0) return false;   // 2^-100: biased exponent 27
