@@ -475,6 +475,60 @@ def test_long_rows_in_k_slices(fmt, K):
     _within_the_bound_on_every_isa(w, _offsets(counts), K, g, isas, f"{fmt} K={K}")
 
 
+def _times(w, by: float):
+    """w with every weight times ``by`` (a power of two) exactly: through the scales (MXFP4's E8M0
+    bytes, FP8's float block scales) or NVFP4's global scale."""
+    if w.fmt == "mxfp4":
+        b = w.scales.view(torch.uint8).to(torch.int32) + int(torch.tensor(by).log2())
+        assert 0 <= int(b.min()) and int(b.max()) <= 252
+        return Q.QuantizedTensor(w.data, b.to(torch.uint8).view(w.scales.dtype), None, w.fmt, w.shape, w.block)
+    if w.fmt == "nvfp4":
+        return Q.QuantizedTensor(w.data, w.scales, w.global_scale * by, w.fmt, w.shape, w.block)
+    return Q.QuantizedTensor(w.data, w.scales * by, None, w.fmt, w.shape, w.block)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_block"])
+@pytest.mark.parametrize("tiny", ["activations", "weights"])
+def test_bfloat16_rows_where_bf16_arithmetic_would_flush_denormals(fmt, tiny):
+    """vdpbf16ps, and the bf16 GEMMs that run on it on an AVX-512 BF16 CPU (oneDNN's at::mm, MKL's),
+    read denormal bf16 inputs (below 2^-126) as zero. bf16 rows with a nonzero value below 2^-100
+    ("activations": rows of 2^-124 randn, some of them denormal, against weights 2^124 larger), and
+    MXFP4 tiles whose scales make denormal bf16 weights ("weights": the reverse), take the float32
+    paths: every path (dot-product tiles on or off, MKL or not, every ISA; experts past DENSE_FROM and
+    past dot_rows) stays within the K-term bound and one bf16 rounding of the reference, which the
+    flushed products miss (by up to 3.5 on outputs of about 10 in "activations")."""
+    isas = _isas()
+    if not isas:
+        pytest.skip(packed.status())
+    if tiny == "weights" and fmt != "mxfp4":
+        pytest.skip("only E8M0 scales make denormal bf16 weights (E4M3 values and scales are at least 2^-9; "
+                    "NVFP4's global and FP8's block scales multiply float32 sums)")
+    g = torch.Generator().manual_seed(13)
+    K = 256
+    bk = 16 if fmt == "nvfp4" else 32
+    o = _offsets([packed.DENSE_FROM + 1, packed._EXT.dot_rows(bk) + 3])
+    w = Q.quantize(torch.randn(2, 24, K, generator=g), fmt)
+    a = torch.randn(int(o[-1]), K, generator=g)
+    if tiny == "activations":
+        w, a = _times(w, 2.0 ** 124), a * 2.0 ** -124
+    else:   # rows of 2^100, not 2^124: the AVX-512 tiles' unscaled block sums would overflow (packed.py's docstring)
+        w, a = _times(w, 2.0 ** -124), a * 2.0 ** 100
+    a = a.bfloat16()
+    if tiny == "activations":
+        assert ((a.float().abs() < 2.0 ** -126) & (a != 0)).any()
+    else:
+        assert ((Q.dequantize(w).abs() < 2.0 ** -126) & (Q.dequantize(w) != 0)).any()
+    ref = packed.grouped_matmul_reference(a.float(), w, o)
+    assert ref.isfinite().all() and (ref != 0).all()
+    slack = _bound(a, w, o) + ref.abs() * 2.0 ** -8
+    for isa in isas:
+        for dot in (True, False):
+            for blas in (True, False):
+                y = packed._native(a, w, o, isa, blas=blas, dot_bf16=dot).float()
+                bad = (y - ref).abs() > slack
+                assert not bad.any(), (isa, dot, blas, float((y - ref).abs().max()))
+
+
 def test_bfloat16_rows_mxfp4_scales_at_the_exponent_add_edges():
     """bf16 rows of mxfp4 experts past DENSE_FROM: rows whose E8M0 scales all lie in [2, 252] are
     decoded to bf16 by an exponent add, the others (a byte 0, 1, 253 or 255) through floats; both

@@ -25,7 +25,17 @@ and otherwise the numba kernels of :func:`fmoe.quant.expert_matmul`, one call pe
 Numerics: the decoded weights times their block scales are dequantize()'s products; only the
 summation order (and, for nvfp4, where the global scale multiplies) differs, so the result is
 within ``(K + 2) * eps32 * (|a| @ |dequant(w[e])|.T)`` of the reference (tests check every ISA
-path against that bound). Weight bytes that encode NaN decode to NaN, as in dequantize().
+path against that bound; bf16 rows: that bound plus one bf16 rounding). Weight bytes that encode NaN
+decode to NaN, as in dequantize(). Two limits of range, both far outside what a model holds:
+
+* The bf16 paths run on vdpbf16ps, or on bf16 GEMMs that may (oneDNN's on AVX-512 BF16 CPUs), which
+  read denormal inputs as zero. So bf16 rows with a nonzero value below 2^-100 in magnitude run the
+  float32 paths, and so do MXFP4 tiles with a scale below 2^-25 (whose weights times such rows
+  could be denormal): the bound holds there too.
+* The AVX-512 register tiles sum a scale block's unscaled products (FP4 values up to 6, E4M3 up to
+  448) and then multiply by the scale, so rows near float32's limit can overflow to inf where the
+  reference's products of the scaled weights stay finite (MXFP4 rows of 2^124 randn against scales of
+  2^-124 did; rows of 2^122 did not).
 """
 from __future__ import annotations
 

@@ -32,7 +32,9 @@
 // within the forward-error bound of a K-term dot product. nvfp4's global scale multiplies
 // the finished dot product (dequantize() rounds it into every weight): one more rounding.
 // The AVX-512 tiles sum a scale block's products unscaled and multiply the block sum by the
-// scale (FP4: per lane; FP8: per block), another order of the same exact-product sum.
+// scale (FP4: per lane; FP8: per block), another order of the same exact-product sum (which can
+// overflow where the reference's does not, for rows near float32's limit). bf16 rows near the
+// denormals take the float32 paths (bf16_far_from_denormals).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -728,7 +730,7 @@ void run_job_vnni(const Params& p, const Job& j, const int8_t* xq, const float* 
 // these tiles on a CPU whose 512-bit units are two 256-bit halves (AMD Zen 4). Another order of
 // the same exact-product sum (within the K-term bound); vdpbf16ps treats denormal inputs and
 // results as zero, so it runs only where every nonzero activation is at least 2^-100 in magnitude
-// (arrange_acts_bf16), whence every product and partial sum is zero or far from the denormals.
+// (bf16_far_from_denormals), whence every product and partial sum is zero or far from the denormals.
 #define FMOE_BF16DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
 
 constexpr int64_t kDotBf16 = 4;   // grouped_run's return where these tiles ran
@@ -763,17 +765,12 @@ bool has_avx512_bf16() {
 // 2j, 2j + 1 of each vector: k = 8j .. 8j + 7 over the four, inside one scale block for BK = 32
 // (block j / 4) and BK = 16 (j / 2), so the four products of a chunk take one scale vector.
 // Activations are stored per chunk in that order (4 x 32 words), for the rows of the experts the
-// tiles run (those with at most max_rows rows; the others' rows are left unwritten). Returns
-// false (nothing to use) if a nonzero value of those rows is below 2^-100 in magnitude (see above).
-bool arrange_acts_bf16(const uint16_t* a, const int64_t* o, int64_t E, int64_t max_rows, int64_t K,
+// tiles run (those with at most max_rows rows; the others' rows are left unwritten).
+void arrange_acts_bf16(const uint16_t* a, const int64_t* o, int64_t E, int64_t max_rows, int64_t K,
                        uint16_t* xb) {
   const int64_t nc = K / 128;
   for (int64_t e = 0; e < E; ++e) {
     if (o[e + 1] - o[e] > max_rows) continue;
-    for (int64_t i = o[e] * K; i < o[e + 1] * K; ++i) {
-      const int exp = (a[i] >> 7) & 0xFF;
-      if (exp < 27 && (a[i] & 0x7FFF) != 0) return false;   // 2^-100: biased exponent 27
-    }
     for (int64_t r = o[e]; r < o[e + 1]; ++r)
       for (int64_t c = 0; c < nc; ++c) {
         const uint16_t* x = a + r * K + 128 * c;
@@ -781,6 +778,23 @@ bool arrange_acts_bf16(const uint16_t* a, const int64_t* o, int64_t E, int64_t m
         for (int q = 0; q < 4; ++q)
           for (int i = 0; i < 32; ++i) d[q * 32 + i] = x[4 * i + q];
       }
+  }
+}
+
+// Whether every nonzero value of the bf16 rows a [n] is at least 2^-100 in magnitude (biased
+// exponent 27). vdpbf16ps, and the bf16 GEMMs that run on it on an AVX-512 BF16 CPU (oneDNN's
+// at::mm, MKL's), read denormal inputs (below 2^-126) as zero and flush denormal results: a
+// denormal activation times a weight of 2^125 is a product of 2^-1 lost. Rows that fail take the
+// float32 paths (their float32 twin is exact). Past 2^-100, an FP4 value (at least 0.5) times a scale
+// of at least 2^-25 (mxfp4_tile_in_bf16) or an E4M3 value or scale (at least 2^-9) gives products
+// and partial sums that are zero or far from the denormals. In blocks, so the test vectorizes.
+bool bf16_far_from_denormals(const uint16_t* a, int64_t n) {
+  constexpr int64_t kBlock = 4096;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t end = std::min(n, b + kBlock);
+    int near = 0;
+    for (int64_t i = b; i < end; ++i) near |= (((a[i] >> 7) & 0xFF) < 27) & ((a[i] & 0x7FFF) != 0);
+    if (near) return false;
   }
   return true;
 }
@@ -1236,6 +1250,20 @@ bool run_job_fp8_blocks(const Params& p, const Job& j, const at::Tensor& a_bf16,
   return true;
 }
 
+// Whether the bf16 tile of MXFP4 job j holds no denormal weight and no product of one with a bf16
+// row that passed bf16_far_from_denormals is denormal: every E8M0 scale of its rows at least
+// 2^-25 (byte 102), so that an FP4 value (at least 0.5) times it, times 2^-100, is at least 2^-126.
+bool mxfp4_tile_in_bf16(const Params& p, const Job& j) {
+  const int64_t kb = p.K / p.bk;
+  for (int64_t n = j.n0; n < j.n1; n += p.bn) {
+    const uint8_t* s = p.sb + j.e * p.s_e + (n / p.bn) * p.s_r;
+    int low = 0;
+    for (int64_t b = 0; b < kb; ++b) low |= s[b] < 102;
+    if (low) return false;
+  }
+  return true;
+}
+
 // Many rows: decode the tile once, then one single-threaded at::mm. The tile buffers are the
 // thread's own and reused from job to job (a fresh 2 MiB tile per job was a fresh mapping and
 // its page faults). bf16 rows of FP4 weights: each row decoded to float32 in L1 and stored as
@@ -1252,7 +1280,7 @@ void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const c10
   at::Tensor o = out.narrow(0, j.lo, j.c).narrow(1, j.n0, tn);
   const bool mkl = p.blas && cblas_gemm_bf16bf16f32 != nullptr;
   if (mkl && a_bf16.has_value() && !p.fp4 && p.sf != nullptr && run_job_fp8_blocks(p, j, *a_bf16, isa)) return;
-  const bool bf16 = a_bf16.has_value() && p.fp4 && (g == 1.0f || mkl);
+  const bool bf16 = a_bf16.has_value() && p.fp4 && (g == 1.0f || mkl) && (!p.e8m0 || mxfp4_tile_in_bf16(p, j));
   const at::Tensor w32 = thread_buffer(bf16 ? p.K : tn * p.K, at::kFloat);
   const at::Tensor b16 = bf16 ? thread_buffer(tn * p.K, at::kBFloat16) : at::Tensor();
   float* wp = w32.data_ptr<float>();
@@ -1424,14 +1452,20 @@ int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E,
   };
   // bf16 rows of FP4 weights: the small-rows jobs take the bf16 dot-product tiles where they run,
   // and there "small" reaches dot_rows(bk) rows an expert (small_from below)
+  // bf16 rows with a value near the denormals: the float32 paths for all (bf16_far_from_denormals)
+  const c10::optional<at::Tensor> a16 =
+      a_bf16.has_value() &&
+              bf16_far_from_denormals(reinterpret_cast<const uint16_t*>(a_bf16->const_data_ptr()), R * K)
+          ? a_bf16
+          : c10::nullopt;
   at::Tensor xb;
   const int64_t dot_from = std::max(dense_from, dot_rows(bk));
-  bool dot16 = p.dot_bf16 && a_bf16.has_value() && fp4 && run == kAvx512 && !act_int8 && any_up_to(dot_from) &&
-               K % 128 == 0 && (bk == 16 || bk == 32) && has_avx512_bf16();
+  const bool dot16 = p.dot_bf16 && a16.has_value() && fp4 && run == kAvx512 && !act_int8 && any_up_to(dot_from) &&
+                     K % 128 == 0 && (bk == 16 || bk == 32) && has_avx512_bf16();
   if (dot16) {
     xb = at::empty({R * K}, at::kBFloat16);
-    dot16 = arrange_acts_bf16(reinterpret_cast<const uint16_t*>(a_bf16->const_data_ptr()), o, E, dot_from, K,
-                              reinterpret_cast<uint16_t*>(xb.data_ptr()));
+    arrange_acts_bf16(reinterpret_cast<const uint16_t*>(a16->const_data_ptr()), o, E, dot_from, K,
+                      reinterpret_cast<uint16_t*>(xb.data_ptr()));
   }
   // the experts the register tiles run (at most small_from rows); the others decode a tile and multiply it
   const int64_t small_from = dot16 ? dot_from : dense_from;
@@ -1449,7 +1483,7 @@ int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E,
   // (run_job_dense_ksplit); kc = 0: whole rows. FP8 slices end on scale blocks, so each block's
   // weights decode as in one pass (fp8_row's one block a row: no slices).
   int64_t kc = 0;
-  if (run == kAvx512 && !(a_bf16.has_value() && (fp4 || !byte_scales)) && K > kSliceK && (fp4 || kSliceK % bk == 0))
+  if (run == kAvx512 && !(a16.has_value() && (fp4 || !byte_scales)) && K > kSliceK && (fp4 || kSliceK % bk == 0))
     kc = kSliceK;
   std::vector<Job> jobs;
   for (int64_t e = 0; e < E; ++e) {
@@ -1479,7 +1513,7 @@ int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E,
           if (first != streamed && j.c <= small_from) prefetch_start(p, j);
           streamed = p.data + j.e * p.d_e + j.n1 * p.d_r;
           if (j.c > small_from && kc > 0) run_job_dense_ksplit(p, j, a, out, kc);
-          else if (j.c > small_from) run_job_dense(p, j, a, a_bf16, out, run);
+          else if (j.c > small_from) run_job_dense(p, j, a, a16, out, run);
           else if (act_int8) run_job_vnni(p, j, xq.const_data_ptr<int8_t>(), xd.const_data_ptr<float>(),
                                             xqsum.const_data_ptr<int32_t>());
           else if (dot16) run_job_bf16(p, j, xbp);
