@@ -346,15 +346,15 @@ def test_bfloat16_rows_round_once(fmt, K):
 _DOT_BF16 = 4   # packed_grouped_mm's return where the bf16 dot-product tiles ran
 
 
-def _raw_out(a, w, o, dot_bf16, path=False):
+def _raw_out(a, w, o, dot_bf16, path=False, blas=True):
     """The kernel's float32 output for bf16 rows a (before packed._native rounds it to bf16);
-    path: also the path it reports (the ISA run, or _DOT_BF16)."""
+    path: also the path it reports (the ISA run, or _DOT_BF16; _GEMM_BF16 or'ed in)."""
     from fmoe.quant import _codecs as C
     data, scales, table, fp4, bn, bk, gs = packed._operands(w)
     out = torch.empty(a.shape[0], w.logical_shape[1])
+    b16 = a.contiguous() if fp4 or scales.dtype == torch.float32 else None   # as packed._native passes them
     ran = packed._EXT.packed_grouped_mm(a.float().contiguous(), o, data, scales, table, C.E4M3_TABLE, gs, fp4, bn, bk,
-                                        out, packed.ISAS["auto"], packed.DENSE_FROM, False, a.contiguous(), True,
-                                        dot_bf16)
+                                        out, packed.ISAS["auto"], packed.DENSE_FROM, False, b16, blas, dot_bf16)
     return (out, ran) if path else out
 
 
@@ -393,6 +393,44 @@ def test_bfloat16_rows_bf16_dot_tiles(fmt, K, N):
         assert torch.equal(_raw_out(a2, w, o, True), _raw_out(a2, w, o, False))
     y = packed.grouped_matmul(a, w, o)   # the public call takes them: one bf16 rounding of the kernel's sum
     assert torch.equal(y, dot.bfloat16())
+
+
+_GEMM_BF16 = 8   # or'ed into packed_grouped_mm's return where fmoe's bf16 tile GEMM ran a job
+
+
+@pytest.mark.parametrize("fmt,K,block", [("fp8_block", 256, None), ("fp8_block", 200, None), ("fp8_block", 200, (8, 48)),
+                                         ("fp8_row", 256, None), ("nvfp4", 256, None)])
+def test_bfloat16_rows_tile_gemm_with_block_scales(fmt, K, block):
+    """bf16 rows of FP8 weights past DENSE_FROM, and of NVFP4 past dot_rows, on an AVX-512 BF16 CPU
+    without AMX: the decoded tile (bare E4M3 values; FP4 values times their E4M3 scales) times the
+    rows by fmoe's vdpbf16ps GEMM, each scale block's sum scaled once in float32 (FP8's block scales,
+    NVFP4's global one): within the K-term bound of the reference, as MKL's GEMM and the float32
+    path (the other two paths of these jobs); K = 200 ends blocks mid-chunk (masked loads), (8, 48)
+    blocks are thinner than MKL's path takes; it does run (the call reports it), and a NaN byte
+    gives NaN where the reference has it."""
+    if not packed.AVAILABLE or not packed._EXT.has_bf16_dot() or packed._EXT.has_amx_bf16():
+        pytest.skip("fmoe's bf16 tile GEMM runs on AVX-512 BF16 CPUs without AMX")
+    g = torch.Generator().manual_seed(14)
+    many = packed._EXT.dot_rows(16) + 5 if fmt == "nvfp4" else packed.DENSE_FROM + 5
+    counts = [many, 0, 2, many + 14]   # expert 2: the small-rows tiles, beside the GEMM's jobs
+    kw = {} if block is None else {"block": block}
+    w = Q.quantize(torch.randn(len(counts), 70, K, generator=g), fmt, **kw)
+    if fmt != "nvfp4":   # a NaN weight (E4M3 0x7F) in expert 3's row 9
+        d = w.data.view(torch.uint8).clone()
+        d[3, 9, 17] = 0x7F
+        w = Q.QuantizedTensor(d.view(w.data.dtype), w.scales, w.global_scale, fmt, w.shape, w.block)
+    o = _offsets(counts)
+    a = torch.randn(int(o[-1]), K, generator=g).bfloat16()
+    ref = packed.grouped_matmul_reference(a.float(), w, o)
+    fin = ~torch.isnan(ref)
+    bound = _bound(a, w, o)
+    (own, ran), (mkl, _), (flt, ran_flt) = (_raw_out(a, w, o, True, True), _raw_out(a, w, o, False, True),
+                                            _raw_out(a, w, o, False, True, blas=False))
+    assert ran & _GEMM_BF16 and not ran_flt & _GEMM_BF16
+    for out in (own, mkl, flt):
+        assert torch.equal(torch.isnan(out), ~fin)
+        assert not ((out - ref).abs() > bound)[fin].any()
+    assert int((~fin).sum()) == (counts[3] if fmt != "nvfp4" else 0)
 
 
 _MAPPINGS = []

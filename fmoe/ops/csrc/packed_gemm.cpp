@@ -39,6 +39,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -51,13 +52,14 @@
 
 // MKL's bf16 GEMM with a float32 result (C = alpha A op(B) + beta C, LP64 ints), which the x86
 // torch wheels export from libtorch_cpu: for bf16 rows of weights with a scale the bf16 tile cannot
-// hold exactly (NVFP4's second-level scale, FP8's float block scales), its alpha. MXFP4 tiles take
-// at::mm (torch's bf16 GEMM, oneDNN in the x86 wheels, the one bf16 experts run): on an AMD EPYC
-// (Zen 4) MKL's took 2.3x its time on the same tiles; on a Xeon (AMX) MKL's path had run at 0.86-1.10x
-// bf16 experts' time (at::mm's path not timed there). A weak reference:
-// null where this torch build has no MKL, and then NVFP4 and FP8 bf16 rows take the float32 path.
-// Called inside the OpenMP region, MKL and oneDNN run on the calling thread alone (their default for
-// nested calls).
+// hold exactly (NVFP4's second-level scale, FP8's float block scales), its alpha, on CPUs where
+// fmoe's own bf16 tile GEMM (gemm_bf16_scaled: AVX-512 BF16 without AMX) does not run. On an AMD
+// EPYC (Zen 4) MKL's took 2.3x at::mm's time on MXFP4 tiles, and 1.7x / 1.5x gemm_bf16_scaled's on
+// FP8 ones; on a Xeon (AMX) it had run at 0.86-1.10x bf16 experts' time. MXFP4 tiles take at::mm
+// (torch's bf16 GEMM, oneDNN in the x86 wheels, the one bf16 experts run). A weak reference: null
+// where this torch build has no MKL, and then NVFP4 and FP8 bf16 rows take fmoe's GEMM or the
+// float32 path. Called inside the OpenMP region, MKL and oneDNN run on the calling thread alone
+// (their default for nested calls).
 extern "C" __attribute__((weak)) void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n,
                                                              int k, float alpha, const uint16_t* a, int lda,
                                                              const uint16_t* b, int ldb, float beta, float* c,
@@ -734,16 +736,18 @@ void run_job_vnni(const Params& p, const Job& j, const int8_t* xq, const float* 
 #define FMOE_BF16DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
 
 constexpr int64_t kDotBf16 = 4;   // grouped_run's return where these tiles ran
+constexpr int64_t kGemmBf16 = 8;  // or'ed into it where gemm_bf16_scaled ran a job
 // The most rows an expert these tiles take (past dense_from, which the float tiles keep). Each
 // group of 4 rows decodes the weights again, and still they ran faster than the decoded tile's GEMM
 // (gate_up [1536, 2048] / down [2048, 768], 64 experts, 2 threads, warm):
 // - MXFP4 (a bf16 tile through at::mm, oneDNN) up to 32 rows: 12 rows 16.8 / 9.9 against 27.6 / 18.9
 //   ms, 32 rows 43.9 / 25.1 against 48.4 / 28.9, 40 rows about level, 64 rows 87.4 / 50.1 against
 //   76.1 / 45.0;
-// - NVFP4 (its tile through MKL's bf16 GEMM with the global scale as alpha) at every count measured:
-//   48 / 64 / 128 rows gate_up 82 / 109 / 217 against 144 / 168 / 308 ms, down 45 / 61 / 124 against
-//   62 / 78 / 147.
-int64_t dot_rows(int64_t bk) { return bk == 16 ? 128 : 32; }
+// - NVFP4 (its tile through gemm_bf16_scaled, the global scale its block scale) up to 16 rows: 9 rows
+//   19.4 / 11.3 against 21.3 / 12.5 ms, 12 and 16 rows level (22.4 / 12.9 against 21.6 / 13.5, 31.0 /
+//   15.8 against 29.2 / 16.1), 24 rows 47.3 / 25.5 against 38.4 / 21.6, 48 rows 74.1 / 46.1 against
+//   62.3 / 37.0. (Against MKL's GEMM, which that tile took before, the tiles had won up to 128 rows.)
+int64_t dot_rows(int64_t bk) { return bk == 16 ? 16 : 32; }
 
 bool has_avx512_bf16() {
   static const bool has = [] {   // asked on every call of grouped_run: once per process
@@ -902,6 +906,111 @@ void run_job_bf16(const Params& p, const Job& j, const uint16_t* xb) {
   if (p.e8m0 && e8m0_plain(p.sb + j.e * p.s_e + j.n0 * p.s_r, (j.n1 - j.n0) * p.s_r))
     return run_job_bf16_bk<32, true>(p, j, xb);
   run_job_bf16_bk<32, false>(p, j, xb);
+}
+
+// ------------------------------------------------------------------ bf16 GEMM of a decoded tile, per-block scales
+
+// Whether the CPU has AMX-BF16 (CPUID leaf 7, EDX bit 22), where MKL's bf16 GEMM runs on the tile
+// units and the GEMM below (vdpbf16ps) would be the slower one.
+bool has_amx_bf16() {
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) != 0 && ((d >> 22) & 1u) != 0;
+  }();
+  return has;
+}
+
+// MR activation rows (bf16, stride lda) against NR decoded weight rows (bf16, stride ldw) over K:
+// c[r * ldc + i] = sum over the scale blocks kb of s[i * nb + kb] * (the block's dot product).
+// Each block's products (exact: two bf16) are summed by vdpbf16ps per lane, the block sum scaled
+// once by an FMA into the running lanes, the lanes summed at the end: another order of the
+// reference's sum of the products of the scaled weights, within the K-term bound; vdpbf16ps's
+// flush of denormals as for the dot-product tiles (bf16_far_from_denormals; the weights it takes
+// are E4M3 values or FP4 values times E4M3 or E8M0 scales of at least 2^-25). A block's last
+// chunk is a masked load (zeros past its end), so any bk and K run.
+// The sums of one block [k0, k1) into part (zeroed here).
+template <int MR, int NR>
+FMOE_BF16DP FMOE_INLINE void gemm_bf16_block(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t ldw,
+                                             int64_t k0, int64_t k1, __m512 (&part)[MR][NR]) {
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 3
+    for (int i = 0; i < NR; ++i) part[r][i] = _mm512_setzero_ps();
+  for (int64_t k = k0; k < k1; k += 32) {
+    const __mmask32 m = k1 - k >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << (k1 - k)) - 1);
+    __m512bh wv[NR];
+#pragma GCC unroll 3
+    for (int i = 0; i < NR; ++i) wv[i] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + i * ldw + k);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh av = (__m512bh)_mm512_maskz_loadu_epi16(m, a + r * lda + k);
+#pragma GCC unroll 3
+      for (int i = 0; i < NR; ++i) part[r][i] = _mm512_dpbf16_ps(part[r][i], av, wv[i]);
+    }
+  }
+}
+
+// MR activation rows (bf16, stride lda) against NR decoded weight rows (bf16, stride ldw) over K:
+// c[r * ldc + i] = sum over the scale blocks kb of s[i * nb + kb] * (the block's dot product).
+// Each block's products (exact: two bf16) are summed by vdpbf16ps per lane, the block sum scaled
+// once by an FMA into the running lanes, the lanes summed at the end: another order of the
+// reference's sum of the products of the scaled weights, within the K-term bound. vdpbf16ps's flush of denormals as for the
+// dot-product tiles (bf16_far_from_denormals; the weights it takes are E4M3 values or FP4 values
+// times E4M3 or E8M0 scales of at least 2^-25). A block's last chunk is a masked load (zeros past
+// its end), so any bk and K run.
+template <int MR, int NR>
+FMOE_BF16DP void gemm_bf16_tile(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t ldw, int64_t K,
+                                int64_t bk, const float* s, int64_t nb, float* c, int64_t ldc) {
+  __m512 part[MR][NR], tot[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int i = 0; i < NR; ++i) tot[r][i] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    gemm_bf16_block<MR, NR>(a, lda, w, ldw, kb * bk, std::min(K, kb * bk + bk), part);
+    for (int i = 0; i < NR; ++i) {
+      const __m512 sv = _mm512_set1_ps(s[i * nb + kb]);
+      for (int r = 0; r < MR; ++r) tot[r][i] = _mm512_fmadd_ps(part[r][i], sv, tot[r][i]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int i = 0; i < NR; ++i) c[r * ldc + i] = _mm512_reduce_add_ps(tot[r][i]);
+}
+
+template <int MR>
+void gemm_bf16_cols(const uint16_t* a, const uint16_t* w, int64_t tn, int64_t K, int64_t bk, const float* s,
+                    int64_t nb, float* c, int64_t ldc) {
+  int64_t n = 0;
+  for (; n + 3 <= tn; n += 3) gemm_bf16_tile<MR, 3>(a, K, w + n * K, K, K, bk, s + n * nb, nb, c + n, ldc);
+  if (tn - n == 2) gemm_bf16_tile<MR, 2>(a, K, w + n * K, K, K, bk, s + n * nb, nb, c + n, ldc);
+  if (tn - n == 1) gemm_bf16_tile<MR, 1>(a, K, w + n * K, K, K, bk, s + n * nb, nb, c + n, ldc);
+}
+
+// c [m, tn] (stride ldc, written) = a [m, K] (bf16, contiguous) times the decoded bf16 tile w
+// [tn, K]^T, block kb = [kb * bk, (kb + 1) * bk) of weight row n scaled by scale(n, kb): FP8's
+// bare E4M3 values with their float block scales (fp8_block, fp8_row: bk = K), or an FP4 tile
+// with NVFP4's global scale (bk = K). Register tiles of 4 activation rows (in L1 while they pass
+// the weights) by 3 weight rows: 12 block sums and 12 running sums. The weights go in slices of
+// about 256 KiB, which stay in L2 while every group of 4 rows passes them.
+template <class Scale>
+void gemm_bf16_scaled(const uint16_t* a, int64_t m, const uint16_t* w, int64_t tn, int64_t K, int64_t bk,
+                      Scale scale, float* c, int64_t ldc) {
+  const int64_t nb = (K + bk - 1) / bk;
+  std::vector<float> s(tn * nb);
+  for (int64_t n = 0; n < tn; ++n)
+    for (int64_t kb = 0; kb < nb; ++kb) s[n * nb + kb] = scale(n, kb);
+  const int64_t slice = std::max<int64_t>(3, ((int64_t(256) << 10) / (2 * K)) / 3 * 3);
+  for (int64_t n0 = 0; n0 < tn; n0 += slice) {
+    const int64_t sn = std::min(slice, tn - n0);
+    const uint16_t* ws = w + n0 * K;
+    const float* ss = s.data() + n0 * nb;
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) gemm_bf16_cols<4>(a + r * K, ws, sn, K, bk, ss, nb, c + r * ldc + n0, ldc);
+    switch (m - r) {
+      case 1: gemm_bf16_cols<1>(a + r * K, ws, sn, K, bk, ss, nb, c + r * ldc + n0, ldc); break;
+      case 2: gemm_bf16_cols<2>(a + r * K, ws, sn, K, bk, ss, nb, c + r * ldc + n0, ldc); break;
+      case 3: gemm_bf16_cols<3>(a + r * K, ws, sn, K, bk, ss, nb, c + r * ldc + n0, ldc); break;
+      default: break;
+    }
+  }
 }
 
 // ------------------------------------------------------------------ AVX-512 row decode (the many-rows path)
@@ -1198,15 +1307,15 @@ at::Tensor thread_buffer(int64_t n, at::ScalarType dtype) {
 }
 
 // FP8 weights with float32 scales (fp8_block's bn x bk blocks, fp8_row's one scale per row) and
-// bf16 rows, with MKL's bf16 GEMM: the E4M3 values (exact in bf16) decoded without their scale,
-// then per scale block one bf16 GEMM whose alpha is the block's scale, the blocks along K summed
-// in float32 in out (beta 1). One k-block (fp8_row): one GEMM, then each output column times its
-// row's scale. dequantize() rounds q * s once per weight; here each block's sum is scaled once:
-// both within the K-term bound. Returns false (nothing written) where the blocks are too thin
-// for this to pay (bn < 16 with several k-blocks).
-bool run_job_fp8_blocks(const Params& p, const Job& j, const at::Tensor& a_bf16, int isa) {
+// bf16 rows: the E4M3 values (exact in bf16) decoded without their scale, then (own)
+// gemm_bf16_scaled with the block scales, or with MKL's bf16 GEMM per scale block, its alpha the
+// block's scale, the blocks along K summed in float32 in out (beta 1; one k-block, fp8_row: one
+// GEMM, then each output column times its row's scale). dequantize() rounds q * s once per weight;
+// here each block's sum is scaled once: both within the K-term bound. Returns false (nothing
+// written) where MKL's blocks are too thin for it to pay (bn < 16 with several k-blocks).
+bool run_job_fp8_blocks(const Params& p, const Job& j, const at::Tensor& a_bf16, int isa, bool own) {
   const int64_t tn = j.n1 - j.n0, kblocks = (p.K + p.bk - 1) / p.bk;
-  if (p.bn < 16 && kblocks > 1) return false;
+  if (!own && p.bn < 16 && kblocks > 1) return false;
   const at::Tensor w32 = thread_buffer(p.K, at::kFloat);
   const at::Tensor b16 = thread_buffer(tn * p.K, at::kBFloat16);
   float* wp = w32.data_ptr<float>();
@@ -1231,6 +1340,11 @@ bool run_job_fp8_blocks(const Params& p, const Job& j, const at::Tensor& a_bf16,
   }
   const auto* ab = reinterpret_cast<const uint16_t*>(a_bf16.const_data_ptr()) + j.lo * p.K;
   float* c = p.out + j.lo * p.N;
+  if (own) {
+    gemm_bf16_scaled(ab, j.c, w16, tn, p.K, p.bk, [&](int64_t n, int64_t kb) { return scale_of(p, j.e, j.n0 + n, kb); },
+                     c + j.n0, p.N);
+    return true;
+  }
   const int m = static_cast<int>(j.c), K = static_cast<int>(p.K), N = static_cast<int>(p.N);
   if (kblocks == 1) {
     cblas_gemm_bf16bf16f32(101, 111, 112, m, static_cast<int>(tn), K, 1.0f, ab, K, w16, K, 0.0f, c + j.n0, N);
@@ -1264,23 +1378,28 @@ bool mxfp4_tile_in_bf16(const Params& p, const Job& j) {
   return true;
 }
 
-// Many rows: decode the tile once, then one single-threaded at::mm. The tile buffers are the
+// Many rows: decode the tile once, then one single-threaded GEMM. The tile buffers are the
 // thread's own and reused from job to job (a fresh 2 MiB tile per job was a fresh mapping and
 // its page faults). bf16 rows of FP4 weights: each row decoded to float32 in L1 and stored as
 // bf16 (exact: an E2M1 value times an E8M0 or E4M3 scale has at most 6 significant bits), so
 // the bf16 GEMM (fp32 accumulation) multiplies the same products. MXFP4: at::mm rounds the sum to
-// bf16 once (the caller's rounding of out to bf16 then changes nothing). NVFP4: MKL's bf16 x bf16 ->
-// float32 GEMM, the sum lands in out as float32 with the second-level scale g as its alpha (one
-// rounding per output, as the register tiles apply g; at::mm then g would round twice), the float32
-// path where MKL is absent. The caller rounds out to bf16 once. Otherwise float32 weights and rows.
-void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const c10::optional<at::Tensor>& a_bf16,
+// bf16 once (the caller's rounding of out to bf16 then changes nothing). NVFP4: the sum lands in
+// out as float32 with the second-level scale g applied once (gemm_bf16_scaled, or MKL's GEMM with g
+// as its alpha; at::mm then g would round twice), the float32 path where neither runs. FP8 with
+// float scales: run_job_fp8_blocks. The caller rounds out to bf16 once. Otherwise float32 weights
+// and rows. Returns whether gemm_bf16_scaled ran.
+bool run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const c10::optional<at::Tensor>& a_bf16,
                    const at::Tensor& out, int isa) {
   const int64_t tn = j.n1 - j.n0;
   const float g = gscale_of(p, j.e);
   at::Tensor o = out.narrow(0, j.lo, j.c).narrow(1, j.n0, tn);
   const bool mkl = p.blas && cblas_gemm_bf16bf16f32 != nullptr;
-  if (mkl && a_bf16.has_value() && !p.fp4 && p.sf != nullptr && run_job_fp8_blocks(p, j, *a_bf16, isa)) return;
-  const bool bf16 = a_bf16.has_value() && p.fp4 && (g == 1.0f || mkl) && (!p.e8m0 || mxfp4_tile_in_bf16(p, j));
+  // bf16 tiles with a scale they cannot hold (FP8's, NVFP4's global one): our GEMM on AVX-512 BF16
+  // without AMX (gemm_bf16_scaled), else MKL's, else the float32 path
+  const bool own = p.dot_bf16 && isa == kAvx512 && has_avx512_bf16() && !has_amx_bf16();
+  if ((own || mkl) && a_bf16.has_value() && !p.fp4 && p.sf != nullptr && run_job_fp8_blocks(p, j, *a_bf16, isa, own))
+    return own;
+  const bool bf16 = a_bf16.has_value() && p.fp4 && (g == 1.0f || mkl || own) && (!p.e8m0 || mxfp4_tile_in_bf16(p, j));
   const at::Tensor w32 = thread_buffer(bf16 ? p.K : tn * p.K, at::kFloat);
   const at::Tensor b16 = bf16 ? thread_buffer(tn * p.K, at::kBFloat16) : at::Tensor();
   float* wp = w32.data_ptr<float>();
@@ -1308,21 +1427,26 @@ void run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const c10
       row16[k] = static_cast<uint16_t>(u >> 16);
     }
   }
-  if (bf16 && mkl && g != 1.0f) {
+  if (bf16 && g != 1.0f) {
     const auto* ab = reinterpret_cast<const uint16_t*>(a_bf16->const_data_ptr()) + j.lo * p.K;
+    if (own) {
+      gemm_bf16_scaled(ab, j.c, w16, tn, p.K, p.K, [g](int64_t, int64_t) { return g; }, p.out + j.lo * p.N + j.n0, p.N);
+      return true;
+    }
     cblas_gemm_bf16bf16f32(101 /* row major */, 111 /* a as is */, 112 /* w transposed */, static_cast<int>(j.c),
                            static_cast<int>(tn), static_cast<int>(p.K), g, ab, static_cast<int>(p.K), w16,
                            static_cast<int>(p.K), 0.0f, p.out + j.lo * p.N + j.n0, static_cast<int>(p.N));
-    return;
+    return false;
   }
   if (bf16) {
     const at::Tensor w = b16.narrow(0, 0, tn * p.K).view({tn, p.K});
     o.copy_(at::mm(a_bf16->narrow(0, j.lo, j.c), w.t()));
-    return;
+    return false;
   }
   const at::Tensor w = w32.narrow(0, 0, tn * p.K).view({tn, p.K});
   if (g != 1.0f && !g_in_decode) w.mul_(g);  // nvfp4: dequantize()'s (value * s) * g, rounded once per weight
   at::mm_out(o, a.narrow(0, j.lo, j.c), w.t());
+  return false;
 }
 
 // The float32 many-rows job on AVX-512 in k-slices of kc (a multiple of 128 and of bk; the last may
@@ -1423,7 +1547,8 @@ const int64_t* checked_offsets(const at::Tensor& offsets, int64_t E, int64_t R) 
 
 // out [R, N] float32 = a [R, K] (contiguous float32) times the weights of p (weight_params) for
 // the rows o[e] .. o[e + 1] of every expert e (o: checked_offsets). Returns the ISA run, or
-// kDotBf16 where the bf16 dot-product tiles ran the small experts (AVX-512 for the others).
+// kDotBf16 where the bf16 dot-product tiles ran the small experts (AVX-512 for the others), with
+// kGemmBf16 set where gemm_bf16_scaled ran a many-rows job.
 int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E, int64_t isa, int64_t dense_from,
                     bool act_int8, const c10::optional<at::Tensor>& a_bf16, const at::Tensor& out) {
   const int64_t R = a.size(0), K = p.K, N = p.N, bk = p.bk;
@@ -1499,6 +1624,7 @@ int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E,
   // run to the others instead of holding the call until it has done it.
   const int64_t njobs = static_cast<int64_t>(jobs.size());
   const int64_t nth = std::min<int64_t>(njobs, at::get_num_threads());
+  std::atomic<bool> own_gemm{false};
   std::vector<std::atomic<int64_t>> next(std::max<int64_t>(nth, 1));
   for (int64_t t = 0; t < nth; ++t) next[t] = t * njobs / nth;
   at::parallel_for(0, nth, 1, [&](int64_t t0, int64_t t1) {
@@ -1513,7 +1639,9 @@ int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E,
           if (first != streamed && j.c <= small_from) prefetch_start(p, j);
           streamed = p.data + j.e * p.d_e + j.n1 * p.d_r;
           if (j.c > small_from && kc > 0) run_job_dense_ksplit(p, j, a, out, kc);
-          else if (j.c > small_from) run_job_dense(p, j, a, a16, out, run);
+          else if (j.c > small_from) {
+            if (run_job_dense(p, j, a, a16, out, run)) own_gemm = true;
+          }
           else if (act_int8) run_job_vnni(p, j, xq.const_data_ptr<int8_t>(), xd.const_data_ptr<float>(),
                                             xqsum.const_data_ptr<int32_t>());
           else if (dot16) run_job_bf16(p, j, xbp);
@@ -1521,7 +1649,7 @@ int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E,
         }
       }
   });
-  return dot16 ? kDotBf16 : run;
+  return (dot16 ? kDotBf16 : run) | (own_gemm ? kGemmBf16 : 0);
 }
 
 
@@ -1964,6 +2092,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a rows plan's whole expert stage over packed weights (see packed_gemm.cpp and fmoe.quant.packed.expert_stage)");
   m.def("has_bf16_dot", &has_avx512_bf16, "whether bf16 rows of FP4 weights take the bf16 dot-product tiles here");
   m.def("dot_rows", &dot_rows, "the most rows an expert the bf16 dot-product tiles take, for FP4 blocks of bk");
+  m.def("has_amx_bf16", &has_amx_bf16, "whether the CPU has AMX-BF16 (bf16 tiles then take MKL's GEMM, not fmoe's)");
   m.def("has_vnni", &packed_has_vnni, "whether the int8-activation (AVX-512 VNNI) FP4 path runs here");
   m.def("best_isa", &packed_best_isa, "the widest ISA path this CPU runs: 1 portable, 2 AVX2, 3 AVX-512");
 }
