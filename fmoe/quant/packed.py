@@ -201,7 +201,8 @@ def _operands(w: QuantizedTensor):
 def _native(a: Tensor, w: QuantizedTensor, offsets: Tensor, isa: str, act_int8: bool = False, *,
             blas: bool = True, dot_bf16: bool = True) -> Tensor:
     # blas=False: bf16 rows skip MKL's bf16 GEMM (NVFP4, FP8: the path of a torch build without it; tests);
-    # dot_bf16=False: bf16 rows of FP4 weights skip the bf16 dot-product tiles (a CPU without AVX-512 BF16; tests)
+    # dot_bf16=False: bf16 rows skip the vdpbf16ps kernels, the dot-product tiles and fmoe's tile GEMM (a CPU
+    # without AVX-512 BF16; tests)
     data, scales, table, fp4, bn, bk, gs = _operands(w)
     out = torch.empty(a.shape[0], w.logical_shape[1], dtype=torch.float32)
     if a.requires_grad:
