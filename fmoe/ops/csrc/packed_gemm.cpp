@@ -1369,15 +1369,12 @@ bool run_job_fp8_blocks(const Params& p, const Job& j, const at::Tensor& a_bf16,
 // Whether the bf16 tile of MXFP4 job j holds no denormal weight and no product of one with a bf16
 // row that passed bf16_far_from_denormals is denormal: every E8M0 scale of its rows at least
 // 2^-25 (byte 102), so that an FP4 value (at least 0.5) times it, times 2^-100, is at least 2^-126.
+// MXFP4's scale rows (one a weight row) are contiguous, as e8m0_plain reads them.
 bool mxfp4_tile_in_bf16(const Params& p, const Job& j) {
-  const int64_t kb = p.K / p.bk;
-  for (int64_t n = j.n0; n < j.n1; n += p.bn) {
-    const uint8_t* s = p.sb + j.e * p.s_e + (n / p.bn) * p.s_r;
-    int low = 0;
-    for (int64_t b = 0; b < kb; ++b) low |= s[b] < 102;
-    if (low) return false;
-  }
-  return true;
+  const uint8_t* s = p.sb + j.e * p.s_e + j.n0 * p.s_r;
+  int low = 0;
+  for (int64_t i = 0; i < (j.n1 - j.n0) * p.s_r; ++i) low |= s[i] < 102;
+  return low == 0;
 }
 
 // Many rows: decode the tile once, then one single-threaded GEMM. The tile buffers are the
@@ -1577,14 +1574,14 @@ int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E,
     for (int64_t e = 0; e < E; ++e) any |= (o[e + 1] > o[e] && o[e + 1] - o[e] <= rows);
     return any;
   };
-  // bf16 rows of FP4 weights: the small-rows jobs take the bf16 dot-product tiles where they run,
-  // and there "small" reaches dot_rows(bk) rows an expert (small_from below)
   // bf16 rows with a value near the denormals: the float32 paths for all (bf16_far_from_denormals)
   const c10::optional<at::Tensor> a16 =
       a_bf16.has_value() &&
               bf16_far_from_denormals(reinterpret_cast<const uint16_t*>(a_bf16->const_data_ptr()), R * K)
           ? a_bf16
           : c10::nullopt;
+  // bf16 rows of FP4 weights: the small-rows jobs take the bf16 dot-product tiles where they run,
+  // and there "small" reaches dot_rows(bk) rows an expert (small_from below)
   at::Tensor xb;
   const int64_t dot_from = std::max(dense_from, dot_rows(bk));
   const bool dot16 = p.dot_bf16 && a16.has_value() && fp4 && run == kAvx512 && !act_int8 && any_up_to(dot_from) &&
