@@ -567,6 +567,37 @@ def test_bfloat16_rows_where_bf16_arithmetic_would_flush_denormals(fmt, tiny):
                 assert not bad.any(), (isa, dot, blas, float((y - ref).abs().max()))
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_block"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_of_huge_values_against_tiny_scales(fmt, dtype):
+    """Rows of 2^124 randn against weights 2^-124 smaller (through MXFP4's E8M0 scales, NVFP4's
+    global scale, FP8's block scales): the reference's products are about 1, but a tile that sums a
+    block's unscaled products (FP4 values up to 6, E4M3 up to 448), or multiplies NVFP4's global
+    scale into the finished sum, passes float32's limit. Such rows (a value of 2^90 or more) run
+    scaled by a power of two: every path (register tiles, dot-product tiles, the tile GEMMs, every
+    ISA; experts of one row, within dot_rows and past DENSE_FROM) stays within the K-term bound (and
+    one bf16 rounding for bf16 rows) and finite; rows of ordinary values in the same call too."""
+    isas = _isas()
+    if not isas:
+        pytest.skip(packed.status())
+    g = torch.Generator().manual_seed(14)
+    K = 256
+    bk = 16 if fmt == "nvfp4" else 32
+    o = _offsets([1, packed._EXT.dot_rows(bk) - 1, packed.DENSE_FROM + 2])
+    w = _times(Q.quantize(torch.randn(3, 24, K, generator=g), fmt), 2.0 ** -124)
+    a = torch.randn(int(o[-1]), K, generator=g) * 2.0 ** 124
+    a[1::3] *= 2.0 ** -124   # ordinary rows beside them
+    a = a.to(dtype)
+    ref = packed.grouped_matmul_reference(a.float(), w, o)
+    assert ref.isfinite().all() and (ref[::3].abs() > 2.0 ** -10).any()
+    slack = _bound(a, w, o) + (ref.abs() * 2.0 ** -8 if dtype == torch.bfloat16 else 0)
+    for isa in isas:
+        for dot in (True, False):
+            y = packed._native(a, w, o, isa, dot_bf16=dot).float()
+            assert y.isfinite().all(), (isa, dot)
+            assert not ((y - ref).abs() > slack).any(), (isa, dot, float((y - ref).abs().max()))
+
+
 def test_bfloat16_rows_mxfp4_scales_at_the_exponent_add_edges():
     """bf16 rows of mxfp4 experts past DENSE_FROM: rows whose E8M0 scales all lie in [2, 252] are
     decoded to bf16 by an exponent add, the others (a byte 0, 1, 253 or 255) through floats; both

@@ -28,16 +28,19 @@ Numerics: the decoded weights times their block scales are dequantize()'s produc
 summation order (and, for nvfp4, where the global scale multiplies) differs, so the result is
 within ``(K + 2) * eps32 * (|a| @ |dequant(w[e])|.T)`` of the reference (tests check every ISA
 path against that bound; bf16 rows: that bound plus one bf16 rounding). Weight bytes that encode NaN
-decode to NaN, as in dequantize(). Two limits of range, both far outside what a model holds:
+decode to NaN, as in dequantize(). Two edges of float32's range, both far outside what a model
+holds, take other paths so that the bound holds there too:
 
 * The bf16 paths run on vdpbf16ps, or on bf16 GEMMs that may (oneDNN's on AVX-512 BF16 CPUs), which
   read denormal inputs as zero. So bf16 rows with a nonzero value below 2^-100 in magnitude run the
   float32 paths, and so do MXFP4 tiles with a scale below 2^-25 (whose weights times such rows
-  could be denormal): the bound holds there too.
+  could be denormal).
 * The AVX-512 register tiles sum a scale block's unscaled products (FP4 values up to 6, E4M3 up to
-  448) and then multiply by the scale, so rows near float32's limit can overflow to inf where the
-  reference's products of the scaled weights stay finite (MXFP4 rows of 2^124 randn against scales of
-  2^-124 did; rows of 2^122 did not).
+  448) and then multiply by the scale, and NVFP4's global scale multiplies the finished sum, so
+  against small scales rows near float32's limit would overflow where the reference's products of
+  the scaled weights stay finite (MXFP4 rows of 2^124 randn against scales of 2^-124 did). Rows with
+  a finite value of 2^90 or more run scaled by 2^-40 and their outputs are scaled back (exact: a
+  power of two; values below 2^-86 in such rows lose low bits, far inside the bound).
 """
 from __future__ import annotations
 

@@ -32,9 +32,9 @@
 // within the forward-error bound of a K-term dot product. nvfp4's global scale multiplies
 // the finished dot product (dequantize() rounds it into every weight): one more rounding.
 // The AVX-512 tiles sum a scale block's products unscaled and multiply the block sum by the
-// scale (FP4: per lane; FP8: per block), another order of the same exact-product sum (which can
-// overflow where the reference's does not, for rows near float32's limit). bf16 rows near the
-// denormals take the float32 paths (bf16_far_from_denormals).
+// scale (FP4: per lane; FP8: per block), another order of the same exact-product sum. Rows near
+// float32's limit, where that sum could overflow, run scaled by a power of two (grouped_run);
+// bf16 rows near the denormals take the float32 paths (bf16_far_from_denormals).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -1544,12 +1544,9 @@ const int64_t* checked_offsets(const at::Tensor& offsets, int64_t E, int64_t R) 
   return o;
 }
 
-// out [R, N] float32 = a [R, K] (contiguous float32) times the weights of p (weight_params) for
-// the rows o[e] .. o[e + 1] of every expert e (o: checked_offsets). Returns the ISA run, or
-// kDotBf16 where the bf16 dot-product tiles ran the small experts (AVX-512 for the others), with
-// kGemmBf16 set where gemm_bf16_scaled ran a many-rows job.
-int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E, int64_t isa, int64_t dense_from,
-                    bool act_int8, const c10::optional<at::Tensor>& a_bf16, const at::Tensor& out) {
+// grouped_run on rows with no finite value of 2^90 or more (see there).
+int64_t grouped_run_rows(Params& p, const at::Tensor& a, const int64_t* o, int64_t E, int64_t isa, int64_t dense_from,
+                         bool act_int8, const c10::optional<at::Tensor>& a_bf16, const at::Tensor& out) {
   const int64_t R = a.size(0), K = p.K, N = p.N, bk = p.bk;
   const bool fp4 = p.fp4, byte_scales = p.sb != nullptr;
   p.a = a.const_data_ptr<float>();
@@ -1649,6 +1646,74 @@ int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E,
       }
   });
   return (dot16 ? kDotBf16 : run) | (own_gemm ? kGemmBf16 : 0);
+}
+
+// Rows with a finite value of at least 2^kHugeExp in magnitude run scaled by 2^-kHugeShift.
+constexpr int kHugeExp = 90, kHugeShift = 40;
+
+// Whether the row v [K] (float32 bits) holds a finite value of 2^kHugeExp or more. Compiled for
+// each ISA (the loop vectorizes): at prefill the scan reads every row once.
+FMOE_INLINE bool row_is_huge(const uint32_t* v, int64_t K) {
+  int huge = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const uint32_t e = (v[k] >> 23) & 0xFF;
+    huge |= (e >= 127 + kHugeExp) & (e != 0xFF);
+  }
+  return huge != 0;
+}
+bool row_is_huge_portable(const uint32_t* v, int64_t K) { return row_is_huge(v, K); }
+FMOE_AVX2 bool row_is_huge_avx2(const uint32_t* v, int64_t K) { return row_is_huge(v, K); }
+FMOE_AVX512 bool row_is_huge_avx512(const uint32_t* v, int64_t K) { return row_is_huge(v, K); }
+
+// The rows of a [R, K] (float32 bits) holding a finite value of 2^kHugeExp or more.
+std::vector<int64_t> rows_with_huge_values(const uint32_t* a, int64_t R, int64_t K) {
+  const int best = best_isa();
+  const auto test = best == kAvx512 ? row_is_huge_avx512 : best == kAvx2 ? row_is_huge_avx2 : row_is_huge_portable;
+  std::vector<char> huge(R, 0);
+  at::parallel_for(0, R, std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) huge[r] = test(a + r * K, K);
+  });
+  std::vector<int64_t> rows;
+  for (int64_t r = 0; r < R; ++r)
+    if (huge[r]) rows.push_back(r);
+  return rows;
+}
+
+// out [R, N] float32 = a [R, K] (contiguous float32) times the weights of p (weight_params) for
+// the rows o[e] .. o[e + 1] of every expert e (o: checked_offsets). Returns the ISA run, or
+// kDotBf16 where the bf16 dot-product tiles ran the small experts (AVX-512 for the others), with
+// kGemmBf16 set where gemm_bf16_scaled ran a many-rows job.
+//
+// The tiles sum a scale block's products before they multiply it by the scale (FP4 values up to 6,
+// E4M3 up to 448), and NVFP4's global scale multiplies the finished sum: against small scales, rows
+// of values near float32's limit would overflow where dequantize-then-matmul's products of the
+// scaled weights stay finite. Rows with a finite value of 2^90 or more (some sum of them could pass
+// 2^128 in a block of up to 2^26 terms) run scaled by 2^-40 and their outputs are scaled back: a
+// power of two, so the products and sums are the same, 2^40 apart, for every value above 2^-86
+// (float32's and bf16's normal range ends at 2^-126); smaller values in such rows lose their low bits,
+// but beside a value of 2^90 they are far inside the bound.
+int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E, int64_t isa, int64_t dense_from,
+                    bool act_int8, const c10::optional<at::Tensor>& a_bf16, const at::Tensor& out) {
+  const int64_t R = a.size(0), K = p.K, N = p.N;
+  const std::vector<int64_t> huge = rows_with_huge_values(reinterpret_cast<const uint32_t*>(a.const_data_ptr()), R, K);
+  if (huge.empty()) return grouped_run_rows(p, a, o, E, isa, dense_from, act_int8, a_bf16, out);
+  const float down = std::ldexp(1.0f, -kHugeShift), up = std::ldexp(1.0f, kHugeShift);
+  at::Tensor scaled = a.clone();
+  c10::optional<at::Tensor> scaled16;
+  if (a_bf16.has_value()) scaled16 = a_bf16->clone();
+  float* s = scaled.data_ptr<float>();
+  for (const int64_t r : huge) {
+    for (int64_t k = 0; k < K; ++k) s[r * K + k] *= down;
+    if (scaled16.has_value()) {
+      c10::BFloat16* s16 = scaled16->data_ptr<c10::BFloat16>() + r * K;
+      for (int64_t k = 0; k < K; ++k) s16[k] = c10::BFloat16(static_cast<float>(s16[k]) * down);
+    }
+  }
+  const int64_t ran = grouped_run_rows(p, scaled, o, E, isa, dense_from, act_int8, scaled16, out);
+  float* y = out.data_ptr<float>();
+  for (const int64_t r : huge)
+    for (int64_t n = 0; n < N; ++n) y[r * N + n] *= up;
+  return ran;
 }
 
 
