@@ -14,10 +14,11 @@ the float grouped GEMM, built by ``python -m fmoe build``) decodes the weights i
 (``isa``: "auto" the widest the CPU has, or "portable" / "avx2" / "avx512" forced; forcing one the
 CPU lacks is a ValueError). Experts with more than :data:`DENSE_FROM` rows decode one tile at a
 time to FP32 and multiply with ``at::mm``. bf16 rows decode it to bf16 where that is exact (FP4
-values with their scales, bare E4M3 values) and multiply in bf16 with fp32 accumulation: MXFP4 with a
-bf16 ``at::mm``; NVFP4 (global scale) and FP8 (float block scales) with fmoe's vdpbf16ps GEMM that
-scales each block's sum once, on AVX-512 BF16 CPUs without AMX, else MKL's bf16 GEMM (the scale its
-alpha), else in FP32. On CPUs with AVX-512 BF16, bf16 rows of FP4 weights take the bf16 dot-product
+values with their scales, bare E4M3 values) and multiply in bf16 with fp32 accumulation: on AVX-512
+BF16 CPUs without AMX with fmoe's vdpbf16ps GEMM, which scales each block's sum once (NVFP4's global
+scale, FP8's float block scales; MXFP4 up to 64 rows an expert, past which a bf16 ``at::mm`` ran
+faster), elsewhere MXFP4 with a bf16 ``at::mm`` and NVFP4 and FP8 with MKL's bf16 GEMM (the scale
+its alpha), else in FP32. On CPUs with AVX-512 BF16, bf16 rows of FP4 weights take the bf16 dot-product
 tiles up to 32 rows an expert for MXFP4 and 16 for NVFP4 (``_EXT.dot_rows(block)``; faster than the
 decoded tile's GEMM there) and that GEMM past them. ``impl``: "auto" runs the extension when it is built
 and otherwise the numba kernels of :func:`fmoe.quant.expert_matmul`, one call per busy expert;

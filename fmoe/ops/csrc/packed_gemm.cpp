@@ -741,15 +741,20 @@ constexpr int64_t kGemmBf16 = 8;  // or'ed into it where gemm_bf16_scaled ran a 
 // The most rows an expert these tiles take (past dense_from, which the float tiles keep). Each
 // group of 4 rows decodes the weights again, and still they ran faster than the decoded tile's GEMM
 // (gate_up [1536, 2048] / down [2048, 768], 64 experts, 2 threads, warm):
-// - MXFP4 (a bf16 tile through at::mm, oneDNN; gemm_bf16_scaled on that tile was 0.90-0.94x its time at
-//   48 rows but 1.05-1.14x at 160, so MXFP4 keeps at::mm) up to 32 rows: 12 rows 16.8 / 9.9 against 27.6 / 18.9
-//   ms, 32 rows 43.9 / 25.1 against 48.4 / 28.9, 40 rows about level, 64 rows 87.4 / 50.1 against
-//   76.1 / 45.0;
+// - MXFP4 (a bf16 tile through at::mm, oneDNN; kOwnGemmRows) up to 32 rows: 12 rows 16.8 / 9.9 against
+//   27.6 / 18.9 ms, 32 rows 43.9 / 25.1 against 48.4 / 28.9, 40 rows about level, 64 rows 87.4 / 50.1
+//   against 76.1 / 45.0;
 // - NVFP4 (its tile through gemm_bf16_scaled, the global scale its block scale) up to 16 rows: 9 rows
 //   19.4 / 11.3 against 21.3 / 12.5 ms, 12 and 16 rows level (22.4 / 12.9 against 21.6 / 13.5, 31.0 /
 //   15.8 against 29.2 / 16.1), 24 rows 47.3 / 25.5 against 38.4 / 21.6, 48 rows 74.1 / 46.1 against
 //   62.3 / 37.0. (Against MKL's GEMM, which that tile took before, the tiles had won up to 128 rows.)
 int64_t dot_rows(int64_t bk) { return bk == 16 ? 16 : 32; }
+
+// The most rows an expert whose decoded bf16 tile needs no scale (MXFP4's) fmoe's tile GEMM
+// (gemm_bf16_scaled) multiplies where it runs; more take at::mm (oneDNN). gemm_bf16_scaled's time
+// over at::mm's (the shapes above, warm): 48 rows 0.90 / 0.92, 64 rows 0.95 / 0.97, 96 rows 1.00 /
+// 1.01, 128 rows 1.01 / 1.08, 160 rows 1.05-1.14.
+constexpr int64_t kOwnGemmRows = 64;
 
 bool has_avx512_bf16() {
   static const bool has = [] {   // asked on every call of grouped_run: once per process
@@ -1381,8 +1386,9 @@ bool mxfp4_tile_in_bf16(const Params& p, const Job& j) {
 // thread's own and reused from job to job (a fresh 2 MiB tile per job was a fresh mapping and
 // its page faults). bf16 rows of FP4 weights: each row decoded to float32 in L1 and stored as
 // bf16 (exact: an E2M1 value times an E8M0 or E4M3 scale has at most 6 significant bits), so
-// the bf16 GEMM (fp32 accumulation) multiplies the same products. MXFP4: at::mm rounds the sum to
-// bf16 once (the caller's rounding of out to bf16 then changes nothing). NVFP4: the sum lands in
+// the bf16 GEMM (fp32 accumulation) multiplies the same products. MXFP4: gemm_bf16_scaled up to
+// kOwnGemmRows rows where it runs, else at::mm, which rounds the sum to bf16 once (the caller's
+// rounding of out to bf16 then changes nothing). NVFP4: the sum lands in
 // out as float32 with the second-level scale g applied once (gemm_bf16_scaled, or MKL's GEMM with g
 // as its alpha; at::mm then g would round twice), the float32 path where neither runs. FP8 with
 // float scales: run_job_fp8_blocks. The caller rounds out to bf16 once. Otherwise float32 weights
@@ -1426,7 +1432,7 @@ bool run_job_dense(const Params& p, const Job& j, const at::Tensor& a, const c10
       row16[k] = static_cast<uint16_t>(u >> 16);
     }
   }
-  if (bf16 && g != 1.0f) {
+  if (bf16 && (g != 1.0f || (own && j.c <= kOwnGemmRows))) {
     const auto* ab = reinterpret_cast<const uint16_t*>(a_bf16->const_data_ptr()) + j.lo * p.K;
     if (own) {
       gemm_bf16_scaled(ab, j.c, w16, tn, p.K, p.K, [g](int64_t, int64_t) { return g; }, p.out + j.lo * p.N + j.n0, p.N);
