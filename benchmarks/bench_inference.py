@@ -22,6 +22,11 @@ memory (anonymous and file-backed apart) is read after load, at decode b1's stea
 issue's target is judged on) and after prefill 512, with the peak. fmoe's loader copies the packed experts
 onto huge pages (anonymous, resident from the load); with ``--four-k`` the same rounds also run fmoe with
 them memory-mapped from the checkpoint on 4 KiB pages (``fmoe_4k``: paged in as decode first reads them).
+Each process also records what bounds the ratios fmoe's MoE blocks can move: the time a decode step
+spends inside the MoE blocks (forward hooks, an untimed pass) and the resident memory before any weight
+is read (the imports both variants share) with the bytes of its weights. From them: the decode ratio
+were fmoe's MoE blocks to take no time, and the memory ratio were fmoe to hold only its imports and
+weights.
 
 ``llamacpp`` (``--llamacpp``; always in the suite): the peer's expert path, llama.cpp
 (benchmarks/bench_llamacpp.py), and fmoe's measured the same way beside it, where llama-cpp-python and
@@ -309,11 +314,53 @@ def _decode_step_bytes(model, k: int, packed_experts: bool) -> int:
     return total
 
 
+def _weight_bytes(model) -> int:
+    """Bytes of every weight the model holds: parameters and buffers (tied ones once) and packed
+    experts (fmoe's QuantizedTensors, which are neither)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    for layer in model.model.layers:
+        total += sum(v.nbytes for v in vars(layer.mlp.experts).values() if type(v).__name__ == "QuantizedTensor")
+    return total
+
+
+def _moe_block_seconds(model, run) -> float:
+    """Seconds spent inside the model's MoE blocks (every ``layer.mlp``'s forward, the router
+    included) while ``run()`` runs: forward pre- and post-hooks reading perf_counter."""
+    spent = [0.0]
+
+    def pre(_m, _a):
+        spent[0] -= time.perf_counter()
+
+    def post(_m, _a, _o):
+        spent[0] += time.perf_counter()
+    hooks = [h for layer in model.model.layers
+             for h in (layer.mlp.register_forward_pre_hook(pre), layer.mlp.register_forward_hook(post))]
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return spent[0]
+
+
 def model_child(variant: str, path: str, arch: str, k: int, repeats: int) -> dict:
     """One variant in its own process (resident memory is the process's): "fmoe" (patched, packed
     experts on huge pages), "fmoe_4k" (the same, its experts left memory-mapped on 4 KiB pages) or
-    "transformers" (its CPU path: experts dequantized to bf16). bf16 activations."""
+    "transformers" (its CPU path: experts dequantized to bf16). bf16 activations.
+
+    Besides the timings and resident memory, it records what bounds the two ratios fmoe can reach
+    by its MoE blocks alone: the process's resident memory before any weight is read (Python, torch,
+    transformers and the architecture's modeling code, which both variants import) with the bytes
+    of the weights it holds, and the time a decode step spends inside the MoE blocks (forward
+    hooks, in an untimed pass after the timed steps)."""
+    import importlib
     from fmoe.examples import generate as G
+    importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+    memory = {"base": _memory()}
     dt = torch.bfloat16
     if variant in ("fmoe", "fmoe_4k"):
         model, _ = G.load_patched(path, arch, dtype=dt, huge_pages=variant == "fmoe")
@@ -323,8 +370,8 @@ def model_child(variant: str, path: str, arch: str, k: int, repeats: int) -> dic
         raise ValueError(f"model_child: unknown variant {variant!r}")
     import gc
     gc.collect()
-    out = {"step_bytes": _decode_step_bytes(model, k, variant != "transformers")}
-    memory = {"load": _memory()}
+    out = {"step_bytes": _decode_step_bytes(model, k, variant != "transformers"), "weight_bytes": _weight_bytes(model)}
+    memory["load"] = _memory()
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
 
@@ -347,6 +394,9 @@ def model_child(variant: str, path: str, arch: str, k: int, repeats: int) -> dic
         out[f"decode_b{batch}_cpu_ms_per_step"] = statistics.median(c for _, c in ts) * 1e3
         if batch == 1:   # decode's steady state: the weights it reads paged in, its libraries loaded
             memory["decode"] = _memory()
+            moe = [_moe_block_seconds(model, lambda: gen(1, 17)) - _moe_block_seconds(model, lambda: gen(1, 1))
+                   for _ in range(repeats)]
+            out["decode_b1_moe_ms_per_step"] = statistics.median(moe) / 16 * 1e3
     x = torch.randint(1, vocab, (1, 512), generator=g)
     with torch.no_grad():
         model(x)
@@ -419,6 +469,15 @@ def model_suite(arch: str = "gpt_oss", size: str = "small", repeats: int = 3, ro
     res["decode_b1_cpu_speedup"] = (v["transformers"]["decode_b1_cpu_ms_per_step"]
                                     / v["fmoe"]["decode_b1_cpu_ms_per_step"])
     res["decode_b8_speedup"] = v["fmoe"]["decode_b8_tok_per_s"] / v["transformers"]["decode_b8_tok_per_s"]
+    # What fmoe's MoE blocks alone can reach: the decode ratio were they to take no time (transformers'
+    # step over fmoe's step less its MoE blocks' time), and the memory ratio were fmoe to hold nothing
+    # but its imports and its weights
+    f, t = v["fmoe"], v["transformers"]
+    f_step, t_step = 1e3 / f["decode_b1_tok_per_s"], 1e3 / t["decode_b1_tok_per_s"]
+    res["decode_b1_moe_share"] = {n: r["decode_b1_moe_ms_per_step"] / (1e3 / r["decode_b1_tok_per_s"])
+                                  for n, r in v.items()}
+    res["decode_b1_speedup_ceiling"] = t_step / max(f_step - f["decode_b1_moe_ms_per_step"], 1e-9)
+    res["rss_ratio_floor"] = (f["rss_base_bytes"] + f["weight_bytes"]) / t["rss_decode_bytes"]
     res["prefill_speedup"] = v["fmoe"]["prefill_512_tok_per_s"] / v["transformers"]["prefill_512_tok_per_s"]
     if four_k:   # the huge pages' gain: per round (the two ran side by side), then the median
         res["huge_pages_decode_b1_gain"] = statistics.median(
@@ -500,6 +559,17 @@ def tables(res: dict) -> list[str]:
                          f"{mod['prefill_speedup']:.2f}x, resident memory at decode b1 {mod['rss_ratio']:.2f}x "
                          f"(after load {mod['rss_ratio_load']:.2f}x, after prefill 512 "
                          f"{mod['rss_ratio_prefill']:.2f}x, peak {mod['hwm_ratio']:.2f}x)")
+        if "decode_b1_speedup_ceiling" in mod:
+            v = mod["variants"]
+            moe = ", ".join(f"{n} {r['decode_b1_moe_ms_per_step']:.2f} of {1e3 / r['decode_b1_tok_per_s']:.2f} ms "
+                            f"({mod['decode_b1_moe_share'][n]:.0%})" for n, r in v.items())
+            base = ", ".join(f"{n} {r['rss_base_bytes'] / 2**20:.0f} MiB + weights {r['weight_bytes'] / 2**20:.0f} MiB"
+                             for n, r in v.items())
+            lines.append(f"\nWhat the MoE blocks alone can reach: a decode b1 step inside the MoE blocks: {moe}; "
+                         f"were fmoe's to take no time, decode b1 would be **{mod['decode_b1_speedup_ceiling']:.2f}x** "
+                         f"transformers'. Resident before any weight (imports: Python, torch, transformers, the "
+                         f"modeling code) and weights held: {base}; were fmoe to hold nothing else, its memory at "
+                         f"decode b1 would be **{mod['rss_ratio_floor']:.2f}x** transformers'.")
         if "huge_pages_decode_b1_gain" in mod:
             lines.append(f"\nfmoe's experts on huge pages / memory-mapped on 4 KiB pages (fmoe_4k), decode b1: "
                          f"{mod['huge_pages_decode_b1_gain']:.2f}x (median of the rounds' ratios); fmoe_4k / "

@@ -77,3 +77,21 @@ def test_experts_on_huge_pages_give_the_memory_mapped_logits(tmp_path):
         with torch.no_grad():
             logits[huge] = model(x).logits
     assert torch.equal(logits[True], logits[False])
+
+
+def test_inference_suite_counts_the_weights_and_times_the_moe_blocks(tmp_path):
+    """benchmarks.bench_inference's whole-model bounds: the weights a patched model holds are its
+    parameters and buffers plus the packed experts' bytes (the loader's count), and the MoE blocks'
+    time is spent inside them: positive, below the whole call's, and zero where no block runs."""
+    import time
+    from benchmarks import bench_inference as B
+    path = G.write_checkpoint(str(tmp_path / "gpt_oss"), "gpt_oss", "tiny")
+    model, packed_bytes = G.load_patched(path, "gpt_oss")
+    dense = {t.data_ptr(): t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())}
+    assert packed_bytes > 0 and B._weight_bytes(model) == sum(dense.values()) + packed_bytes
+    prompt = torch.tensor([[1, 2, 3]])
+    t0 = time.perf_counter()
+    inside = B._moe_block_seconds(model, lambda: G.greedy(model, prompt, 4))
+    assert 0 < inside < time.perf_counter() - t0
+    assert B._moe_block_seconds(model, lambda: None) == 0
+    assert all(not layer.mlp._forward_hooks and not layer.mlp._forward_pre_hooks for layer in model.model.layers)
