@@ -40,8 +40,9 @@ holds, take other paths so that the bound holds there too:
   448) and then multiply by the scale, and NVFP4's global scale multiplies the finished sum, so
   against small scales rows near float32's limit would overflow where the reference's products of
   the scaled weights stay finite (MXFP4 rows of 2^124 randn against scales of 2^-124 did). Rows with
-  a finite value of 2^90 or more run scaled by 2^-40 and their outputs are scaled back (exact: a
-  power of two; values below 2^-86 in such rows lose low bits, far inside the bound).
+  a finite value of 2^90 or more run scaled by 2^-40 and their outputs are scaled back (a power of
+  two: exact wherever the scaled values and products stay in float32's normal range; those far
+  below the row's large values lose low bits, far inside the bound).
 """
 from __future__ import annotations
 

@@ -1695,9 +1695,9 @@ std::vector<int64_t> rows_with_huge_values(const uint32_t* a, int64_t R, int64_t
 // of values near float32's limit would overflow where dequantize-then-matmul's products of the
 // scaled weights stay finite. Rows with a finite value of 2^90 or more (some sum of them could pass
 // 2^128 in a block of up to 2^26 terms) run scaled by 2^-40 and their outputs are scaled back: a
-// power of two, so the products and sums are the same, 2^40 apart, for every value above 2^-86
-// (float32's and bf16's normal range ends at 2^-126); smaller values in such rows lose their low bits,
-// but beside a value of 2^90 they are far inside the bound.
+// power of two, so every scaled value, product and sum that stays in float32's normal range (bf16's
+// is the same) is the unscaled one's, 2^40 apart; those that leave it (from values far below the
+// row's 2^90) lose low bits, far inside the bound the row's large values set.
 int64_t grouped_run(Params& p, const at::Tensor& a, const int64_t* o, int64_t E, int64_t isa, int64_t dense_from,
                     bool act_int8, const c10::optional<at::Tensor>& a_bf16, const at::Tensor& out) {
   const int64_t R = a.size(0), K = p.K, N = p.N;
