@@ -318,12 +318,13 @@ def test_mxfp4_scale_bytes_0_and_255_on_every_path():
 def test_bfloat16_rows_round_once(fmt, K):
     """bf16 rows (FP4 experts past DENSE_FROM rows take a bf16 GEMM over their exactly decoded
     weights): each output is the reference's fp32 sum within the K-term bound, rounded to bf16
-    once, on every ISA path and on both sides of DENSE_FROM."""
+    once, on every ISA path and on both sides of DENSE_FROM (and, on AVX-512 BF16, of dot_rows and of
+    the 64 rows an expert past which MXFP4's tile takes at::mm instead of fmoe's GEMM)."""
     isas = _isas()
     if not isas:
         pytest.skip(packed.status())
     g = torch.Generator().manual_seed(4)
-    counts = [3, 0, packed.DENSE_FROM + 1, 40]
+    counts = [3, 0, packed.DENSE_FROM + 1, 40, 70]
     w = Q.quantize(torch.randn(len(counts), 160, K, generator=g), fmt)   # fp8_block: 2 row blocks, one partial
     o = _offsets(counts)
     a = torch.randn(int(o[-1]), K, generator=g).bfloat16()
