@@ -601,6 +601,43 @@ def test_rows_of_huge_values_against_tiny_scales(fmt, dtype):
             assert not ((y - ref).abs() > slack).any(), (isa, dot, float((y - ref).abs().max()))
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_block"])
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_rows_past_2_to_the_90_give_the_bits_of_rows_2_to_the_100_smaller(fmt, activations):
+    """Rows with a value of 2^90 or more run scaled by 2^-40 inside the kernel and their outputs are
+    scaled back. Rows times 2^100 against in-projection weights times 2^-100 (every factor a power
+    of two, every value and product far from float32's limits) are then the same arithmetic as the
+    rows against the weights: the grouped GEMM and the fused stage (whose two GEMMs run it) give the
+    same bits, on every ISA path and with int8 activations (the same int8 codes, block scales 2^100
+    apart); a mutation that scales the wrong rows back, or not at all, fails here."""
+    isas = _isas()
+    if not isas:
+        pytest.skip(packed.status())
+    if activations == "int8" and (fmt == "fp8_block" or not packed.has_int8_path()):
+        pytest.skip("int8 activations: FP4 weights on an AVX-512 VNNI CPU")
+    g = torch.Generator().manual_seed(15)
+    M, H = 128, 128
+    o = _offsets([1, 0, 3, 2])   # the register tiles (at most DENSE_FROM rows an expert)
+    N = int(o[-1])
+    w_in = Q.quantize(torch.randn(4, 2 * H, M, generator=g), fmt)
+    w_out = Q.quantize(torch.randn(4, M, H, generator=g), fmt)
+    w_small = _times(w_in, 2.0 ** -100)
+    a = torch.randn(N, M, generator=g)
+    a[1:] *= 2.0 ** 100   # row 0 stays ordinary beside them
+    x = torch.randn(5, M, generator=g) * 2.0 ** 100
+    tokens, gates = torch.randint(5, (N,), generator=g), torch.rand(N, generator=g)
+    for isa in isas if activations == "float" else ["auto"]:
+        kw = dict(isa=isa, activations=activations)
+        ref = packed.grouped_matmul(a[1:] * 2.0 ** -100, w_in, o - torch.clamp(o, max=1), **kw)
+        big = packed.grouped_matmul(a, w_small, o, **kw)
+        assert torch.equal(big[1:], ref), isa
+        o_first = torch.tensor([0, 1, 1, 1, 1])
+        assert torch.equal(big[:1], packed.grouped_matmul(a[:1], w_in, o_first, **kw) * 2.0 ** -100), isa
+        y = packed.expert_stage(x * 2.0 ** -100, tokens, o, gates, (w_in,), w_out, act="glu", **kw)
+        y_big = packed.expert_stage(x, tokens, o, gates, (w_small,), w_out, act="glu", **kw)
+        assert torch.equal(y_big, y), isa
+
+
 def test_bfloat16_rows_mxfp4_scales_at_the_exponent_add_edges():
     """bf16 rows of mxfp4 experts past DENSE_FROM: rows whose E8M0 scales all lie in [2, 252] are
     decoded to bf16 by an exponent add, the others (a byte 0, 1, 253 or 255) through floats; both
