@@ -317,13 +317,14 @@ def _decode_step_bytes(model, k: int, packed_experts: bool) -> int:
 def _weight_bytes(model) -> int:
     """Bytes of every weight the model holds: parameters and buffers (tied ones once) and packed
     experts (fmoe's QuantizedTensors, which are neither)."""
+    from fmoe.quant import QuantizedTensor
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
     for layer in model.model.layers:
-        total += sum(v.nbytes for v in vars(layer.mlp.experts).values() if type(v).__name__ == "QuantizedTensor")
+        total += sum(v.nbytes for v in vars(layer.mlp.experts).values() if isinstance(v, QuantizedTensor))
     return total
 
 

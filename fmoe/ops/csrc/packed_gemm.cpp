@@ -2162,7 +2162,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a rows plan's whole expert stage over packed weights (see packed_gemm.cpp and fmoe.quant.packed.expert_stage)");
   m.def("has_bf16_dot", &has_avx512_bf16, "whether bf16 rows of FP4 weights take the bf16 dot-product tiles here");
   m.def("dot_rows", &dot_rows, "the most rows an expert the bf16 dot-product tiles take, for FP4 blocks of bk");
-  m.def("has_amx_bf16", &has_amx_bf16, "whether the CPU has AMX-BF16 (bf16 tiles then take MKL's GEMM, not fmoe's)");
+  m.def("has_amx_bf16", &has_amx_bf16, "whether the CPU has AMX-BF16 (bf16 tiles then take MKL's GEMM or at::mm, not fmoe's)");
   m.def("has_vnni", &packed_has_vnni, "whether the int8-activation (AVX-512 VNNI) FP4 path runs here");
   m.def("best_isa", &packed_best_isa, "the widest ISA path this CPU runs: 1 portable, 2 AVX2, 3 AVX-512");
 }
