@@ -159,7 +159,7 @@ class FmoeMoEBlock(nn.Module):
                                      **kwargs)
         self._emit_router_output(hidden_states, aux)
         if self.arch == "gpt_oss":
-            return y, aux.topk()[1]          # GptOssMLP also returns the [T, k] routing weights
+            return y, aux.routing.weights.t()   # GptOssMLP also returns the [T, k] routing weights
         return y
 
     def _emit_router_output(self, hidden_states, aux) -> None:
