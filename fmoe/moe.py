@@ -434,13 +434,19 @@ def _route(params, x, spec: MoESpec, kind: str, *, comm, generator, noise, train
                                      normalize=spec.normalize_gate, batch_prioritized=spec.batch_prioritized,
                                      training=training, generator=generator, noise=noise, alignment=align,
                                      comm=comm, capacity=capacity)
-    if gs.type == "expert_choice" or not spec.balance_loss:  # expert choice: balanced by construction
-        l_aux = out.scores.new_zeros(())
-    elif spec.is_gshard_loss:
-        l_aux = gshard_loss(out.scores, routing.expert_ids[0]) if loss is None else loss
-    else:
-        l_aux = load_importance_loss(out.logits, out.noisy_logits, gs.k, gs.gate_noise)
-    return routing, out, l_aux, rows
+    return routing, out, balance_loss(spec, routing, out, loss), rows
+
+
+def balance_loss(spec: MoESpec, routing: Routing, out: RouterOutput, loss: Optional[Tensor] = None) -> Tensor:
+    """The unweighted l_aux of a routed call: 0 without ``spec.balance_loss`` (or for expert choice,
+    balanced by construction), GShard's (``loss`` where the native route made it) or Tutel's
+    load/importance loss."""
+    gs = spec.gate
+    if gs.type == "expert_choice" or not spec.balance_loss:
+        return out.scores.new_zeros(())
+    if spec.is_gshard_loss:
+        return gshard_loss(out.scores, routing.expert_ids[0]) if loss is None else loss
+    return load_importance_loss(out.logits, out.noisy_logits, gs.k, gs.gate_noise)
 
 
 def _check_input(x, spec: MoESpec) -> None:
@@ -567,6 +573,13 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
                               prescore=not spec.is_postscore, order=spec.combine, save=spec.save,
                               generator=generator)
         dropped = routing.num_dropped()
+    return finish(x, y, shared, l_aux, routing, dropped, out)
+
+
+def finish(x: Tensor, y: Tensor, shared, l_aux: Tensor, routing: Routing, dropped: Tensor,
+           out: Optional[RouterOutput]) -> tuple[Tensor, MoEAux]:
+    """:func:`moe`'s result from the routed experts' y [T, O]: y in x's leading dims and dtype, the
+    shared experts' (output, gate) added, and the :class:`MoEAux`."""
     if x.dim() != 2 or torch.compiler.is_compiling():
         # (eager [T, M]: no reshape, a dispatched op. Traced it costs nothing, and dynamo cannot set an
         # attribute on the traced expert op's own output, which fmoe.nn does: y.l_aux)

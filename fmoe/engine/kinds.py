@@ -132,18 +132,26 @@ def fused_stage(form: ExpertForm, x: Tensor, w_rows: Optional[Tensor], plan: Exp
     """Whether a packed rows call (:func:`packed_rows`) runs as ONE native call
     (:func:`fmoe.quant.packed.expert_stage`: gather, both GEMMs, the activation and the combine):
     its activation key if so, else None (the composition of :func:`reference` over the packed
-    GEMMs). The one place that decides. It takes an eager CPU call with every weight
+    GEMMs). The one place that decides, in two halves: :func:`fused_act` (what the layer's kind
+    and weights fix) and :func:`fused_operands_ok` (what each call's tensors make), which a
+    prepared inference call (:class:`fmoe.PreparedMoE`) asks once and per call. It takes an eager CPU call with every weight
     packed, a host plan of gathered rows (not expert parallel's in-order rows or gate-free
     rows), no quantized-training recipe, nothing that needs a gradient, fp32 or bf16 rows (fp32
     gates, or bf16 beside bf16 rows; biases in the rows' dtype), a kind whose elementwise step it
     computes (gpt_oss; glu with SiLU; ffn with ReLU or SiLU), and every combine order. Its output
     equals that composition's bit for bit (tests/test_packed_fused.py)."""
-    dt = x.dtype
-    if ((dt is not torch.float32 and dt is not torch.bfloat16) or x.device.type != "cpu" or x.stride(1) != 1
-            or w_rows is None or (w_rows.dtype is not torch.float32 and w_rows.dtype is not dt)
-            or not w_rows.is_contiguous() or plan.bounds is None or plan.in_order or plan.precision is not None
-            or not plan.tokens.is_contiguous()):
+    if plan.bounds is None or plan.in_order or plan.precision is not None or not plan.tokens.is_contiguous():
         return None
+    if not fused_operands_ok(x, w_rows, b_in, b_out):
+        return None
+    return fused_act(form, w_in, w_out)
+
+
+def fused_act(form: ExpertForm, w_in: tuple, w_out) -> Optional[str]:
+    """The half of :func:`fused_stage`'s decision that a layer's kind and weights fix: the
+    activation key where the stage computes the kind's elementwise step (gpt_oss with one fused
+    in-projection; glu with SiLU; ffn with ReLU or SiLU) and every weight is packed on the CPU with
+    the extension built, else None."""
     if form.form == "gpt_oss":
         act = "gpt_oss" if len(w_in) == 1 else None
     elif form.form == "glu":
@@ -152,14 +160,24 @@ def fused_stage(form: ExpertForm, x: Tensor, w_rows: Optional[Tensor], plan: Exp
         act = _STAGE_ACTS.get(form.activation)
     if act is None or any(isinstance(w, Tensor) or w.device.type != "cpu" for w in (*w_in, w_out)):
         return None
-    if any(b is not None and (b.dtype is not dt or not b.is_contiguous()) for b in (b_in, b_out)):
-        return None
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_rows, b_in, b_out)):
-        return None
-    if torch.compiler.is_compiling():
-        return None
     from ..quant import packed   # optional: low-precision weights
     return act if packed.AVAILABLE else None
+
+
+def fused_operands_ok(x: Tensor, w_rows: Optional[Tensor], b_in: Optional[Tensor], b_out: Optional[Tensor]) -> bool:
+    """The half of :func:`fused_stage`'s decision that each call's tensors make: fp32 or bf16 rows
+    x [., M] with unit column stride on the CPU, gates w_rows [N] contiguous in fp32 or x's dtype,
+    biases None or contiguous in x's dtype, nothing that needs a gradient, no torch.compile."""
+    dt = x.dtype
+    if ((dt is not torch.float32 and dt is not torch.bfloat16) or x.device.type != "cpu" or x.stride(1) != 1
+            or w_rows is None or (w_rows.dtype is not torch.float32 and w_rows.dtype is not dt)
+            or not w_rows.is_contiguous()):
+        return False
+    if any(b is not None and (b.dtype is not dt or not b.is_contiguous()) for b in (b_in, b_out)):
+        return False
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w_rows, b_in, b_out)):
+        return False
+    return not torch.compiler.is_compiling()
 
 
 def int8_refusal(why: str) -> str:

@@ -143,14 +143,15 @@ def run_block(params: dict, x: Tensor, spec: MoESpec, *, comm=None, training: bo
         y with x's shape and dtype; :class:`BlockAux`.
     """
     if int8_activations:
-        spec = _int8_spec(spec)
+        spec = int8_spec(spec)
     y, aux = moe(params, x, spec, comm=comm, training=training, generator=generator)
     return y, BlockAux(aux.logits, aux.routing, aux.shared_gate)
 
 
 @functools.lru_cache(maxsize=64)
-def _int8_spec(spec: MoESpec) -> MoESpec:
-    # one spec per block spec, not two dataclasses per call
+def int8_spec(spec: MoESpec) -> MoESpec:
+    """``spec`` with ``int8_activations=True`` experts (cached: one spec per block spec, not two
+    dataclasses per call)."""
     return dataclasses.replace(spec, experts=dataclasses.replace(spec.experts, int8_activations=True))
 
 

@@ -21,7 +21,7 @@ from ..experts import ExpertSpec
 from ..routers import GateSpec
 from .common import BlockAux, activation, block_spec, cfg_get, check_tokens, run_block, text_config
 
-__all__ = ["DeepseekV3BlockConfig", "moe_block", "is_moe_layer", "params_from_module"]
+__all__ = ["DeepseekV3BlockConfig", "moe_block", "is_moe_layer", "params_from_module", "pipeline_params"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,12 +125,18 @@ def moe_block(params: dict, x: Tensor, config: DeepseekV3BlockConfig, *, comm=No
         :class:`BlockAux` with fp32 router_logits [T, E].
     """
     check_tokens(x, config.hidden_size, "deepseek_v3.moe_block")
+    return run_block(pipeline_params(params, config), x, moe_spec(config, combine), comm=comm,
+                     int8_activations=int8_activations)
+
+
+def pipeline_params(params: dict, config: DeepseekV3BlockConfig) -> dict:
+    """The :func:`fmoe.moe` pytree of the block's ``params`` (the same tensors)."""
     r = params["router"]
     p = {"gate": {"wg": r["weight"], "correction_bias": r.get("e_score_correction_bias")},
          "experts": params["experts"]}
     if config.n_shared_experts > 0:
         p["shared"] = params["shared"]
-    return run_block(p, x, moe_spec(config, combine), comm=comm, int8_activations=int8_activations)
+    return p
 
 def params_from_module(block) -> dict:
     """The fmoe pytree of a transformers ``DeepseekV3MoE`` / ``DeepseekV32MoE`` / ``Glm4MoeMoE`` /

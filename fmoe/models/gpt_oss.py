@@ -21,7 +21,7 @@ from ..experts import ExpertSpec
 from ..routers import GateSpec
 from .common import BlockAux, block_spec, cfg_get, check_tokens, run_block, text_config
 
-__all__ = ["GptOssBlockConfig", "moe_block", "params_from_module"]
+__all__ = ["GptOssBlockConfig", "moe_block", "params_from_module", "pipeline_params"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +73,14 @@ def moe_block(params: dict, x: Tensor, config: GptOssBlockConfig, *, comm=None, 
     weights are dt. transformers' ``GptOssMLP`` also returns the [T, k] weights: they are
     ``aux.topk()[1]``."""
     check_tokens(x, config.hidden_size, "gpt_oss.moe_block")
+    return run_block(pipeline_params(params, config), x, moe_spec(config, combine), comm=comm,
+                     int8_activations=int8_activations)
+
+
+def pipeline_params(params: dict, config: GptOssBlockConfig) -> dict:
+    """The :func:`fmoe.moe` pytree of the block's ``params`` (the same tensors)."""
     r = params["router"]
-    return run_block({"gate": {"wg": r["weight"], "bias": r.get("bias")}, "experts": params["experts"]}, x,
-                     moe_spec(config, combine), comm=comm, int8_activations=int8_activations)
+    return {"gate": {"wg": r["weight"], "bias": r.get("bias")}, "experts": params["experts"]}
 
 def params_from_module(block) -> dict:
     """The fmoe pytree of a transformers ``GptOssMLP`` with float experts (tensors shared)."""

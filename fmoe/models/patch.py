@@ -22,7 +22,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .common import COMBINES, text_config
+from ..prepared import PreparedMoE, prepare
+from .common import COMBINES, BlockAux, check_tokens, int8_spec, text_config
 from .registry import arch_module, canonical_arch, config_from_hf
 
 
@@ -142,7 +143,10 @@ class FmoeMoEBlock(nn.Module):
         the experts back-end the model's config names now (:func:`combine_for`)."""
         if self.combine is not None:
             return self.combine
-        cfg = getattr(getattr(self, "experts", None), "config", None)
+        # transformers' experts modules hold their config as an instance attribute; read from the
+        # instance dict (getattr on a module without one, fmoe's packed experts, raises inside nn.Module)
+        experts = self._modules.get("experts")
+        cfg = None if experts is None else vars(experts).get("config")
         return combine_for(cfg if cfg is not None else self._hf_config)
 
     def extra_repr(self) -> str:
@@ -151,16 +155,40 @@ class FmoeMoEBlock(nn.Module):
                 + (", int8_activations=True" if self.int8_activations else ""))
 
     def forward(self, hidden_states: torch.Tensor):
-        params = self._mod.params_from_module(self)
-        kwargs = {"int8_activations": True} if self.int8_activations else {}
-        if self.arch == "mixtral":
-            kwargs.update(training=self.training, generator=self.generator)
-        y, aux = self._mod.moe_block(params, hidden_states, self.block_config, combine=self.current_combine(),
-                                     **kwargs)
+        if self.arch == "mixtral" and self.training:   # the router's jitter: a training call of fmoe.moe
+            kwargs = {"int8_activations": True} if self.int8_activations else {}
+            y, aux = self._mod.moe_block(self._mod.params_from_module(self), hidden_states, self.block_config,
+                                         combine=self.current_combine(), training=True, generator=self.generator,
+                                         **kwargs)
+        else:   # moe_block's call, through the prepared call of these parameters (the same bits)
+            check_tokens(hidden_states, self.block_config.hidden_size, f"{self.arch}.moe_block")
+            y, maux = self._prepared()(hidden_states)
+            aux = BlockAux(maux.logits, maux.routing, maux.shared_gate)
         self._emit_router_output(hidden_states, aux)
         if self.arch == "gpt_oss":
             return y, aux.routing.weights.t()   # GptOssMLP also returns the [T, k] routing weights
         return y
+
+    def _prepared(self) -> PreparedMoE:
+        """The prepared call (:func:`fmoe.prepare`) of this block's spec and current parameters: the
+        one kept from the last call where it holds the same spec and parameter objects (or FP8
+        weights over the same storage), else a new one. Parameters replaced, converted
+        (``.to(dtype)``) or another combine order since: prepared again."""
+        spec = self._mod.moe_spec(self.block_config, self.current_combine())
+        if self.int8_activations:
+            spec = int8_spec(spec)
+        params = self._mod.pipeline_params(self._mod.params_from_module(self), self.block_config)
+        kept = self.__dict__.get("_fmoe_prepared")
+        if kept is None or kept.spec is not spec or not kept.holds(params):
+            kept = prepare(params, spec)
+            self.__dict__["_fmoe_prepared"] = kept
+        return kept
+
+    def __getstate__(self):
+        # the prepared call is a cache of the parameters, not state: copies and pickles prepare their own
+        state = super().__getstate__()
+        state.pop("_fmoe_prepared", None)
+        return state
 
     def _emit_router_output(self, hidden_states, aux) -> None:
         # transformers records router logits (output_router_logits / aux loss) with forward

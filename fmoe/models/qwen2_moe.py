@@ -17,7 +17,7 @@ from ..routers import GateSpec
 from .common import BlockAux, activation, block_spec, cfg_get, check_tokens, run_block, text_config
 from .qwen3_moe import Qwen3MoeBlockConfig, is_moe_layer
 
-__all__ = ["Qwen2MoeBlockConfig", "moe_block", "is_moe_layer", "params_from_module"]
+__all__ = ["Qwen2MoeBlockConfig", "moe_block", "is_moe_layer", "params_from_module", "pipeline_params"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +57,14 @@ def moe_block(params: dict, x: Tensor, config: Qwen2MoeBlockConfig, *, comm=None
     Args and returns as :func:`fmoe.models.qwen3_moe.moe_block`; ``aux.shared_gate`` is [T, 1].
     """
     check_tokens(x, config.hidden_size, "qwen2_moe.moe_block")
-    p = {"gate": {"wg": params["router"]["weight"]}, "experts": params["experts"], "shared": params["shared"],
-         "shared_gate": params["shared_gate"]}
-    return run_block(p, x, moe_spec(config, combine), comm=comm, int8_activations=int8_activations)
+    return run_block(pipeline_params(params, config), x, moe_spec(config, combine), comm=comm,
+                     int8_activations=int8_activations)
+
+
+def pipeline_params(params: dict, config: Qwen2MoeBlockConfig) -> dict:
+    """The :func:`fmoe.moe` pytree of the block's ``params`` (the same tensors)."""
+    return {"gate": {"wg": params["router"]["weight"]}, "experts": params["experts"], "shared": params["shared"],
+            "shared_gate": params["shared_gate"]}
 
 def params_from_module(block) -> dict:
     """The fmoe pytree of a transformers ``Qwen2MoeSparseMoeBlock`` (tensors shared)."""

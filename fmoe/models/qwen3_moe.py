@@ -19,7 +19,7 @@ from ..experts import ExpertSpec
 from ..routers import GateSpec
 from .common import BlockAux, activation, block_spec, cfg_get, check_tokens, run_block, text_config
 
-__all__ = ["Qwen3MoeBlockConfig", "moe_block", "is_moe_layer", "params_from_module"]
+__all__ = ["Qwen3MoeBlockConfig", "moe_block", "is_moe_layer", "params_from_module", "pipeline_params"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +97,13 @@ def moe_block(params: dict, x: Tensor, config: Qwen3MoeBlockConfig, *, comm=None
         y with x's shape and dtype; :class:`BlockAux` (router_logits [T, E] dt, routing).
     """
     check_tokens(x, config.hidden_size, "qwen3_moe.moe_block")
-    return run_block({"gate": {"wg": params["router"]["weight"]}, "experts": params["experts"]}, x,
-                     moe_spec(config, combine), comm=comm,
+    return run_block(pipeline_params(params, config), x, moe_spec(config, combine), comm=comm,
                      int8_activations=int8_activations)
+
+
+def pipeline_params(params: dict, config: Qwen3MoeBlockConfig) -> dict:
+    """The :func:`fmoe.moe` pytree of the block's ``params`` (the same tensors)."""
+    return {"gate": {"wg": params["router"]["weight"]}, "experts": params["experts"]}
 
 def params_from_module(block) -> dict:
     """The fmoe pytree of a transformers ``Qwen3MoeSparseMoeBlock`` (tensors shared, not copied)."""

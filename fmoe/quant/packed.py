@@ -46,6 +46,7 @@ holds, take other paths so that the bound holds there too:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -54,7 +55,7 @@ from torch import Tensor
 from . import _codecs as C
 from .tensor import FP4_FORMATS, QuantizedTensor, dequantize
 
-__all__ = ["AVAILABLE", "ISAS", "expert_stage", "grouped_matmul", "grouped_matmul_reference", "best_isa",
+__all__ = ["AVAILABLE", "ISAS", "StageWeights", "expert_stage", "run_stage", "stage_weights", "grouped_matmul", "grouped_matmul_reference", "best_isa",
            "has_int8_path", "status", "build"]
 
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
@@ -385,22 +386,46 @@ def expert_stage(x: Tensor, tokens: Tensor, offsets: Tensor, gates: Tensor, w_in
     vectorizes otherwise, each exp still is within 1 ulp, so h is within a few ulp (bf16: a
     rounding boundary may move one bf16 ulp) and y within the out-projection's rounding of that.
     """
+    return run_stage(stage_weights(w_in, w_out, act=act, isa=isa, activations=activations), x, tokens, offsets,
+                     gates, b_in=b_in, b_out=b_out, order=order, pairs=pairs, num_slots=num_slots, alpha=alpha,
+                     limit=limit, buffers=buffers)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StageWeights:
+    """The weights of one layer's :func:`expert_stage` as its native call reads them, checked once
+    (:func:`stage_weights`): a caller that runs the same layer call after call (a prepared
+    inference call, :class:`fmoe.PreparedMoE`) keeps one and pays for the checks and operand
+    lists once.
+
+    Attributes:
+        weights: the QuantizedTensors (in-projections, then the out-projection).
+        args: the native call's weight operands (data, scales, tables, global scales, format flags).
+        act: the activation's code (:data:`STAGE_ACTS`); isa: the forced path's code (0: auto);
+        int8: int8-rounded activations.
+    """
+
+    weights: tuple
+    args: tuple
+    act: int
+    isa: int
+    int8: bool
+
+
+def stage_weights(w_in: tuple, w_out: QuantizedTensor, *, act: str, isa: str = "auto",
+                  activations: str = "float") -> StageWeights:
+    """:func:`expert_stage`'s weights, activation, path and activations checked, its weight operands
+    gathered: what :func:`run_stage` takes. Raises as :func:`expert_stage` does."""
     if not AVAILABLE:
         raise RuntimeError(f"expert_stage: {status()}")
     if act not in STAGE_ACTS:
         raise ValueError(f"expert_stage: act must be one of {tuple(STAGE_ACTS)}, got {act!r}")
-    if order not in _STAGE_ORDERS:
-        raise ValueError(f"expert_stage: order must be one of {tuple(_STAGE_ORDERS)}, got {order!r}")
     if isa not in ISAS:
         raise ValueError(f"expert_stage: isa must be one of {tuple(ISAS)}, got {isa!r}")
     ws = (*w_in, w_out)
     if not all(isinstance(w, QuantizedTensor) and w.device.type == "cpu" for w in ws):
         raise TypeError("expert_stage: every weight must be a CPU QuantizedTensor, got "
                         f"{[type(w).__name__ for w in ws]}")
-    if not isinstance(x, Tensor) or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
-        raise TypeError(f"expert_stage: x must be a float32 or bfloat16 CPU tensor, got "
-                        f"{getattr(x, 'dtype', type(x).__name__)}")
-    ops = [_weight_operands(w) for w in ws]
     if isa not in ("auto", "portable") and ISAS[isa] > ISAS[best_isa()]:
         raise ValueError(f"expert_stage: isa={isa!r} is not supported by this CPU (widest: {best_isa()!r}); "
                          f"pass isa='auto'")
@@ -408,11 +433,27 @@ def expert_stage(x: Tensor, tokens: Tensor, offsets: Tensor, gates: Tensor, w_in
         raise ValueError(f"expert_stage: activations must be 'float' or 'int8', got {activations!r}")
     if activations == "int8":
         check_int8_weights("expert_stage", ws)
-    return _EXT.packed_expert_stage(x, tokens, offsets, gates, pairs, _STAGE_ORDERS[order], num_slots,
-                                    [op[0] for op in ops], [op[1] for op in ops], [op[2] for op in ops],
-                                    [op[3] for op in ops], [v for op in ops for v in op[4]], C.E4M3_TABLE, b_in,
-                                    b_out, STAGE_ACTS[act], alpha, limit, ISAS[isa], DENSE_FROM, _EXP_ISA,
-                                    list(buffers), activations == "int8")
+    ops = [_weight_operands(w) for w in ws]
+    args = ([op[0] for op in ops], [op[1] for op in ops], [op[2] for op in ops], [op[3] for op in ops],
+            [v for op in ops for v in op[4]])
+    return StageWeights(ws, args, STAGE_ACTS[act], ISAS[isa], activations == "int8")
+
+
+def run_stage(weights: StageWeights, x: Tensor, tokens: Tensor, offsets: Tensor, gates: Tensor, *, b_in=None,
+              b_out=None, order: str = "fmoe", pairs=None, num_slots: int = 0, alpha: float = 1.702,
+              limit: float = 7.0, buffers: tuple = ()) -> Tensor:
+    """:func:`expert_stage` with its weights given as :func:`stage_weights` made them; the other
+    arguments, the result and the errors as there (the native call checks the rows, offsets,
+    gates, pairs, biases and shapes against the weights before it reads a row)."""
+    if order not in _STAGE_ORDERS:
+        raise ValueError(f"expert_stage: order must be one of {tuple(_STAGE_ORDERS)}, got {order!r}")
+    if not isinstance(x, Tensor) or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        raise TypeError(f"expert_stage: x must be a float32 or bfloat16 CPU tensor, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    data, scales, tables, gscales, flags = weights.args
+    return _EXT.packed_expert_stage(x, tokens, offsets, gates, pairs, _STAGE_ORDERS[order], num_slots, data, scales,
+                                    tables, gscales, flags, C.E4M3_TABLE, b_in, b_out, weights.act, alpha, limit,
+                                    weights.isa, DENSE_FROM, _EXP_ISA, list(buffers), weights.int8)
 
 
 _try_load()
