@@ -168,6 +168,9 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
                 steps[f"read_{f}"] = (lambda b=torch.ones(bytes_busy[f] // 4): b.sum())
                 # the same layer on bf16 rows (what a bf16 model runs: FP4 takes the bf16 dot-product tiles)
                 steps[f"layer16_{f}"] = (lambda p=params, xb=x.bfloat16(): fmoe.moe(p, xb, spec))
+                # the same call prepared (fmoe.prepare: what the spec and weights fix decided once; the patched
+                # models' blocks run this way)
+                steps[f"layerpr_{f}"] = (lambda s=fmoe.prepare(params, spec), xf=xf: s(xf))
                 # the layer's two packed expert GEMMs alone, on rows of the same per-expert counts
                 counts = torch.bincount((x @ gate["wg"].T).topk(K_TOP, dim=-1).indices.reshape(-1), minlength=E)
                 offs = torch.zeros(E + 1, dtype=torch.int64)
@@ -211,6 +214,9 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
             if f"layer16_{f}" in t:
                 r["layer_bf16_seconds"] = t[f"layer16_{f}"]
                 r["layer_bf16_vs_stream"] = t[f"layer16_{f}"] / bound
+            if f"layerpr_{f}" in t:
+                r["layer_prepared_seconds"] = t[f"layerpr_{f}"]
+                r["layer_prepared_vs_stream"] = t[f"layerpr_{f}"] / bound
             row["formats"][f] = r
             log(f"  T={T} {f:9s} busy {busy:2d}: layer {r['layer_seconds'] * 1e3:7.2f} ms = "
                 f"{r['layer_vs_stream']:.2f}x stream"
@@ -219,6 +225,7 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
                 + (f", int8 act {r['gemms_int8_vs_stream']:.2f}x" if "gemms_int8_seconds" in r else "")
                 + (f", layer int8 act {r['layer_int8_vs_stream']:.2f}x" if "layer_int8_seconds" in r else "")
                 + (f", layer bf16 rows {r['layer_bf16_vs_stream']:.2f}x" if "layer_bf16_seconds" in r else "")
+                + (f", layer prepared {r['layer_prepared_vs_stream']:.2f}x" if "layer_prepared_seconds" in r else "")
                 + (f", layer on huge pages {r['layer_huge_pages_vs_stream']:.2f}x" if "layer_huge_pages_seconds" in r
                    else "")
                 + f"  ({rate:.1f} GB/s stream" + (f", {rate_huge:.1f} on huge pages)" if rate_huge else ")"))
@@ -507,9 +514,10 @@ def tables(res: dict) -> list[str]:
              f"{res.get('threads', torch.get_num_threads())} torch threads", "",
              "| T | busy | format | layer ms | x stream | plain read ms | x stream | expert GEMMs ms | x stream "
              "| GEMMs, int8 act. ms | x stream "
-             "| layer, int8 act. ms | x stream | layer, bf16 rows ms | x stream | layer, huge pages ms | x stream "
+             "| layer, int8 act. ms | x stream | layer, bf16 rows ms | x stream | layer prepared ms | x stream "
+             "| layer, huge pages ms | x stream "
              "| x stream on huge pages | stream GB/s | stream on huge pages GB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"] if lay else []
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"] if lay else []
     for T, row in (lay["tokens"] if lay else {}).items():
         for f, r in row["formats"].items():
             g = f"{r['gemms_seconds'] * 1e3:.2f} | {r['gemms_vs_stream']:.2f}" if "gemms_seconds" in r else " | "
@@ -520,12 +528,14 @@ def tables(res: dict) -> list[str]:
                   else " | ")
             l16 = (f"{r['layer_bf16_seconds'] * 1e3:.2f} | {r['layer_bf16_vs_stream']:.2f}" if "layer_bf16_seconds" in r
                    else " | ")
+            lp = (f"{r['layer_prepared_seconds'] * 1e3:.2f} | {r['layer_prepared_vs_stream']:.2f}"
+                  if "layer_prepared_seconds" in r else " | ")
             hp = (f"{r['layer_huge_pages_seconds'] * 1e3:.2f} | {r['layer_huge_pages_vs_stream']:.2f} | "
                   f"{r.get('layer_huge_pages_vs_huge_stream', float('nan')):.2f}" if "layer_huge_pages_seconds" in r
                   else " | | ")
             huge_rate = row.get("stream_huge_gb_per_s")
             lines.append(f"| {T} | {row['busy_experts']} | {f} | {r['layer_seconds'] * 1e3:.2f} | "
-                         f"{r['layer_vs_stream']:.2f} | {rd} | {g} | {g8} | {l8} | {l16} | {hp} | {row['stream_gb_per_s']:.1f} | "
+                         f"{r['layer_vs_stream']:.2f} | {rd} | {g} | {g8} | {l8} | {l16} | {lp} | {hp} | {row['stream_gb_per_s']:.1f} | "
                          + (f"{huge_rate:.1f} |" if huge_rate else " |"))
     pre = res.get("prefill")
     if pre:

@@ -520,6 +520,9 @@ def moe(params: dict, x: Tensor, spec: MoESpec, *, comm=None, generator: Optiona
 
     Returns:
         y with x's leading dims, last dim O, x's dtype; and :class:`MoEAux`.
+
+    A layer called over and over at inference (decode) can be prepared once:
+    ``fmoe.prepare(params, spec)(x)`` is this call's result bit for bit (:mod:`fmoe.prepared`).
     """
     comm = resolve(comm)
     alignment = spec.alignment

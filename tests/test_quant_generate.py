@@ -95,3 +95,17 @@ def test_inference_suite_counts_the_weights_and_times_the_moe_blocks(tmp_path):
     assert 0 < inside < time.perf_counter() - t0
     assert B._moe_block_seconds(model, lambda: None) == 0
     assert all(not layer.mlp._forward_hooks and not layer.mlp._forward_pre_hooks for layer in model.model.layers)
+
+
+def test_prepared_benchmark_alternates_both_blocks_and_restores_the_forward(tmp_path):
+    """benchmarks.bench_prepared: every decode call of every block is timed on one of the two paths
+    (ABBA: as many on each), both give the same tokens, and the patched forward is restored after."""
+    from benchmarks import bench_prepared as BP
+    from fmoe.models.patch import FmoeMoEBlock
+    forward = FmoeMoEBlock.forward
+    path = G.write_checkpoint(str(tmp_path / "gpt_oss"), "gpt_oss", "tiny")
+    res = BP.measure(path, tokens=5, repeats=2, log=lambda _: None)
+    layers = len(G.load_patched(path, "gpt_oss")[0].model.layers)
+    assert res["same_tokens"] and res["calls"] == 2 * 4 * layers // 2   # 4 decode calls a prompt, after its prefill
+    assert res["prepared"] > 0 and res["unprepared"] > 0 and res["ratio"] > 0
+    assert FmoeMoEBlock.forward is forward
