@@ -8,7 +8,8 @@ Stateless primitives over explicit parameter pytrees, composed at the user's edg
     y, aux = fmoe.moe(params, x, spec)
 
 Data flows one way: routers -> routing -> layout -> ops -> experts -> moe (and a layer's
-prepared inference call, ``fmoe.prepare``) -> the edge (nn, compat, models). Research helpers (``fmoe.ablate``, ``fmoe.stats``) are imported by name.
+prepared inference call, ``fmoe.prepare``) -> the edge (nn, compat, models). Research helpers
+(``fmoe.ablate``, ``fmoe.stats``) are imported by name.
 """
 from . import comm, experts, losses, ops, routers
 from .experts import ExpertSpec

@@ -6,9 +6,9 @@
 :func:`fmoe.moe` decides on every call what runs: it checks the pytree against the spec, asks
 which door the call takes (:func:`fmoe.engine.traced.door`), makes the plan, asks whether the
 fused packed stage takes it (:func:`fmoe.engine.kinds.fused_stage`) and checks the stage's
-weights. At decode on a CPU each of these is microseconds, and together they were about 40 % of
-a patched model's MoE block (each call's Python and small tensor ops between the router's native
-call and the experts' one; BENCHMARKS.md, "Prepared decode calls"). A prepared call makes the
+weights. At decode on a CPU each of these is microseconds, and together they were a quarter to two
+fifths of a patched model's MoE block (each call's Python and small tensor ops between the router's
+native call and the experts' one; BENCHMARKS.md, "Prepared decode calls"). A prepared call makes the
 decisions that the spec and the parameters' types and shapes fix once (the pytree check, the
 expert kind's form, :func:`fmoe.engine.kinds.fused_act`, the stage's weight operands,
 :func:`fmoe.quant.packed.stage_weights`) and on each call checks what can change between calls: x

@@ -134,12 +134,12 @@ def fused_stage(form: ExpertForm, x: Tensor, w_rows: Optional[Tensor], plan: Exp
     its activation key if so, else None (the composition of :func:`reference` over the packed
     GEMMs). The one place that decides, in two halves: :func:`fused_act` (what the layer's kind
     and weights fix) and :func:`fused_operands_ok` (what each call's tensors make), which a
-    prepared inference call (:class:`fmoe.PreparedMoE`) asks once and per call. It takes an eager CPU call with every weight
-    packed, a host plan of gathered rows (not expert parallel's in-order rows or gate-free
-    rows), no quantized-training recipe, nothing that needs a gradient, fp32 or bf16 rows (fp32
-    gates, or bf16 beside bf16 rows; biases in the rows' dtype), a kind whose elementwise step it
-    computes (gpt_oss; glu with SiLU; ffn with ReLU or SiLU), and every combine order. Its output
-    equals that composition's bit for bit (tests/test_packed_fused.py)."""
+    prepared inference call (:class:`fmoe.PreparedMoE`) asks once and per call. It takes an
+    eager CPU call with every weight packed, a host plan of gathered rows (not expert parallel's
+    in-order rows or gate-free rows), no quantized-training recipe, nothing that needs a gradient,
+    fp32 or bf16 rows (fp32 gates, or bf16 beside bf16 rows; biases in the rows' dtype), a kind
+    whose elementwise step it computes (gpt_oss; glu with SiLU; ffn with ReLU or SiLU), and every
+    combine order. Its output equals that composition's bit for bit (tests/test_packed_fused.py)."""
     if plan.bounds is None or plan.in_order or plan.precision is not None or not plan.tokens.is_contiguous():
         return None
     if not fused_operands_ok(x, w_rows, b_in, b_out):

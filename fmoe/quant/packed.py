@@ -55,8 +55,8 @@ from torch import Tensor
 from . import _codecs as C
 from .tensor import FP4_FORMATS, QuantizedTensor, dequantize
 
-__all__ = ["AVAILABLE", "ISAS", "StageWeights", "expert_stage", "run_stage", "stage_weights", "grouped_matmul", "grouped_matmul_reference", "best_isa",
-           "has_int8_path", "status", "build"]
+__all__ = ["AVAILABLE", "ISAS", "StageWeights", "expert_stage", "run_stage", "stage_weights", "grouped_matmul",
+           "grouped_matmul_reference", "best_isa", "has_int8_path", "status", "build"]
 
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
 _ISA_NAMES = {v: k for k, v in ISAS.items()}
