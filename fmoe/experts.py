@@ -417,10 +417,8 @@ def routed_experts(spec: ExpertSpec, params, x: Tensor, routing, *, layout_kind:
                                 precision=None if kw is None else spec.precision,
                                 layout=None if door == "rows" else make_layout(routing, layout_kind), rows=rows,
                                 device_rows=False if kw is None else None)   # a custom fn may loop on host bounds
-    if door == "rows" and rows is not None and rows.row_gates is not None and not routing.weights.requires_grad:
-        w_rows = rows.row_gates   # the native route gathered them with the rows
-    else:
-        w_rows = rows_plan.row_weights(routing.weights)
+    # (a rows plan made from the native route's rows: its gates too, KeptRows.gates)
+    w_rows = rows.gates(routing.weights) if door == "rows" and rows is not None else rows_plan.row_weights(routing.weights)
     if kw is None:
         y = _kinds.run_custom(spec.fn, params, x, w_rows, rows_plan, order=order, prescore=prescore)
     else:

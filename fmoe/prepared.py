@@ -129,8 +129,7 @@ class PreparedMoE:
         routing, out, loss, rows = native
         dt = expert_dtype(experts, x.dtype)
         compute = tokens if tokens.dtype == dt else tokens.to(dt)
-        gated = rows.row_gates is not None and not routing.weights.requires_grad
-        w_rows = rows.row_gates if gated else routing.weights.reshape(-1).index_select(0, rows.pairs)
+        w_rows = rows.gates(routing.weights)
         if rows.bounds is None or not _kinds.fused_operands_ok(compute, w_rows, b_in, b_out):
             return moe(params, x, spec)
         from .quant import packed   # optional: low-precision weights
@@ -138,9 +137,7 @@ class PreparedMoE:
         shared = None if spec.shared is None else shared_experts(spec.shared, params, tokens,
                                                                   activation=spec.experts.act())
         y = packed.run_stage(self._weights, compute, rows.tokens, rows.offsets, w_rows, b_in=b_in, b_out=b_out,
-                             order=order, pairs=rows.pairs if order == "grouped" else None,
-                             num_slots=routing.k if order == "eager" and dt is torch.bfloat16 else 0,
-                             alpha=form.alpha, limit=form.limit)
+                             order=order, pairs=rows.pairs, num_slots=routing.k, alpha=form.alpha, limit=form.limit)
         return finish(x, y, shared, balance_loss(spec, routing, out, loss), routing, rows.dropped, out)
 
 

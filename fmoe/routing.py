@@ -149,6 +149,14 @@ class KeptRows:
     offsets: Tensor
     row_gates: Optional[Tensor]
 
+    def gates(self, weights: Tensor) -> Tensor:
+        """[N] each row's gate weight from the routing's [k, T] ``weights``: the native route's
+        ``row_gates`` (the same values, gathered with the rows) where it made them and ``weights``
+        needs no gradient, else gathered from ``weights`` (differentiable)."""
+        if self.row_gates is not None and not weights.requires_grad:
+            return self.row_gates
+        return weights.reshape(-1).index_select(0, self.pairs)
+
 
 def _routing_to_dict(r: Routing) -> dict:
     return {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}

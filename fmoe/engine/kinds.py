@@ -193,11 +193,11 @@ def run_fused(act: str, form: ExpertForm, x: Tensor, w_rows: Tensor, plan: Exper
     """y [T, O] in x's dtype: the packed expert stage in one native call (``act`` from
     :func:`fused_stage`; ``isa`` and ``buffers`` as :func:`fmoe.quant.packed.expert_stage` takes them)."""
     from ..quant import packed   # optional: low-precision weights
-    k = _num_slots(plan) if order == "eager" and x.dtype is torch.bfloat16 else 0   # _accumulate's [k, T, O]
+    # (the stage reads the pairs and k where the order's combine needs them)
     return packed.expert_stage(x, plan.tokens, plan.offsets, w_rows, w_in, w_out, act=act,
                                activations="int8" if form.int8 else "float", b_in=b_in, b_out=b_out,
-                               order=order, pairs=plan.pairs if order == "grouped" else None, num_slots=k,
-                               alpha=form.alpha, limit=form.limit, isa=isa, buffers=buffers)
+                               order=order, pairs=plan.pairs, num_slots=_num_slots(plan), alpha=form.alpha,
+                               limit=form.limit, isa=isa, buffers=buffers)
 
 
 def rows_orders(plan: Union[ExpertPlan, LayoutPlan], w_in: tuple, w_out) -> tuple:

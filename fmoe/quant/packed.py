@@ -367,7 +367,9 @@ def expert_stage(x: Tensor, tokens: Tensor, offsets: Tensor, gates: Tensor, w_in
         order: the combine, :func:`fmoe.engine.kinds._accumulate`'s: 'fmoe' (fp32 sum in row
             order), 'eager' (bf16: each token's running sum in dt over its ``num_slots`` slots;
             fp32: as 'fmoe') or 'grouped' (fp32 sum in ascending ``pairs`` order: each row's
-            pair index j * T + t, int64 [N]).
+            pair index j * T + t, int64 [N]). ``pairs`` is read by 'grouped' only and
+            ``num_slots`` (the routing's k) by 'eager' on bf16 rows only: a caller passes both
+            whatever the order.
         isa: as :func:`grouped_matmul`'s. buffers: () or float32 [N, H'] per in-projection and
             [N, H] for h, which the call computes in (tests read z and h from them).
         activations: "float", or "int8": both GEMMs as :func:`grouped_matmul`'s
@@ -451,6 +453,9 @@ def run_stage(weights: StageWeights, x: Tensor, tokens: Tensor, offsets: Tensor,
         raise TypeError(f"expert_stage: x must be a float32 or bfloat16 CPU tensor, got "
                         f"{getattr(x, 'dtype', type(x).__name__)}")
     data, scales, tables, gscales, flags = weights.args
+    # the operands the order's combine reads; the others are not checked or read
+    pairs = pairs if order == "grouped" else None
+    num_slots = num_slots if order == "eager" and x.dtype is torch.bfloat16 else 0
     return _EXT.packed_expert_stage(x, tokens, offsets, gates, pairs, _STAGE_ORDERS[order], num_slots, data, scales,
                                     tables, gscales, flags, C.E4M3_TABLE, b_in, b_out, weights.act, alpha, limit,
                                     weights.isa, DENSE_FROM, _EXP_ISA, list(buffers), weights.int8)
