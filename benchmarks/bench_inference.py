@@ -315,9 +315,10 @@ def _decode_step_bytes(model, k: int, packed_experts: bool) -> int:
         total += t.numel() * t.element_size()
     for layer in model.model.layers:
         ex = layer.mlp.experts
-        for n in ("gate_up_proj", "down_proj"):
-            w = getattr(ex, n)
-            total += _nbytes(w, k) if packed_experts else w[0].numel() * w.element_size() * k
+        for n in ("gate_up_proj", "gate_proj", "up_proj", "down_proj"):   # (NVFP4 keeps gate and up apart)
+            w = getattr(ex, n, None)
+            if w is not None:
+                total += _nbytes(w, k) if packed_experts else w[0].numel() * w.element_size() * k
     return total
 
 
@@ -358,7 +359,8 @@ def _moe_block_seconds(model, run) -> float:
 def model_child(variant: str, path: str, arch: str, k: int, repeats: int) -> dict:
     """One variant in its own process (resident memory is the process's): "fmoe" (patched, packed
     experts on huge pages), "fmoe_4k" (the same, its experts left memory-mapped on 4 KiB pages) or
-    "transformers" (its CPU path: experts dequantized to bf16). bf16 activations.
+    "transformers" (its CPU path: experts dequantized to bf16; ModelOpt NVFP4, which it does not load
+    on a CPU, dequantized by fmoe into its experts: ``generate.load_reference``). bf16 activations.
 
     Besides the timings and resident memory, it records what bounds the two ratios fmoe can reach
     by its MoE blocks alone: the process's resident memory before any weight is read (Python, torch,
@@ -425,20 +427,22 @@ def model_child(variant: str, path: str, arch: str, k: int, repeats: int) -> dic
 
 
 def model_suite(arch: str = "gpt_oss", size: str = "small", repeats: int = 3, rounds: int = 3,
-                log: Callable[[str], None] = print, four_k: bool = False) -> dict:
+                log: Callable[[str], None] = print, four_k: bool = False, fmt: Optional[str] = None) -> dict:
     """fmoe-patched (packed experts) vs transformers on the same checkpoint, each in its own process;
     ``rounds`` rounds with the processes alternating (the order reverses each round), each figure
     the median over the rounds (the host drifts by tens of percent between processes). ``four_k``:
-    also fmoe with its experts on 4 KiB pages (``fmoe_4k``), in the same rounds."""
+    also fmoe with its experts on 4 KiB pages (``fmoe_4k``), in the same rounds. ``fmt``: the
+    experts' packed format (``fmoe.examples.generate.FORMATS[arch]``; default its first)."""
     import subprocess
     import sys
     import tempfile
     from fmoe.examples import generate as G
-    res = {"arch": arch, "size": size, "config": G.SIZES[size], "threads": torch.get_num_threads(), "rounds": rounds,
-           "variants": {}}
+    fmt = G.FORMATS[arch][0] if fmt is None else fmt
+    res = {"arch": arch, "format": fmt, "size": size, "config": G.SIZES[size], "threads": torch.get_num_threads(),
+           "rounds": rounds, "variants": {}}
     runs = {"fmoe": [], "transformers": []} | ({"fmoe_4k": []} if four_k else {})
     with tempfile.TemporaryDirectory(prefix="fmoe-bench-inference-") as path:
-        G.write_checkpoint(path, arch, size)
+        G.write_checkpoint(path, arch, size, fmt=fmt)
         # flush the new file before the timed processes map it: reads of a fresh file's pages still
         # under writeback ran 10-25 % slower (fmoe maps the packed experts; transformers copies them)
         os.sync()
@@ -551,7 +555,8 @@ def tables(res: dict) -> list[str]:
             lines.append(f"| {f} | {dt} | {t * 1e3:.1f} | {t / base:.2f} | {rel} |")
     mod = res.get("model")
     if mod:
-        lines += ["", f"Whole model ({mod['arch']}, {mod['size']}: {mod['config']}), bf16 activations, "
+        lines += ["", f"Whole model ({mod['arch']}, {mod.get('format', '')} experts, {mod['size']}: {mod['config']}), "
+                  "bf16 activations, "
                   f"{mod.get('threads')} threads; "
                   f"checkpoint {mod['checkpoint_bytes'] / 2**20:.0f} MiB", "",
                   "| variant | decode b1 tok/s | b1 CPU ms/token | b1 stream bound tok/s | decode b8 tok/s | "
@@ -646,7 +651,11 @@ def main(argv=None) -> int:
     p.add_argument("--model-only", action="store_true", help="only the whole-model comparison")
     p.add_argument("--size", default="small", help="whole-model size (fmoe.examples.generate.SIZES)")
     p.add_argument("--rounds", type=int, default=3, help="whole model: alternating rounds of the two processes")
-    p.add_argument("--arch", default="gpt_oss")
+    p.add_argument("--arch", default="gpt_oss", help="whole model: gpt_oss, deepseek_v3 or qwen3_moe")
+    p.add_argument("--model-format", default=None,
+                   help="whole model: the experts' packed format (default the architecture's first of "
+                        "fmoe.examples.generate.FORMATS: gpt_oss mxfp4, deepseek_v3 and qwen3_moe fp8_block; "
+                        "qwen3_moe also nvfp4)")
     p.add_argument("--four-k", action="store_true",
                    help="whole model: also fmoe with its experts memory-mapped on 4 KiB pages (no huge pages)")
     p.add_argument("--llamacpp", action="store_true",
@@ -667,7 +676,8 @@ def main(argv=None) -> int:
         if args.prefill:
             res["prefill"] = layer_prefill(args.formats, args.prefill, max(3, args.repeats // 2))
     if args.model or args.model_only:
-        res["model"] = model_suite(args.arch, args.size, min(args.repeats, 3), args.rounds, four_k=args.four_k)
+        res["model"] = model_suite(args.arch, args.size, min(args.repeats, 3), args.rounds, four_k=args.four_k,
+                                   fmt=args.model_format)
     if args.llamacpp:
         from . import bench_llamacpp
         res["llamacpp"] = bench_llamacpp.measure(repeats=min(args.repeats, 5))

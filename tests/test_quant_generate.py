@@ -2,9 +2,11 @@
 the same greedy tokens as the unpatched model over the dequantized weights.
 
 The checkpoints are written here in the official layouts (gpt-oss MXFP4 blocks/scales, DeepSeek
-FP8 weight + weight_scale_inv) from random weights; transformers dequantizes them on a CPU, fmoe
-keeps them packed. Both run in float32; the patched experts' sums run in another order (the
-packed kernel), which the sharpened random model's logits absorb: every token must be equal.
+and Qwen3 FP8 weight + weight_scale_inv, ModelOpt NVFP4 weight + weight_scale + weight_scale_2)
+from random weights; transformers dequantizes the first two on a CPU (fmoe dequantizes NVFP4 for
+it: transformers has no CPU path for ModelOpt's), fmoe keeps them packed. Both run in float32; the
+patched experts' sums run in another order (the packed kernel), which the sharpened random model's
+logits absorb: every token must be equal.
 """
 from __future__ import annotations
 
@@ -19,14 +21,18 @@ from fmoe.quant import QuantizedTensor  # noqa: E402
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,tokens", [("gpt_oss", 64), ("deepseek_v3", 32)])
-def test_patched_packed_model_generates_the_unpatched_tokens(tmp_path, arch, tokens):
-    path = G.write_checkpoint(str(tmp_path / arch), arch, "tiny")
+@pytest.mark.parametrize("arch,fmt,tokens", [("gpt_oss", "mxfp4", 64), ("deepseek_v3", "fp8_block", 64),
+                                             ("qwen3_moe", "fp8_block", 64), ("qwen3_moe", "nvfp4", 64)])
+def test_patched_packed_model_generates_the_unpatched_tokens(tmp_path, arch, fmt, tokens):
+    path = G.write_checkpoint(str(tmp_path / arch), arch, "tiny", fmt=fmt)
     model, nbytes = G.load_patched(path, arch)
     experts = model.model.layers[0].mlp.experts
-    assert isinstance(experts.gate_up_proj, QuantizedTensor) and isinstance(experts.down_proj, QuantizedTensor)
-    assert experts.gate_up_proj.fmt == ("mxfp4" if arch == "gpt_oss" else "fp8_block")
-    assert nbytes > 0
+    # NVFP4 keeps gate and up apart (a global scale each); FP8's fuse exactly
+    names = ("gate_proj", "up_proj", "down_proj") if fmt == "nvfp4" else ("gate_up_proj", "down_proj")
+    packed = {n: getattr(experts, n) for n in names}
+    assert all(isinstance(w, QuantizedTensor) and w.fmt == fmt for w in packed.values())
+    assert nbytes == sum(w.nbytes for layer in model.model.layers for w in vars(layer.mlp.experts).values()
+                         if isinstance(w, QuantizedTensor)) > 0
     prompt = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
     ids = G.greedy(model, prompt, tokens)
     ref = G.greedy(G.load_reference(path), prompt, tokens)
@@ -109,3 +115,57 @@ def test_prepared_benchmark_alternates_both_blocks_and_restores_the_forward(tmp_
     assert res["same_tokens"] and res["calls"] == 2 * 4 * layers // 2   # 4 decode calls a prompt, after its prefill
     assert res["prepared"] > 0 and res["unprepared"] > 0 and res["ratio"] > 0
     assert FmoeMoEBlock.forward is forward
+
+
+def test_qwen3_nvfp4_checkpoint_has_modelopt_names_and_each_projection_its_global_scale(tmp_path):
+    """The NVFP4 checkpoint in ModelOpt's per-expert names and dtypes (uint8 weight [out, in/2],
+    float8_e4m3fn weight_scale [out, in/16], float32 scalar weight_scale_2 and input_scale), its config
+    "modelopt"; the patched model reads each projection with its own global scale, and its blocks run
+    fmoe's prepared call over both in-projections apart."""
+    import json
+    from safetensors import safe_open
+    from fmoe.quant import packed
+    path = G.write_checkpoint(str(tmp_path / "q"), "qwen3_moe", "tiny", fmt="nvfp4")
+    s = G.SIZES["tiny"]
+    with open(tmp_path / "q" / "config.json") as f:
+        qc = json.load(f)["quantization_config"]
+    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "NVFP4"
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        base = "model.layers.0.mlp.experts.1.up_proj"
+        w, sc, s2, si = (f.get_tensor(f"{base}.{n}") for n in ("weight", "weight_scale", "weight_scale_2", "input_scale"))
+        gate_s2 = f.get_tensor("model.layers.0.mlp.experts.1.gate_proj.weight_scale_2")
+    assert not any("gate_up_proj" in k or k.endswith("weight_scale_inv") for k in keys)
+    assert w.dtype == torch.uint8 and tuple(w.shape) == (s["inter"], s["hidden"] // 2)
+    assert sc.dtype == torch.float8_e4m3fn and tuple(sc.shape) == (s["inter"], s["hidden"] // 16)
+    assert s2.dtype == torch.float32 and s2.dim() == 0 and si.dim() == 0
+    model, _ = G.load_patched(path, "qwen3_moe")
+    ex = model.model.layers[0].mlp.experts
+    assert float(ex.up_proj.global_scale[1]) == float(s2) and float(ex.gate_proj.global_scale[1]) == float(gate_s2)
+    assert float(s2) != float(gate_s2)   # why gate and up stay apart
+    if packed.AVAILABLE:
+        assert model.model.layers[0].mlp._prepared().fast
+
+
+def test_write_checkpoint_names_the_formats_of_each_architecture(tmp_path):
+    with pytest.raises(ValueError, match=r"gpt_oss checkpoints are written in \('mxfp4',\), got fmt='nvfp4'"):
+        G.write_checkpoint(str(tmp_path / "x"), "gpt_oss", "tiny", fmt="nvfp4")
+    with pytest.raises(ValueError, match="arch must be one of"):
+        G.write_checkpoint(str(tmp_path / "x"), "mixtral", "tiny")
+    with pytest.raises(ValueError, match="size must be one of"):
+        G.write_checkpoint(str(tmp_path / "x"), "qwen3_moe", "huge")
+
+
+def test_inference_suite_counts_a_decode_step_of_split_nvfp4_experts(tmp_path):
+    """bench_inference's decode bound reads k experts of every packed projection, the NVFP4 gate and up
+    kept apart included, and every other weight but the embedding table."""
+    from benchmarks import bench_inference as B
+    path = G.write_checkpoint(str(tmp_path / "q"), "qwen3_moe", "tiny", fmt="nvfp4")
+    model, _ = G.load_patched(path, "qwen3_moe")
+    k, E = G.SIZES["tiny"]["k"], G.SIZES["tiny"]["experts"]
+    emb = model.get_input_embeddings().weight
+    dense = sum(t.numel() * t.element_size() for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                if t is not emb and ".experts." not in n and "rotary" not in n)
+    experts = sum(w.nbytes for layer in model.model.layers for n, w in vars(layer.mlp.experts).items()
+                  if n in ("gate_proj", "up_proj", "down_proj"))
+    assert B._decode_step_bytes(model, k, True) == dense + experts * k // E

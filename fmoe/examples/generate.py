@@ -3,12 +3,14 @@
 Writes a small checkpoint in a real packed layout (random weights, no download), builds the
 transformers model, patches the MoE blocks with :func:`fmoe.models.patch`, hands every patched
 block its experts PACKED as the checkpoint stores them (read by :func:`fmoe.models.load_moe_block`;
-gpt-oss: the experts are never dequantized, the model is built with them on the meta device;
+gpt-oss, Qwen3: the experts are never dequantized, the model is built with them on the meta device;
 DeepSeek: transformers loads the model and its dequantized routed experts are dropped), and
 generates with ``model.generate``, streaming the tokens and printing tokens/s.
 
     python -m fmoe.examples.generate                       # gpt-oss layout, MXFP4 experts
     python -m fmoe.examples.generate --arch deepseek_v3    # DeepSeek layout, FP8 128x128 blocks
+    python -m fmoe.examples.generate --arch qwen3_moe      # Qwen3-MoE, FP8 128x128 blocks
+    python -m fmoe.examples.generate --arch qwen3_moe --format nvfp4   # Qwen3-MoE, ModelOpt NVFP4
     python -m fmoe.examples.generate --compare             # also the unpatched model: same tokens?
 
 Layouts written (the names and shapes the official checkpoints use):
@@ -18,6 +20,14 @@ Layouts written (the names and shapes the official checkpoints use):
   deepseek_v3  ``model.layers.N.mlp.experts.M.{gate,up,down}_proj.weight`` float8_e4m3fn +
                ``.weight_scale_inv`` float32 [out/128, in/128] (the shared experts too); config
                ``quantization_config`` ``{"quant_method": "fp8", "weight_block_size": [128, 128]}``.
+  qwen3_moe    fp8_block: the DeepSeek names and config (Qwen3's own FP8 releases use them).
+               nvfp4: ModelOpt's, ``model.layers.N.mlp.experts.M.{gate,up,down}_proj.weight`` uint8
+               [out, in/2] + ``.weight_scale`` float8_e4m3fn [out, in/16] + ``.weight_scale_2``
+               float32 [] + ``.input_scale`` float32 []; config ``quantization_config``
+               ``{"quant_method": "modelopt", "quant_algo": "NVFP4", ...}`` (only the routed experts
+               quantized here; ModelOpt's releases also quantize attention). transformers has no
+               CPU path for these: the unpatched model (:func:`load_reference`) runs transformers'
+               experts over fmoe's dequantization of them.
 """
 from __future__ import annotations
 
@@ -33,7 +43,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fmoe.quant import quantize_fp8_block, quantize_mxfp4, to_gpt_oss
+from fmoe.quant import quantize_fp8_block, quantize_mxfp4, quantize_nvfp4, to_gpt_oss, to_modelopt_nvfp4
 
 # Small enough to write and load in seconds, large enough that the experts dominate the bytes.
 SIZES = {
@@ -65,6 +75,20 @@ def _deepseek_config(s: dict):
                             vocab_size=s["vocab"], max_position_embeddings=4096, rope_scaling=None)
 
 
+def _qwen3_moe_config(s: dict):
+    from transformers import Qwen3MoeConfig
+    return Qwen3MoeConfig(hidden_size=s["hidden"], intermediate_size=2 * s["inter"], moe_intermediate_size=s["inter"],
+                          num_hidden_layers=s["layers"], num_experts=s["experts"], num_experts_per_tok=s["k"],
+                          num_attention_heads=s["heads"], num_key_value_heads=s["kv"], head_dim=s["head_dim"],
+                          vocab_size=s["vocab"], max_position_embeddings=4096, decoder_sparse_step=1,
+                          mlp_only_layers=[], norm_topk_prob=True)
+
+
+_CONFIGS = {"gpt_oss": _gpt_oss_config, "deepseek_v3": _deepseek_config, "qwen3_moe": _qwen3_moe_config}
+# The packed formats each architecture's checkpoint is written in (the first is the default).
+FORMATS = {"gpt_oss": ("mxfp4",), "deepseek_v3": ("fp8_block",), "qwen3_moe": ("fp8_block", "nvfp4")}
+
+
 def _sharpen(model: nn.Module) -> None:
     # Random weights give near-flat logits, where greedy decoding is decided by rounding noise;
     # a larger embedding/head scale gives confident tokens, so equal generations mean equal math.
@@ -73,15 +97,24 @@ def _sharpen(model: nn.Module) -> None:
         model.get_output_embeddings().weight.mul_(20.0)
 
 
-def write_checkpoint(path: str, arch: str = "gpt_oss", size: str = "tiny", seed: int = 0) -> str:
-    """A random model of `arch` at `size` (see SIZES) saved to `path` with packed experts in the
-    official layout (module docstring). Returns path."""
+def write_checkpoint(path: str, arch: str = "gpt_oss", size: str = "tiny", seed: int = 0,
+                     fmt: Optional[str] = None) -> str:
+    """A random model of `arch` at `size` (see SIZES) saved to `path` with its routed experts packed
+    in `fmt` (one of ``FORMATS[arch]``; default the first), in the official layout of that format
+    (module docstring). Returns path."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
+    if arch not in FORMATS:
+        raise ValueError(f"write_checkpoint: arch must be one of {tuple(FORMATS)}, got {arch!r}")
+    fmt = FORMATS[arch][0] if fmt is None else fmt
+    if fmt not in FORMATS[arch]:
+        raise ValueError(f"write_checkpoint: {arch} checkpoints are written in {FORMATS[arch]}, got fmt={fmt!r}")
+    if size not in SIZES:
+        raise ValueError(f"write_checkpoint: size must be one of {tuple(SIZES)}, got {size!r}")
     torch.manual_seed(seed)
     s = SIZES[size]
-    cfg = _gpt_oss_config(s) if arch == "gpt_oss" else _deepseek_config(s)
+    cfg = _CONFIGS[arch](s)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _sharpen(model)
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -101,15 +134,19 @@ def write_checkpoint(path: str, arch: str = "gpt_oss", size: str = "tiny", seed:
                          if name == "gate_up_proj" else [("down_proj", w)])
                 for pname, pw in parts:
                     for e in range(pw.shape[0]):
-                        q = quantize_fp8_block(pw[e].contiguous())
-                        sd[f"{base}.{e}.{pname}.weight"] = q.data
-                        sd[f"{base}.{e}.{pname}.weight_scale_inv"] = q.scales
+                        sd.update(_packed_linear(f"{base}.{e}.{pname}", pw[e].contiguous(), fmt))
             elif k.endswith(".weight") and ".shared_experts." in k:
                 q = quantize_fp8_block(sd[k])
                 sd[k], sd[k[:-len("weight")] + "weight_scale_inv"] = q.data, q.scales
-        qcfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": [128, 128],
-                "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.gate", "lm_head"]}
+        if fmt == "nvfp4":
+            group = {"num_bits": 4, "type": "float", "group_size": 16, "dynamic": False}
+            qcfg = {"quant_method": "modelopt", "quant_algo": "NVFP4", "producer": {"name": "modelopt"},
+                    "config_groups": {"group_0": {"weights": group, "input_activations": group, "targets": ["Linear"]}},
+                    "ignore": ["lm_head", "model.layers.*.self_attn*", "model.layers.*.mlp.gate"]}
+        else:
+            qcfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128],
+                    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.gate", "lm_head"]}
     os.makedirs(path, exist_ok=True)
     save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     c = cfg.to_dict()
@@ -118,6 +155,29 @@ def write_checkpoint(path: str, arch: str = "gpt_oss", size: str = "tiny", seed:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(c, f, indent=1)
     return path
+
+
+def _packed_linear(name: str, w: torch.Tensor, fmt: str) -> dict:
+    """One expert projection w [out, in] as the official per-expert checkpoints store it in `fmt`."""
+    if fmt == "nvfp4":   # ModelOpt: an input scale beside the weight (W4A4's; the weight-only path ignores it)
+        data, scale, scale_2 = to_modelopt_nvfp4(quantize_nvfp4(w))
+        return {f"{name}.weight": data, f"{name}.weight_scale": scale, f"{name}.weight_scale_2": scale_2,
+                f"{name}.input_scale": torch.tensor(1.0 / (6 * 448))}
+    q = quantize_fp8_block(w)
+    return {f"{name}.weight": q.data, f"{name}.weight_scale_inv": q.scales}
+
+
+def _quant_method(path: str) -> Optional[str]:
+    with open(os.path.join(path, "config.json")) as f:
+        return (json.load(f).get("quantization_config") or {}).get("quant_method")
+
+
+def _packed_outside_experts(path: str) -> bool:
+    """Whether the checkpoint keeps packed weights outside the routed experts (DeepSeek's FP8 shared
+    experts), which transformers' own loader must dequantize into its model."""
+    from safetensors import safe_open
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        return any(_EXPERTS not in k and k.endswith(("_scale_inv", "weight_scale", "_blocks")) for k in f.keys())
 
 
 class PackedExperts(nn.Module):
@@ -184,15 +244,16 @@ def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32, *, in
     ``huge_pages``: the experts' tensors are copied onto transparent huge pages
     (:func:`fmoe.quant.huge_pages`: fewer TLB misses as decode streams them; resident from the
     load on) instead of staying memory-mapped from the checkpoint.
-    gpt_oss: the experts are never dequantized (:func:`_without_experts`); deepseek_v3:
-    transformers loads the model (its FP8 shared experts dequantized as its own CPU path does) and
-    its dequantized routed experts are freed."""
+    Where only the routed experts are packed (gpt_oss, qwen3_moe) they are never dequantized
+    (:func:`_without_experts`); deepseek_v3, whose FP8 shared experts are packed too: transformers
+    loads the model (the shared experts dequantized as its own CPU path does) and its dequantized
+    routed experts are freed."""
     import fmoe.models
     from fmoe.models import load_moe_block
     from fmoe.quant import huge_pages as to_huge_pages
     from transformers import AutoModelForCausalLM
 
-    if arch == "gpt_oss":
+    if not _packed_outside_experts(path):
         model = _without_experts(path, dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -202,7 +263,8 @@ def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32, *, in
         block = layer.mlp
         params, _ = load_moe_block(path, arch, layer=i)
         ex = params["experts"]
-        if "gate_proj" in ex:   # DeepSeek: per-projection FP8; the block adapter reads one fused gate_up_proj
+        if "gate_proj" in ex and ex["gate_proj"].fmt == "fp8_block":
+            # per-projection FP8 fused into one gate_up_proj (exact); NVFP4's stay apart (a global scale each)
             ex = {"gate_up_proj": _cat_rows(ex.pop("gate_proj"), ex.pop("up_proj")), **ex}
         ex = {k: (v.to(dtype) if isinstance(v, torch.Tensor) else v) for k, v in ex.items()}
         block.experts = PackedExperts(to_huge_pages(ex) if huge_pages else ex)
@@ -211,9 +273,23 @@ def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32, *, in
 
 
 def load_reference(path: str, dtype: torch.dtype = torch.float32):
-    """The same checkpoint through transformers alone (its CPU path dequantizes the experts)."""
+    """The same checkpoint through transformers alone, its experts dequantized: by its own CPU path
+    (MXFP4, FP8), or for ModelOpt NVFP4, which it does not load on a CPU, by
+    :func:`fmoe.quant.dequantize` into its unpatched experts modules."""
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if _quant_method(path) != "modelopt":
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    from fmoe.models import load_moe_block
+    from fmoe.quant import dequantize
+    model = _without_experts(path, dtype)
+    arch = model.config.model_type
+    for i, layer in enumerate(model.model.layers):
+        ex = load_moe_block(path, arch, layer=i)[0]["experts"]
+        experts = layer.mlp.experts
+        experts.gate_up_proj = nn.Parameter(torch.cat([dequantize(ex["gate_proj"]), dequantize(ex["up_proj"])], 1)
+                                            .to(dtype), requires_grad=False)
+        experts.down_proj = nn.Parameter(dequantize(ex["down_proj"]).to(dtype), requires_grad=False)
+    return model
 
 
 def greedy(model, prompt: torch.Tensor, new_tokens: int, streamer=None) -> torch.Tensor:
@@ -249,14 +325,16 @@ def rss_mib() -> float:
 
 def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arch", choices=["gpt_oss", "deepseek_v3"], default="gpt_oss")
+    p.add_argument("--arch", choices=list(FORMATS), default="gpt_oss")
+    p.add_argument("--format", default=None, help="the experts' packed format (gpt_oss: mxfp4; deepseek_v3: "
+                   "fp8_block; qwen3_moe: fp8_block (default) or nvfp4)")
     p.add_argument("--size", choices=list(SIZES), default="small")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--checkpoint", default=None, help="directory to write (default: a temporary one)")
     p.add_argument("--compare", action="store_true", help="also generate with the unpatched model")
     p.add_argument("--int8-activations", action="store_true",
-                   help="the packed MXFP4 experts multiply int8-rounded rows (ExpertSpec.int8_activations; an "
-                        "AVX-512 VNNI CPU; the gpt_oss checkpoint only: DeepSeek's are FP8)")
+                   help="the packed FP4 experts multiply int8-rounded rows (ExpertSpec.int8_activations; an "
+                        "AVX-512 VNNI CPU; MXFP4 and NVFP4 experts only, not FP8)")
     p.add_argument("--no-huge-pages", action="store_true",
                    help="keep the packed experts memory-mapped from the checkpoint on 4 KiB pages instead of copying "
                         "them onto transparent huge pages (fmoe.quant.huge_pages)")
@@ -267,8 +345,11 @@ def main(argv: Optional[list] = None) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="fmoe-generate-")
         path = tmp.name
     t0 = time.perf_counter()
-    write_checkpoint(path, args.arch, args.size)
-    print(f"wrote a random {args.arch} checkpoint ({args.size}) to {path} in {time.perf_counter() - t0:.1f} s; "
+    fmt = FORMATS[args.arch][0] if args.format is None else args.format
+    if fmt not in FORMATS[args.arch]:
+        p.error(f"--format: {args.arch} checkpoints are written in {FORMATS[args.arch]}, got {fmt!r}")
+    write_checkpoint(path, args.arch, args.size, fmt=fmt)
+    print(f"wrote a random {args.arch} checkpoint ({args.size}, {fmt} experts) to {path} in {time.perf_counter() - t0:.1f} s; "
           f"{os.path.getsize(os.path.join(path, 'model.safetensors')) / 2**20:.0f} MiB")
     model, nbytes = load_patched(path, args.arch, int8_activations=args.int8_activations,
                                  huge_pages=not args.no_huge_pages)

@@ -184,6 +184,11 @@ def _fp8_scale(module, name: str):
     return None
 
 
+def _packed(w) -> bool:
+    from ..quant import QuantizedTensor
+    return isinstance(w, QuantizedTensor)
+
+
 def _maybe_fp8(module, name: str):
     w = getattr(module, name)
     if not isinstance(w, torch.Tensor):   # already packed (a QuantizedTensor), e.g. MXFP4 experts kept packed
@@ -206,9 +211,14 @@ def experts_from_module(experts) -> dict:
 
     Float experts give ``{"gate_up_proj", "down_proj"}`` (+ GPT-OSS biases); FP8 experts
     loaded without dequantisation (``gate_up_proj`` fp8 + ``gate_up_proj_scale_inv``) become
-    QuantizedTensors.
+    QuantizedTensors. A module holding packed ``gate_proj`` and ``up_proj`` QuantizedTensors
+    instead of a fused one (``fmoe.examples.generate``'s NVFP4 experts, each with its global scale)
+    gives ``{"gate_proj", "up_proj", "down_proj"}``.
     """
     if getattr(experts, "gate_up_proj", None) is None:
+        gate, up = getattr(experts, "gate_proj", None), getattr(experts, "up_proj", None)
+        if _packed(gate) and _packed(up):   # packed gate and up kept apart (NVFP4: a global scale each)
+            return {"gate_proj": gate, "up_proj": up, "down_proj": _maybe_fp8(experts, "down_proj")}
         raise NotImplementedError(
             f"{type(experts).__name__} has no fused gate_up_proj parameter (e.g. MXFP4 experts kept packed by "
             "transformers); load the block with fmoe.models.load_moe_block instead")
