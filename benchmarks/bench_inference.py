@@ -14,7 +14,10 @@ and for the packed formats the whole layer on bf16 rows (what a bf16 model runs)
 its weights on transparent huge pages (``fmoe.quant.huge_pages``, as ``fmoe.examples.generate`` loads them).
 "plain read" is the machine's floor for such a call: one contiguous float32 read (``sum``) of as many bytes,
 timed as cold as the layer. A cold read of a few MB does not reach the 512 MiB read's rate (page walks,
-prefetchers starting, the threads waking), so it is the fairer reference at T = 1.
+prefetchers starting, the threads waking), so it is the fairer reference at T = 1. Beside them, timed as
+cold: the router's native call alone (``fmoe.routers.route_native``: its GEMM, softmax, top-k and rows) and
+one dispatched torch op (``torch.empty(1)``), what every layer call pays before its experts once the read
+has evicted the code's cache lines and page-table entries with the data.
 
 ``model`` (``--model``): the whole-model comparison, fmoe-patched with packed experts vs transformers'
 own CPU path on the same written checkpoint (fmoe.examples.generate), each in its own process. Resident
@@ -137,6 +140,7 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
 
     import fmoe
     from fmoe.quant import huge_pages, hugepages, packed
+    from fmoe.routers import route_native
     spec = _spec()
     # the same layer with int8 activations (ExpertSpec.int8_activations: FP4 experts, a VNNI CPU)
     spec8 = dataclasses.replace(spec, experts=dataclasses.replace(spec.experts, int8_activations=True))
@@ -155,6 +159,12 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
         x = torch.randn(T, M, generator=g)
         busy = torch.unique((x @ gate["wg"].T).topk(K_TOP, dim=-1).indices).numel()
         steps, bytes_busy = {}, {}
+        # what any layer call pays cold before its experts: the router's native call (the GEMM, the softmax,
+        # top-k and the rows: fmoe.routers.route_native), and one dispatched torch op (code and page tables
+        # evicted with the data: its cost is the machine's, not the op's work)
+        steps["route"] = (lambda: route_native(gate, x, spec.gate, num_experts=E, normalize=spec.normalize_gate,
+                                               alignment=spec.alignment, fraction=False))
+        steps["one_op"] = (lambda: torch.empty(1))
         for f in fmts:
             dt = torch.bfloat16 if f == "bfloat16" else torch.float32
             gf, xf = gate, x.to(dt)   # the float32 router weight init_params gives (fp32_gate)
@@ -188,7 +198,8 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
         with torch.no_grad():
             t = timed_cold(steps, repeats, log)
         rate, rate_huge = t["stream_gb_per_s"], t.get("stream_huge_gb_per_s")
-        row = {"busy_experts": busy, "stream_gb_per_s": rate, "stream_huge_gb_per_s": rate_huge, "formats": {}}
+        row = {"busy_experts": busy, "stream_gb_per_s": rate, "stream_huge_gb_per_s": rate_huge, "formats": {},
+               "route_seconds": t["route"], "one_op_seconds": t["one_op"]}
         for f in fmts:
             bound = bytes_busy[f] / (rate * 1e9)
             r = {"bytes_busy": bytes_busy[f], "bound_seconds": bound, "layer_seconds": t[f"layer_{f}"],
@@ -229,6 +240,8 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
                 + (f", layer on huge pages {r['layer_huge_pages_vs_stream']:.2f}x" if "layer_huge_pages_seconds" in r
                    else "")
                 + f"  ({rate:.1f} GB/s stream" + (f", {rate_huge:.1f} on huge pages)" if rate_huge else ")"))
+        log(f"  T={T} cold, before any expert: the router's native call {t['route'] * 1e3:.3f} ms, one torch op "
+            f"{t['one_op'] * 1e6:.0f} us")
         res["tokens"][str(T)] = row
     return res
 
@@ -541,6 +554,15 @@ def tables(res: dict) -> list[str]:
             lines.append(f"| {T} | {row['busy_experts']} | {f} | {r['layer_seconds'] * 1e3:.2f} | "
                          f"{r['layer_vs_stream']:.2f} | {rd} | {g} | {g8} | {l8} | {l16} | {lp} | {hp} | {row['stream_gb_per_s']:.1f} | "
                          + (f"{huge_rate:.1f} |" if huge_rate else " |"))
+    if lay:
+        lines += ["", "What a layer call pays cold before any expert (each timed call follows the same eviction read; "
+                  "x the busy experts' stream time of the first format):", "",
+                  "| T | router's native call, cold ms | one torch op, cold us | x stream |", "|---|---|---|---|"]
+        for T, row in lay["tokens"].items():
+            if "route_seconds" in row:
+                first = next(iter(row["formats"].values()))
+                lines.append(f"| {T} | {row['route_seconds'] * 1e3:.3f} | {row['one_op_seconds'] * 1e6:.0f} | "
+                             f"{row['route_seconds'] / first['bound_seconds']:.2f} |")
     pre = res.get("prefill")
     if pre:
         base = pre["seconds"]["float32|float32"]
