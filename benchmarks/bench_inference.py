@@ -319,7 +319,9 @@ def _stream_rate(repeats: int = 5) -> float:
 
 def _decode_step_bytes(model, k: int, packed_experts: bool) -> int:
     """Bytes one batch-1 decode step must read: every non-expert weight as stored except the
-    embedding table (a gather of one row), and k experts per MoE layer."""
+    embedding table (a gather of one row), the shared experts (packed or not), and k routed experts
+    per MoE layer."""
+    from fmoe.quant import QuantizedTensor
     total = 0
     emb = model.get_input_embeddings().weight
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
@@ -327,6 +329,8 @@ def _decode_step_bytes(model, k: int, packed_experts: bool) -> int:
             continue
         total += t.numel() * t.element_size()
     for layer in model.model.layers:
+        shared = getattr(layer.mlp, "shared_experts", None)   # fmoe's packed ones (not parameters)
+        total += sum(v.nbytes for v in vars(shared).values() if isinstance(v, QuantizedTensor)) if shared else 0
         ex = layer.mlp.experts
         for n in ("gate_up_proj", "gate_proj", "up_proj", "down_proj"):   # (NVFP4 keeps gate and up apart)
             w = getattr(ex, n, None)
@@ -344,8 +348,8 @@ def _weight_bytes(model) -> int:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
-    for layer in model.model.layers:
-        total += sum(v.nbytes for v in vars(layer.mlp.experts).values() if isinstance(v, QuantizedTensor))
+    for m in model.modules():   # the routed experts' and (DeepSeek) the shared experts' holders
+        total += sum(v.nbytes for v in vars(m).values() if isinstance(v, QuantizedTensor))
     return total
 
 

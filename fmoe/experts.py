@@ -471,8 +471,20 @@ def init_experts(spec: ExpertSpec, num_experts: int, model_dim: int, *, generato
 # --------------------------------------------------------------------------- shared experts
 
 def _linear(x: Tensor, w, bias: Optional[Tensor] = None) -> Tensor:
-    """nn.Linear on tokens x [T, K] with W [N, K] float or quantized; result in x's dtype."""
+    """nn.Linear on tokens x [T, K] with W [N, K] float or quantized; result in x's dtype.
+
+    A packed W on the CPU, in an eager call on fp32 or bf16 rows, multiplies packed
+    (:func:`fmoe.quant.packed.grouped_matmul`, one expert: its bytes read once, float32 products, as
+    the routed experts'); elsewhere (CUDA, torch.compile, torch.func) it is dequantized to x's
+    dtype and multiplied by ``F.linear``."""
     if _is_quantized(w):
+        if (w.device.type == "cpu" and x.device.type == "cpu" and x.dim() == 2 and w.ndim == 2
+                and x.dtype in (torch.float32, torch.bfloat16) and _traced._eager(x, bias)):
+            from .quant import QuantizedTensor, packed   # optional: low-precision weights
+            gs = None if w.global_scale is None else w.global_scale.reshape(1)
+            one = QuantizedTensor(w.data.unsqueeze(0), w.scales.unsqueeze(0), gs, w.fmt, (1, *w.shape), w.block)
+            y = packed.grouped_matmul(x, one, torch.tensor([0, x.shape[0]]))
+            return y if bias is None else y + bias.to(x.dtype)
         w = w.dequantize(x.dtype)
     return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
 

@@ -265,3 +265,36 @@ def test_mixed_packed_and_float_projections_run_on_the_engine_as_the_staged_pipe
     assert not calls
     for a, b in zip(on_rows, staged):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_packed_shared_expert_multiplies_packed_in_eager_and_dequantizes_when_traced(monkeypatch, fmt, dt):
+    """A shared SwiGLU (DeepSeek's) with packed weights: an eager CPU call multiplies them packed
+    (fmoe.quant.packed.grouped_matmul, one expert: no dequantized copy, here made to fail), within
+    each GEMM's float32 rounding of dequantize-then-linear; under vmap it dequantizes (the traced ops)."""
+    from fmoe.experts import swiglu_mlp
+    from fmoe.quant.tensor import QuantizedTensor
+    g = torch.Generator().manual_seed(1)
+    I, H = 64, 256
+    p = {"gate_proj": Q.quantize(torch.randn(I, H, generator=g) * 0.05, fmt),
+         "up_proj": Q.quantize(torch.randn(I, H, generator=g) * 0.05, fmt),
+         "down_proj": Q.quantize(torch.randn(H, I, generator=g) * 0.05, fmt)}
+    x = torch.randn(5, H, generator=g).to(dt)
+    deq = {n: w.dequantize(torch.float64) for n, w in p.items()}
+
+    def reference(xr):   # float64 composition, rounded to dt where the eager ops round
+        def lin(a, w):
+            return (a.double() @ w.T).to(dt)
+        return lin((torch.nn.functional.silu(lin(xr, deq["gate_proj"])) * lin(xr, deq["up_proj"])), deq["down_proj"])
+    traced = torch.func.vmap(lambda xb: swiglu_mlp(p, xb[None])[0])(x)
+    with monkeypatch.context() as m:
+        m.setattr(QuantizedTensor, "dequantize", lambda *a, **k: (_ for _ in ()).throw(AssertionError("dequantized")))
+        y = swiglu_mlp(p, x)
+    assert y.dtype == dt and y.shape == (5, H)
+    ref = reference(x).double()
+    # float32: each GEMM's sum in another order; bf16: a rounding of z or h to bf16 may land one ulp
+    # (2^-8 relative) apart and carry through the down projection, so the bound is the output's scale
+    tol = dict(rtol=1e-5, atol=1e-6) if dt is torch.float32 else dict(rtol=0, atol=2 ** -6 * float(ref.abs().max()))
+    torch.testing.assert_close(y.double(), ref, **tol)
+    torch.testing.assert_close(traced.double(), ref, **tol)

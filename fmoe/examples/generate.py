@@ -3,9 +3,8 @@
 Writes a small checkpoint in a real packed layout (random weights, no download), builds the
 transformers model, patches the MoE blocks with :func:`fmoe.models.patch`, hands every patched
 block its experts PACKED as the checkpoint stores them (read by :func:`fmoe.models.load_moe_block`;
-gpt-oss, Qwen3: the experts are never dequantized, the model is built with them on the meta device;
-DeepSeek: transformers loads the model and its dequantized routed experts are dropped), and
-generates with ``model.generate``, streaming the tokens and printing tokens/s.
+the experts, routed and shared, are never dequantized: the model is built with them on the meta
+device), and generates with ``model.generate``, streaming the tokens and printing tokens/s.
 
     python -m fmoe.examples.generate                       # gpt-oss layout, MXFP4 experts
     python -m fmoe.examples.generate --arch deepseek_v3    # DeepSeek layout, FP8 128x128 blocks
@@ -172,17 +171,10 @@ def _quant_method(path: str) -> Optional[str]:
         return (json.load(f).get("quantization_config") or {}).get("quant_method")
 
 
-def _packed_outside_experts(path: str) -> bool:
-    """Whether the checkpoint keeps packed weights outside the routed experts (DeepSeek's FP8 shared
-    experts), which transformers' own loader must dequantize into its model."""
-    from safetensors import safe_open
-    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
-        return any(_EXPERTS not in k and k.endswith(("_scale_inv", "weight_scale", "_blocks")) for k in f.keys())
-
-
 class PackedExperts(nn.Module):
-    """A patched block's experts as the checkpoint stores them: QuantizedTensors (held as plain
-    attributes: they are not nn.Parameters) + float biases, read by fmoe's block adapters."""
+    """A patched block's experts (routed, or DeepSeek's shared ones) as the checkpoint stores them:
+    QuantizedTensors (held as plain attributes: they are not nn.Parameters) + float biases, read by
+    fmoe's block adapters."""
 
     def __init__(self, experts: dict):
         super().__init__()
@@ -205,16 +197,16 @@ def _cat_rows(gate, up):
     return QuantizedTensor(data, torch.cat([gate.scales, up.scales], 1), None, "fp8_block", (E, 2 * n, k), gate.block)
 
 
-_EXPERTS = ".mlp.experts."
+_EXPERTS = (".mlp.experts.", ".mlp.shared_experts.")
 
 
 def _without_experts(path: str, dtype: torch.dtype):
-    """transformers' model of the checkpoint at `path` with every weight but the routed experts'
-    read from it (floats cast to dtype, as from_pretrained does) and the experts left unallocated
-    (on the meta device) for the packed ones: no dequantized copy of the experts is ever made,
-    so neither the load's peak nor the heap it leaves behind holds one (from_pretrained's CPU path
-    dequantizes MXFP4 experts to dtype first: 384 MiB at size 'small', most of which glibc keeps
-    resident after they are freed)."""
+    """transformers' model of the checkpoint at `path` with every weight but the experts' (routed
+    and shared) read from it (floats cast to dtype, as from_pretrained does) and the experts left
+    unallocated (on the meta device) for the packed ones: no dequantized copy of the experts is
+    ever made, so neither the load's peak nor the heap it leaves behind holds one
+    (from_pretrained's CPU path dequantizes MXFP4 experts to dtype first: 384 MiB at size 'small',
+    most of which glibc keeps resident after they are freed)."""
     from fmoe.models.loader import read_tensors
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -222,12 +214,14 @@ def _without_experts(path: str, dtype: torch.dtype):
     cfg.quantization_config = None   # the experts are fmoe's; the rest is stored unquantized
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    def expert(k: str) -> bool:
+        return any(e in k for e in _EXPERTS)
     sd = {k: t.to(dtype) if t.is_floating_point() else t
-          for k, t in read_tensors(path, lambda k: _EXPERTS not in k).items()}
+          for k, t in read_tensors(path, lambda k: not expert(k)).items()}
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
-    if unexpected or any(_EXPERTS not in k for k in missing):
+    if unexpected or any(not expert(k) for k in missing):
         raise ValueError(f"{path}: the checkpoint does not fit {type(model).__name__}: unexpected "
-                         f"{unexpected[:4]}, missing {[k for k in missing if _EXPERTS not in k][:4]}")
+                         f"{unexpected[:4]}, missing {[k for k in missing if not expert(k)][:4]}")
     model.tie_weights()
     for name, m in model.named_modules():
         if any(b.is_meta for b in m.buffers(recurse=False)):
@@ -243,20 +237,13 @@ def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32, *, in
     experts the checkpoint's packed ones (``int8_activations``: :func:`fmoe.models.patch`'s).
     ``huge_pages``: the experts' tensors are copied onto transparent huge pages
     (:func:`fmoe.quant.huge_pages`: fewer TLB misses as decode streams them; resident from the
-    load on) instead of staying memory-mapped from the checkpoint.
-    Where only the routed experts are packed (gpt_oss, qwen3_moe) they are never dequantized
-    (:func:`_without_experts`); deepseek_v3, whose FP8 shared experts are packed too: transformers
-    loads the model (the shared experts dequantized as its own CPU path does) and its dequantized
-    routed experts are freed."""
+    load on) instead of staying memory-mapped from the checkpoint. The experts, routed and shared
+    (DeepSeek's FP8 shared experts), are never dequantized (:func:`_without_experts`)."""
     import fmoe.models
     from fmoe.models import load_moe_block
     from fmoe.quant import huge_pages as to_huge_pages
-    from transformers import AutoModelForCausalLM
 
-    if not _packed_outside_experts(path):
-        model = _without_experts(path, dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = _without_experts(path, dtype)
     fmoe.models.patch(model, int8_activations=int8_activations)
     packed_bytes = 0
     for i, layer in enumerate(model.model.layers):
@@ -266,9 +253,12 @@ def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32, *, in
         if "gate_proj" in ex and ex["gate_proj"].fmt == "fp8_block":
             # per-projection FP8 fused into one gate_up_proj (exact); NVFP4's stay apart (a global scale each)
             ex = {"gate_up_proj": _cat_rows(ex.pop("gate_proj"), ex.pop("up_proj")), **ex}
-        ex = {k: (v.to(dtype) if isinstance(v, torch.Tensor) else v) for k, v in ex.items()}
-        block.experts = PackedExperts(to_huge_pages(ex) if huge_pages else ex)
-        packed_bytes += sum(v.nbytes for v in ex.values() if not isinstance(v, torch.Tensor))
+        for name, held in (("experts", ex), ("shared_experts", params.get("shared"))):
+            if held is None:
+                continue
+            held = {k: (v.to(dtype) if isinstance(v, torch.Tensor) else v) for k, v in held.items()}
+            setattr(block, name, PackedExperts(to_huge_pages(held) if huge_pages else held))
+            packed_bytes += sum(v.nbytes for v in held.values() if not isinstance(v, torch.Tensor))
     return model, packed_bytes
 
 

@@ -230,5 +230,11 @@ def experts_from_module(experts) -> dict:
 
 
 def mlp_from_module(mlp) -> dict:
-    """``{"gate_proj", "up_proj", "down_proj"}`` weights of a dense SwiGLU nn.Module (shared expert)."""
-    return {n: getattr(mlp, n).weight for n in ("gate_proj", "up_proj", "down_proj")}
+    """``{"gate_proj", "up_proj", "down_proj"}`` weights of a dense SwiGLU nn.Module (shared expert):
+    its Linears' weights, or the packed QuantizedTensors a module holds under those names
+    (``fmoe.examples.generate``'s packed shared experts)."""
+    out = {}
+    for n in ("gate_proj", "up_proj", "down_proj"):
+        w = getattr(mlp, n)
+        out[n] = w if _packed(w) else w.weight
+    return out
