@@ -470,20 +470,30 @@ def init_experts(spec: ExpertSpec, num_experts: int, model_dim: int, *, generato
 
 # --------------------------------------------------------------------------- shared experts
 
+def _packed_rows(x: Tensor, *ws) -> bool:
+    """Whether packed [N, K] weights ``ws`` multiply packed on tokens x: an eager CPU call on fp32
+    or bf16 rows [T, K] (elsewhere, CUDA, torch.compile, torch.func, they are dequantized)."""
+    return (x.device.type == "cpu" and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)
+            and all(_is_quantized(w) and w.device.type == "cpu" and w.ndim == 2 for w in ws) and _traced._eager(x))
+
+
+def _one_expert(w):
+    """A packed [N, K] weight as one expert's [1, N, K] (views of its tensors)."""
+    from .quant import QuantizedTensor   # optional: low-precision weights
+    gs = None if w.global_scale is None else w.global_scale.reshape(1)
+    return QuantizedTensor(w.data.unsqueeze(0), w.scales.unsqueeze(0), gs, w.fmt, (1, *w.shape), w.block)
+
+
 def _linear(x: Tensor, w, bias: Optional[Tensor] = None) -> Tensor:
     """nn.Linear on tokens x [T, K] with W [N, K] float or quantized; result in x's dtype.
 
-    A packed W on the CPU, in an eager call on fp32 or bf16 rows, multiplies packed
+    A packed W multiplies packed where :func:`_packed_rows` says so
     (:func:`fmoe.quant.packed.grouped_matmul`, one expert: its bytes read once, float32 products, as
-    the routed experts'); elsewhere (CUDA, torch.compile, torch.func) it is dequantized to x's
-    dtype and multiplied by ``F.linear``."""
+    the routed experts'); elsewhere it is dequantized to x's dtype and multiplied by ``F.linear``."""
     if _is_quantized(w):
-        if (w.device.type == "cpu" and x.device.type == "cpu" and x.dim() == 2 and w.ndim == 2
-                and x.dtype in (torch.float32, torch.bfloat16) and _traced._eager(x, bias)):
-            from .quant import QuantizedTensor, packed   # optional: low-precision weights
-            gs = None if w.global_scale is None else w.global_scale.reshape(1)
-            one = QuantizedTensor(w.data.unsqueeze(0), w.scales.unsqueeze(0), gs, w.fmt, (1, *w.shape), w.block)
-            y = packed.grouped_matmul(x, one, torch.tensor([0, x.shape[0]]))
+        if _packed_rows(x, w) and (bias is None or type(bias) is Tensor):
+            from .quant import packed   # optional: low-precision weights
+            y = packed.grouped_matmul(x, _one_expert(w), torch.tensor([0, x.shape[0]]))
             return y if bias is None else y + bias.to(x.dtype)
         w = w.dequantize(x.dtype)
     return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
@@ -497,8 +507,19 @@ def swiglu_mlp(params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor
         x: [T, M] in dt.
     Returns:
         [T, M] in dt.
+
+    Three packed weights and SiLU where :func:`_packed_rows` says so, with the packed extension
+    built: one native call (:func:`fmoe.quant.packed.expert_stage`, one expert, every token's gate
+    1), the bits of the composition below over the same packed GEMMs.
     """
-    return _linear(activation(_linear(x, params["gate_proj"])) * _linear(x, params["up_proj"]), params["down_proj"])
+    gate, up, down = params["gate_proj"], params["up_proj"], params["down_proj"]
+    if activation is F.silu and _packed_rows(x, gate, up, down):
+        from .quant import packed   # optional: low-precision weights
+        if packed.AVAILABLE:
+            T = x.shape[0]
+            return packed.expert_stage(x, torch.arange(T), torch.tensor([0, T]), torch.ones(T),
+                                       (_one_expert(gate), _one_expert(up)), _one_expert(down), act="glu")
+    return _linear(activation(_linear(x, gate)) * _linear(x, up), down)
 
 
 def shared_experts(kind: str, params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor] = F.silu

@@ -298,3 +298,32 @@ def test_packed_shared_expert_multiplies_packed_in_eager_and_dequantizes_when_tr
     tol = dict(rtol=1e-5, atol=1e-6) if dt is torch.float32 else dict(rtol=0, atol=2 ** -6 * float(ref.abs().max()))
     torch.testing.assert_close(y.double(), ref, **tol)
     torch.testing.assert_close(traced.double(), ref, **tol)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_packed_shared_swiglu_is_one_stage_call_with_the_compositions_bits(monkeypatch, fmt, dt):
+    """Three packed weights and SiLU: swiglu_mlp is one native call (packed.expert_stage, one expert,
+    gates 1) whose output is the composition's (gate and up GEMMs, SiLU, product, down GEMM over the
+    same packed kernels) bit for bit."""
+    import torch.nn.functional as F
+    import fmoe.experts as X
+    from fmoe.quant import packed
+    if not packed.AVAILABLE:
+        pytest.skip(packed.status())
+    g = torch.Generator().manual_seed(2)
+    I, H = 128, 256
+    p = {"gate_proj": Q.quantize(torch.randn(I, H, generator=g) * 0.05, fmt),
+         "up_proj": Q.quantize(torch.randn(I, H, generator=g) * 0.05, fmt),
+         "down_proj": Q.quantize(torch.randn(H, I, generator=g) * 0.05, fmt)}
+    calls = []
+    stage = packed.expert_stage
+    monkeypatch.setattr(packed, "expert_stage", lambda *a, **k: calls.append(1) or stage(*a, **k))
+    for T in (1, 7, 40):
+        x = torch.randn(T, H, generator=g).to(dt)
+        y = X.swiglu_mlp(p, x)
+        composed = X._linear(F.silu(X._linear(x, p["gate_proj"])) * X._linear(x, p["up_proj"]), p["down_proj"])
+        assert y.dtype == dt and torch.equal(y, composed), (T, float((y.float() - composed.float()).abs().max()))
+    assert len(calls) == 3
+    X.swiglu_mlp(p, x, activation=F.gelu)   # another activation: the composition
+    assert len(calls) == 3
