@@ -508,17 +508,20 @@ def swiglu_mlp(params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor
     Returns:
         [T, M] in dt.
 
-    Three packed weights and SiLU where :func:`_packed_rows` says so, with the packed extension
-    built: one native call (:func:`fmoe.quant.packed.expert_stage`, one expert, every token's gate
-    1), the bits of the composition below over the same packed GEMMs.
+    Three packed weights and SiLU where :func:`_packed_rows` says so and no gradient is wanted, with
+    the packed extension built: one native call (:func:`fmoe.quant.packed.expert_stage`, forward
+    only: one expert, every token's gate 1), the bits of the composition below over the same packed
+    GEMMs.
     """
     gate, up, down = params["gate_proj"], params["up_proj"], params["down_proj"]
-    if activation is F.silu and _packed_rows(x, gate, up, down):
+    if (activation is F.silu and _packed_rows(x, gate, up, down)
+            and not (x.requires_grad and torch.is_grad_enabled())):
         from .quant import packed   # optional: low-precision weights
         if packed.AVAILABLE:
             T = x.shape[0]
-            return packed.expert_stage(x, torch.arange(T), torch.tensor([0, T]), torch.ones(T),
-                                       (_one_expert(gate), _one_expert(up)), _one_expert(down), act="glu")
+            return packed.expert_stage(x if x.stride(1) == 1 else x.contiguous(), torch.arange(T),
+                                       torch.tensor([0, T]), torch.ones(T), (_one_expert(gate), _one_expert(up)),
+                                       _one_expert(down), act="glu")
     return _linear(activation(_linear(x, gate)) * _linear(x, up), down)
 
 

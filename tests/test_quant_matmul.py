@@ -326,4 +326,13 @@ def test_packed_shared_swiglu_is_one_stage_call_with_the_compositions_bits(monke
         assert y.dtype == dt and torch.equal(y, composed), (T, float((y.float() - composed.float()).abs().max()))
     assert len(calls) == 3
     X.swiglu_mlp(p, x, activation=F.gelu)   # another activation: the composition
-    assert len(calls) == 3
+    xt = torch.randn(12, 2 * H, generator=g).to(dt)[:, ::2]   # columns strided: copied for the call
+    assert torch.equal(X.swiglu_mlp(p, xt), X.swiglu_mlp(p, xt.contiguous()))
+    assert len(calls) == 5
+    # a gradient wanted: the composition (the stage is forward only), and dx flows
+    xg = x.detach().float().requires_grad_()
+    y = X.swiglu_mlp(p, xg)
+    y.sum().backward()
+    assert len(calls) == 5 and xg.grad is not None and bool(xg.grad.abs().sum() > 0)
+    with torch.no_grad():
+        assert torch.equal(y, X.swiglu_mlp(p, xg))
