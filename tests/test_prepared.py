@@ -85,6 +85,29 @@ def test_the_fast_lane_gives_fmoe_moes_bits(typ, fmt, gate, dt, combine, monkeyp
         _equal_aux(aux, want_aux, shape)
 
 
+@pytest.mark.parametrize("fmt", ["fp8_block", "nvfp4"])
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_packed_shared_experts_give_fmoe_moes_bits(fmt, dt, monkeypatch):
+    """DeepSeek's shared SwiGLU packed too (as fmoe.examples.generate loads it): the lane and fmoe.moe
+    both run it as one fused-stage call, and give the same bits."""
+    p, spec = _layer("swiglu", fmt, "deepseek", dt)
+    p["shared"] = {n: Q.quantize(w.float(), fmt) for n, w in p["shared"].items()}
+    step = fmoe.prepare(p, spec)
+    assert step.fast
+    stages = []   # the calls of one expert (the shared one's)
+    stage = packed.expert_stage
+    monkeypatch.setattr(packed, "expert_stage",
+                        lambda *a, **k: stages.append(a[5].logical_shape[0] == 1) or stage(*a, **k))
+    for T in (1, 5):
+        x = torch.randn(T, M, generator=torch.Generator().manual_seed(T)).to(dt)
+        with torch.no_grad():
+            want, want_aux = fmoe.moe(p, x, spec)
+            y, aux = step(x)
+        assert torch.equal(y, want), T
+        _equal_aux(aux, want_aux, T)
+    assert sum(stages) == 4   # the shared expert's stage call in both paths, both times
+
+
 @pytest.mark.skipif(not packed.has_int8_path(), reason="int8 activations need AVX-512 VNNI")
 def test_int8_activations_take_the_lane_too(monkeypatch):
     p, spec = _layer("gpt_oss", "mxfp4", "gpt_oss", torch.bfloat16, "grouped", int8=True)
