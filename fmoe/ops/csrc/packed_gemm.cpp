@@ -963,16 +963,22 @@ template <int MR, int NR>
 FMOE_BF16DP void gemm_bf16_tile(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t ldw, int64_t K,
                                 int64_t bk, const float* s, int64_t nb, float* c, int64_t ldc) {
   __m512 part[MR][NR], tot[MR][NR];
+#pragma GCC unroll 4
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 3
     for (int i = 0; i < NR; ++i) tot[r][i] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < nb; ++kb) {
     gemm_bf16_block<MR, NR>(a, lda, w, ldw, kb * bk, std::min(K, kb * bk + bk), part);
+#pragma GCC unroll 3
     for (int i = 0; i < NR; ++i) {
       const __m512 sv = _mm512_set1_ps(s[i * nb + kb]);
+#pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) tot[r][i] = _mm512_fmadd_ps(part[r][i], sv, tot[r][i]);
     }
   }
+#pragma GCC unroll 4
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 3
     for (int i = 0; i < NR; ++i) c[r * ldc + i] = _mm512_reduce_add_ps(tot[r][i]);
 }
 
