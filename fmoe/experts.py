@@ -491,12 +491,37 @@ def _linear(x: Tensor, w, bias: Optional[Tensor] = None) -> Tensor:
     (:func:`fmoe.quant.packed.grouped_matmul`, one expert: its bytes read once, float32 products, as
     the routed experts'); elsewhere it is dequantized to x's dtype and multiplied by ``F.linear``."""
     if _is_quantized(w):
-        if _packed_rows(x, w) and (bias is None or type(bias) is Tensor):
+        if _packed_rows(x, w):
             from .quant import packed   # optional: low-precision weights
             y = packed.grouped_matmul(x, _one_expert(w), torch.tensor([0, x.shape[0]]))
             return y if bias is None else y + bias.to(x.dtype)
         w = w.dequantize(x.dtype)
     return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def shared_stage(params: dict, activation: Callable[[Tensor], Tensor] = F.silu):
+    """The fused stage's weights (:func:`fmoe.quant.packed.stage_weights`, one expert) of a shared
+    SwiGLU whose three weights are packed [N, K] CPU tensors, with SiLU and the packed extension
+    built; else None. :func:`swiglu_mlp` makes them per call; a prepared call
+    (:class:`fmoe.PreparedMoE`) once."""
+    ws = (params["gate_proj"], params["up_proj"], params["down_proj"])
+    if activation is not F.silu or not all(_is_quantized(w) and w.device.type == "cpu" and w.ndim == 2 for w in ws):
+        return None
+    from .quant import packed   # optional: low-precision weights
+    if not packed.AVAILABLE:
+        return None
+    gate, up, down = (_one_expert(w) for w in ws)
+    return packed.stage_weights((gate, up), down, act="glu")
+
+
+def run_shared_stage(weights, x: Tensor) -> Tensor:
+    """:func:`swiglu_mlp` of the packed weights :func:`shared_stage` made, on rows x [T, M] (fp32 or
+    bf16, CPU, an eager call that wants no gradient): one native call (forward only: one expert,
+    every token's gate 1), the bits of :func:`swiglu_mlp`'s composition over the same packed GEMMs."""
+    from .quant import packed   # optional: low-precision weights
+    T = x.shape[0]
+    return packed.run_stage(weights, x if x.stride(1) == 1 else x.contiguous(), torch.arange(T), torch.tensor([0, T]),
+                            torch.ones(T))
 
 
 def swiglu_mlp(params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor] = F.silu) -> Tensor:
@@ -508,21 +533,14 @@ def swiglu_mlp(params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor
     Returns:
         [T, M] in dt.
 
-    Three packed weights and SiLU where :func:`_packed_rows` says so and no gradient is wanted, with
-    the packed extension built: one native call (:func:`fmoe.quant.packed.expert_stage`, forward
-    only: one expert, every token's gate 1), the bits of the composition below over the same packed
-    GEMMs.
+    Three packed weights and SiLU (:func:`shared_stage`) on rows :func:`_packed_rows` takes, where
+    no gradient is wanted: one native call (:func:`run_shared_stage`), the composition's bits.
     """
-    gate, up, down = params["gate_proj"], params["up_proj"], params["down_proj"]
-    if (activation is F.silu and _packed_rows(x, gate, up, down)
-            and not (x.requires_grad and torch.is_grad_enabled())):
-        from .quant import packed   # optional: low-precision weights
-        if packed.AVAILABLE:
-            T = x.shape[0]
-            return packed.expert_stage(x if x.stride(1) == 1 else x.contiguous(), torch.arange(T),
-                                       torch.tensor([0, T]), torch.ones(T), (_one_expert(gate), _one_expert(up)),
-                                       _one_expert(down), act="glu")
-    return _linear(activation(_linear(x, gate)) * _linear(x, up), down)
+    if _packed_rows(x) and not (x.requires_grad and torch.is_grad_enabled()):
+        weights = shared_stage(params, activation)
+        if weights is not None:
+            return run_shared_stage(weights, x)
+    return _linear(activation(_linear(x, params["gate_proj"])) * _linear(x, params["up_proj"]), params["down_proj"])
 
 
 def shared_experts(kind: str, params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor] = F.silu

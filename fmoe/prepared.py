@@ -37,7 +37,7 @@ from torch import Tensor
 
 from .engine import kinds as _kinds
 from .engine import traced as _traced
-from .experts import expert_dtype, expert_form, shared_experts
+from .experts import expert_dtype, expert_form, run_shared_stage, shared_experts, shared_stage
 from .moe import MoEAux, MoESpec, balance_loss, check_params, finish, moe
 from .routers import native_applies, route_native
 
@@ -79,14 +79,14 @@ class PreparedMoE:
             kind, a native router, spec settings the lane runs); False: every call is ``fmoe.moe``'s.
     """
 
-    __slots__ = ("params", "spec", "fast", "_leaves", "_form", "_weights", "_biases")
+    __slots__ = ("params", "spec", "fast", "_leaves", "_form", "_weights", "_biases", "_shared")
 
     def __init__(self, params: dict, spec: MoESpec):
         check_params(params, spec)   # raises as fmoe.moe would, naming the leaf
         self.params = _copy_tree(params)
         self.spec = spec
         self._leaves = _leaves(self.params)
-        self._form = self._weights = self._biases = None
+        self._form = self._weights = self._biases = self._shared = None
         self.fast = self._prepare_lane()
 
     def _prepare_lane(self) -> bool:
@@ -103,6 +103,8 @@ class PreparedMoE:
         self._form = kw["form"]
         self._weights = packed.stage_weights(w_in, w_out, act=act, activations="int8" if kw["form"].int8 else "float")
         self._biases = (b_in, b_out)
+        if spec.shared == "swiglu":   # a packed shared SwiGLU: its stage weights once too
+            self._shared = shared_stage(self.params["shared"], activation=es.act())
         return True
 
     def holds(self, params: dict) -> bool:
@@ -134,8 +136,13 @@ class PreparedMoE:
             return moe(params, x, spec)
         from .quant import packed   # optional: low-precision weights
         order, form = spec.combine, self._form
-        shared = None if spec.shared is None else shared_experts(spec.shared, params, tokens,
-                                                                  activation=spec.experts.act())
+        if spec.shared is None:
+            shared = None
+        elif self._shared is not None and tokens.dtype in (torch.float32, torch.bfloat16):
+            # shared_experts' one stage call (swiglu_mlp's: the lane is an eager no-grad CPU call), its weights made once
+            shared = (run_shared_stage(self._shared, tokens), None)
+        else:
+            shared = shared_experts(spec.shared, params, tokens, activation=spec.experts.act())
         y = packed.run_stage(self._weights, compute, rows.tokens, rows.offsets, w_rows, b_in=b_in, b_out=b_out,
                              order=order, pairs=rows.pairs, num_slots=routing.k, alpha=form.alpha, limit=form.limit)
         return finish(x, y, shared, balance_loss(spec, routing, out, loss), routing, rows.dropped, out)

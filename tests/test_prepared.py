@@ -94,10 +94,10 @@ def test_packed_shared_experts_give_fmoe_moes_bits(fmt, dt, monkeypatch):
     p["shared"] = {n: Q.quantize(w.float(), fmt) for n, w in p["shared"].items()}
     step = fmoe.prepare(p, spec)
     assert step.fast
-    stages = []   # the calls of one expert (the shared one's)
-    stage = packed.expert_stage
-    monkeypatch.setattr(packed, "expert_stage",
-                        lambda *a, **k: stages.append(a[5].logical_shape[0] == 1) or stage(*a, **k))
+    stages = []   # the stage calls of one expert (the shared one's)
+    stage = packed.run_stage
+    monkeypatch.setattr(packed, "run_stage",
+                        lambda *a, **k: stages.append(a[0].weights[-1].logical_shape[0] == 1) or stage(*a, **k))
     for T in (1, 5):
         x = torch.randn(T, M, generator=torch.Generator().manual_seed(T)).to(dt)
         with torch.no_grad():
@@ -106,6 +106,12 @@ def test_packed_shared_experts_give_fmoe_moes_bits(fmt, dt, monkeypatch):
         assert torch.equal(y, want), T
         _equal_aux(aux, want_aux, T)
     assert sum(stages) == 4   # the shared expert's stage call in both paths, both times
+    made = []   # the prepared call made its stage weights, the shared expert's too, at prepare time
+    weights = packed.stage_weights
+    monkeypatch.setattr(packed, "stage_weights", lambda *a, **k: made.append(1) or weights(*a, **k))
+    with torch.no_grad():
+        step(x)
+    assert not made
 
 
 @pytest.mark.skipif(not packed.has_int8_path(), reason="int8 activations need AVX-512 VNNI")

@@ -303,7 +303,7 @@ def test_packed_shared_expert_multiplies_packed_in_eager_and_dequantizes_when_tr
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 def test_packed_shared_swiglu_is_one_stage_call_with_the_compositions_bits(monkeypatch, fmt, dt):
-    """Three packed weights and SiLU: swiglu_mlp is one native call (packed.expert_stage, one expert,
+    """Three packed weights and SiLU: swiglu_mlp is one native call (packed.run_stage, one expert,
     gates 1) whose output is the composition's (gate and up GEMMs, SiLU, product, down GEMM over the
     same packed kernels) bit for bit."""
     import torch.nn.functional as F
@@ -317,8 +317,8 @@ def test_packed_shared_swiglu_is_one_stage_call_with_the_compositions_bits(monke
          "up_proj": Q.quantize(torch.randn(I, H, generator=g) * 0.05, fmt),
          "down_proj": Q.quantize(torch.randn(H, I, generator=g) * 0.05, fmt)}
     calls = []
-    stage = packed.expert_stage
-    monkeypatch.setattr(packed, "expert_stage", lambda *a, **k: calls.append(1) or stage(*a, **k))
+    stage = packed.run_stage
+    monkeypatch.setattr(packed, "run_stage", lambda *a, **k: calls.append(1) or stage(*a, **k))
     for T in (1, 7, 40):
         x = torch.randn(T, H, generator=g).to(dt)
         y = X.swiglu_mlp(p, x)
