@@ -11,7 +11,8 @@ fifths of a patched model's MoE block (each call's Python and small tensor ops b
 native call and the experts' one; BENCHMARKS.md, "Prepared decode calls"). A prepared call makes the
 decisions that the spec and the parameters' types and shapes fix once (the pytree check, the
 expert kind's form, :func:`fmoe.engine.kinds.fused_act`, the stage's weight operands,
-:func:`fmoe.quant.packed.stage_weights`) and on each call checks what can change between calls: x
+:func:`fmoe.quant.packed.stage_weights`, and those of a packed shared SwiGLU,
+:func:`fmoe.experts.shared_stage`) and on each call checks what can change between calls: x
 (type, dtype, shape, device), grad mode and the parameters' ``requires_grad``, torch.compile,
 torch.func and forward-AD levels, the biases' dtypes (:func:`fmoe.engine.kinds.fused_operands_ok`).
 
