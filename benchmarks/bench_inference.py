@@ -17,7 +17,10 @@ timed as cold as the layer. A cold read of a few MB does not reach the 512 MiB r
 prefetchers starting, the threads waking), so it is the fairer reference at T = 1. Beside them, timed as
 cold: the router's native call alone (``fmoe.routers.route_native``: its GEMM, softmax, top-k and rows) and
 one dispatched torch op (``torch.empty(1)``), what every layer call pays before its experts once the read
-has evicted the code's cache lines and page-table entries with the data.
+has evicted the code's cache lines and page-table entries with the data. A model's decode does not pay that:
+its previous layer ran the same code over other weights. So each format is also timed as a model calls it
+("after its twin"): between the eviction read and the timed call, an untimed call of the same layer over
+other weights and another router brings the code back and none of the timed layer's weights.
 
 ``model`` (``--model``): the whole-model comparison, fmoe-patched with packed experts vs transformers'
 own CPU path on the same written checkpoint (fmoe.examples.generate), each in its own process. Resident
@@ -29,7 +32,8 @@ Each process also records what bounds the ratios fmoe's MoE blocks can move: the
 spends inside the MoE blocks (forward hooks, an untimed pass) and the resident memory before any weight
 is read (the imports both variants share) with the bytes of its weights. From them: the decode ratio
 were fmoe's MoE blocks to take no time, and the memory ratio were fmoe to hold only its imports and
-weights.
+weights; and the MoE blocks' time against the time to stream their bytes once at the process's measured
+rate (the layer decode ratio inside a model).
 
 ``llamacpp`` (``--llamacpp``; always in the suite): the peer's expert path, llama.cpp
 (benchmarks/bench_llamacpp.py), and fmoe's measured the same way beside it, where llama-cpp-python and
@@ -92,9 +96,10 @@ def _spec():
 
 
 def timed_cold(steps: dict, repeats: int, log: Callable[[str], None] = print, *, warm: bool = False,
-               buf: Optional[torch.Tensor] = None) -> dict:
+               buf: Optional[torch.Tensor] = None, before: Optional[dict] = None) -> dict:
     """Interleaved timing, each call after an untimed eviction read of FLUSH_BYTES; the eviction
-    reads are timed separately as the stream rate. {name: median seconds, "stream_gb_per_s": rate},
+    reads are timed separately as the stream rate. ``before``: {name: an untimed call run between
+    the eviction read and that step's timed call}. {name: median seconds, "stream_gb_per_s": rate},
     and with ``warm`` {"warm": {name: median seconds of the same call repeated at once}}. ``buf``:
     the float32 eviction buffer to read (default: a fresh one of FLUSH_BYTES). Where the kernel
     gives transparent huge pages, every other eviction reads a copy of the buffer on them instead,
@@ -109,7 +114,7 @@ def timed_cold(steps: dict, repeats: int, log: Callable[[str], None] = print, *,
     warm_times = {n: [] for n in steps}
     rates = [[] for _ in bufs]
     order = list(steps)
-    for fn in steps.values():
+    for fn in [*steps.values(), *(before or {}).values()]:
         fn()   # warm-up (compiles, allocator)
     i = 0
     for r in range(repeats):
@@ -118,6 +123,8 @@ def timed_cold(steps: dict, repeats: int, log: Callable[[str], None] = print, *,
             bufs[i % len(bufs)].sum()
             rates[i % len(bufs)].append(FLUSH_BYTES / (time.perf_counter() - t0) / 1e9)
             i += 1
+            if before and name in before:
+                before[name]()
             t0 = time.perf_counter()
             steps[name]()
             times[name].append(time.perf_counter() - t0)
@@ -153,12 +160,20 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
         weights["bfloat16"] = {k: v.bfloat16() for k, v in weights["float32"].items()}
     # the same weights on transparent huge pages (what fmoe.examples.generate's loader does), where the kernel has them
     huge = {f: huge_pages(w) for f, w in weights.items()} if hugepages.available() else {}
+    # a model's previous layer: the same shapes and kinds over other weights (its own router too). Called
+    # untimed between the eviction read and a timed call, it brings back the code, its page-table entries and
+    # the allocator's blocks, and none of the timed layer's weights: the layer as a model's decode calls it
+    twin_gate = {"wg": torch.randn(E, M, generator=g) * 0.02}
+    twin = {f: {"gate_up_proj": _rand_packed(f, 2 * I, M, g), "down_proj": _rand_packed(f, M, I, g)}
+            for f in fmts if f != "bfloat16"}
+    if "bfloat16" in fmts:
+        twin["bfloat16"] = {k: v.bfloat16() for k, v in twin["float32"].items()}
     res = {"config": {"M": M, "I": I, "E": E, "k": K_TOP, "kind": "swiglu", "repeats": repeats,
                       "native": packed.status()}, "tokens": {}}
     for T in tokens:
         x = torch.randn(T, M, generator=g)
         busy = torch.unique((x @ gate["wg"].T).topk(K_TOP, dim=-1).indices).numel()
-        steps, bytes_busy = {}, {}
+        steps, bytes_busy, before = {}, {}, {}
         # what any layer call pays cold before its experts: the router's native call (the GEMM, the softmax,
         # top-k and the rows: fmoe.routers.route_native), and one dispatched torch op (code and page tables
         # evicted with the data: its cost is the machine's, not the op's work)
@@ -170,6 +185,18 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
             gf, xf = gate, x.to(dt)   # the float32 router weight init_params gives (fp32_gate)
             params = {"gate": gf, "experts": weights[f]}
             steps[f"layer_{f}"] = (lambda p=params, xf=xf: fmoe.moe(p, xf, spec))
+            # the call a model makes (prepared where the experts are packed) after its twin's: code warm, weights cold
+            tp = {"gate": twin_gate, "experts": twin[f]}
+            if f in ("float32", "bfloat16"):
+                steps[f"next_{f}"] = (lambda p=params, xf=xf: fmoe.moe(p, xf, spec))
+                before[f"next_{f}"] = (lambda p=tp, xf=xf: fmoe.moe(p, xf, spec))
+            else:   # fp32 rows, bf16 rows, and for FP4 on a VNNI CPU int8 activations
+                variants = {"next": (spec, xf), "next16": (spec, x.bfloat16())}
+                if f in ("mxfp4", "nvfp4") and packed.has_int8_path():
+                    variants["next8"] = (spec8, xf)
+                for name, (sp, xv) in variants.items():
+                    steps[f"{name}_{f}"] = (lambda s=fmoe.prepare(params, sp), xv=xv: s(xv))
+                    before[f"{name}_{f}"] = (lambda s=fmoe.prepare(tp, sp), xv=xv: s(xv))
             if huge:
                 steps[f"layerhp_{f}"] = (lambda p={"gate": gf, "experts": huge[f]}, xf=xf: fmoe.moe(p, xf, spec))
             bytes_busy[f] = sum(_nbytes(w, busy) for w in weights[f].values())
@@ -196,7 +223,7 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
                         packed.grouped_matmul(a, wf["gate_up_proj"], o, activations="int8"),
                         packed.grouped_matmul(h, wf["down_proj"], o, activations="int8")))
         with torch.no_grad():
-            t = timed_cold(steps, repeats, log)
+            t = timed_cold(steps, repeats, log, before=before)
         rate, rate_huge = t["stream_gb_per_s"], t.get("stream_huge_gb_per_s")
         row = {"busy_experts": busy, "stream_gb_per_s": rate, "stream_huge_gb_per_s": rate_huge, "formats": {},
                "route_seconds": t["route"], "one_op_seconds": t["one_op"]}
@@ -205,6 +232,10 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
             r = {"bytes_busy": bytes_busy[f], "bound_seconds": bound, "layer_seconds": t[f"layer_{f}"],
                  "layer_vs_stream": t[f"layer_{f}"] / bound,
                  "read_gb_per_s": bytes_busy[f] / t[f"layer_{f}"] / 1e9}
+            for name, key in (("next", "layer_next"), ("next16", "layer_next_bf16"), ("next8", "layer_next_int8")):
+                if f"{name}_{f}" in t:
+                    r[f"{key}_seconds"] = t[f"{name}_{f}"]
+                    r[f"{key}_vs_stream"] = t[f"{name}_{f}"] / bound
             if f"read_{f}" in t:
                 r["read_seconds"] = t[f"read_{f}"]
                 r["read_vs_stream"] = t[f"read_{f}"] / bound
@@ -237,6 +268,10 @@ def layer_decode(formats=("mxfp4", "nvfp4", "fp8_block"), tokens=(1, 4, 16), rep
                 + (f", layer int8 act {r['layer_int8_vs_stream']:.2f}x" if "layer_int8_seconds" in r else "")
                 + (f", layer bf16 rows {r['layer_bf16_vs_stream']:.2f}x" if "layer_bf16_seconds" in r else "")
                 + (f", layer prepared {r['layer_prepared_vs_stream']:.2f}x" if "layer_prepared_seconds" in r else "")
+                + f", after its twin {r['layer_next_vs_stream']:.2f}x"
+                + (f" (bf16 rows {r['layer_next_bf16_vs_stream']:.2f}x" if "layer_next_bf16_seconds" in r else "")
+                + (f", int8 act. {r['layer_next_int8_vs_stream']:.2f}x" if "layer_next_int8_seconds" in r else "")
+                + (")" if "layer_next_bf16_seconds" in r else "")
                 + (f", layer on huge pages {r['layer_huge_pages_vs_stream']:.2f}x" if "layer_huge_pages_seconds" in r
                    else "")
                 + f"  ({rate:.1f} GB/s stream" + (f", {rate_huge:.1f} on huge pages)" if rate_huge else ")"))
@@ -321,14 +356,26 @@ def _decode_step_bytes(model, k: int, packed_experts: bool) -> int:
     """Bytes one batch-1 decode step must read: every non-expert weight as stored except the
     embedding table (a gather of one row), the shared experts (packed or not), and k routed experts
     per MoE layer."""
-    from fmoe.quant import QuantizedTensor
     total = 0
     emb = model.get_input_embeddings().weight
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t is emb or ".experts." in name or "rotary" in name:
             continue
         total += t.numel() * t.element_size()
+    return total + _moe_step_bytes(model, k, packed_experts, routers=False)
+
+
+def _moe_step_bytes(model, k: int, packed_experts: bool, routers: bool = True) -> int:
+    """Bytes a batch-1 decode step's MoE blocks must read: fmoe's packed shared experts (which are
+    not parameters), k routed experts per MoE layer and, with ``routers``, every other weight of the
+    blocks (routers, float shared experts, biases of the k experts' rows aside)."""
+    from fmoe.quant import QuantizedTensor
+    total = 0
     for layer in model.model.layers:
+        if routers:
+            total += sum(t.numel() * t.element_size() for name, t in
+                         list(layer.mlp.named_parameters()) + list(layer.mlp.named_buffers())
+                         if not name.startswith("experts."))
         shared = getattr(layer.mlp, "shared_experts", None)   # fmoe's packed ones (not parameters)
         total += sum(v.nbytes for v in vars(shared).values() if isinstance(v, QuantizedTensor)) if shared else 0
         ex = layer.mlp.experts
@@ -397,7 +444,8 @@ def model_child(variant: str, path: str, arch: str, k: int, repeats: int) -> dic
         raise ValueError(f"model_child: unknown variant {variant!r}")
     import gc
     gc.collect()
-    out = {"step_bytes": _decode_step_bytes(model, k, variant != "transformers"), "weight_bytes": _weight_bytes(model)}
+    out = {"step_bytes": _decode_step_bytes(model, k, variant != "transformers"), "weight_bytes": _weight_bytes(model),
+           "moe_step_bytes": _moe_step_bytes(model, k, variant != "transformers")}
     memory["load"] = _memory()
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -440,6 +488,10 @@ def model_child(variant: str, path: str, arch: str, k: int, repeats: int) -> dic
                 out[f"{key}_{when}_bytes"] = v
     out["stream_gb_per_s"] = _stream_rate()
     out["decode_b1_bound_tok_per_s"] = out["stream_gb_per_s"] * 1e9 / out["step_bytes"]
+    # the MoE blocks of a decode step against the time to stream their bytes once: the layer decode
+    # ratio where a model calls the layer (code warm, each layer's weights cold)
+    out["decode_b1_moe_vs_stream"] = (out["decode_b1_moe_ms_per_step"] * 1e-3
+                                      / (out["moe_step_bytes"] / (out["stream_gb_per_s"] * 1e9)))
     return out
 
 
@@ -567,6 +619,25 @@ def tables(res: dict) -> list[str]:
                 first = next(iter(row["formats"].values()))
                 lines.append(f"| {T} | {row['route_seconds'] * 1e3:.3f} | {row['one_op_seconds'] * 1e6:.0f} | "
                              f"{row['route_seconds'] / first['bound_seconds']:.2f} |")
+    if lay and any("layer_next_seconds" in r for row in lay["tokens"].values() for r in row["formats"].values()):
+        lines += ["", "The layer as a model's decode calls it: after the untimed eviction read, an untimed call of the "
+                  "same layer over other weights and router (a model's previous layer: the code, its page-table "
+                  "entries and the allocator warm again, none of the timed layer's weights), then the timed call; "
+                  "prepared where the experts are packed; packed formats also on bf16 rows and (FP4) with int8 "
+                  "activations. Beside it the same call cold (the tables above):", "",
+                  "| T | format | after its twin ms | x stream | bf16 rows, x stream | int8 act., x stream "
+                  "| cold, x stream | plain read, cold, x stream |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for T, row in lay["tokens"].items():
+            for f, r in row["formats"].items():
+                if "layer_next_seconds" not in r:
+                    continue
+                cold = r.get("layer_prepared_vs_stream", r["layer_vs_stream"])
+                rd = f"{r['read_vs_stream']:.2f}" if "read_vs_stream" in r else ""
+                b16 = f"{r['layer_next_bf16_vs_stream']:.2f}" if "layer_next_bf16_vs_stream" in r else ""
+                i8 = f"{r['layer_next_int8_vs_stream']:.2f}" if "layer_next_int8_vs_stream" in r else ""
+                lines.append(f"| {T} | {f} | {r['layer_next_seconds'] * 1e3:.2f} | **{r['layer_next_vs_stream']:.2f}** "
+                             f"| {b16} | {i8} | {cold:.2f} | {rd} |")
     pre = res.get("prefill")
     if pre:
         base = pre["seconds"]["float32|float32"]
@@ -607,6 +678,12 @@ def tables(res: dict) -> list[str]:
                             f"({mod['decode_b1_moe_share'][n]:.0%})" for n, r in v.items())
             base = ", ".join(f"{n} {r['rss_base_bytes'] / 2**20:.0f} MiB + weights {r['weight_bytes'] / 2**20:.0f} MiB"
                              for n, r in v.items())
+            if all("decode_b1_moe_vs_stream" in r for r in v.values()):
+                lines.append("\nThe MoE blocks of a decode b1 step against the time to stream their bytes once (router, "
+                             "shared experts and k routed experts a layer, as each variant stores them), at the stream "
+                             "rate its process measured: " + ", ".join(
+                                 f"{n} {r['decode_b1_moe_vs_stream']:.2f}x ({r['moe_step_bytes'] / 2**20:.1f} MiB, "
+                                 f"{r['stream_gb_per_s']:.1f} GB/s)" for n, r in v.items()))
             lines.append(f"\nWhat the MoE blocks alone can reach: a decode b1 step inside the MoE blocks: {moe}; "
                          f"were fmoe's to take no time, decode b1 would be **{mod['decode_b1_speedup_ceiling']:.2f}x** "
                          f"transformers'. Resident before any weight (imports: Python, torch, transformers, the "

@@ -283,3 +283,23 @@ def test_inference_suite_records_llamacpp_or_why_not(monkeypatch):
     assert rows == ["| llama.cpp (MXFP4, Q8 rows) | 25.0 | 0.80 |",
                     "| fmoe, bf16 rows, 4 KiB pages | 20.0 | 0.64 |",
                     "| fmoe, int8 activations, experts on huge pages | 30.0 | 0.96 |"]
+
+
+def test_timed_cold_runs_each_before_call_untimed_between_the_eviction_and_its_step(monkeypatch):
+    # the layer "as a model calls it": its twin's call comes after the eviction read and before the timed
+    # call, every repeat, in the interleaved order
+    from benchmarks import bench_inference
+    from fmoe.quant import hugepages
+    monkeypatch.setattr(hugepages, "available", lambda: False)   # one eviction buffer: ours
+    calls = []
+
+    class Buf:   # an eviction buffer that records its reads
+        def sum(self):
+            calls.append("evict")
+    steps = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    before = {"a": lambda: calls.append("twin a")}
+    t = bench_inference.timed_cold(steps, 2, buf=Buf(), before=before)
+    assert calls == ["evict", "a", "b", "twin a",                    # the first read, the warm-up calls
+                     "evict", "twin a", "a", "evict", "b",           # repeat 0 in order
+                     "evict", "b", "evict", "twin a", "a"]           # repeat 1 reversed
+    assert set(t) >= {"a", "b", "stream_gb_per_s"} and all(t[n] >= 0 for n in ("a", "b"))

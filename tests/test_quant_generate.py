@@ -172,3 +172,6 @@ def test_inference_suite_counts_a_decode_step_of_split_nvfp4_experts(tmp_path):
     experts = sum(w.nbytes for layer in model.model.layers for n, w in vars(layer.mlp.experts).items()
                   if n in ("gate_proj", "up_proj", "down_proj"))
     assert B._decode_step_bytes(model, k, True) == dense + experts * k // E
+    # the MoE blocks' share of it: each layer's router and its k experts, no attention, norm or head weight
+    routers = sum(layer.mlp.gate.weight.numel() * layer.mlp.gate.weight.element_size() for layer in model.model.layers)
+    assert B._moe_step_bytes(model, k, True) == routers + experts * k // E
