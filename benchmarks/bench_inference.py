@@ -354,14 +354,18 @@ def _stream_rate(repeats: int = 5) -> float:
 
 def _decode_step_bytes(model, k: int, packed_experts: bool) -> int:
     """Bytes one batch-1 decode step must read: every non-expert weight as stored except the
-    embedding table (a gather of one row), the shared experts (packed or not), and k routed experts
-    per MoE layer."""
+    embedding table (a gather of one row), packed ones (``generate.PackedLinear``'s attention
+    projections) included, the shared experts (packed or not), and k routed experts per MoE layer."""
+    from fmoe.quant import QuantizedTensor
     total = 0
     emb = model.get_input_embeddings().weight
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t is emb or ".experts." in name or "rotary" in name:
             continue
         total += t.numel() * t.element_size()
+    holders = {id(getattr(layer.mlp, n, None)) for layer in model.model.layers for n in ("experts", "shared_experts")}
+    total += sum(v.nbytes for m in model.modules() if id(m) not in holders
+                 for v in vars(m).values() if isinstance(v, QuantizedTensor))
     return total + _moe_step_bytes(model, k, packed_experts, routers=False)
 
 

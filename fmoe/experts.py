@@ -45,7 +45,7 @@ from .engine import traced as _traced
 from .layout import make_layout
 
 __all__ = ["ExpertSpec", "EXPERT_PARAMS", "EXPERT_TYPES", "ffn", "gated_ffn", "swiglu", "gpt_oss", "apply_experts",
-           "routed_experts", "expert_form", "expert_dtype", "init_experts", "expert_matmul", "shared_experts"]
+           "routed_experts", "expert_form", "expert_dtype", "init_experts", "expert_matmul", "shared_experts", "linear"]
 
 EXPERT_TYPES = ("ffn", "gated_ffn", "swiglu", "gpt_oss", "custom")
 
@@ -484,7 +484,7 @@ def _one_expert(w):
     return QuantizedTensor(w.data.unsqueeze(0), w.scales.unsqueeze(0), gs, w.fmt, (1, *w.shape), w.block)
 
 
-def _linear(x: Tensor, w, bias: Optional[Tensor] = None) -> Tensor:
+def linear(x: Tensor, w, bias: Optional[Tensor] = None) -> Tensor:
     """nn.Linear on tokens x [T, K] with W [N, K] float or quantized; result in x's dtype.
 
     A packed W multiplies packed where :func:`_packed_rows` says so
@@ -540,7 +540,7 @@ def swiglu_mlp(params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor
         weights = shared_stage(params, activation)
         if weights is not None:
             return run_shared_stage(weights, x)
-    return _linear(activation(_linear(x, params["gate_proj"])) * _linear(x, params["up_proj"]), params["down_proj"])
+    return linear(activation(linear(x, params["gate_proj"])) * linear(x, params["up_proj"]), params["down_proj"])
 
 
 def shared_experts(kind: str, params: dict, x: Tensor, *, activation: Callable[[Tensor], Tensor] = F.silu
@@ -560,5 +560,5 @@ def shared_experts(kind: str, params: dict, x: Tensor, *, activation: Callable[[
     w = params["shared_gate"]["weight"]
     if _is_quantized(w):
         raise TypeError("shared_expert_gate weight must be a float tensor")
-    g = torch.sigmoid(_linear(x, w))
+    g = torch.sigmoid(linear(x, w))
     return g * y, g

@@ -34,6 +34,12 @@ def test_patched_packed_model_generates_the_unpatched_tokens(tmp_path, arch, fmt
     if arch == "deepseek_v3":   # the FP8 shared experts stay packed too
         shared = model.model.layers[0].mlp.shared_experts
         assert all(isinstance(getattr(shared, n), QuantizedTensor) for n in ("gate_proj", "up_proj", "down_proj"))
+    # the attention projections as the official FP8 / ModelOpt releases store them: packed too (gpt-oss's are bf16)
+    attn = dict(model.model.layers[0].self_attn.named_children())
+    linears = {n: type(m).__name__ for n, m in attn.items() if "norm" not in n}
+    want = "Linear" if arch == "gpt_oss" else "PackedLinear"
+    assert linears and set(linears.values()) == {want}, linears
+    assert all(m.weight.fmt == fmt for m in attn.values() if isinstance(m, G.PackedLinear))
     assert nbytes == sum(w.nbytes for m in model.modules() for w in vars(m).values()
                          if isinstance(w, QuantizedTensor)) > 0
     prompt = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
@@ -161,7 +167,8 @@ def test_write_checkpoint_names_the_formats_of_each_architecture(tmp_path):
 
 def test_inference_suite_counts_a_decode_step_of_split_nvfp4_experts(tmp_path):
     """bench_inference's decode bound reads k experts of every packed projection, the NVFP4 gate and up
-    kept apart included, and every other weight but the embedding table."""
+    kept apart included, and every other weight but the embedding table, the packed attention
+    projections included."""
     from benchmarks import bench_inference as B
     path = G.write_checkpoint(str(tmp_path / "q"), "qwen3_moe", "tiny", fmt="nvfp4")
     model, _ = G.load_patched(path, "qwen3_moe")
@@ -169,9 +176,55 @@ def test_inference_suite_counts_a_decode_step_of_split_nvfp4_experts(tmp_path):
     emb = model.get_input_embeddings().weight
     dense = sum(t.numel() * t.element_size() for n, t in list(model.named_parameters()) + list(model.named_buffers())
                 if t is not emb and ".experts." not in n and "rotary" not in n)
+    attention = sum(m.weight.nbytes for layer in model.model.layers for m in layer.self_attn.children()
+                    if isinstance(m, G.PackedLinear))
+    assert attention > 0
     experts = sum(w.nbytes for layer in model.model.layers for n, w in vars(layer.mlp.experts).items()
                   if n in ("gate_proj", "up_proj", "down_proj"))
-    assert B._decode_step_bytes(model, k, True) == dense + experts * k // E
+    assert B._decode_step_bytes(model, k, True) == dense + attention + experts * k // E
     # the MoE blocks' share of it: each layer's router and its k experts, no attention, norm or head weight
     routers = sum(layer.mlp.gate.weight.numel() * layer.mlp.gate.weight.element_size() for layer in model.model.layers)
     assert B._moe_step_bytes(model, k, True) == routers + experts * k // E
+
+
+def test_packed_linear_multiplies_its_packed_weight_as_a_linear_of_the_dequantized_one(monkeypatch):
+    """generate.PackedLinear (a checkpoint's packed attention projection): x [..., in] -> [..., out] in
+    x's dtype, within the packed GEMM's rounding of F.linear over the dequantized weight, the bias added,
+    multiplied packed on an eager CPU call (dequantize is not called)."""
+    from fmoe.quant import packed, quantize_fp8_block, quantize_nvfp4
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(48, 256, generator=g), torch.randn(48, generator=g)
+    x = torch.randn(2, 3, 256, generator=g)
+    for q in (quantize_fp8_block(w), quantize_nvfp4(w)):
+        ref = torch.nn.functional.linear(x.double(), q.dequantize(torch.float64), b.double())
+        bound = (256 + 2) * torch.finfo(torch.float32).eps * (x.abs().double() @ q.dequantize(torch.float64).abs().T)
+        m = G.PackedLinear(q, b)
+        assert (m.in_features, m.out_features) == (256, 48) and q.fmt in repr(m)
+        if packed.AVAILABLE:
+            monkeypatch.setattr(QuantizedTensor, "dequantize", lambda *a, **k: pytest.fail("dequantized"))
+        y = m(x)
+        monkeypatch.undo()
+        assert y.shape == (2, 3, 48) and y.dtype == torch.float32
+        assert ((y.double() - ref).abs() <= bound + 1e-6).all()
+        assert m(x.bfloat16()).dtype == torch.bfloat16
+    assert G.PackedLinear(quantize_fp8_block(w)).bias is None
+
+
+def test_without_experts_refuses_a_packed_weight_that_does_not_fit_its_module(tmp_path):
+    # a stored packed attention weight of another shape is named, not loaded into the wrong module
+    import json
+    from safetensors.torch import load_file, save_file
+    from fmoe.quant import quantize_fp8_block
+    path = G.write_checkpoint(str(tmp_path / "q"), "qwen3_moe", "tiny")
+    f = str(tmp_path / "q" / "model.safetensors")
+    sd = load_file(f)
+    name = "model.layers.0.self_attn.o_proj"
+    q = quantize_fp8_block(torch.randn(8, 16))
+    sd[name + ".weight"], sd[name + ".weight_scale_inv"] = q.data, q.scales
+    save_file(sd, f, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"'{name}' is stored as a packed \\[8, 16\\] weight but the model holds Linear"):
+        G.load_patched(path, "qwen3_moe")
+    with pytest.raises(ValueError, match="linears must be 'packed' or 'dequantized'"):
+        G._without_experts(path, torch.float32, linears="float")
+    assert json.load(open(tmp_path / "q" / "config.json"))["quantization_config"]["modules_to_not_convert"] == [
+        "model.layers.*.mlp.gate", "lm_head"]

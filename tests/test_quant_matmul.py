@@ -322,7 +322,7 @@ def test_packed_shared_swiglu_is_one_stage_call_with_the_compositions_bits(monke
     for T in (1, 7, 40):
         x = torch.randn(T, H, generator=g).to(dt)
         y = X.swiglu_mlp(p, x)
-        composed = X._linear(F.silu(X._linear(x, p["gate_proj"])) * X._linear(x, p["up_proj"]), p["down_proj"])
+        composed = X.linear(F.silu(X.linear(x, p["gate_proj"])) * X.linear(x, p["up_proj"]), p["down_proj"])
         assert y.dtype == dt and torch.equal(y, composed), (T, float((y.float() - composed.float()).abs().max()))
     assert len(calls) == 3
     X.swiglu_mlp(p, x, activation=F.gelu)   # another activation: the composition

@@ -17,16 +17,21 @@ Layouts written (the names and shapes the official checkpoints use):
                in/32, 16] and [E, out, in/32]) + ``*_bias``; config ``quantization_config``
                ``{"quant_method": "mxfp4"}``. transformers dequantizes these on a CPU.
   deepseek_v3  ``model.layers.N.mlp.experts.M.{gate,up,down}_proj.weight`` float8_e4m3fn +
-               ``.weight_scale_inv`` float32 [out/128, in/128] (the shared experts too); config
-               ``quantization_config`` ``{"quant_method": "fp8", "weight_block_size": [128, 128]}``.
+               ``.weight_scale_inv`` float32 [out/128, in/128] (ceil), the shared experts and every
+               attention projection (``self_attn.*.weight``) too; config ``quantization_config``
+               ``{"quant_method": "fp8", "weight_block_size": [128, 128]}``, the router and the
+               head left unquantized (``modules_to_not_convert``).
   qwen3_moe    fp8_block: the DeepSeek names and config (Qwen3's own FP8 releases use them).
                nvfp4: ModelOpt's, ``model.layers.N.mlp.experts.M.{gate,up,down}_proj.weight`` uint8
                [out, in/2] + ``.weight_scale`` float8_e4m3fn [out, in/16] + ``.weight_scale_2``
-               float32 [] + ``.input_scale`` float32 []; config ``quantization_config``
-               ``{"quant_method": "modelopt", "quant_algo": "NVFP4", ...}`` (only the routed experts
-               quantized here; ModelOpt's releases also quantize attention). transformers has no
-               CPU path for these: the unpatched model (:func:`load_reference`) runs transformers'
-               experts over fmoe's dequantization of them.
+               float32 [] + ``.input_scale`` float32 [], the attention projections too; config
+               ``quantization_config`` ``{"quant_method": "modelopt", "quant_algo": "NVFP4", ...}``
+               (``ignore``: the head and the routers). transformers has no CPU path for these: the
+               unpatched model (:func:`load_reference`) runs transformers' modules over fmoe's
+               dequantization of them.
+
+The loader keeps every packed weight packed: the experts in the patched MoE blocks, the attention
+projections as :class:`PackedLinear` modules.
 """
 from __future__ import annotations
 
@@ -137,15 +142,17 @@ def write_checkpoint(path: str, arch: str = "gpt_oss", size: str = "tiny", seed:
             elif k.endswith(".weight") and ".shared_experts." in k:
                 q = quantize_fp8_block(sd[k])
                 sd[k], sd[k[:-len("weight")] + "weight_scale_inv"] = q.data, q.scales
+        # the attention projections too, as the official FP8 and ModelOpt releases store them (not the norms)
+        for k in [k for k in sd if ".self_attn." in k and k.endswith(".weight") and sd[k].dim() == 2]:
+            sd.update(_packed_linear(k[:-len(".weight")], sd.pop(k), fmt))
         if fmt == "nvfp4":
             group = {"num_bits": 4, "type": "float", "group_size": 16, "dynamic": False}
             qcfg = {"quant_method": "modelopt", "quant_algo": "NVFP4", "producer": {"name": "modelopt"},
                     "config_groups": {"group_0": {"weights": group, "input_activations": group, "targets": ["Linear"]}},
-                    "ignore": ["lm_head", "model.layers.*.self_attn*", "model.layers.*.mlp.gate"]}
+                    "ignore": ["lm_head", "model.layers.*.mlp.gate"]}
         else:
             qcfg = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                    "weight_block_size": [128, 128],
-                    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.gate", "lm_head"]}
+                    "weight_block_size": [128, 128], "modules_to_not_convert": ["model.layers.*.mlp.gate", "lm_head"]}
     os.makedirs(path, exist_ok=True)
     save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     c = cfg.to_dict()
@@ -185,6 +192,28 @@ class PackedExperts(nn.Module):
                 setattr(self, name, value)
 
 
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` whose weight the checkpoint stores packed (the attention projections of the
+    FP8 and ModelOpt releases): the QuantizedTensor [out, in] held as a plain attribute (not an
+    nn.Parameter), multiplied by :func:`fmoe.experts.linear` (packed on eager CPU fp32 or bf16 rows,
+    dequantized elsewhere). x [..., in] -> [..., out] in x's dtype."""
+
+    def __init__(self, weight, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from fmoe.experts import linear
+        y = linear(x.reshape(-1, self.in_features), self.weight, self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.weight.fmt}, "
+                f"bias={self.bias is not None}")
+
+
 def _cat_rows(gate, up):
     """[E, I, H] + [E, I, H] fp8_block -> [E, 2I, H], gate rows first (exact: I is a whole number of
     row blocks, so no scale block straddles the seam)."""
@@ -200,24 +229,43 @@ def _cat_rows(gate, up):
 _EXPERTS = (".mlp.experts.", ".mlp.shared_experts.")
 
 
-def _without_experts(path: str, dtype: torch.dtype):
+def _without_experts(path: str, dtype: torch.dtype, *, linears: str = "packed"):
     """transformers' model of the checkpoint at `path` with every weight but the experts' (routed
     and shared) read from it (floats cast to dtype, as from_pretrained does) and the experts left
     unallocated (on the meta device) for the packed ones: no dequantized copy of the experts is
     ever made, so neither the load's peak nor the heap it leaves behind holds one
     (from_pretrained's CPU path dequantizes MXFP4 experts to dtype first: 384 MiB at size 'small',
-    most of which glibc keeps resident after they are freed)."""
-    from fmoe.models.loader import read_tensors
+    most of which glibc keeps resident after they are freed). The checkpoint's other quantized
+    Linears (:func:`fmoe.models.loader.packed_linears`: the FP8 and ModelOpt attention projections)
+    become :class:`PackedLinear` modules with ``linears="packed"``, or nn.Linears of their
+    dequantized weights in dtype with ``linears="dequantized"``."""
+    from fmoe.models.loader import packed_linears, read_tensors
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if linears not in ("packed", "dequantized"):
+        raise ValueError(f"linears must be 'packed' or 'dequantized', got {linears!r}")
     cfg = AutoConfig.from_pretrained(path)
-    cfg.quantization_config = None   # the experts are fmoe's; the rest is stored unquantized
+    cfg.quantization_config = None   # the experts are fmoe's; the rest is read here
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     def expert(k: str) -> bool:
         return any(e in k for e in _EXPERTS)
-    sd = {k: t.to(dtype) if t.is_floating_point() else t
-          for k, t in read_tensors(path, lambda k: not expert(k)).items()}
+    sd = read_tensors(path, lambda k: not expert(k))
+    quantized, read = packed_linears(sd, where=path)
+    for name, w in quantized.items():
+        parent, _, child = name.rpartition(".")
+        old = model.get_submodule(name)
+        if not isinstance(old, nn.Linear) or tuple(w.shape) != (old.out_features, old.in_features):
+            raise ValueError(f"{path}: '{name}' is stored as a packed [{w.shape[0]}, {w.shape[1]}] weight but the model "
+                             f"holds {old} there")
+        if linears == "packed":   # (a bias stays a float tensor of the state dict, loaded below)
+            new = PackedLinear(w, torch.empty(w.shape[0], dtype=dtype, device="meta") if old.bias is not None else None)
+        else:
+            new = nn.Linear(old.in_features, old.out_features, bias=old.bias is not None, dtype=dtype, device="meta")
+            sd[name + ".weight"] = w.dequantize(torch.float32)   # (the key read as packed: replaced)
+            read.discard(name + ".weight")
+        setattr(model.get_submodule(parent), child, new)
+    sd = {k: t.to(dtype) if t.is_floating_point() else t for k, t in sd.items() if k not in read}
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     if unexpected or any(not expert(k) for k in missing):
         raise ValueError(f"{path}: the checkpoint does not fit {type(model).__name__}: unexpected "
@@ -234,11 +282,12 @@ def _without_experts(path: str, dtype: torch.dtype):
 def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32, *, int8_activations: bool = False,
                  huge_pages: bool = True):
     """(model, packed_bytes): transformers' model from `path`, patched with fmoe, every MoE block's
-    experts the checkpoint's packed ones (``int8_activations``: :func:`fmoe.models.patch`'s).
-    ``huge_pages``: the experts' tensors are copied onto transparent huge pages
+    experts the checkpoint's packed ones (``int8_activations``: :func:`fmoe.models.patch`'s), and its
+    other packed Linears :class:`PackedLinear` modules; packed_bytes counts them all.
+    ``huge_pages``: the packed tensors are copied onto transparent huge pages
     (:func:`fmoe.quant.huge_pages`: fewer TLB misses as decode streams them; resident from the
-    load on) instead of staying memory-mapped from the checkpoint. The experts, routed and shared
-    (DeepSeek's FP8 shared experts), are never dequantized (:func:`_without_experts`)."""
+    load on) instead of staying memory-mapped from the checkpoint. No packed weight (experts routed
+    and shared, attention projections) is ever dequantized (:func:`_without_experts`)."""
     import fmoe.models
     from fmoe.models import load_moe_block
     from fmoe.quant import huge_pages as to_huge_pages
@@ -246,6 +295,10 @@ def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32, *, in
     model = _without_experts(path, dtype)
     fmoe.models.patch(model, int8_activations=int8_activations)
     packed_bytes = 0
+    for m in model.modules():   # the checkpoint's packed attention projections (FP8, ModelOpt releases)
+        if isinstance(m, PackedLinear):
+            m.weight = to_huge_pages(m.weight) if huge_pages else m.weight
+            packed_bytes += m.weight.nbytes
     for i, layer in enumerate(model.model.layers):
         block = layer.mlp
         params, _ = load_moe_block(path, arch, layer=i)
@@ -263,15 +316,15 @@ def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32, *, in
 
 
 def load_reference(path: str, dtype: torch.dtype = torch.float32):
-    """The same checkpoint through transformers alone, its experts dequantized: by its own CPU path
-    (MXFP4, FP8), or for ModelOpt NVFP4, which it does not load on a CPU, by
-    :func:`fmoe.quant.dequantize` into its unpatched experts modules."""
+    """The same checkpoint through transformers alone, its packed weights dequantized: by its own
+    CPU path (MXFP4, FP8), or for ModelOpt NVFP4, which it does not load on a CPU, by
+    :func:`fmoe.quant.dequantize` into its unpatched experts and attention modules."""
     from transformers import AutoModelForCausalLM
     if _quant_method(path) != "modelopt":
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     from fmoe.models import load_moe_block
     from fmoe.quant import dequantize
-    model = _without_experts(path, dtype)
+    model = _without_experts(path, dtype, linears="dequantized")
     arch = model.config.model_type
     for i, layer in enumerate(model.model.layers):
         ex = load_moe_block(path, arch, layer=i)[0]["experts"]
@@ -345,7 +398,7 @@ def main(argv: Optional[list] = None) -> int:
                                  huge_pages=not args.no_huge_pages)
     from fmoe.quant import hugepages
     pages = "huge pages" if hugepages.available() and not args.no_huge_pages else "4 KiB pages"
-    print(f"patched with fmoe; experts kept packed: {nbytes / 2**20:.1f} MiB on {pages}"
+    print(f"patched with fmoe; packed weights kept packed: {nbytes / 2**20:.1f} MiB on {pages}"
           + ("; int8 activations" if args.int8_activations else ""))
     from fmoe.quant import packed
     print(packed.status())

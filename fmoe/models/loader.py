@@ -225,6 +225,26 @@ def _linear_weight(keys: _Keys, base: str):
     return w
 
 
+def packed_linears(tensors: Mapping[str, Tensor], *, where: str = "checkpoint") -> tuple[dict, set]:
+    """The quantized ``nn.Linear`` weights among a checkpoint's tensors (attention projections, dense
+    MLPs: what the official FP8 and ModelOpt releases quantize besides the experts), read as the
+    experts' are: ``X.weight`` with DeepSeek's FP8 ``X.weight_scale_inv`` beside it, or ModelOpt
+    NVFP4's ``X.weight_scale`` and ``X.weight_scale_2`` (``X.input_scale``, W4A4's, is read and
+    dropped).
+
+    Returns:
+        ({module name X: QuantizedTensor [out, in]}, the names of every tensor read).
+    """
+    keys = _Keys(tensors, where)
+    out = {}
+    for k in sorted(tensors):
+        for suffix in (".weight_scale_inv", ".weight_scale"):
+            if k.endswith(suffix):
+                base = k[: -len(suffix)]
+                out[base] = _linear_weight(keys, base)
+    return out, keys.used
+
+
 def _block_of(w: Tensor, s: Tensor) -> tuple[int, int]:
     n, k = w.shape[-2:]
     sn, sk = s.shape[-2:]
