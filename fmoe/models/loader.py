@@ -23,7 +23,9 @@ multimodal ``language_model`` prefixes):
   ``shared_experts.*`` (DeepSeek family), float or quantized like the experts.
 
 Quantized weights stay quantized. Every tensor under the prefix must be understood (no
-unexpected keys) and every needed one present (no missing keys).
+unexpected keys) and every needed one present (no missing keys). :func:`packed_linears` reads a
+checkpoint's other quantized Linears (the FP8 and ModelOpt releases' attention projections) the same
+way.
 """
 from __future__ import annotations
 
