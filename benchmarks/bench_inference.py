@@ -363,7 +363,7 @@ def _decode_step_bytes(model, k: int, packed_experts: bool) -> int:
         if t is emb or ".experts." in name or "rotary" in name:
             continue
         total += t.numel() * t.element_size()
-    holders = {id(getattr(layer.mlp, n, None)) for layer in model.model.layers for n in ("experts", "shared_experts")}
+    holders = {id(getattr(layer.mlp, n, None)) for layer in _moe_layers(model) for n in ("experts", "shared_experts")}
     total += sum(v.nbytes for m in model.modules() if id(m) not in holders
                  for v in vars(m).values() if isinstance(v, QuantizedTensor))
     return total + _moe_step_bytes(model, k, packed_experts, routers=False)
@@ -375,7 +375,7 @@ def _moe_step_bytes(model, k: int, packed_experts: bool, routers: bool = True) -
     blocks (routers, float shared experts, biases of the k experts' rows aside)."""
     from fmoe.quant import QuantizedTensor
     total = 0
-    for layer in model.model.layers:
+    for layer in _moe_layers(model):
         if routers:
             total += sum(t.numel() * t.element_size() for name, t in
                          list(layer.mlp.named_parameters()) + list(layer.mlp.named_buffers())
@@ -388,6 +388,11 @@ def _moe_step_bytes(model, k: int, packed_experts: bool, routers: bool = True) -
             if w is not None:
                 total += _nbytes(w, k) if packed_experts else w[0].numel() * w.element_size() * k
     return total
+
+
+def _moe_layers(model) -> list:
+    """The decoder layers whose MLP is an MoE block (DeepSeek's first layers are dense MLPs)."""
+    return [layer for layer in model.model.layers if hasattr(layer.mlp, "experts")]
 
 
 def _weight_bytes(model) -> int:
@@ -405,7 +410,7 @@ def _weight_bytes(model) -> int:
 
 
 def _moe_block_seconds(model, run) -> float:
-    """Seconds spent inside the model's MoE blocks (every ``layer.mlp``'s forward, the router
+    """Seconds spent inside the model's MoE blocks (every MoE ``layer.mlp``'s forward, the router
     included) while ``run()`` runs: forward pre- and post-hooks reading perf_counter."""
     spent = [0.0]
 
@@ -414,7 +419,7 @@ def _moe_block_seconds(model, run) -> float:
 
     def post(_m, _a, _o):
         spent[0] += time.perf_counter()
-    hooks = [h for layer in model.model.layers
+    hooks = [h for layer in _moe_layers(model)
              for h in (layer.mlp.register_forward_pre_hook(pre), layer.mlp.register_forward_hook(post))]
     try:
         run()

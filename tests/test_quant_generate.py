@@ -163,6 +163,34 @@ def test_write_checkpoint_names_the_formats_of_each_architecture(tmp_path):
         G.write_checkpoint(str(tmp_path / "x"), "mixtral", "tiny")
     with pytest.raises(ValueError, match="size must be one of"):
         G.write_checkpoint(str(tmp_path / "x"), "qwen3_moe", "huge")
+    with pytest.raises(ValueError, match="dense_layers is deepseek_v3's first_k_dense_replace; qwen3_moe has none"):
+        G.write_checkpoint(str(tmp_path / "x"), "qwen3_moe", "tiny", dense_layers=1)
+    with pytest.raises(ValueError, match=r"dense_layers must be an int in \[0, 2\) \(size 'tiny' has 2 layers\), got 2"):
+        G.write_checkpoint(str(tmp_path / "x"), "deepseek_v3", "tiny", dense_layers=2)
+
+
+def test_deepseek_dense_first_layer_stays_packed_and_generates_the_unpatched_tokens(tmp_path):
+    """DeepSeek-V3's first layers are dense MLPs, FP8 in the release like its attention: the loader keeps
+    them packed (PackedLinear), patches only the MoE layers, and the model generates transformers' tokens
+    (float32); the inference suite counts and times the MoE layers only."""
+    from benchmarks import bench_inference as B
+    path = G.write_checkpoint(str(tmp_path / "ds"), "deepseek_v3", "tiny", dense_layers=1)
+    model, _ = G.load_patched(path, "deepseek_v3")
+    dense, moe = model.model.layers[0].mlp, model.model.layers[1].mlp
+    assert type(dense).__name__ == "DeepseekV3MLP" and type(moe).__name__ == "FmoeMoEBlock"
+    assert all(isinstance(getattr(dense, n), G.PackedLinear) and getattr(dense, n).weight.fmt == "fp8_block"
+               for n in ("gate_proj", "up_proj", "down_proj"))
+    prompt = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+    ids = G.greedy(model, prompt, 32)
+    assert torch.equal(ids, G.greedy(G.load_reference(path), prompt, 32))
+    assert B._moe_layers(model) == [model.model.layers[1]]
+    k = G.SIZES["tiny"]["k"]
+    routed = sum(w.nbytes for n, w in vars(moe.experts).items() if isinstance(w, QuantizedTensor)) * k // G.SIZES["tiny"]["experts"]
+    shared = sum(w.nbytes for w in vars(moe.shared_experts).values() if isinstance(w, QuantizedTensor))
+    router = sum(t.numel() * t.element_size() for n, t in [*moe.named_parameters(), *moe.named_buffers()]
+                 if not n.startswith("experts."))
+    assert B._moe_step_bytes(model, k, True) == routed + shared + router
+    assert B._moe_block_seconds(model, lambda: G.greedy(model, prompt, 2)) > 0
 
 
 def test_inference_suite_counts_a_decode_step_of_split_nvfp4_experts(tmp_path):

@@ -8,6 +8,7 @@ device), and generates with ``model.generate``, streaming the tokens and printin
 
     python -m fmoe.examples.generate                       # gpt-oss layout, MXFP4 experts
     python -m fmoe.examples.generate --arch deepseek_v3    # DeepSeek layout, FP8 128x128 blocks
+    python -m fmoe.examples.generate --arch deepseek_v3 --dense-layers 1   # its first layer a dense MLP
     python -m fmoe.examples.generate --arch qwen3_moe      # Qwen3-MoE, FP8 128x128 blocks
     python -m fmoe.examples.generate --arch qwen3_moe --format nvfp4   # Qwen3-MoE, ModelOpt NVFP4
     python -m fmoe.examples.generate --compare             # also the unpatched model: same tokens?
@@ -31,13 +32,14 @@ Layouts written (the names and shapes the official checkpoints use):
                dequantization of them.
 
 The loader keeps every packed weight packed: the experts in the patched MoE blocks, the attention
-projections as :class:`PackedLinear` modules.
+projections (and DeepSeek's dense MLPs, ``--dense-layers``) as :class:`PackedLinear` modules.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import resource
 import sys
 import tempfile
@@ -68,10 +70,11 @@ def _gpt_oss_config(s: dict):
                         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)])
 
 
-def _deepseek_config(s: dict):
+def _deepseek_config(s: dict, dense_layers: int = 0):
     from transformers import DeepseekV3Config
     return DeepseekV3Config(hidden_size=s["hidden"], intermediate_size=2 * s["inter"],
-                            moe_intermediate_size=s["inter"], num_hidden_layers=s["layers"], first_k_dense_replace=0,
+                            moe_intermediate_size=s["inter"], num_hidden_layers=s["layers"],
+                            first_k_dense_replace=dense_layers,
                             n_routed_experts=s["experts"], num_experts_per_tok=s["k"], n_shared_experts=1,
                             n_group=1, topk_group=1, num_attention_heads=s["heads"],
                             num_key_value_heads=s["heads"], q_lora_rank=None, kv_lora_rank=64,
@@ -102,10 +105,12 @@ def _sharpen(model: nn.Module) -> None:
 
 
 def write_checkpoint(path: str, arch: str = "gpt_oss", size: str = "tiny", seed: int = 0,
-                     fmt: Optional[str] = None) -> str:
+                     fmt: Optional[str] = None, dense_layers: int = 0) -> str:
     """A random model of `arch` at `size` (see SIZES) saved to `path` with its routed experts packed
     in `fmt` (one of ``FORMATS[arch]``; default the first), in the official layout of that format
-    (module docstring). Returns path."""
+    (module docstring). ``dense_layers``: deepseek_v3 only, its first layers dense MLPs instead of MoE
+    blocks (``first_k_dense_replace``: three in the DeepSeek-V3 release), stored packed like its
+    attention. Returns path."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -116,9 +121,14 @@ def write_checkpoint(path: str, arch: str = "gpt_oss", size: str = "tiny", seed:
         raise ValueError(f"write_checkpoint: {arch} checkpoints are written in {FORMATS[arch]}, got fmt={fmt!r}")
     if size not in SIZES:
         raise ValueError(f"write_checkpoint: size must be one of {tuple(SIZES)}, got {size!r}")
-    torch.manual_seed(seed)
     s = SIZES[size]
-    cfg = _CONFIGS[arch](s)
+    if isinstance(dense_layers, bool) or not isinstance(dense_layers, int) or not 0 <= dense_layers < s["layers"]:
+        raise ValueError(f"write_checkpoint: dense_layers must be an int in [0, {s['layers']}) (size {size!r} has "
+                         f"{s['layers']} layers), got {dense_layers!r}")
+    if dense_layers and arch != "deepseek_v3":
+        raise ValueError(f"write_checkpoint: dense_layers is deepseek_v3's first_k_dense_replace; {arch} has none")
+    torch.manual_seed(seed)
+    cfg = _deepseek_config(s, dense_layers) if arch == "deepseek_v3" else _CONFIGS[arch](s)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _sharpen(model)
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -142,8 +152,10 @@ def write_checkpoint(path: str, arch: str = "gpt_oss", size: str = "tiny", seed:
             elif k.endswith(".weight") and ".shared_experts." in k:
                 q = quantize_fp8_block(sd[k])
                 sd[k], sd[k[:-len("weight")] + "weight_scale_inv"] = q.data, q.scales
-        # the attention projections too, as the official FP8 and ModelOpt releases store them (not the norms)
-        for k in [k for k in sd if ".self_attn." in k and k.endswith(".weight") and sd[k].dim() == 2]:
+        # the attention projections and dense MLPs too, as the official FP8 and ModelOpt releases store them
+        # (not the norms, the routers or the head)
+        for k in [k for k in sd if k.endswith(".weight") and sd[k].dim() == 2 and (
+                ".self_attn." in k or re.search(r"\.mlp\.(gate|up|down)_proj\.weight$", k))]:
             sd.update(_packed_linear(k[:-len(".weight")], sd.pop(k), fmt))
         if fmt == "nvfp4":
             group = {"num_bits": 4, "type": "float", "group_size": 16, "dynamic": False}
@@ -301,6 +313,8 @@ def load_patched(path: str, arch: str, dtype: torch.dtype = torch.float32, *, in
             packed_bytes += m.weight.nbytes
     for i, layer in enumerate(model.model.layers):
         block = layer.mlp
+        if not isinstance(block, fmoe.models.FmoeMoEBlock):   # a dense layer (DeepSeek's first ones)
+            continue
         params, _ = load_moe_block(path, arch, layer=i)
         ex = params["experts"]
         if "gate_proj" in ex and ex["gate_proj"].fmt == "fp8_block":
@@ -327,8 +341,10 @@ def load_reference(path: str, dtype: torch.dtype = torch.float32):
     model = _without_experts(path, dtype, linears="dequantized")
     arch = model.config.model_type
     for i, layer in enumerate(model.model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:   # a dense layer: its Linears dequantized by _without_experts
+            continue
         ex = load_moe_block(path, arch, layer=i)[0]["experts"]
-        experts = layer.mlp.experts
         experts.gate_up_proj = nn.Parameter(torch.cat([dequantize(ex["gate_proj"]), dequantize(ex["up_proj"])], 1)
                                             .to(dtype), requires_grad=False)
         experts.down_proj = nn.Parameter(dequantize(ex["down_proj"]).to(dtype), requires_grad=False)
@@ -372,6 +388,9 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--format", default=None, help="the experts' packed format (gpt_oss: mxfp4; deepseek_v3: "
                    "fp8_block; qwen3_moe: fp8_block (default) or nvfp4)")
     p.add_argument("--size", choices=list(SIZES), default="small")
+    p.add_argument("--dense-layers", type=int, default=0,
+                   help="deepseek_v3: the first N layers dense MLPs (first_k_dense_replace; the release has 3), "
+                        "stored FP8 like its attention")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--checkpoint", default=None, help="directory to write (default: a temporary one)")
     p.add_argument("--compare", action="store_true", help="also generate with the unpatched model")
@@ -391,7 +410,9 @@ def main(argv: Optional[list] = None) -> int:
     fmt = FORMATS[args.arch][0] if args.format is None else args.format
     if fmt not in FORMATS[args.arch]:
         p.error(f"--format: {args.arch} checkpoints are written in {FORMATS[args.arch]}, got {fmt!r}")
-    write_checkpoint(path, args.arch, args.size, fmt=fmt)
+    if args.dense_layers and args.arch != "deepseek_v3":
+        p.error(f"--dense-layers: {args.arch} has no dense layers (deepseek_v3's first_k_dense_replace)")
+    write_checkpoint(path, args.arch, args.size, fmt=fmt, dense_layers=args.dense_layers)
     print(f"wrote a random {args.arch} checkpoint ({args.size}, {fmt} experts) to {path} in {time.perf_counter() - t0:.1f} s; "
           f"{os.path.getsize(os.path.join(path, 'model.safetensors')) / 2**20:.0f} MiB")
     model, nbytes = load_patched(path, args.arch, int8_activations=args.int8_activations,
