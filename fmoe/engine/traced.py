@@ -106,7 +106,9 @@ def _plan(expert_ids: Tensor, slots: Tensor, counts: Tensor, capacity: int, T: i
     if not host and device_rows_by_default(expert_ids.device, dtype, None):
         return device_plan(expert_ids, slots, counts.shape[0], capacity, needs_grad=train, dtype=dtype)
     tokens, pairs, bounds, dropped = kept_rows(expert_ids, slots, counts, capacity)
-    return plan_from_bounds(tokens, pairs, bounds, T, needs_grad=train, dtype=dtype, dropped=dropped)
+    # k known here: the fused stage's bf16 'eager' combine need not find it from the pairs (a host sync)
+    return plan_from_bounds(tokens, pairs, bounds, T, needs_grad=train, dtype=dtype, dropped=dropped,
+                            num_slots=expert_ids.shape[0])
 
 
 @contextlib.contextmanager
