@@ -176,7 +176,8 @@ def write_checkpoint(path: str, arch: str = "gpt_oss", size: str = "tiny", seed:
 
 
 def _packed_linear(name: str, w: torch.Tensor, fmt: str) -> dict:
-    """One expert projection w [out, in] as the official per-expert checkpoints store it in `fmt`."""
+    """One Linear weight w [out, in] (an expert projection, an attention projection, a dense MLP's) as the
+    official checkpoints store it in `fmt`."""
     if fmt == "nvfp4":   # ModelOpt: an input scale beside the weight (W4A4's; the weight-only path ignores it)
         data, scale, scale_2 = to_modelopt_nvfp4(quantize_nvfp4(w))
         return {f"{name}.weight": data, f"{name}.weight_scale": scale, f"{name}.weight_scale_2": scale_2,
